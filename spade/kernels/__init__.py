@@ -1,0 +1,162 @@
+"""spade's one kernel suite, shared by every policy.
+
+Each op lives in its own module with a plain-torch reference (``*_ref``) and a
+Triton implementation (``*_triton``) side by side. The public functions below
+dispatch: Triton for CUDA tensors, the torch reference elsewhere. Set
+``SPADE_KERNELS=triton`` to force Triton (on CPU that needs ``TRITON_INTERPRET=1``
+set before any kernel module is imported) or ``SPADE_KERNELS=torch`` to force
+the references.
+
+Kernels are leaves: they import nothing else of spade.
+
+Shapes and conventions (all ops):
+
+* ``q``: [B, Hq, D] queries of one decode step; ``k``/``v``: [B, Hkv, L, D] KV
+  cache (L = capacity; positions ``>= kv_lens[b]`` are ignored), any float dtype.
+* ``kv_lens``: [B] int32/int64 valid length per row; optional ``kv_start``: [B]
+  first valid position (left padding), default 0.
+* GQA: query head ``h`` belongs to KV head ``h // (Hq // Hkv)``.
+* Group reductions over the G query heads of a KV head: ``sum_logits``
+  (Σ_g s_g), ``max_logits`` (max_g s_g), ``sum_softmax`` (Σ_g softmax(s_g) over
+  the valid positions), with ``s_g = scale * q_g · k``.
+* Indices are int32; ``-1`` marks an empty slot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "use_triton",
+    "group_scores",
+    "score_topk",
+    "quest_build",
+    "quest_update",
+    "quest_page_scores",
+    "quest_select",
+    "gather_kv",
+    "sparse_decode_attention",
+    "merge_attention_states",
+    "ridge_predict",
+]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Dispatch rule: Triton for CUDA tensors unless ``SPADE_KERNELS=torch``;
+    everywhere when ``SPADE_KERNELS=triton``."""
+    mode = os.environ.get("SPADE_KERNELS", "auto")
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return True
+    return t.is_cuda
+
+
+def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None):
+    """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
+    outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction."""
+    from spade.kernels import scoring
+
+    fn = scoring.group_scores_triton if use_triton(q) else scoring.group_scores_ref
+    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start)
+
+
+def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None):
+    """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
+    of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
+    order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` (optional) is
+    only needed for ``sum_softmax`` (its normaliser runs over ``[lo', kv_lens)``,
+    ``lo'`` = 0); without it the normaliser spans ``[lo, hi)``."""
+    from spade.kernels import scoring
+
+    fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
+    return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens)
+
+
+def quest_build(k, kv_lens, page_size, *, kv_start=None):
+    """Quest page metadata from a whole cache: (kmin, kmax), each [B, Hkv, P, D] in
+    k's dtype with ``P = ceil(L / page_size)``; element-wise min/max over the valid
+    tokens of each page (pages with none: +inf / -inf)."""
+    from spade.kernels import quest
+
+    fn = quest.quest_build_triton if use_triton(k) else quest.quest_build_ref
+    return fn(k, kv_lens, page_size, kv_start=kv_start)
+
+
+def quest_update(kmin, kmax, k_new, pos, page_size):
+    """In place: fold ``k_new`` [B, Hkv, D] written at positions ``pos`` [B] into the
+    page bounds (a page's first token resets them)."""
+    from spade.kernels import quest
+
+    fn = quest.quest_update_triton if use_triton(k_new) else quest.quest_update_ref
+    return fn(kmin, kmax, k_new, pos, page_size)
+
+
+def quest_page_scores(q, kmin, kmax, n_pages, *, scale=None, reduce="sum_logits", page_start=None):
+    """Quest upper-bound page scores [B, Hkv, P] float32:
+    ``Σ_d max(q_d·min_d, q_d·max_d)`` per query head, reduced over the group;
+    ``-inf`` for pages outside ``[page_start, n_pages)``. ``n_pages``: [B]."""
+    from spade.kernels import quest
+
+    fn = quest.quest_page_scores_triton if use_triton(q) else quest.quest_page_scores_ref
+    return fn(q, kmin, kmax, n_pages, scale=scale, reduce=reduce, page_start=page_start)
+
+
+def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, reduce="sum_logits",
+                 kv_start=None):
+    """Quest selection as token indices [B, Hkv, n_pages_sel * page_size] int32:
+    the last (partial) page always, plus the ``n_pages_sel - 1`` best other pages;
+    positions outside ``[kv_start, kv_lens)`` are ``-1``."""
+    from spade.kernels import quest
+
+    fn = quest.quest_select_triton if use_triton(q) else quest.quest_select_ref
+    return fn(q, kmin, kmax, kv_lens, n_pages_sel, page_size, scale=scale, reduce=reduce,
+              kv_start=kv_start)
+
+
+def gather_kv(k, v, indices):
+    """Gather selected tokens into contiguous buffers: (k_sel, v_sel) [B, Hkv, K, D];
+    rows of ``-1`` slots are zero."""
+    from spade.kernels import gather
+
+    fn = gather.gather_kv_triton if use_triton(k) else gather.gather_kv_ref
+    return fn(k, v, indices)
+
+
+def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
+                            kv_start=None, return_lse=False):
+    """Decode attention over a subset of the cache, read in place (no gathered copy).
+
+    Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
+    ``indices=None`` it is dense ``[kv_start, kv_lens)``. Returns ``out`` [B, Hq, D]
+    in q's dtype (and ``lse`` [B, Hq] float32, natural log, if ``return_lse``).
+    """
+    from spade.kernels import attention
+
+    fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
+    return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
+              kv_start=kv_start, return_lse=return_lse)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attentions over disjoint token sets (exact)."""
+    from spade.kernels import attention
+
+    fn = attention.merge_attention_states_triton if use_triton(out_a) else attention.merge_attention_states_ref
+    return fn(out_a, lse_a, out_b, lse_b)
+
+
+def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2):
+    """Predict the next query from a window of past queries.
+
+    ``window``: [N, W, D] (N = batch × heads flattened), oldest first, the last
+    ``n_valid`` (int) rows valid and right-aligned. Returns [N, D] float32.
+    Modes: ``last``, ``ridge``, ``softmax_ridge``, ``assembled`` (see
+    ``spade.kernels.ridge``).
+    """
+    from spade.kernels import ridge
+
+    fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_ref
+    return fn(window, n_valid, mode=mode, eps=eps)

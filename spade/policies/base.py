@@ -1,0 +1,173 @@
+"""The policy interface: which cached tokens does each decode step attend?
+
+Common rules (every policy follows them; tests check them):
+
+* ``budget`` K counts everything attended per (batch row, KV head): sink tokens,
+  the recent window (which holds the current token) and the selected tokens.
+* When the context (``kv_len``) is <= K the selection is exactly full attention
+  (``select`` returns ``None``).
+* GQA: one selection per KV head, made from the group's query heads reduced by
+  ``group_reduce`` (``sum_logits``, ``max_logits`` or ``sum_softmax``).
+* A ``Selection`` never repeats a position and never names a position outside
+  ``[0, kv_len)``; its middle ``indices`` are disjoint from the sink range
+  ``[0, n_sink)`` and the recent range ``[kv_len - n_recent, kv_len)``.
+
+Call order for one layer of one decode step (the token being decoded is already
+appended to the KV cache, so ``kv_lens`` includes it)::
+
+    sel = policy.select(state, layer, q, k_cache, kv_lens)   # before attention
+    out = attend(q, k_cache, v_cache, kv_lens, sel)
+    policy.observe(state, layer, q, k_cache, kv_lens)          # after attention
+
+``prefill`` is called once per layer after the dense prompt pass. Policies that
+do not need the current query (``needs_current_query = False``: asyncspade,
+streaming) can run ``select`` for step t+1 right after ``observe`` of step t,
+which is what the asynchronous runtime does on the cache rank.
+
+Shapes: ``q`` [B, Hq, D] (post-RoPE), ``k_cache``/``v_cache`` [B, Hkv, Lmax, D]
+(positions >= kv_lens[b] are garbage), ``kv_lens`` [B] int (device tensor).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters (HF ``rotate_half`` convention)."""
+
+    theta: float = 10000.0
+    dim: int = 0  # rotary dims (== head_dim unless partial rotary)
+    attention_scaling: float = 1.0
+
+    def cos_sin(self, positions: torch.Tensor, device=None, dtype=torch.float32):
+        """cos, sin of shape [*positions.shape, dim] (rotate_half layout)."""
+        dim = self.dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+        ang = positions.to(device=device, dtype=torch.float64)[..., None] * inv
+        emb = torch.cat([ang, ang], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a policy needs to know about the model's attention."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float | None = None  # softmax scale; None -> head_dim ** -0.5
+    rope: RopeSpec | None = None
+
+    @property
+    def group(self) -> int:
+        return self.n_q_heads // self.n_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim ** -0.5
+
+
+@dataclass
+class Selection:
+    """Which tokens one layer attends for one step.
+
+    With ``s = kv_start[b]`` (0 when None; left padding puts garbage before it),
+    the attended set per (b, h) is ``[s, min(s + n_sink, kv_len))``
+    ∪ ``{i in indices[b, h], i >= 0}`` ∪ ``[max(kv_len - n_recent, s + n_sink), kv_len)``.
+
+    ``indices``: [B, Hkv, K_mid] int32, ``-1`` = empty slot.
+    """
+
+    indices: torch.Tensor
+    n_sink: int = 0
+    n_recent: int = 0
+    kv_start: torch.Tensor | None = None  # [B] int32, first valid position
+
+    def _bounds(self, kv_lens: torch.Tensor):
+        dev = self.indices.device
+        kv = kv_lens.to(dev).long()
+        s = torch.zeros_like(kv) if self.kv_start is None else self.kv_start.to(dev).long()
+        sink_end = torch.minimum(s + self.n_sink, kv)
+        recent_start = torch.maximum(kv - self.n_recent, sink_end)
+        return s, sink_end, recent_start, kv
+
+    def attended(self, kv_lens: torch.Tensor) -> torch.Tensor:
+        """Number of attended tokens per (b, h): [B, Hkv] (for stats and tests)."""
+        s, sink_end, recent_start, kv = self._bounds(kv_lens)
+        fixed = (sink_end - s) + (kv - recent_start)
+        return fixed[:, None] + (self.indices >= 0).sum(-1)
+
+    def to_mask(self, kv_lens: torch.Tensor, length: int) -> torch.Tensor:
+        """Dense boolean mask [B, Hkv, length] of attended positions (reference use)."""
+        B, H, _ = self.indices.shape
+        dev = self.indices.device
+        pos = torch.arange(length, device=dev)
+        s, sink_end, recent_start, kv = (t[:, None, None] for t in self._bounds(kv_lens))
+        mask = ((pos >= s) & (pos < sink_end)) | ((pos >= recent_start) & (pos < kv))
+        mask = mask.expand(B, H, length).clone()
+        idx = self.indices.long()
+        valid = idx >= 0
+        src = valid.to(torch.bool)
+        mask.scatter_(2, idx.clamp(min=0), src | mask.gather(2, idx.clamp(min=0)))
+        return mask
+
+
+@dataclass
+class PolicyState:
+    """Per-sequence-batch state of a policy: one entry per layer (policy-defined)."""
+
+    batch_size: int
+    layers: list[Any] = field(default_factory=list)
+    seq_len: int = 0
+    """Cache length on the host (same for every row; kept by the caller, no sync)."""
+    kv_start: torch.Tensor | None = None
+    """[B] int32 first valid cache position per row (left padding), or None."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Base class. Subclasses set ``name`` and implement ``select``.
+
+    ``cfg`` is the policy's pydantic section (``spade.config.*PolicyConfig``).
+    """
+
+    name: ClassVar[str]
+    needs_current_query: ClassVar[bool] = True
+    """False when ``select`` ignores ``q`` (so it can run one step ahead)."""
+    evicts: ClassVar[bool] = False
+    """True when dropped tokens can never come back (TOVA)."""
+
+    def __init__(self, cfg: Any, spec: AttentionSpec):
+        self.cfg = cfg
+        self.spec = spec
+
+    @property
+    def budget(self) -> int | None:
+        return getattr(self.cfg, "budget", None)
+
+    def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
+        return PolicyState(batch_size=batch_size, layers=[None] * self.spec.n_layers)
+
+    def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """After the dense prompt pass. ``q``: [B, Hq, T, D] for the prompt's T tokens
+        (right-aligned at ``kv_lens``)."""
+
+    @abstractmethod
+    def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> Selection | None:
+        """The tokens to attend this step, or ``None`` for full attention."""
+
+    def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                kv_lens: torch.Tensor) -> None:
+        """After this step's attention (the current token's k/v are in the cache)."""
+
+    def describe(self) -> dict:
+        return self.cfg.model_dump(mode="json") if hasattr(self.cfg, "model_dump") else {"name": self.name}

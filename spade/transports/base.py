@@ -1,0 +1,128 @@
+"""The transport contract: tagged tensors between two ranks, into preallocated buffers.
+
+A transport never knows what the tensors mean (the runtime does). One transport
+object is one endpoint of a point-to-point link between this rank and one peer.
+
+Life cycle::
+
+    t = TRANSPORTS.get(cfg.name)(cfg, rank=0, world=2, device="cuda:0")
+    await t.connect(Handshake(...))        # versioned: both sides must agree
+    t.register("sel", [buf0, buf1])        # receive slots, registered once
+    await t.send("qkv", [q, k, v])         # returns when the tensors may be reused
+    got = await t.recv("sel", into=[buf0, buf1], timeout=5.0)
+    await t.close()                        # no leaked threads, ports, registrations
+
+Ordering: messages with the same tag arrive in the order they were sent. With
+different tags there is no ordering promise. ``recv`` with ``into`` fills those
+tensors (shapes and dtypes must match what was sent) and returns them; without
+``into`` it returns new tensors. A ``recv`` that waits longer than ``timeout``
+raises ``PeerTimeout``; a peer that closed or died raises ``PeerGone``.
+
+GPU ordering is expressed with CUDA events/streams, never by blocking the host
+inside a step: a send of CUDA tensors records the order on the current stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from spade.errors import TransportError
+
+#: Wire-format version. Bump when the framing or handshake changes.
+#: 1: initial (tagged tensor lists, JSON handshake).
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What both ends must agree on before any data moves."""
+
+    role: str  # "inference" | "cache"
+    version: int = WIRE_VERSION
+    layout: dict[str, Any] = field(default_factory=dict)
+    """Shapes/dtypes of the messages (e.g. {"qkv": [[8, 32, 128], "bfloat16"], ...})."""
+
+    def digest(self) -> str:
+        body = json.dumps({"version": self.version, "layout": self.layout}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(s: str) -> "Handshake":
+        d = json.loads(s)
+        return Handshake(role=d["role"], version=d["version"], layout=d.get("layout", {}))
+
+    def check_peer(self, peer: "Handshake") -> None:
+        """Raise ``TransportError`` naming the first mismatch."""
+        if peer.version != self.version:
+            raise TransportError(
+                f"wire version mismatch: this rank speaks v{self.version}, peer v{peer.version}; "
+                "run the same spade version on both ranks"
+            )
+        if peer.role == self.role:
+            raise TransportError(f"both ranks claim role {self.role!r}; one must be 'inference', one 'cache'")
+        for key in sorted(set(self.layout) | set(peer.layout)):
+            a, b = self.layout.get(key), peer.layout.get(key)
+            if a != b:
+                raise TransportError(f"handshake mismatch for {key!r}: this rank {a}, peer {b}")
+
+
+def tensor_layout(tensors: Sequence[torch.Tensor]) -> list:
+    return [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in tensors]
+
+
+class Transport(ABC):
+    """One endpoint of a point-to-point link. Subclasses: one per file."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: Any, *, rank: int, world: int = 2, device: str | torch.device = "cpu"):
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.device = torch.device(device)
+        self.peer_handshake: Handshake | None = None
+        self._registered: dict[str, list[torch.Tensor]] = {}
+
+    # -- capability -------------------------------------------------------
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        """(usable on this machine, why not / what it will use)."""
+        return True, "ok"
+
+    # -- life cycle -------------------------------------------------------
+    @abstractmethod
+    async def connect(self, handshake: Handshake) -> Handshake:
+        """Connect to the peer, exchange and check handshakes; returns the peer's."""
+
+    def register(self, tag: str, buffers: Sequence[torch.Tensor]) -> None:
+        """Pre-register receive slots for ``tag`` (transports that need registration
+        pin/register them here, once)."""
+        self._registered[tag] = list(buffers)
+
+    @abstractmethod
+    async def send(self, tag: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Send ``tensors`` under ``tag``; returns when they may be overwritten."""
+
+    @abstractmethod
+    async def recv(self, tag: str, into: Sequence[torch.Tensor] | None = None,
+                   timeout: float | None = None) -> list[torch.Tensor]:
+        """Receive the next message of ``tag`` (into ``into`` or the registered slots)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release everything; idempotent."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
