@@ -1,0 +1,101 @@
+"""The one attention entry point both model paths call during decoding.
+
+A model computes q/k/v for a layer, writes k/v into its KV cache, then calls
+``ctx.attend(layer, q, k_cache, v_cache, kv_lens)``. Where the selection comes
+from is the ``Selector``'s business:
+
+* ``InlineSelector``: the policy selects on the critical path (synchronous);
+* the asynchronous runtime's selector returns what the cache rank prepared one
+  step ahead (``spade.runtime``).
+
+Models know policies only through this module.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from spade import kernels
+from spade.policies.base import AttentionSpec, Policy, PolicyState, Selection
+
+
+class Selector(Protocol):
+    def selection(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                  kv_lens: torch.Tensor) -> Selection | None: ...
+
+    def after(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              kv_lens: torch.Tensor) -> None: ...
+
+    def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                kv_lens: torch.Tensor) -> None: ...
+
+
+class InlineSelector:
+    """Selection computed synchronously by the policy, on the current query."""
+
+    def __init__(self, policy: Policy, state: PolicyState):
+        self.policy = policy
+        self.state = state
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        return self.policy.select(self.state, layer, q, k_cache, kv_lens)
+
+    def after(self, layer, q, k_cache, v_cache, kv_lens):
+        self.policy.observe(self.state, layer, q, k_cache, kv_lens)
+
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+        self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
+
+
+class AttentionContext:
+    """Per-generation attention context: the selector, the step's bookkeeping and
+    device-side statistics (no host sync inside a step).
+
+    ``attended_sum``: [n_layers] float64 device tensor, sum over steps of the mean
+    number of tokens attended per (row, KV head); ``steps`` counts decode steps.
+    """
+
+    def __init__(self, spec: AttentionSpec, selector: Selector, *, kv_start: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu", track_stats: bool = True):
+        self.spec = spec
+        self.selector = selector
+        self.kv_start = kv_start
+        self.track_stats = track_stats
+        self.attended_sum = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
+        self.decode_calls = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
+
+    def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                kv_lens: torch.Tensor) -> None:
+        """``q``: [B, Hq, T, D] prompt queries (post-RoPE); cache holds the prompt."""
+        self.selector.prefill(layer, q, k_cache, v_cache, kv_lens)
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
+        sel = self.selector.selection(layer, q, k_cache, kv_lens)
+        if sel is None:
+            out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None,
+                                                  scale=self.spec.softmax_scale, kv_start=self.kv_start)
+        else:
+            out = kernels.sparse_decode_attention(
+                q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent,
+                scale=self.spec.softmax_scale,
+                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start,
+            )
+        if self.track_stats:
+            if sel is None:
+                start = self.kv_start if self.kv_start is not None else 0
+                n = (kv_lens.to(torch.float64) - start).mean()
+            else:
+                n = sel.attended(kv_lens).to(torch.float64).mean()
+            self.attended_sum[layer] += n
+            self.decode_calls[layer] += 1
+        self.selector.after(layer, q, k_cache, v_cache, kv_lens)
+        return out
+
+    def mean_attended(self) -> float:
+        """Mean tokens attended per (row, KV head, layer, step). Syncs: call after decoding."""
+        calls = self.decode_calls.sum().item()
+        return float(self.attended_sum.sum().item() / calls) if calls else 0.0

@@ -1,0 +1,51 @@
+"""The decode-backend interface the engine drives (HF path and fast path).
+
+A backend owns the model weights and the KV cache of one batch of sequences.
+The engine tokenizes, left-pads, and then calls::
+
+    logits = backend.prefill(input_ids, attention_mask, ctx)   # [B, V] last position
+    for step in ...:
+        logits = backend.decode(next_tokens, ctx)              # [B, V]
+
+``ctx`` is a ``spade.attention.AttentionContext``: during decode, every layer's
+attention goes through ``ctx.attend`` (prefill is dense and then reported to
+``ctx.prefill``). Backends keep the cache length on the host (no sync).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from spade.policies.base import AttentionSpec
+
+
+class DecodeBackend(ABC):
+    #: "hf" | "fast"
+    kind: str
+    spec: AttentionSpec
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any  # None for random-weight presets
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    @abstractmethod
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ctx) -> torch.Tensor:
+        """Dense pass over a left-padded prompt batch ``input_ids`` [B, T]; resets the
+        cache; sets ``ctx.kv_start`` to the first valid position per row (None if
+        no row is padded). Returns the last position's logits [B, V] (float32)."""
+
+    @abstractmethod
+    def decode(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
+        """One decode step for ``tokens`` [B]; returns logits [B, V] (float32)."""
+
+    @property
+    @abstractmethod
+    def seq_len(self) -> int:
+        """Current cache length (host int, same for every row)."""
+
+    def close(self) -> None:
+        """Free the cache (optional)."""
