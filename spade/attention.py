@@ -95,6 +95,12 @@ class AttentionContext:
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
 
+    def graph_key(self) -> tuple:
+        """See ``Policy.graph_key``; selectors without a policy return ()."""
+        pol = getattr(self.selector, "policy", None)
+        st = getattr(self.selector, "state", None)
+        return pol.graph_key(st) if pol is not None and st is not None else ()
+
     def mean_attended(self) -> float:
         """Mean tokens attended per (row, KV head, layer, step). Syncs: call after decoding."""
         calls = self.decode_calls.sum().item()

@@ -15,7 +15,7 @@ attention goes through ``ctx.attend`` (prefill is dense and then reported to
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -38,9 +38,22 @@ class DecodeBackend(ABC):
         cache; sets ``ctx.kv_start`` to the first valid position per row (None if
         no row is padded). Returns the last position's logits [B, V] (float32)."""
 
-    @abstractmethod
     def decode(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
         """One decode step for ``tokens`` [B]; returns logits [B, V] (float32)."""
+        it = self.decode_stages(tokens, ctx, pack_layers=self.spec.n_layers)
+        for _ in it:
+            pass
+        return self.last_logits
+
+    @abstractmethod
+    def decode_stages(self, tokens: torch.Tensor, ctx, pack_layers: int) -> Iterator[int]:
+        """One decode step, run pack by pack: a generator that yields the index of
+        each pack of ``pack_layers`` layers right after running it (the layers'
+        ``ctx.attend`` calls done), so the asynchronous runtime can post/await
+        transport work between packs. After exhaustion the step's logits [B, V]
+        (float32) are in ``self.last_logits``."""
+
+    last_logits: torch.Tensor
 
     @property
     @abstractmethod

@@ -169,5 +169,14 @@ class Policy(ABC):
                 kv_lens: torch.Tensor) -> None:
         """After this step's attention (the current token's k/v are in the cache)."""
 
+    def graph_key(self, state: PolicyState) -> tuple:
+        """Host-side facts that change the work a step does (dense vs sparse, ...).
+
+        A backend that captures the decode step as a CUDA graph re-captures when
+        this changes; everything else a policy does per step must be device-side.
+        """
+        b = self.budget
+        return (b is None or state.seq_len <= b,)
+
     def describe(self) -> dict:
         return self.cfg.model_dump(mode="json") if hasattr(self.cfg, "model_dump") else {"name": self.name}
