@@ -22,6 +22,8 @@ from spade.policies.base import AttentionSpec, Policy, PolicyState, Selection
 
 
 class Selector(Protocol):
+    def begin_step(self, seq_len: int, kv_start: torch.Tensor | None) -> None: ...
+
     def selection(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                   kv_lens: torch.Tensor) -> Selection | None: ...
 
@@ -38,6 +40,10 @@ class InlineSelector:
     def __init__(self, policy: Policy, state: PolicyState):
         self.policy = policy
         self.state = state
+
+    def begin_step(self, seq_len, kv_start):
+        self.state.seq_len = seq_len
+        self.state.kv_start = kv_start
 
     def selection(self, layer, q, k_cache, kv_lens):
         return self.policy.select(self.state, layer, q, k_cache, kv_lens)
@@ -62,9 +68,16 @@ class AttentionContext:
         self.spec = spec
         self.selector = selector
         self.kv_start = kv_start
+        self.seq_len = 0
         self.track_stats = track_stats
         self.attended_sum = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
         self.decode_calls = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
+
+    def begin_step(self, seq_len: int) -> None:
+        """Called by the backend before each prefill/decode step with the cache
+        length (host int, including the token(s) of this step)."""
+        self.seq_len = seq_len
+        self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:

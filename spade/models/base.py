@@ -9,7 +9,9 @@ The engine tokenizes, left-pads, and then calls::
 
 ``ctx`` is a ``spade.attention.AttentionContext``: during decode, every layer's
 attention goes through ``ctx.attend`` (prefill is dense and then reported to
-``ctx.prefill``). Backends keep the cache length on the host (no sync).
+``ctx.prefill``). Backends keep the cache length on the host (no sync) and call
+``ctx.begin_step(seq_len)`` before each step (after setting ``ctx.kv_start`` at
+prefill), where ``seq_len`` counts the cache including this step's token(s).
 """
 
 from __future__ import annotations
