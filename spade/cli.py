@@ -1,0 +1,253 @@
+"""``spade`` command line. Thin: every command calls the library.
+
+    spade run --config configs/cpu_tiny.yaml [--set policy.budget=512] [--out result.json]
+    spade validate --config X.yaml
+    spade policies | transports | models
+    spade bench {kernels,attention,decode,tpot,transports} [benchmark args...]
+    spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _err(msg: str) -> None:
+    print(f"spade: error: {msg}", file=sys.stderr)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _load(args):
+    from spade.config import load_config
+
+    return load_config(args.config, overrides=args.set)
+
+
+def cmd_validate(args) -> int:
+    from spade.config import summary
+
+    cfg = _load(args)
+    from spade.models.registry import resolve_source
+
+    resolve_source(cfg.model.name)  # a known model name (nothing is loaded)
+    print(f"{args.config}: ok")
+    print(summary(cfg))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from spade.engine import run
+
+    cfg = _load(args)
+    con = _console()
+    con.print(f"[bold]spade run[/bold] {args.config or '(defaults)'}: model={cfg.model.name} "
+              f"policy={cfg.policy.name} topology={cfg.runtime.topology} transport={cfg.runtime.transport.name}")
+    n = len(cfg.generation.prompts)
+    stream = cfg.generation.stream and n == 1 and not args.quiet
+
+    def on_text(row: int, delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    with con.status("loading model and generating...", spinner="dots") if not stream else _Null():
+        summary = run(cfg, on_text=on_text if stream else None, progress=lambda m: con.print(f"[dim]{m}[/dim]"))
+    if stream:
+        sys.stdout.write("\n")
+    elif not args.quiet:
+        for i, r in enumerate(summary["results"]):
+            print(f"--- [{i}] ---\n{r['text']}")
+    _print_summary(summary)
+    out = Path(args.out or "results/run.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    con.print(f"wrote {out}")
+    return 0
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _print_summary(s: dict) -> None:
+    def f(x, unit=""):
+        return "n/a" if x is None else (f"{x:.2f}{unit}" if isinstance(x, float) else f"{x}{unit}")
+
+    rows = [
+        ("model", s["model"]),
+        ("policy", f"{s['policy']}" + (f" (budget {s['budget']})" if s.get("budget") else "")),
+        ("topology / transport", f"{s['topology']} / {s['transport']}"),
+        ("batch", s["batch"]),
+        ("prompt tokens", ", ".join(map(str, s["prompt_tokens"]))),
+        ("generated tokens", ", ".join(map(str, s["generated_tokens"]))),
+        ("TPOT median", f(s["tpot_median_ms"], " ms")),
+        ("TPOT p90", f(s["tpot_p90_ms"], " ms")),
+        ("tokens attended / step", f(s["tokens_attended_per_step"])),
+        ("late packs", s.get("late_packs", 0)),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print("summary")
+    for k, v in rows:
+        print(f"  {k:<{w}}  {v}")
+
+
+def cmd_policies(args) -> int:
+    from spade.policies import POLICIES
+
+    for name in POLICIES.names():
+        try:
+            cls = POLICIES.get(name)
+            doc = (cls.__doc__ or cls.__module__ and __import__(cls.__module__, fromlist=['x']).__doc__ or "")
+            doc = doc.strip().splitlines()[0] if doc.strip() else ""
+            ahead = "runs ahead (predicted query)" if not cls.needs_current_query else "needs the current query"
+            print(f"{name:<11} {ahead:<30} {doc}")
+        except Exception as e:  # pragma: no cover - shown, not hidden
+            print(f"{name:<11} (cannot load: {type(e).__name__}: {e})")
+    return 0
+
+
+def cmd_transports(args) -> int:
+    from spade.transports import availability
+
+    for name, (ok, why) in availability().items():
+        print(f"{name:<6} {'usable' if ok else 'unavailable':<12} {why}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from spade.models.registry import OFFLINE
+
+    for m in OFFLINE.values():
+        print(f"{m.name:<20} {m.description}\n{'':<20} install: {m.install_hint()[:100]}{'...' if len(m.install_hint()) > 100 else ''}")
+    try:
+        from spade.models.presets import PRESETS
+
+        print("shape presets (random weights): " + ", ".join(sorted(PRESETS)))
+    except ImportError:
+        pass
+    return 0
+
+
+BENCHES = {
+    "kernels": ["benchmarks.bench_scoring", "benchmarks.bench_attention"],
+    "scoring": ["benchmarks.bench_scoring"],
+    "attention": ["benchmarks.bench_attention"],
+    "decode": ["benchmarks.bench_decode"],
+    "tpot": ["benchmarks.bench_tpot"],
+    "transports": ["benchmarks.bench_transports"],
+}
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    import importlib
+
+    root = Path(__file__).resolve().parent.parent
+    if (root / "benchmarks").is_dir() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    rc = 0
+    for mod in BENCHES[args.kind]:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:
+            _err(f"benchmark module {mod} not found ({e}); run from a source checkout of spade")
+            return 2
+        argv = list(rest)
+        if args.config:
+            argv = ["--config", args.config, *argv] if "--config" in _accepted(m) else argv
+        rc = rc or (m.main(argv) or 0)
+    return rc
+
+
+def _accepted(module) -> str:
+    try:
+        import inspect
+
+        return inspect.getsource(module)
+    except Exception:
+        return ""
+
+
+def cmd_eval(args) -> int:
+    from spade.eval import run_eval
+
+    cfg = _load(args)
+    sections = [s.strip() for s in args.only.split(",")] if args.only else None
+    run_eval(cfg, args.out, sections)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spade", description="Asynchronous sparse decoding (AsyncSpade).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def with_config(sp, required=True):
+        sp.add_argument("--config", "-c", required=required, help="YAML config file")
+        sp.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set policy.budget=512 (repeatable)")
+
+    r = sub.add_parser("run", help="load the model and generate for the configured prompts")
+    with_config(r, required=False)
+    r.add_argument("--out", "-o", help="summary JSON path (default results/run.json)")
+    r.add_argument("--quiet", "-q", action="store_true", help="do not print the generated text")
+    r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("validate", help="check a config and print a one-screen summary")
+    with_config(v)
+    v.set_defaults(fn=cmd_validate)
+
+    sub.add_parser("policies", help="list registered policies").set_defaults(fn=cmd_policies)
+    sub.add_parser("transports", help="list transports and whether they are usable here").set_defaults(
+        fn=cmd_transports)
+    sub.add_parser("models", help="list offline models and shape presets").set_defaults(fn=cmd_models)
+
+    b = sub.add_parser("bench", help="GPU benchmarks (extra arguments go to the benchmark)")
+    b.add_argument("kind", choices=sorted(BENCHES))
+    b.add_argument("--config", "-c", help="config for benchmarks that take one")
+    b.set_defaults(fn=None)
+
+    e = sub.add_parser("eval", help="fidelity measurements on real models")
+    with_config(e)
+    e.add_argument("--out", "-o", help="output folder (default: eval.out_dir)")
+    e.add_argument("--only", help="comma-separated sections to run (selection,perplexity,gsm8k,niah)")
+    e.set_defaults(fn=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spade.errors import SpadeError
+
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.cmd == "bench":
+            return cmd_bench(args, rest)
+        return args.fn(args)
+    except SpadeError as e:
+        _err(str(e))
+        return 2
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except ModuleNotFoundError as e:
+        if os.environ.get("SPADE_DEBUG"):
+            raise
+        _err(f"missing package '{e.name}': pip install {e.name} (set SPADE_DEBUG=1 for the traceback)")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Settings of ``spade eval``: one sub-model per measurement.
+
+This module imports only pydantic (``spade.config`` imports it to type
+``SpadeConfig.eval``). Policy entries (``policies``) are plain mappings in the
+shape of ``spade.config``'s policy sections without ``budget`` (the sweep sets
+it); they are validated against those sections before any long work starts.
+
+The defaults are sized for a 2-core CPU: each section finishes in a few
+minutes with the registered offline models (``docs/fidelity.md`` lists the
+timings). Raise the sample counts in a YAML file for tighter numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
+Predictor = Literal["last", "ridge", "softmax_ridge", "assembled"]
+Baseline = Literal["oracle", "quest", "streaming", "tova"]
+PosInt = Annotated[int, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class _Budgets(_Section):
+    budgets: list[PosInt] = Field(default_factory=lambda: [64, 128, 256])
+    """Fixed budgets K (tokens attended per step and KV head, sinks and recent included)."""
+    context_fractions: list[PosInt] = Field(default_factory=lambda: [16])
+    """Budgets relative to the context: ``n`` means K = context / n (rounded down to
+    a multiple of 8)."""
+    sink_tokens: int = Field(4, ge=0)
+    recent_tokens: int = Field(16, ge=1)
+
+
+class SelectionEvalConfig(_Budgets):
+    """Overlap and attention recall of each selection, on captured queries/keys.
+
+    One dense teacher-forced pass per text captures every layer's post-RoPE
+    queries and keys; every decode position ``t`` in the sample is then replayed
+    through the policies' own ``prefill``/``select`` (or ``observe`` step by step
+    for TOVA's eviction) with the prefix ``[0, t)`` as the prompt.
+    """
+
+    enabled: bool = True
+    models: list[str] = Field(default_factory=lambda: ["smollm2-135m"], min_length=1)
+    context_tokens: int = Field(2048, gt=16)
+    """Tokens of essay text per sample (the last decode position is context - 1)."""
+    n_texts: int = Field(1, gt=0)
+    """Independent essay segments (consecutive, non-overlapping)."""
+    start: int = Field(512, ge=1)
+    """First evaluated decode position (the warm-up prefix is dense)."""
+    positions: int = Field(48, gt=0)
+    """Decode positions evaluated per text, evenly spaced in [start, context)."""
+    predictors: list[Predictor] = Field(default_factory=lambda: ["last", "ridge", "softmax_ridge", "assembled"])
+    rope_aware: list[bool] = Field(default_factory=lambda: [False, True])
+    group_reduces: list[GroupReduce] = Field(default_factory=lambda: ["sum_logits", "max_logits", "sum_softmax"])
+    baselines: list[Baseline] = Field(default_factory=lambda: ["oracle", "quest", "streaming", "tova"])
+    window: int = Field(16, ge=1, le=64)
+    ridge_eps: float = Field(1e-2, gt=0)
+    page_size: int = Field(16, gt=0)
+    """Quest page size."""
+    distances: list[PosInt] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    """Fig. 4: overlap of the top-K of q_{t-d} with the top-K of q_t, for these d."""
+    shift_ablation: bool = True
+    """Fig. 5: ridge weights applied with vs without the one-step shift."""
+    batch_positions: int = Field(64, gt=0)
+    """Decode positions replayed together as batch rows (memory vs speed)."""
+
+
+class PerplexityEvalConfig(_Budgets):
+    """Teacher-forced perplexity under each policy vs full attention."""
+
+    enabled: bool = True
+    models: list[str] = Field(default_factory=lambda: ["smollm2-135m"], min_length=1)
+    context_tokens: int = Field(1024, gt=16)
+    n_texts: int = Field(2, gt=0)
+    prefill_tokens: int = Field(256, ge=1)
+    """Dense prompt; the perplexity is measured on the tokens after it."""
+    budgets: list[PosInt] = Field(default_factory=lambda: [64, 128])
+    context_fractions: list[PosInt] = Field(default_factory=lambda: [8, 16])
+    policies: list[dict[str, Any]] = Field(default_factory=lambda: [
+        {"name": "oracle"},
+        {"name": "asyncspade", "predictor": "last"},
+        {"name": "asyncspade", "predictor": "assembled"},
+        {"name": "quest"},
+        {"name": "streaming"},
+        {"name": "tova"},
+    ])
+    """Policy sections without ``budget`` (sinks/recent default to this section's)."""
+
+
+class Gsm8kEvalConfig(_Section):
+    """Greedy GSM8K answers under each policy vs full attention."""
+
+    enabled: bool = True
+    model: str = "qwen2.5-coder-1.5b"
+    n_problems: int = Field(8, gt=0)
+    first_problem: int = Field(0, ge=0)
+    """Index of the first test problem (problems are taken in file order)."""
+    batch_size: int = Field(8, gt=0)
+    max_new_tokens: int = Field(256, gt=0)
+    budgets: list[PosInt] = Field(default_factory=lambda: [64])
+    sink_tokens: int = Field(4, ge=0)
+    recent_tokens: int = Field(16, ge=1)
+    policies: list[dict[str, Any]] = Field(default_factory=lambda: [
+        {"name": "asyncspade", "predictor": "assembled"},
+        {"name": "asyncspade", "predictor": "last"},
+        {"name": "oracle"},
+        {"name": "quest"},
+        {"name": "tova"},
+    ])
+    instruction: str = ("Solve the problem step by step, briefly. End with the final answer as a number "
+                        "on its own line in the form '#### <number>'.")
+
+
+class NiahEvalConfig(_Section):
+    """Needle in a haystack: exact retrieval of a passphrase hidden in essays."""
+
+    enabled: bool = True
+    model: str = "qwen2.5-coder-0.5b"
+    context_lengths: list[PosInt] = Field(default_factory=lambda: [1024, 2048])
+    depths: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
+    budgets: list[PosInt] = Field(default_factory=lambda: [64, 128])
+    sink_tokens: int = Field(4, ge=0)
+    recent_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(24, gt=0)
+    batch_size: int = Field(3, gt=0)
+    policies: list[dict[str, Any]] = Field(default_factory=lambda: [
+        {"name": "asyncspade", "predictor": "assembled"},
+        {"name": "asyncspade", "predictor": "last"},
+        {"name": "oracle"},
+        {"name": "quest"},
+        {"name": "streaming"},
+        {"name": "tova"},
+    ])
+    seed: int = 0
+    """Seed of the passphrases (one per (length, depth) cell)."""
+
+
+class EvalConfig(_Section):
+    """``spade eval``: does predicted-query selection keep the model's answers?"""
+
+    out_dir: str = "results/eval"
+    device: str = "cpu"
+    """Where the models run (``cpu``, ``cuda``, ``auto``)."""
+    selection: SelectionEvalConfig = Field(default_factory=SelectionEvalConfig)
+    perplexity: PerplexityEvalConfig = Field(default_factory=PerplexityEvalConfig)
+    gsm8k: Gsm8kEvalConfig = Field(default_factory=Gsm8kEvalConfig)
+    niah: NiahEvalConfig = Field(default_factory=NiahEvalConfig)
+
+    @model_validator(mode="after")
+    def _policy_entries(self):
+        for sec in ("perplexity", "gsm8k", "niah"):
+            for i, p in enumerate(getattr(self, sec).policies):
+                if not isinstance(p.get("name"), str):
+                    raise ValueError(f"eval.{sec}.policies[{i}] needs a 'name' (e.g. asyncspade, quest)")
+                if "budget" in p:
+                    raise ValueError(f"eval.{sec}.policies[{i}]: leave out 'budget' (eval.{sec}.budgets sets it)")
+        return self
+
+
+SECTIONS = ("selection", "perplexity", "gsm8k", "niah")

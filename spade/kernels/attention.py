@@ -1,0 +1,449 @@
+"""Decode attention over a subset of the KV cache, read in place; merging partial states.
+
+One decode step attends, per (batch row ``b``, KV head ``h``), the union of three
+disjoint token sets (``spade.policies.base.Selection`` documents the same rule):
+
+* sinks ``[s, min(s + n_sink, len))`` with ``s = kv_start[b]`` (0 when None),
+* the valid middle ``indices[b, h, :]`` (``-1`` = empty slot),
+* the recent window ``[max(len - n_recent, s + n_sink), len)``.
+
+``indices=None`` means dense attention over ``[s, len)`` (the ``full`` policy).
+Middle indices outside ``[sink_end, recent_start)`` are ignored here (policies never
+produce them, but ignoring them keeps a bad selection from reading garbage, out of
+bounds memory, or counting a token twice). Duplicates *inside* ``indices`` are a
+caller error the Triton kernel does not detect (the reference counts them once).
+
+The Triton kernel is flash-decoding with split-K:
+
+* grid ``(B * Hkv, num_splits)``; each program owns one (b, KV head) and one
+  contiguous chunk of the *virtual* token sequence ``sinks ++ indices ++ recent``,
+  so every split does the same amount of work whatever the selection looks like;
+* the G query heads of the GQA group are the rows of one ``tl.dot`` (padded to 16
+  rows, the smallest MMA tile), so each selected K/V row is read from HBM once
+  per group, not once per query head;
+* K/V rows are loaded through the index list (a gather inside the kernel: no
+  materialised copy of the selected K/V), sinks and the recent window are plain
+  position ranges of the same virtual sequence;
+* each split keeps an online softmax (base-2 exponentials, the scale folded with
+  ``log2(e)``) and writes its normalised output and log-sum-exp; a second small
+  kernel merges the splits with the log-sum-exp trick (skipped when one split
+  suffices, e.g. at large batch).
+
+The number of splits is chosen from ``B * Hkv`` and the SM count so that the grid
+fills the GPU (decode attention is bound by HBM bandwidth: every SM must be
+streaming K/V).
+
+Example (CPU reference)::
+
+    >>> import torch
+    >>> q = torch.randn(1, 4, 16); k = torch.randn(1, 2, 10, 16); v = torch.randn(1, 2, 10, 16)
+    >>> out = sparse_decode_attention_ref(q, k, v, torch.tensor([10]))
+    >>> tuple(out.shape)
+    (1, 4, 16)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "sparse_decode_attention_ref",
+    "sparse_decode_attention_triton",
+    "merge_attention_states_ref",
+    "merge_attention_states_triton",
+    "attended_mask",
+]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_MAX_SPLITS = 64
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_inputs(q, k, v, kv_lens, indices, kv_start):
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"expected q [B,Hq,D] and k/v [B,Hkv,L,D]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} (batch or head_dim)")
+    Hkv = k.shape[1]
+    if Hq % Hkv != 0:
+        raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
+    if kv_lens.shape != (B,):
+        raise ValueError(f"kv_lens must be [B]={B}; got {tuple(kv_lens.shape)}")
+    if kv_start is not None and kv_start.shape != (B,):
+        raise ValueError(f"kv_start must be [B]={B}; got {tuple(kv_start.shape)}")
+    if indices is not None and (indices.dim() != 3 or indices.shape[:2] != (B, Hkv)):
+        raise ValueError(f"indices must be [B, Hkv, K] = [{B}, {Hkv}, K]; got {tuple(indices.shape)}")
+    return B, Hq, Hkv, k.shape[2], D
+
+
+# ----------------------------------------------------------------------------- reference
+def attended_mask(L: int, kv_lens: torch.Tensor, indices: torch.Tensor | None, Hkv: int, *,
+                  n_sink: int = 0, n_recent: int = 0,
+                  kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask [B, Hkv, L] of the attended positions (the rule in the module docstring)."""
+    B = kv_lens.shape[0]
+    dev = kv_lens.device
+    pos = torch.arange(L, device=dev)  # [L]
+    kv = kv_lens.long()[:, None, None]  # [B, 1, 1]
+    s = (torch.zeros_like(kv) if kv_start is None else kv_start.to(dev).long()[:, None, None])
+    if indices is None:
+        return ((pos >= s) & (pos < kv)).expand(B, Hkv, L).clone()
+    sink_end = torch.minimum(s + n_sink, kv)
+    recent_start = torch.maximum(kv - n_recent, sink_end)
+    mask = ((pos >= s) & (pos < sink_end)) | ((pos >= recent_start) & (pos < kv))
+    mask = mask.expand(B, Hkv, L).clone()  # [B, Hkv, L]
+    idx = indices.to(dev).long()  # [B, Hkv, K]
+    ok = (idx >= sink_end) & (idx < recent_start)
+    mid = torch.zeros(B, Hkv, L + 1, dtype=torch.bool, device=dev)
+    mid.scatter_(2, torch.where(ok, idx, L), True)  # invalid slots land in the spare column L
+    return mask | mid[..., :L]
+
+
+def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                kv_lens: torch.Tensor, indices: torch.Tensor | None = None, *,
+                                n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
+                                kv_start: torch.Tensor | None = None, return_lse: bool = False):
+    """Plain-torch decode attention over the attended set, in float32 (materialises
+    [B, Hq, L] scores: for tests and small shapes). An empty set gives out = 0 and
+    lse = -inf."""
+    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    mask = attended_mask(L, kv_lens.to(q.device), indices, Hkv, n_sink=n_sink, n_recent=n_recent,
+                         kv_start=kv_start)  # [B, Hkv, L]
+    qf = q.float().view(B, Hkv, G, D)
+    s = torch.einsum("bhgd,bhld->bhgl", qf, k.float()) * scale  # [B, Hkv, G, L]
+    s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all-masked rows: avoid inf - inf
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)  # [B, Hkv, G, 1]
+    o = torch.einsum("bhgl,bhld->bhgd", p, v.float()) / torch.where(l > 0, l, torch.ones_like(l))
+    out = o.reshape(B, Hq, D).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = (m + torch.log(l)).reshape(B, Hq)  # log(0) = -inf for an empty set
+    return out, lse
+
+
+def merge_attention_states_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                               lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact union of two attentions over disjoint token sets. ``out_*`` [B, Hq, D],
+    ``lse_*`` [B, Hq] (natural log; ``-inf`` for an empty part). Returns (out in
+    out_a's dtype, lse float32)."""
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)  # [B, Hq]
+    tot = wa + wb
+    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / safe[..., None]
+    return out.to(out_a.dtype), m + torch.log(tot)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _attend_block(q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
+                  stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
+                  offs_d, d_mask, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One block of BLOCK_N virtual positions ``[j0, j0 + BLOCK_N)``: map them to cache
+    positions, load K/V rows in place, fold them into the online softmax state."""
+    offs = j0 + tl.arange(0, BLOCK_N)  # virtual positions [BLOCK_N]
+    in_range = offs < end
+    if HAS_INDICES:
+        is_sink = offs < n_sink_b
+        mid_j = offs - n_sink_b
+        is_mid = (mid_j >= 0) & (mid_j < K_MID) & in_range
+        idx = tl.load(i_base + mid_j.to(tl.int64) * stride_ik, mask=is_mid, other=-1).to(tl.int32)
+        pos = tl.where(is_sink, s + offs, tl.where(is_mid, idx, recent_start + (mid_j - K_MID)))
+        mid_ok = (idx >= sink_end) & (idx < recent_start)
+        valid = in_range & (~is_mid | mid_ok)
+    else:
+        pos = s + offs
+        valid = in_range
+    pos64 = pos.to(tl.int64)
+    kv_mask = valid[:, None] & d_mask[None, :]
+    kt = tl.load(k_base + pos64[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                 mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    qk = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N] fp32
+    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # NOTE: a block (or a whole split) can be fully masked: keep -inf - -inf out.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = tl.load(v_base + pos64[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                 mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    if UPCAST:
+        vt = vt.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, KV_LENS, KV_START, IDX,
+    O_PART, LSE_PART, OUT, LSE,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_ib, stride_ih, stride_ik,
+    Hkv, Hq, K_MID, N_SINK, N_RECENT, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+
+    kv_len = tl.load(KV_LENS + b).to(tl.int32)
+    if HAS_START:
+        s = tl.load(KV_START + b).to(tl.int32)
+    else:
+        s = 0
+    # The virtual sequence this (b, h) attends: sinks ++ middle slots ++ recent window.
+    if HAS_INDICES:
+        sink_end = tl.minimum(s + N_SINK, kv_len)
+        recent_start = tl.maximum(kv_len - N_RECENT, sink_end)
+        n_sink_b = tl.maximum(sink_end - s, 0)
+        n_rec_b = kv_len - recent_start
+        T = n_sink_b + K_MID + n_rec_b
+    else:
+        sink_end = s
+        recent_start = s
+        n_sink_b = 0
+        T = tl.maximum(kv_len - s, 0)
+    # Balanced contiguous chunk of the virtual sequence, whole blocks each.
+    chunk = tl.cdiv(tl.cdiv(T, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, T)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    q_ptrs = (Q + b64 * stride_qb + (h64 * G + offs_g[:, None]) * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    i_base = IDX + b64 * stride_ib + h64 * stride_ih
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+
+    if INTERPRET:
+        # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
+        # kernel keeps the for loop, which the software pipeliner can stage.
+        j0 = start
+        while j0 < end:
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
+                stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
+                offs_d, d_mask, BLOCK_N, HAS_INDICES, UPCAST, DOT_PREC)
+            j0 += BLOCK_N
+    else:
+        for j0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
+                stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
+                offs_d, d_mask, BLOCK_N, HAS_INDICES, UPCAST, DOT_PREC)
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    qh64 = h64 * G + offs_g  # query heads of this group [G_PAD]
+    st_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = OUT + (b64 * Hq + qh64)[:, None] * D + offs_d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=st_mask)
+        tl.store(LSE + b64 * Hq + qh64, lse, mask=g_mask)
+    else:
+        row = (b64 * Hq + qh64) * NUM_SPLITS + split  # [G_PAD] rows of [B, Hq, S]
+        tl.store(O_PART + row[:, None] * D + offs_d[None, :], out, mask=st_mask)
+        tl.store(LSE_PART + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(O_PART, LSE_PART, OUT, LSE, D: tl.constexpr, D_PAD: tl.constexpr,
+                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # flattened (b, query head)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < D
+    lse = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # [S_PAD], 0 for empty splits
+    tot = tl.sum(w, 0)
+    o = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [S_PAD, D_PAD]
+    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + row, tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _merge_states_kernel(OA, LA, OB, LB, OUT, LSE,
+                         stride_oa_r, stride_oa_d, stride_ob_r, stride_ob_d,
+                         D: tl.constexpr, D_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < D
+    la = tl.load(LA + row).to(tl.float32)
+    lb = tl.load(LB + row).to(tl.float32)
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    tot = wa + wb
+    oa = tl.load(OA + row * stride_oa_r + offs_d * stride_oa_d, mask=d_mask, other=0.0).to(tl.float32)
+    ob = tl.load(OB + row * stride_ob_r + offs_d * stride_ob_d, mask=d_mask, other=0.0).to(tl.float32)
+    safe = tl.where(tot > 0, tot, 1.0)
+    out = (wa * oa + wb * ob) / safe
+    tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + row, tl.where(tot > 0, m + tl.log(safe), float("-inf")))
+
+
+# ----------------------------------------------------------------------------- launchers
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few "SMs" so that tests exercise several splits
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). One K and one V tile of BLOCK_N rows per
+    stage in shared memory: 64 rows of d=128 bf16 are 32 KiB per stage, so three
+    stages leave room for two programs per SM (bytes in flight are what a
+    bandwidth-bound kernel needs)."""
+    if _interpret():
+        return 16, 4, 1
+    block_n = max(16, min(128, (64 * 128 * 2) // (D_PAD * elem_size)))
+    return block_n, 4, 3
+
+
+def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device) -> int:
+    """Splits per (b, KV head): enough programs for ~4 per SM, but at least two
+    blocks of work per split (the merge is not free) and at most ``_MAX_SPLITS``."""
+    target = 4 * _sm_count(device)
+    splits = triton.cdiv(target, max(n_pairs, 1))
+    max_useful = max(1, triton.cdiv(t_max, 2 * block_n))
+    return int(max(1, min(splits, max_useful, _MAX_SPLITS)))
+
+
+def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   kv_lens: torch.Tensor, indices: torch.Tensor | None = None, *,
+                                   n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
+                                   kv_start: torch.Tensor | None = None, return_lse: bool = False,
+                                   num_splits: int | None = None, block_n: int | None = None):
+    """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
+
+    ``num_splits`` / ``block_n`` override the heuristics (tests, tuning). No host
+    synchronisation: safe to capture in a CUDA graph (after a first warm-up call
+    has compiled the kernels).
+    """
+    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else float(scale)
+    G_PAD = max(16, triton.next_power_of_2(G))
+    D_PAD = max(16, triton.next_power_of_2(D))
+    interp = _interpret()
+    bn, num_warps, num_stages = _launch_config(D_PAD, k.element_size())
+    if block_n is not None:
+        bn = block_n
+    has_idx = indices is not None
+    if has_idx:
+        k_mid = indices.shape[2]
+        t_max = min(n_sink, L) + k_mid + min(n_recent, L)
+        idx_t = indices
+        si = indices.stride()
+    else:
+        k_mid = 0
+        t_max = L
+        idx_t = kv_lens  # never read
+        si = (0, 0, 0)
+    splits = num_splits if num_splits is not None else choose_num_splits(B * Hkv, t_max, bn, q.device)
+    splits = int(max(1, min(splits, _MAX_SPLITS)))
+
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        o_part = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out, lse  # unused
+    upcast = interp or q.dtype == torch.float32 or k.dtype == torch.float32
+    dot_prec = "ieee" if upcast else "tf32"  # ignored for 16-bit operands
+    kv_start_t = kv_start if kv_start is not None else kv_lens
+
+    if B * Hkv > 0:
+        _decode_split_kernel[(B * Hkv, splits)](
+            q, k, v, kv_lens, kv_start_t, idx_t,
+            o_part, lse_part, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *si,
+            Hkv, Hq, k_mid, n_sink, n_recent, scale * _LOG2E,
+            G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, NUM_SPLITS=splits,
+            HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
+            INTERPRET=interp,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        if splits > 1:
+            _reduce_splits_kernel[(B * Hq,)](
+                o_part, lse_part, out, lse, D=D, D_PAD=D_PAD, NUM_SPLITS=splits,
+                S_PAD=triton.next_power_of_2(splits), num_warps=2 if D_PAD <= 128 else 4,
+            )
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states_triton(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                                  lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``merge_attention_states_ref`` (one program per (b, head))."""
+    if out_a.shape != out_b.shape or lse_a.shape != out_a.shape[:-1] or lse_b.shape != lse_a.shape:
+        raise ValueError(f"shape mismatch: out_a {tuple(out_a.shape)}, lse_a {tuple(lse_a.shape)}, "
+                         f"out_b {tuple(out_b.shape)}, lse_b {tuple(lse_b.shape)}")
+    D = out_a.shape[-1]
+    rows = math.prod(out_a.shape[:-1])
+    oa = out_a.reshape(rows, D)
+    ob = out_b.reshape(rows, D)
+    la = lse_a.reshape(rows).contiguous()
+    lb = lse_b.reshape(rows).contiguous()
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
+    if rows > 0:
+        D_PAD = triton.next_power_of_2(D)
+        _merge_states_kernel[(rows,)](oa, la, ob, lb, out, lse, *oa.stride(), *ob.stride(),
+                                      D=D, D_PAD=D_PAD, num_warps=1 if D_PAD <= 256 else 4)
+    return out, lse

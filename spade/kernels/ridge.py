@@ -1,0 +1,218 @@
+"""Next-query prediction by ridge regression over a window of past queries.
+
+AsyncSpade (arXiv 2510.07486, §4.2) selects tokens for step t+1 before q_t exists,
+from a prediction q̂ of the next query made out of the recent queries. This module
+implements the predictors; it follows the *equations* of §4.2, not the looser
+appendix pseudo-code (which applies the softmax twice and does not zero the masked
+entries of the shorter windows).
+
+Notation: ``window`` [N, R, D] (N = batch × heads flattened), oldest first; its last
+``n = n_valid`` rows are valid and right-aligned (rows before them are garbage and
+are never read). Call the valid rows x_1 .. x_n, x_n the newest query. For a
+regression window of size w (1 <= w <= n-1):
+
+* X = [x_{n-w}, ..., x_{n-1}] (w × D, the w predecessors of x_n), y = x_n;
+* ridge weights a = (X Xᵀ + λ I_w)^{-1} X y (the closed form, a w × w system),
+  with λ = eps · mean_{i=1..n} ||x_i||² — eps is relative to the squared query
+  norm of the window, so one setting serves every layer and head (the mean runs
+  over all n valid rows, the same λ for every w);
+* the prediction applies the weights to the window shifted by one step:
+  q̂ = Σ_j a_j X'_j with X' = [x_{n-w+1}, ..., x_n].
+
+Modes:
+
+* ``last``: q̂ = x_n (the one-step-stale query);
+* ``ridge``: w = n-1, raw weights a;
+* ``softmax_ridge``: w = n-1, weights softmax(a);
+* ``assembled`` (the paper's predictor): the mean over w = 1 .. n-1 of the
+  ``softmax_ridge`` predictions of size w; each softmax runs once over the w
+  weights of its own window (entries a shorter window does not have contribute
+  nothing).
+
+With n < 2 there is nothing to regress: every mode returns x_n.
+
+Triton kernel (fully in-kernel solve, no torch linear algebra): one program per row
+n of N. It loads X (the m = n-1 regressor rows) right-aligned into an M × D tile
+(M = max(16, next_pow2(m)); padded rows are zero and get a unit diagonal), forms
+the Gram matrix G = X Xᵀ with one ``tl.dot`` and b = X y, then:
+
+1. factors A = G + λI = U Uᵀ with U *upper* triangular (a "UL" Cholesky that
+   eliminates from the last row up). The window-w system is the trailing w × w
+   block of A, and U's trailing block is its Cholesky factor, so one
+   factorisation serves every w;
+2. solves U z = b once (back substitution): because U is upper triangular, the
+   trailing part of z is the same for every trailing block;
+3. solves Uᵀ_trail a_w = z_trail for all w at once by forward substitution,
+   building S[k, i] = weight of X row i in the window that starts at row k;
+4. turns S into one coefficient vector C over the rows of X' (raw, softmax, or
+   the mean of per-row softmaxes) and writes q̂ = Cᵀ X'.
+
+Everything is O(M³) register work in fp32 (M <= 64); eps > 0 keeps A well
+conditioned (cond(A) <= 1 + n/eps).
+
+Example::
+
+    >>> import torch
+    >>> w = torch.randn(2, 8, 16)
+    >>> torch.equal(ridge_predict_ref(w, 8, mode="last"), w[:, -1])
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ridge_predict_ref", "ridge_predict_triton", "MODES"]
+
+MODES = ("last", "ridge", "softmax_ridge", "assembled")
+_MODE_ID = {"ridge": 1, "softmax_ridge": 2, "assembled": 3}
+_LAMBDA_FLOOR = 1e-20  # keeps an all-zero window solvable (weights 0, not NaN)
+
+
+def _check(window: torch.Tensor, n_valid: int, mode: str, eps: float) -> None:
+    if window.dim() != 3:
+        raise ValueError(f"window must be [N, R, D]; got {tuple(window.shape)}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if not 1 <= int(n_valid) <= window.shape[1]:
+        raise ValueError(f"n_valid must be in [1, {window.shape[1]}] (the window length); got {n_valid}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0; got {eps}")
+
+
+def ridge_predict_ref(window: torch.Tensor, n_valid: int, *, mode: str = "assembled",
+                      eps: float = 1e-2) -> torch.Tensor:
+    """Plain-torch predictor in float64 (one ``torch.linalg.solve`` per window size).
+    Returns [N, D] float32."""
+    _check(window, n_valid, mode, eps)
+    n = int(n_valid)
+    R = window.shape[1]
+    x = window[:, R - n:, :].double()  # [N, n, D] valid rows x_1 .. x_n
+    if mode == "last" or n < 2:
+        return x[:, -1].float()
+    y = x[:, -1]  # [N, D]
+    lam = (eps * (x * x).sum(-1).mean(-1)).clamp_min(_LAMBDA_FLOOR)  # [N]
+
+    def weights(w: int) -> torch.Tensor:
+        X = x[:, n - 1 - w:n - 1]  # [N, w, D] = x_{n-w} .. x_{n-1}
+        A = X @ X.transpose(1, 2) + lam[:, None, None] * torch.eye(w, dtype=x.dtype, device=x.device)
+        return torch.linalg.solve(A, (X @ y[:, :, None])[..., 0])  # [N, w]
+
+    def shifted(w: int) -> torch.Tensor:
+        return x[:, n - w:n]  # [N, w, D] = x_{n-w+1} .. x_n
+
+    if mode == "ridge":
+        a = weights(n - 1)
+        out = (a[..., None] * shifted(n - 1)).sum(1)
+    elif mode == "softmax_ridge":
+        a = torch.softmax(weights(n - 1), dim=-1)
+        out = (a[..., None] * shifted(n - 1)).sum(1)
+    else:  # assembled
+        out = torch.zeros_like(y)
+        for w in range(1, n):
+            a = torch.softmax(weights(w), dim=-1)
+            out += (a[..., None] * shifted(w)).sum(1)
+        out /= n - 1
+    return out.float()
+
+
+@triton.jit
+def _ridge_kernel(W, OUT, stride_n, stride_r, stride_d, R, m, eps,
+                  D: tl.constexpr, D_PAD: tl.constexpr, M: tl.constexpr, MODE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs_p = tl.arange(0, M)  # tile rows: X row p <-> window row R-1-M+p (valid for p >= off)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < D
+    off = M - m  # first valid tile row
+    valid_p = offs_p >= off
+    rows = offs_p[:, None]  # [M, 1]
+    cols = offs_p[None, :]  # [1, M]
+    base = W + pid * stride_n
+    ld_mask = valid_p[:, None] & d_mask[None, :]
+    X = tl.load(base + (R - 1 - M + offs_p)[:, None] * stride_r + offs_d[None, :] * stride_d,
+                mask=ld_mask, other=0.0).to(tl.float32)  # [M, D_PAD]
+    y = tl.load(base + (R - 1) * stride_r + offs_d * stride_d, mask=d_mask, other=0.0).to(tl.float32)
+
+    G = tl.dot(X, tl.trans(X), input_precision="ieee")  # [M, M] Gram of the regressors
+    bvec = tl.sum(X * y[None, :], 1)  # [M] X y
+    sq = tl.sum(tl.sum(X * X, 1), 0) + tl.sum(y * y, 0)
+    lam = tl.maximum(eps * sq / (m + 1), 1e-20)
+    eye = rows == cols
+    A = G + tl.where(eye, tl.where(valid_p, lam, 1.0)[:, None], 0.0)
+
+    # 1. UL Cholesky: A = U Uᵀ, U upper triangular, eliminating from the last column.
+    U = tl.zeros([M, M], tl.float32)
+    for jj in range(0, M):
+        j = M - 1 - jj
+        col = tl.sum(tl.where(cols == j, A, 0.0), 1)  # A[:, j]
+        piv = tl.sum(tl.where(offs_p == j, col, 0.0), 0)
+        u = tl.where(offs_p <= j, col / tl.sqrt(piv), 0.0)  # U[:, j]
+        U = tl.where(cols == j, u[:, None], U)
+        A = A - u[:, None] * u[None, :]
+
+    # 2. U z = b (back substitution); z's trailing part serves every trailing block.
+    z = tl.zeros([M], tl.float32)
+    for jj in range(0, M):
+        j = M - 1 - jj
+        urow = tl.sum(tl.where(rows == j, U, 0.0), 0)  # U[j, :]
+        ujj = tl.sum(tl.where(offs_p == j, urow, 0.0), 0)
+        bj = tl.sum(tl.where(offs_p == j, bvec, 0.0), 0)
+        zj = (bj - tl.sum(urow * z, 0)) / ujj
+        z = tl.where(offs_p == j, zj, z)
+
+    # 3. Uᵀ[k:, k:] a = z[k:] for every k at once: S[k, i] (i >= k) = weight of X row i
+    #    in the window starting at row k.
+    S = tl.zeros([M, M], tl.float32)
+    for i in range(0, M):
+        ucol = tl.sum(tl.where(cols == i, U, 0.0), 1)  # U[:, i] = row i of Uᵀ
+        uii = tl.sum(tl.where(offs_p == i, ucol, 0.0), 0)
+        zi = tl.sum(tl.where(offs_p == i, z, 0.0), 0)
+        t = tl.sum(S * ucol[None, :], 1)  # [M] Σ_j S[k, j] U[j, i]
+        S = tl.where((cols == i) & (rows <= i), ((zi - t) / uii)[:, None], S)
+
+    # 4. Coefficients over the shifted rows X' (X' row p = window row R-M+p).
+    if MODE == 3:
+        logits = tl.where((cols >= rows) & (rows >= off), S, float("-inf"))
+        mx = tl.max(logits, 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        e = tl.exp(logits - mx[:, None])
+        den = tl.sum(e, 1)
+        P = e / tl.where(den > 0, den, 1.0)[:, None]
+        C = tl.sum(P, 0) / m
+    else:
+        a = tl.sum(tl.where(rows == off, S, 0.0), 0)  # the largest window's weights
+        if MODE == 2:
+            logit = tl.where(valid_p, a, float("-inf"))
+            e = tl.exp(logit - tl.max(logit, 0))
+            C = e / tl.sum(e, 0)
+        else:
+            C = tl.where(valid_p, a, 0.0)
+    Xs = tl.load(base + (R - M + offs_p)[:, None] * stride_r + offs_d[None, :] * stride_d,
+                 mask=ld_mask, other=0.0).to(tl.float32)  # [M, D_PAD]
+    q_hat = tl.sum(C[:, None] * Xs, 0)
+    tl.store(OUT + pid * D + offs_d, q_hat, mask=d_mask)
+
+
+def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "assembled",
+                         eps: float = 1e-2) -> torch.Tensor:
+    """Triton predictor (whole solve in-kernel); same contract as ``ridge_predict_ref``.
+    ``last`` (and n < 2) is a plain copy of the newest row, no kernel."""
+    _check(window, n_valid, mode, eps)
+    N, R, D = window.shape
+    n = int(n_valid)
+    if mode == "last" or n < 2:
+        return window[:, R - 1].float().clone()
+    m = n - 1
+    M = max(16, triton.next_power_of_2(m))
+    D_PAD = max(16, triton.next_power_of_2(D))
+    out = torch.empty(N, D, dtype=torch.float32, device=window.device)
+    if N == 0:
+        return out
+    # One warp handles a 16-row tile; more rows or wider heads get more warps
+    # (the [M, D] tiles live in registers).
+    num_warps = max(1, min(8, (M * D_PAD) // 2048))
+    _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
+                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps)
+    return out

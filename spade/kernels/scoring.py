@@ -1,0 +1,767 @@
+"""GQA group scoring and the fused exact top-K selection (the hot kernels of the cache side).
+
+Two public ops, each with a plain-torch reference beside the Triton version:
+
+* ``group_scores_*``: the score of every cached key for each KV head,
+  [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``.
+* ``score_topk_*``: the ``k_top`` positions of ``[lo, hi)`` with the highest group
+  score, int32 [B, Hkv, k_top], ``-1`` padding when there are fewer candidates.
+
+Scoring is GQA as a batched GEMM per KV head: the G query heads of a group are
+the rows of a ``[G_PAD, D] x [D, BLOCK_L]`` ``tl.dot`` (G padded to 16, the
+smallest MMA tile), so one program reads each key tile once for the whole group
+and reduces the G rows in registers (``sum_logits`` / ``max_logits``).
+``sum_softmax`` needs each head's normaliser over the whole valid range before
+any group sum, so it runs in two kernels: per-head logits plus per-chunk online
+(max, sum-exp) statistics, then a finalize kernel that merges the statistics and
+sums the normalised heads (the logits are G x 4 bytes per token: small next to
+the keys, so the keys are still read once).
+
+Why the top-K is built this way
+-------------------------------
+The naive selection (``matmul`` + ``torch.topk``) is slower than the full
+attention it replaces. The floor is reading the keys of ``[lo, hi)`` once
+(256 bytes per token and KV head at d=128 in bf16). ``tl.topk`` gives values
+only, and a chunk-local top-K keeps nothing useful when K is comparable to the
+chunk, so the design is a *radix select on the score bits*:
+
+1. Stage 1 (split-L, one program per (b, KV head, chunk of L)) scores its chunk
+   and writes fp32 scores: 4 bytes per token and KV head, 1/64 of the key bytes
+   at d=128 bf16. It also builds the histogram of the top 8 bits of each score's
+   order-preserving uint32 key (``_f32_key``) in registers and adds it to a
+   per-row global histogram with 256 atomics per program (pass 0 fused).
+2. Stage 2 finds the exact K-th largest key of each row digit by digit (8 bits a
+   pass, 4 passes): pass p histograms the next digit of the scores whose higher
+   digits equal the prefix chosen so far; the chosen digit is the largest whose
+   suffix count reaches the remaining rank. The threshold ``T`` and the number
+   ``r`` of elements equal to ``T`` to take follow exactly. A compaction pass
+   writes every position with key > T plus the first ``r`` with key == T
+   (ties broken by arrival order), then ``-1`` padding.
+
+Stage 2 only re-reads fp32 scores (4 passes + 1 compaction = 5/64 of the key
+bytes, mostly hits in L2), so the whole op should stay close to one read of the
+keys. It has two launch shapes, chosen by ``_pick_select_mode``:
+
+* ``split``: one launch per pass, each over (row, chunk) programs with
+  atomically merged histograms, and an atomic-counter compaction: many programs,
+  for few rows (small B) or long rows.
+* ``row``: one program per row runs all remaining passes and the compaction in
+  a single launch (no atomics, deterministic order): when there are at least as
+  many rows as SMs, or rows are short (Quest pages reuse it).
+
+Everything is sized from tensor shapes only (no host sync), so the ops can be
+captured in a CUDA graph.
+
+Queries are rounded to the keys' dtype before scoring (the tensor-core path on
+GPU; the reference does the same rounding), so a float32 predicted query
+against a bf16 cache scores as the bf16 query.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "REDUCES",
+    "group_scores_ref",
+    "group_scores_triton",
+    "score_topk_ref",
+    "score_topk_triton",
+    "topk_from_scores_ref",
+    "topk_from_scores_triton",
+]
+
+REDUCES = ("sum_logits", "max_logits", "sum_softmax")
+_REDUCE_CODE = {"sum_logits": 0, "max_logits": 1}
+_LOGITS_MODE = 2  # stage-1 mode of sum_softmax: per-head logits + online stats
+_NBINS = 256  # 8-bit radix digits, 4 passes over a 32-bit key
+_NPASS = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared host-side helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _interpret() -> bool:
+    """True when Triton runs under its CPU interpreter (decided at launch time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Validate ``q`` [B, Hq, D] against ``k`` [B, Hkv, L, D]; return (B, Hq, Hkv, L, D)."""
+    if q.dim() != 3 or k.dim() != 4:
+        raise ValueError(f"expected q [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, Hq, D = q.shape
+    Bk, Hkv, L, Dk = k.shape
+    if B != Bk or D != Dk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if q.device != k.device:
+        raise ValueError(f"q on {q.device} but k on {k.device}")
+    return B, Hq, Hkv, L, D
+
+
+def _check_rows(t: torch.Tensor, B: int, name: str) -> torch.Tensor:
+    if t.shape != (B,):
+        raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
+    return t
+
+
+def _default_scale(scale: float | None, D: int) -> float:
+    return float(D) ** -0.5 if scale is None else float(scale)
+
+
+def _round_q(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The query as scored: rounded to the keys' dtype (see the module docstring)."""
+    return q if q.dtype == k.dtype else q.to(k.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of the device (a small stand-in under the interpreter, to keep grids tiny)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int) -> tuple[int, int]:
+    """Split rows of length ``n`` into chunks for a (row, chunk) grid.
+
+    Aims at about 4 programs per SM, with chunks of at least ``min_chunk``
+    elements (rounded to ``block``) so per-program work amortises its fixed costs
+    (q load, histogram atomics). Returns (chunk, n_chunks)."""
+    n = max(n, 1)
+    target = 4 * _sm_count(device)
+    n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
+    chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block
+    return chunk, triton.cdiv(n, chunk)
+
+
+def _score_config(D: int, device: torch.device) -> dict:
+    """Tile sizes of the scoring kernels. Overridable through ``SCORE_CONFIG`` (the
+    benchmark sweeps it)."""
+    block_d = max(16, triton.next_power_of_2(D))
+    if _interpret() or device.type != "cuda":
+        cfg = dict(BLOCK_L=32, num_warps=1, num_stages=1, MIN_CHUNK=64)
+    else:
+        cfg = dict(BLOCK_L=64 if block_d <= 128 else 32, num_warps=4, num_stages=3, MIN_CHUNK=512)
+    cfg.update(SCORE_CONFIG)
+    cfg["BLOCK_D"] = block_d
+    return cfg
+
+
+def _select_config(device: torch.device) -> dict:
+    if _interpret() or device.type != "cuda":
+        cfg = dict(BLOCK=64, num_warps=1, MIN_CHUNK=64)
+    else:
+        cfg = dict(BLOCK=1024, num_warps=4, MIN_CHUNK=4096)
+    cfg.update(SELECT_CONFIG)
+    return cfg
+
+
+SCORE_CONFIG: dict = {}
+"""Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
+``num_stages``, ``MIN_CHUNK``); empty = the built-in heuristic."""
+SELECT_CONFIG: dict = {}
+"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``)
+and ``mode`` (``"row"`` / ``"split"``) for stage 2."""
+
+
+def _pick_select_mode(rows: int, n: int, device: torch.device) -> str:
+    """``row`` when every SM gets a row anyway or rows are short, else ``split``."""
+    mode = SELECT_CONFIG.get("mode")
+    if mode is not None:
+        return mode
+    if rows >= _sm_count(device) or n <= 4096:
+        return "row"
+    return "split"
+
+
+def _dot_flags(k: torch.Tensor) -> tuple[bool, bool]:
+    """(UPCAST, IEEE): the interpreter's bf16 ``tl.dot`` is wrong, so it runs in fp32;
+    fp32 keys on a GPU use IEEE fp32 products rather than TF32."""
+    upcast = _interpret()
+    ieee = k.dtype == torch.float32 and not upcast
+    return upcast, ieee
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (plain torch)
+# ----------------------------------------------------------------------------------------------
+
+
+def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-head logits [B, Hkv, G, L] float32 (fp32 products, q rounded to k's dtype)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = _round_q(q, k).float().view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
+    return torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
+
+
+def _range_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
+    """[B, L] bool: lo[b] <= p < hi[b]."""
+    pos = torch.arange(L, device=lo.device)
+    return (pos[None, :] >= lo.long()[:, None]) & (pos[None, :] < hi.long()[:, None])
+
+
+def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Group-reduce ``logits`` [B, Hkv, G, L]; ``norm`` [B, L] is the softmax support,
+    ``out`` [B, L] the positions kept (others ``-inf``). Returns [B, Hkv, L] float32."""
+    neg = torch.tensor(float("-inf"), device=logits.device)
+    if reduce == "sum_logits":
+        s = logits.sum(2)
+    elif reduce == "max_logits":
+        s = logits.amax(2)
+    else:
+        masked = torch.where(norm[:, None, None, :], logits, neg)
+        p = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # rows with no support -> 0
+        s = p.sum(2)
+    return torch.where(out[:, None, :], s, neg).float()
+
+
+def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
+                     reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``."""
+    _check_reduce(reduce)
+    B, Hq, Hkv, L, D = _check_qk(q, k)
+    _check_rows(kv_lens, B, "kv_lens")
+    start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
+    valid = _range_mask(start.to(k.device), kv_lens.to(k.device), L)
+    logits = _group_logits_ref(q, k, _default_scale(scale, D))
+    return _reduce_ref(logits, valid, valid, reduce)
+
+
+def _norm_range(lo: torch.Tensor, hi: torch.Tensor, kv_lens: torch.Tensor | None,
+                reduce: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``sum_softmax`` normaliser range of ``score_topk``: ``[0, max(kv_lens, hi))``
+    with ``kv_lens`` (the hull guarantees it covers the candidates), else ``[lo, hi)``."""
+    if reduce != "sum_softmax" or kv_lens is None:
+        return lo, hi
+    kv = kv_lens.to(device=hi.device, dtype=hi.dtype)
+    return torch.zeros_like(lo), torch.maximum(kv, hi)
+
+
+def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
+    """Reference exact top-K over ``scores`` [B, H, N] restricted to ``[lo, hi)`` per row
+    of the batch: int32 [B, H, k_top], ``-1`` padding."""
+    B, H, N = scores.shape
+    cand = _range_mask(lo.to(scores.device), hi.to(scores.device), N)  # [B, N]
+    s = torch.where(cand[:, None, :], scores, torch.tensor(float("-inf"), device=scores.device))
+    out = torch.full((B, H, k_top), -1, dtype=torch.int32, device=scores.device)
+    kk = min(k_top, N)
+    if kk == 0:
+        return out
+    _, idx = s.topk(kk, dim=-1)  # [B, H, kk]
+    ok = cand[:, None, :].expand(B, H, N).gather(2, idx)  # a valid candidate is never -inf
+    out[..., :kk] = torch.where(ok, idx, torch.full_like(idx, -1)).to(torch.int32)
+    return out
+
+
+def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
+                   scale: float | None = None, reduce: str = "sum_logits",
+                   kv_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline)."""
+    _check_reduce(reduce)
+    B, Hq, Hkv, L, D = _check_qk(q, k)
+    _check_rows(lo, B, "lo")
+    _check_rows(hi, B, "hi")
+    if k_top < 0:
+        raise ValueError(f"k_top must be >= 0, got {k_top}")
+    lo, hi = lo.to(k.device), hi.to(k.device)
+    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
+    logits = _group_logits_ref(q, k, _default_scale(scale, D))
+    all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
+    scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
+    return topk_from_scores_ref(scores, lo, hi, k_top)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: scoring kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _f32_key(x):
+    """Order-preserving map of float32 to uint32 (larger float -> larger key):
+    flip every bit of negatives, set the sign bit of non-negatives."""
+    bits = x.to(tl.uint32, bitcast=True)
+    neg = (bits >> 31) == 1
+    # NOTE: ``bits ^ 0xFFFFFFFF`` rather than ``~bits``: the interpreter's uint32 invert overflows.
+    return tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The G query heads of KV head ``h`` as a zero-padded [G_PAD, BLOCK_D] tile."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+    return tl.load(base + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+
+
+@triton.jit
+def _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd, hist, m_run, s_run,
+                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
+    (hist, m_run, s_run)."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < G
+    offs_l = l0 + tl.arange(0, BLOCK_L)
+    valid = (offs_l >= lo) & (offs_l < hi)
+    kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_L, BLOCK_D]
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kt))
+    s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
+    if REDUCE == 2:
+        ptrs = out_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :]
+        tl.store(ptrs, s, mask=g_mask[:, None] & valid[None, :])
+        sm = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(sm, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
+        m_run = m_new
+    else:
+        if REDUCE == 0:
+            r = tl.sum(s, axis=0)  # padded q rows are zero
+        else:
+            r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
+        r = tl.where(valid, r, float("-inf"))
+        if FULL_ROW:
+            tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
+        else:
+            tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
+        if HIST:
+            digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=valid)
+    return hist, m_run, s_run
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, k_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    L, CHUNK, N_CHUNKS, scale,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Stage 1: score one chunk of one (b, KV head) row.
+
+    REDUCE 0/1 (sum/max of logits): writes scores [B*HKV, L] for positions in
+    ``[lo, hi)`` (FULL_ROW: every position of the chunk, ``-inf`` outside) and,
+    with HIST, adds the row's pass-0 radix histogram into ``hist_ptr``.
+    REDUCE 2 (sum_softmax stage 1): writes per-head logits [B*HKV, G, L] of
+    ``[lo, hi)`` and this chunk's online (max, sum-exp) per head into
+    ``stats_ptr`` [B*HKV, G, N_CHUNKS, 2].
+    """
+    row = tl.program_id(0)  # b * HKV + h
+    chunk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, L)
+    if FULL_ROW:
+        start = c0
+        end = c1
+    else:  # only the tiles meeting [lo, hi): keys outside are never read
+        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
+        end = tl.minimum(c1, hi)
+
+    offs_g = tl.arange(0, G_PAD)
+    g_mask = offs_g < G
+    q = _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    row64 = row.to(tl.int64)
+
+    hist = tl.zeros([256], dtype=tl.int32)
+    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+    s_run = tl.zeros([G_PAD], dtype=tl.float32)
+    if INTERPRET:
+        # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
+        # kernel keeps the for loop so the software pipeliner can stage the key loads.
+        l0 = start
+        while l0 < end:
+            hist, m_run, s_run = _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl,
+                                             stride_kd, hist, m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L,
+                                             REDUCE, FULL_ROW, HIST, UPCAST, IEEE)
+            l0 += BLOCK_L
+    else:
+        for l0 in range(start, end, BLOCK_L):
+            hist, m_run, s_run = _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl,
+                                             stride_kd, hist, m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L,
+                                             REDUCE, FULL_ROW, HIST, UPCAST, IEEE)
+    if REDUCE == 2:
+        st = stats_ptr + ((row64 * G + offs_g) * N_CHUNKS + chunk) * 2
+        tl.store(st, m_run, mask=g_mask)
+        tl.store(st + 1, s_run, mask=g_mask)
+    if HIST:
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def _softmax_finalize_kernel(
+    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    L, CHUNK, N_STATS,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr,
+):
+    """sum_softmax stage 2: merge the per-chunk (max, sum-exp) of each head into its
+    normaliser, then score = Σ_g exp(logit_g - M_g) / Z_g over ``[lo, hi)``."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = row // HKV
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, L)
+    if FULL_ROW:
+        start = c0
+        end = c1
+    else:
+        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
+        end = tl.minimum(c1, hi)
+    row64 = row.to(tl.int64)
+    offs_g = tl.arange(0, G_PAD)
+    offs_c = tl.arange(0, BLOCK_C)
+    g_mask = offs_g < G
+    smask = g_mask[:, None] & (offs_c[None, :] < N_STATS)
+    st = stats_ptr + ((row64 * G + offs_g[:, None]) * N_STATS + offs_c[None, :]) * 2
+    m = tl.load(st, mask=smask, other=float("-inf"))  # [G_PAD, BLOCK_C]
+    z = tl.load(st + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=1)  # [G_PAD]
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    z_all = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - m_safe[:, None])), axis=1)
+    inv_z = tl.where(z_all > 0, 1.0 / z_all, 0.0)
+
+    hist = tl.zeros([256], dtype=tl.int32)
+    for l0 in range(start, end, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        valid = (offs_l >= lo) & (offs_l < hi)
+        lg = tl.load(logit_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :],
+                     mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
+        p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
+        r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
+        if FULL_ROW:
+            tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
+        else:
+            tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
+        if HIST:
+            digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=valid)
+    if HIST:
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist)
+
+
+def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
+                   hist: torch.Tensor | None) -> None:
+    """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
+    ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``."""
+    B, Hq, D = q.shape
+    _, Hkv, L, _ = k.shape
+    G = Hq // Hkv
+    G_PAD = max(16, triton.next_power_of_2(G))
+    rows = B * Hkv
+    cfg = _score_config(D, k.device)
+    BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
+    chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"])
+    upcast, ieee = _dot_flags(k)
+    qr = _round_q(q, k)
+    do_hist = hist is not None
+    hist_arg = hist if do_hist else out  # never touched when HIST is off
+    common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (rows, n_chunks)
+    if reduce != "sum_softmax":
+        _score_kernel[grid](
+            qr, k, out, out, hist_arg, lo, hi,
+            qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            L, chunk, n_chunks, scale,
+            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common)
+        return
+    logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
+    stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
+    _score_kernel[grid](
+        qr, k, logits, stats, out, norm_lo, norm_hi,
+        qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        L, chunk, n_chunks, scale,
+        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common)
+    _softmax_finalize_kernel[grid](
+        logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
+        HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
+        FULL_ROW=full_row, HIST=do_hist, num_warps=cfg["num_warps"])
+
+
+def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
+                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``.
+
+    >>> s = group_scores_triton(q, k, kv_lens, reduce="max_logits")  # doctest: +SKIP
+    """
+    _check_reduce(reduce)
+    B, Hq, Hkv, L, D = _check_qk(q, k)
+    _check_rows(kv_lens, B, "kv_lens")
+    start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
+    out = torch.empty(B, Hkv, L, dtype=torch.float32, device=k.device)
+    if B * Hkv * L == 0:
+        return out
+    _launch_scores(q, k, out, start, kv_lens, start, kv_lens, scale=_default_scale(scale, D), reduce=reduce,
+                   full_row=True, hist=None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: exact top-K by radix select on the score bits
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pick_digit(counts, k_rem):
+    """Given the histogram ``counts`` [256] of the current digit among the elements
+    still tied on the prefix, and the rank ``k_rem`` (>= 1) still to fill, return the
+    digit holding the k_rem-th largest element and the rank left inside that digit."""
+    offs = tl.arange(0, 256)
+    total = tl.sum(counts, axis=0)
+    ge = total - tl.cumsum(counts, axis=0) + counts  # number of elements with digit >= i
+    d = tl.max(tl.where(ge >= k_rem, offs, 0), axis=0)
+    gt = tl.sum(tl.where(offs > d, counts, 0), axis=0)
+    return d, k_rem - gt
+
+
+@triton.jit
+def _radix_state(hist_ptr, row64, n_rows, k_eff, NPASS: tl.constexpr):
+    """Replay passes ``0..NPASS-1`` from the global histograms [4, n_rows, 256]:
+    the key prefix fixed so far and the rank left to fill."""
+    prefix = tl.full([], 0, tl.uint32)
+    k_rem = k_eff
+    for p in tl.static_range(NPASS):
+        counts = tl.load(hist_ptr + (p * n_rows + row64) * 256 + tl.arange(0, 256))
+        d, k_rem = _pick_digit(counts, k_rem)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+    return prefix, k_rem
+
+
+@triton.jit
+def _row_bounds(lo_ptr, hi_ptr, b, L, k_top):
+    """Clamped candidate range of batch row ``b`` and the number to select there."""
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    n_valid = tl.maximum(hi - lo, 0)
+    return lo, hi, tl.minimum(n_valid, k_top)
+
+
+@triton.jit
+def _hist_tile(row_ptr, l0, lo, hi, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram [256] of digit PASS of the keys in one tile tied with ``prefix`` on
+    the higher digits."""
+    offs = l0 + tl.arange(0, BLOCK)
+    valid = (offs >= lo) & (offs < hi)
+    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+    if PASS > 0:
+        valid = valid & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+    digit = ((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
+    return tl.histogram(digit, 256, mask=valid)
+
+
+@triton.jit
+def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr):
+    """Write -1 into slots [k_eff, k_top)."""
+    for s0 in range(0, k_top, BLOCK):
+        offs = s0 + tl.arange(0, BLOCK)
+        tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
+
+
+@triton.jit
+def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
+                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Split mode, pass PASS: histogram one chunk of a row into hist[PASS, row]."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS)
+    c0 = chunk * CHUNK
+    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
+    end = tl.minimum(c0 + CHUNK, hi)
+    end = tl.where(k_eff > 0, end, start)
+    acc = tl.zeros([256], dtype=tl.int32)
+    for l0 in range(start, end, BLOCK):
+        acc += _hist_tile(scores_ptr + row64 * L, l0, lo, hi, prefix, PASS, BLOCK)
+    tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc)
+
+
+@triton.jit
+def _radix_compact_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
+                          HKV: tl.constexpr, BLOCK: tl.constexpr):
+    """Split mode, last step: write positions with key > T, then the first r with
+    key == T (slots handed out by two atomic counters per row), then -1 padding."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
+    thr, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 4)
+    n_gt_total = k_eff - k_rem
+    c0 = chunk * CHUNK
+    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
+    end = tl.minimum(c0 + CHUNK, hi)
+    end = tl.where(k_eff > 0, end, start)
+    out_row = out_ptr + row64 * k_top
+    for l0 in range(start, end, BLOCK):
+        offs = l0 + tl.arange(0, BLOCK)
+        valid = (offs >= lo) & (offs < hi)
+        key = _f32_key(tl.load(scores_ptr + row64 * L + offs, mask=valid, other=0.0))
+        is_gt = (valid & (key > thr)).to(tl.int32)
+        is_eq = (valid & (key == thr)).to(tl.int32)
+        base_gt = tl.atomic_add(cnt_ptr + row64 * 2, tl.sum(is_gt, axis=0))
+        base_eq = tl.atomic_add(cnt_ptr + row64 * 2 + 1, tl.sum(is_eq, axis=0))
+        slot_gt = base_gt + tl.cumsum(is_gt, axis=0) - 1
+        slot_eq = n_gt_total + base_eq + tl.cumsum(is_eq, axis=0) - 1
+        tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
+        tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
+    if chunk == 0:
+        _pad_tail(out_row, k_eff, k_top, BLOCK)
+
+
+@triton.jit
+def _row_select_kernel(scores_ptr, hist_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
+                       HKV: tl.constexpr, START_PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row mode: one program runs passes START_PASS..3 over its row (earlier passes'
+    histograms come from ``hist_ptr``), then compacts in position order."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, START_PASS)
+    start = (lo // BLOCK) * BLOCK
+    end = tl.where(k_eff > 0, hi, start)
+    row_ptr = scores_ptr + row64 * L
+    for p in tl.static_range(START_PASS, 4):
+        acc = tl.zeros([256], dtype=tl.int32)
+        for l0 in range(start, end, BLOCK):
+            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
+        d, k_rem = _pick_digit(acc, k_rem)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+    n_gt_total = k_eff - k_rem
+    out_row = out_ptr + row64 * k_top
+    n_gt = 0
+    n_eq = 0
+    for l0 in range(start, end, BLOCK):
+        offs = l0 + tl.arange(0, BLOCK)
+        valid = (offs >= lo) & (offs < hi)
+        key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+        is_gt = (valid & (key > prefix)).to(tl.int32)
+        is_eq = (valid & (key == prefix)).to(tl.int32)
+        slot_gt = n_gt + tl.cumsum(is_gt, axis=0) - 1
+        slot_eq = n_gt_total + n_eq + tl.cumsum(is_eq, axis=0) - 1
+        tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
+        tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
+        n_gt += tl.sum(is_gt, axis=0)
+        n_eq += tl.sum(is_eq, axis=0)
+    _pad_tail(out_row, k_eff, k_top, BLOCK)
+
+
+def _new_hist(rows: int, device: torch.device, mode: str) -> torch.Tensor:
+    """Zeroed radix workspace: [4, rows, 256] histograms (+ [rows, 2] counters in split
+    mode) in one allocation, so one memset clears it."""
+    n = _NPASS * rows * _NBINS + (2 * rows if mode == "split" else 0)
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
+                        ws: torch.Tensor, *, start_pass: int, mode: str) -> torch.Tensor:
+    """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
+    row). ``ws`` is the zeroed workspace of ``_new_hist``, with passes < start_pass
+    already accumulated. Returns int32 [rows, k_top]."""
+    rows, N = scores.shape
+    out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
+    cfg = _select_config(scores.device)
+    BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
+    if mode == "row":
+        _row_select_kernel[(rows,)](scores, ws, out, lo, hi, N, rows, k_top,
+                                    HKV=hkv, START_PASS=start_pass, BLOCK=BLOCK, num_warps=nw)
+        return out
+    chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"])
+    grid = (rows, n_chunks)
+    for p in range(start_pass, _NPASS):
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk,
+                                 HKV=hkv, PASS=p, BLOCK=BLOCK, num_warps=nw)
+    cnt = ws[_NPASS * rows * _NBINS:]
+    _radix_compact_kernel[grid](scores, ws, cnt, out, lo, hi, N, rows, k_top, chunk,
+                                HKV=hkv, BLOCK=BLOCK, num_warps=nw)
+    return out
+
+
+def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
+    """Exact top-K of precomputed scores [B, H, N] (fp32) restricted to ``[lo, hi)``
+    per batch row: int32 [B, H, k_top], ``-1`` padding, order unspecified."""
+    B, H, N = scores.shape
+    _check_rows(lo, B, "lo")
+    _check_rows(hi, B, "hi")
+    if k_top < 0:
+        raise ValueError(f"k_top must be >= 0, got {k_top}")
+    if k_top == 0 or B * H == 0:
+        return torch.full((B, H, k_top), -1, dtype=torch.int32, device=scores.device)
+    s = scores.float().contiguous().view(B * H, N)
+    mode = _pick_select_mode(B * H, N, scores.device)
+    ws = _new_hist(B * H, scores.device, mode)
+    return _select_from_scores(s, lo, hi, k_top, H, ws, start_pass=0, mode=mode).view(B, H, k_top)
+
+
+def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
+                      scale: float | None = None, reduce: str = "sum_logits",
+                      kv_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top].
+
+    Keys outside ``[lo, hi)`` are not read (except the ``sum_softmax`` normaliser
+    range, see ``_norm_range``).
+
+    >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
+    """
+    _check_reduce(reduce)
+    B, Hq, Hkv, L, D = _check_qk(q, k)
+    _check_rows(lo, B, "lo")
+    _check_rows(hi, B, "hi")
+    if k_top < 0:
+        raise ValueError(f"k_top must be >= 0, got {k_top}")
+    if k_top == 0 or B * Hkv == 0:
+        return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
+    rows = B * Hkv
+    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
+    mode = _pick_select_mode(rows, L, k.device)
+    fuse = SELECT_CONFIG.get("fuse_hist", True)
+    ws = _new_hist(rows, k.device, mode)
+    scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
+    _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
+                   full_row=False, hist=ws if fuse else None)
+    out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, start_pass=1 if fuse else 0, mode=mode)
+    return out.view(B, Hkv, k_top)

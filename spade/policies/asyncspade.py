@@ -1,0 +1,167 @@
+"""``asyncspade``: token-level top-K with a *predicted* query (AsyncSpade).
+
+Exact top-K needs the current query, which puts selection on the critical path.
+AsyncSpade predicts q̂_t from a window of the queries already seen (up to
+q_{t-1}) and selects with it, so the selection for step t can be computed while
+step t-1 is still running, on another GPU or a side stream
+(``needs_current_query = False``: ``select`` ignores ``q``).
+
+Selection: sinks + recent window + the top ``budget - sink - recent`` middle
+tokens scored by q̂ (one set per KV head, the group reduced by
+``group_reduce``), the same shape as ``oracle``'s with the true query.
+
+State per layer: ``window`` [B, Hq, W+1, D] float32, the last W+1 queries
+(oldest first; pre-RoPE when ``rope_aware``). ``prefill`` pushes the prompt's
+last W+1 queries, ``observe`` pushes the current one. How many are valid is
+derived from the host ``state.seq_len`` (no host counter that a replayed CUDA
+graph would not advance), which assumes ``observe`` runs once per decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spade.errors import ConfigError
+from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.common import is_dense, row_start, topk_selection
+from spade.policies.predictors import predict, rotate
+
+
+@dataclass
+class AsyncSpadeLayerState:
+    window: torch.Tensor  # [B, Hq, R, D] float32 past queries, oldest first (R = W + 1)
+    anchor_seq_len: int | None = None
+    """Host ``seq_len`` at the call that last set ``anchor_count`` (prefill or first observe)."""
+    anchor_count: int = 0
+    """Valid queries in ``window`` right after that call."""
+
+
+class AsyncSpadePolicy(Policy):
+    """AsyncSpade with a configurable predictor (``last``, ``ridge``,
+    ``softmax_ridge``, ``assembled``) and optional RoPE-aware prediction.
+
+    >>> from spade.config import AsyncSpadePolicyConfig
+    >>> from spade.policies.base import AttentionSpec
+    >>> pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2,
+    ...                        predictor="last", window=2),
+    ...                        AttentionSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8))
+    >>> st = pol.new_state(1, "cpu"); st.seq_len = 20
+    >>> k = torch.randn(1, 2, 24, 8); kv = torch.tensor([20])
+    >>> pol.prefill(st, 0, torch.randn(1, 4, 20, 8), k, k, kv)
+    >>> st.seq_len = 21; kv = kv + 1
+    >>> sel = pol.select(st, 0, None, k, kv)      # no current query needed
+    >>> int(sel.attended(kv).max())
+    8
+    """
+
+    name = "asyncspade"
+    needs_current_query = False
+
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        if cfg.rope_aware and spec.rope is None:
+            raise ConfigError("policy.rope_aware needs a model with rotary embeddings (spec.rope is None); "
+                              "set policy.rope_aware=false")
+
+    @property
+    def rows(self) -> int:
+        """R = W + 1: the window holds W regressors plus the newest query (the target)."""
+        return self.cfg.window + 1
+
+    def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
+        state = super().new_state(batch_size, device)
+        s = self.spec
+        state.layers = [
+            AsyncSpadeLayerState(window=torch.zeros(batch_size, s.n_q_heads, self.rows, s.head_dim,
+                                                    dtype=torch.float32, device=device))
+            for _ in range(s.n_layers)
+        ]
+        return state
+
+    # ------------------------------------------------------------------ bookkeeping
+    def n_valid(self, state: PolicyState, layer: int = 0) -> int:
+        """Valid queries in the window when ``select`` runs at ``state.seq_len``
+        (the observes since the anchor are those of steps ``anchor+1 .. seq_len-1``)."""
+        st = state.layers[layer]
+        if st is None or st.anchor_seq_len is None:
+            return 0
+        pushed = max(0, state.seq_len - 1 - st.anchor_seq_len)
+        return min(self.rows, st.anchor_count + pushed)
+
+    def graph_key(self, state: PolicyState) -> tuple:
+        # the number of valid window rows changes the predictor's work until it saturates
+        return (state.seq_len <= self.cfg.budget, self.n_valid(state))
+
+    def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
+        st = state.layers[layer]
+        B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+        if st is None or st.window.shape != (B, Hq, self.rows, D) or st.window.device != q.device:
+            st = AsyncSpadeLayerState(window=torch.zeros(B, Hq, self.rows, D, dtype=torch.float32,
+                                                         device=q.device))
+            state.layers[layer] = st
+        return st
+
+    @staticmethod
+    def _positions(state: PolicyState, kv_lens: torch.Tensor, back: torch.Tensor | int = 1) -> torch.Tensor:
+        """RoPE position of cache index ``kv_len - back`` (index minus ``kv_start``):
+        [B] for an int ``back``, [B, n] for ``back`` [n]."""
+        rel = kv_lens.to(torch.int64) - row_start(state.kv_start, kv_lens)  # [B]
+        if isinstance(back, torch.Tensor):
+            return rel[:, None] - back[None, :]
+        return rel - back
+
+    # ------------------------------------------------------------------ policy API
+    def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """Push the prompt's last W+1 queries (``q`` [B, Hq, T, D], right-aligned at
+        ``kv_lens``); queries of left padding are zeroed."""
+        st = self._layer(state, layer, q[:, :, 0])
+        T = q.shape[2]
+        n = min(T, self.rows)
+        qs = q[:, :, T - n:].float()  # [B, Hq, n, D]
+        offset = torch.arange(n, 0, -1, device=q.device)  # column j sits at kv_len - (n - j)
+        pos = self._positions(state, kv_lens.to(q.device), offset)  # [B, n]
+        if self.cfg.rope_aware:
+            qs = rotate(qs, pos, self.spec.rope, inverse=True)
+        qs = qs * (pos >= 0)[:, None, :, None]  # padding queries carry no signal
+        st.window.zero_()
+        st.window[:, :, self.rows - n:] = qs
+        st.anchor_seq_len, st.anchor_count = state.seq_len, n
+
+    def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                kv_lens: torch.Tensor) -> None:
+        st = self._layer(state, layer, q)
+        qn = q.float()  # [B, Hq, D]
+        if self.cfg.rope_aware:
+            qn = rotate(qn, self._positions(state, kv_lens.to(q.device)), self.spec.rope, inverse=True)
+        w = st.window
+        w[:, :, :-1] = w[:, :, 1:].clone()  # shift out the oldest (tiny: W+1 rows)
+        w[:, :, -1] = qn
+        if st.anchor_seq_len is None:  # no prefill: start counting here
+            st.anchor_seq_len, st.anchor_count = state.seq_len, 1
+
+    def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """q̂ for the step whose cache length is ``kv_lens`` (post-RoPE when
+        ``rope_aware``): [B, Hq, D] float32, or None before any query was seen."""
+        n = self.n_valid(state, layer)
+        if n == 0:
+            return None
+        st = state.layers[layer]
+        q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
+        if self.cfg.rope_aware:
+            q_hat = rotate(q_hat, self._positions(state, kv_lens.to(q_hat.device)), self.spec.rope)
+        return q_hat
+
+    def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> Selection | None:
+        cfg = self.cfg
+        if is_dense(state, cfg.budget, self.name):
+            return None
+        q_hat = self.predict_query(state, layer, kv_lens)
+        if q_hat is None:  # nothing observed yet (no prefill queries): full attention
+            return None
+        return topk_selection(q_hat, k_cache, kv_lens, state.kv_start, budget=cfg.budget,
+                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
+                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce)

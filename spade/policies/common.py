@@ -1,0 +1,104 @@
+"""Helpers shared by the policies: host-side dense decisions, per-row ranges, the
+token-level "sinks + top-K middle + recent" selection.
+
+Everything here is free of host syncs: host decisions use ``state.seq_len`` (a
+host int the caller keeps through ``begin_step``) and static config only, and
+per-row work stays on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade import kernels
+from spade.policies.base import PolicyState, Selection
+
+
+def require_seq_len(state: PolicyState, policy: str) -> int:
+    """The host cache length of this step; a decode step always has one token.
+
+    ``seq_len == 0`` means the caller never called ``begin_step``: every host
+    decision would silently be wrong (dense forever), so fail loudly instead.
+    """
+    if state.seq_len <= 0:
+        raise RuntimeError(
+            f"policy '{policy}': state.seq_len is {state.seq_len}; the caller must set it to the "
+            "cache length (including the current token) before select, e.g. through "
+            "AttentionContext.begin_step(seq_len)"
+        )
+    return state.seq_len
+
+
+def is_dense(state: PolicyState, budget: int, policy: str) -> bool:
+    """True when every row's context fits the budget, decided on the host.
+
+    The context of row ``b`` is ``kv_len - kv_start[b] <= seq_len``, so
+    ``seq_len <= budget`` guarantees full attention is within budget for every
+    row without reading ``kv_start`` from the device. Rows whose own context is
+    <= budget while ``seq_len`` is larger (left padding) take the sparse path,
+    whose token-level selections then cover their whole context anyway.
+    """
+    return require_seq_len(state, policy) <= budget
+
+
+def row_start(kv_start: torch.Tensor | None, kv_lens: torch.Tensor) -> torch.Tensor:
+    """First valid cache position per row: [B] int64 on ``kv_lens``'s device."""
+    if kv_start is None:
+        return torch.zeros_like(kv_lens, dtype=torch.int64)
+    return kv_start.to(device=kv_lens.device, dtype=torch.int64)
+
+
+def middle_bounds(kv_lens: torch.Tensor, kv_start: torch.Tensor | None, n_sink: int,
+                  n_recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range ``[lo, hi)`` between the sinks and the recent window, per row.
+
+    ``lo = kv_start + n_sink`` and ``hi = max(kv_len - n_recent, lo)``: an empty
+    range when the sinks and the recent window already cover the row (this
+    mirrors ``Selection``'s own clipping, so the middle never overlaps them).
+    Returns two [B] int64 tensors.
+    """
+    kv = kv_lens.to(torch.int64)
+    lo = torch.minimum(row_start(kv_start, kv_lens) + n_sink, kv)
+    hi = torch.maximum(kv - n_recent, lo)
+    return lo, hi
+
+
+def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """A zero-width middle selection: int32 [B, Hkv, 0]."""
+    return torch.empty(batch, n_kv_heads, 0, dtype=torch.int32, device=device)
+
+
+def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
+                   kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
+                   scale: float, reduce: str) -> Selection:
+    """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
+    scored by ``q`` (exact token-level top-K, one selection per KV head).
+
+    ``q``: [B, Hq, D] (the true query for ``oracle``, a predicted one for
+    ``asyncspade``); ``k_cache``: [B, Hkv, L, D]. The middle is
+    ``[kv_start + n_sink, kv_len - n_recent)``: disjoint from the sinks and the
+    recent window by construction, so no position is counted twice.
+    """
+    B, Hkv = k_cache.shape[0], k_cache.shape[1]
+    k_top = budget - n_sink - n_recent
+    if k_top <= 0:
+        idx = empty_indices(B, Hkv, k_cache.device)
+    else:
+        lo, hi = middle_bounds(kv_lens, kv_start, n_sink, n_recent)
+        # The sum_softmax normaliser runs over [0, kv_len); with left padding that
+        # would include garbage positions, so it then spans the middle only.
+        norm_lens = kv_lens if kv_start is None else None
+        idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
+                                 kv_lens=norm_lens)
+    return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+
+
+def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+    """The newest cached key of every row, ``k_cache[b, :, kv_lens[b] - 1]``: [B, Hkv, D].
+
+    A device-side gather (no host read of ``kv_lens``).
+    """
+    B, H, _, D = k_cache.shape
+    pos = (kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1).clamp(min=0)  # [B]
+    idx = pos.view(B, 1, 1, 1).expand(B, H, 1, D)
+    return k_cache.gather(2, idx).squeeze(2)

@@ -1,0 +1,44 @@
+"""``oracle``: exact token-level top-K with the current query.
+
+The upper bound of every query-aware policy at a given budget (it scores every
+cached key with the true query), and the baseline the paper's asynchronous
+selection tries to match: it needs the current query, so it runs on the
+critical path (``needs_current_query = True``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.common import is_dense, topk_selection
+
+
+class OraclePolicy(Policy):
+    """Sinks + recent window + the top ``budget - sink - recent`` middle tokens of
+    the current query's (group-reduced) scores.
+
+    >>> from spade.config import OraclePolicyConfig
+    >>> from spade.policies.base import AttentionSpec
+    >>> pol = OraclePolicy(OraclePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2),
+    ...                    AttentionSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8))
+    >>> st = pol.new_state(1, "cpu"); st.seq_len = 20
+    >>> q, k = torch.randn(1, 4, 8), torch.randn(1, 2, 20, 8)
+    >>> sel = pol.select(st, 0, q, k, torch.tensor([20]))
+    >>> sel.indices.shape, int(sel.attended(torch.tensor([20])).max())
+    (torch.Size([1, 2, 5]), 8)
+    """
+
+    name = "oracle"
+    needs_current_query = True
+
+    def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> Selection | None:
+        cfg = self.cfg
+        if is_dense(state, cfg.budget, self.name):
+            return None
+        if q is None:
+            raise ValueError("oracle needs the current query (needs_current_query=True)")
+        return topk_selection(q, k_cache, kv_lens, state.kv_start, budget=cfg.budget,
+                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
+                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce)

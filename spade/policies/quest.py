@@ -1,0 +1,93 @@
+"""``quest``: page-level query-aware selection (Quest page bounds).
+
+Each page of ``page_size`` consecutive cache positions keeps the element-wise
+min and max of its keys; a page's score is an upper bound of ``q · k`` over its
+tokens, ``Σ_d max(q_d·min_d, q_d·max_d)``. The ``budget // page_size`` pages
+with the best bounds are attended, the last (partial) page always among them.
+Cheap to score (``L / page_size`` bounds instead of ``L`` keys) but coarse: a
+page is kept whole or not at all.
+
+State per layer: ``kmin``/``kmax`` [B, Hkv, P, D] (``P = ceil(L / page_size)``,
+the key dtype), built from the prompt at ``prefill`` and folded with the newest
+key at every ``observe``. ``select`` at step t therefore sees the bounds of
+tokens up to t-1; token t lies in the last page, which is always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spade import kernels
+from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.common import is_dense, last_token_keys
+
+
+@dataclass
+class QuestLayerState:
+    kmin: torch.Tensor  # [B, Hkv, P, D] element-wise min of each page's keys (+inf: empty)
+    kmax: torch.Tensor  # [B, Hkv, P, D] element-wise max of each page's keys (-inf: empty)
+
+
+class QuestPolicy(Policy):
+    """Quest: the best ``budget // page_size`` pages by their upper-bound score.
+
+    Pages are absolute (page ``p`` holds positions ``[p·S, (p+1)·S)``); positions
+    before ``kv_start`` (left padding) are never selected. The selection has no
+    sinks and no recent window (``n_sink = n_recent = 0``): the current token
+    comes with the last page.
+
+    >>> from spade.config import QuestPolicyConfig
+    >>> from spade.policies.base import AttentionSpec
+    >>> pol = QuestPolicy(QuestPolicyConfig(budget=8, page_size=4),
+    ...                   AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8))
+    >>> st = pol.new_state(1, "cpu"); st.seq_len = 30
+    >>> k = torch.randn(1, 1, 32, 8); q = torch.randn(1, 2, 8)
+    >>> pol.prefill(st, 0, q[:, :, None], k, k, torch.tensor([30]))
+    >>> sel = pol.select(st, 0, q, k, torch.tensor([30]))
+    >>> sorted(set((sel.indices[sel.indices >= 0] // 4).tolist()))[-1]  # the last page
+    7
+    """
+
+    name = "quest"
+    needs_current_query = True
+
+    @property
+    def n_pages_sel(self) -> int:
+        return self.cfg.budget // self.cfg.page_size
+
+    def _build(self, state: PolicyState, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor) -> QuestLayerState:
+        kmin, kmax = kernels.quest_build(k_cache, kv_lens, self.cfg.page_size, kv_start=state.kv_start)
+        st = QuestLayerState(kmin=kmin, kmax=kmax)
+        state.layers[layer] = st
+        return st
+
+    def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        self._build(state, layer, k_cache, kv_lens)
+
+    def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> Selection | None:
+        cfg = self.cfg
+        if is_dense(state, cfg.budget, self.name):
+            return None
+        if q is None:
+            raise ValueError("quest needs the current query (needs_current_query=True)")
+        st = state.layers[layer]
+        if st is None:  # no prefill was reported: bound the cache as it is now (once)
+            st = self._build(state, layer, k_cache, kv_lens)
+        idx = kernels.quest_select(q, st.kmin, st.kmax, kv_lens, self.n_pages_sel, cfg.page_size,
+                                   scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
+                                   kv_start=state.kv_start)
+        return Selection(indices=idx, n_sink=0, n_recent=0, kv_start=state.kv_start)
+
+    def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                kv_lens: torch.Tensor) -> None:
+        st = state.layers[layer]
+        if st is None:  # the bounds are built from the whole cache at first use
+            self._build(state, layer, k_cache, kv_lens)
+            return
+        pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]
+        kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens), pos,
+                             self.cfg.page_size)

@@ -1,0 +1,49 @@
+"""``streaming``: attention sinks + a sliding window of recent tokens.
+
+The query-agnostic baseline: no scoring at all, so it costs nothing and can run
+ahead (``needs_current_query = False``). The whole budget beyond the sinks goes
+to the recent window: ``n_recent = budget - sink_tokens`` (``recent_tokens`` is
+only the lower bound the config checks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.common import empty_indices, is_dense
+
+
+class StreamingPolicy(Policy):
+    """Sinks ``[s, s + sink)`` and the ``budget - sink`` most recent tokens.
+
+    >>> from spade.config import StreamingPolicyConfig
+    >>> from spade.policies.base import AttentionSpec
+    >>> pol = StreamingPolicy(StreamingPolicyConfig(budget=8, sink_tokens=2, recent_tokens=1),
+    ...                       AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=2, head_dim=4))
+    >>> st = pol.new_state(1, "cpu"); st.seq_len = 30
+    >>> sel = pol.select(st, 0, None, torch.zeros(1, 2, 30, 4), torch.tensor([30]))
+    >>> sel.indices.shape, sel.n_sink, sel.n_recent
+    (torch.Size([1, 2, 0]), 2, 6)
+    """
+
+    name = "streaming"
+    needs_current_query = False
+
+    def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
+        state = super().new_state(batch_size, device)
+        # one zero-width index tensor shared by every layer and step (no per-step alloc)
+        state.layers = [empty_indices(batch_size, self.spec.n_kv_heads, device)] * self.spec.n_layers
+        return state
+
+    def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
+               kv_lens: torch.Tensor) -> Selection | None:
+        cfg = self.cfg
+        if is_dense(state, cfg.budget, self.name):
+            return None
+        idx = state.layers[layer]
+        if idx is None or idx.device != k_cache.device or idx.shape[0] != k_cache.shape[0]:
+            idx = empty_indices(k_cache.shape[0], k_cache.shape[1], k_cache.device)
+            state.layers[layer] = idx
+        return Selection(indices=idx, n_sink=cfg.sink_tokens, n_recent=cfg.budget - cfg.sink_tokens,
+                         kv_start=state.kv_start)

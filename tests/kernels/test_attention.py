@@ -1,0 +1,349 @@
+"""Decode attention over a selection (sinks ∪ indices ∪ recent) and state merging.
+
+Every result is checked against ``_expected``: a float64 loop over (b, KV head)
+that builds the attended position set straight from the rule documented in
+``spade.policies.base.Selection`` — written independently of the module's own
+reference (which is checked against it too).
+
+Tolerances are relative errors ``||out - exp|| / ||exp||`` per output dtype: the
+expected value is computed in float64 from the same (rounded) inputs, so what is
+left is the output rounding (half an ulp: 2^-24, 2^-11, 2^-8 relative for fp32,
+fp16, bf16) plus, on a GPU, the probabilities rounded to the value dtype before
+the second matmul — a few ulps of that dtype at most.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spade.kernels import attention as A
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+LSE_ATOL = 1e-3
+LENGTHS = (1, 7, 37, 130)
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+# ----------------------------------------------------------------------------- helpers
+def _attended_positions(kv_len: int, s: int, idx_row, n_sink: int, n_recent: int, dense: bool) -> list[int]:
+    """The attended set for one (b, h), straight from the Selection docstring."""
+    if dense:
+        return list(range(s, kv_len))
+    sink = set(range(s, min(s + n_sink, kv_len)))
+    mid = {int(i) for i in idx_row if int(i) >= 0}
+    recent = set(range(max(kv_len - n_recent, s + n_sink), kv_len))
+    return sorted(sink | mid | recent)
+
+
+def _expected(q, k, v, kv_lens, indices, *, n_sink=0, n_recent=0, kv_start=None, scale=None):
+    """float64 attention; returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq), float("-inf"), dtype=torch.float64)
+    qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    for b in range(B):
+        s = 0 if kv_start is None else int(kv_start[b])
+        for h in range(Hkv):
+            row = None if indices is None else indices[b, h].tolist()
+            pos = _attended_positions(int(kv_lens[b]), s, row or [], n_sink, n_recent, indices is None)
+            if not pos:
+                continue
+            p_idx = torch.tensor(pos)
+            for g in range(G):
+                hq = h * G + g
+                sc = (kd[b, h, p_idx] @ qd[b, hq]) * scale  # [n]
+                lse[b, hq] = torch.logsumexp(sc, 0)
+                out[b, hq] = torch.softmax(sc, 0) @ vd[b, h, p_idx]
+    return out, lse
+
+
+def _rel(out: torch.Tensor, exp: torch.Tensor) -> float:
+    exp = exp.double().cpu()
+    return ((out.double().cpu() - exp).norm() / exp.norm().clamp_min(1e-12)).item()
+
+
+def _check(out, lse, exp_out, exp_lse, dtype):
+    assert out.dtype == dtype
+    assert _rel(out, exp_out) < TOL[dtype], _rel(out, exp_out)
+    lse = lse.double().cpu()
+    fin = torch.isfinite(exp_lse)
+    assert torch.equal(torch.isfinite(lse), fin)  # empty sets: exactly -inf
+    assert (lse[fin] - exp_lse[fin]).abs().max().item() < LSE_ATOL if fin.any() else True
+
+
+def _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent, *, holes=0.2, fill_all=False):
+    """Random disjoint middle indices [B, Hkv, k_mid] int32 from [sink_end, recent_start)
+    (what a policy guarantees), shuffled, with -1 holes; ``fill_all`` takes every
+    middle position (then k_mid must be >= the middle size)."""
+    B = kv_lens.shape[0]
+    out = torch.full((B, Hkv, k_mid), -1, dtype=torch.int32)
+    for b in range(B):
+        n = int(kv_lens[b])
+        s = 0 if kv_start is None else int(kv_start[b])
+        sink_end = min(s + n_sink, n)
+        recent_start = max(n - n_recent, sink_end)
+        cand = torch.arange(sink_end, recent_start)
+        for h in range(Hkv):
+            perm = cand[torch.randperm(len(cand))]
+            take = perm if fill_all else perm[: k_mid]
+            row = torch.full((k_mid,), -1, dtype=torch.int32)
+            slots = torch.randperm(k_mid)[: len(take)]
+            row[slots] = take.int()
+            if not fill_all and holes > 0:
+                row[torch.rand(k_mid) < holes] = -1
+            out[b, h] = row
+    return out
+
+
+def _inputs(B, Hq, Hkv, D, L, dtype, device):
+    q = torch.randn(B, Hq, D, dtype=dtype, device=device)
+    k = torch.randn(B, Hkv, L, D, dtype=dtype, device=device)
+    v = torch.randn(B, Hkv, L, D, dtype=dtype, device=device)
+    return q, k, v
+
+
+def _lens(B: int, case: int):
+    """Per-row lengths cycling through the odd lengths (B=1 rotates over cases)."""
+    return torch.tensor([LENGTHS[(case + i) % len(LENGTHS)] for i in range(B)])
+
+
+# ----------------------------------------------------------------------------- dense
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("B", [1, 3])
+def test_dense_matches_float64(B, heads, D, dtype, device):
+    Hq, Hkv = heads
+    case = HEADS.index(heads) + D
+    L = 131  # capacity beyond every length: positions >= kv_len are garbage
+    q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, device)
+    kv_lens = _lens(B, case)
+    kv_start = None
+    if B == 3:  # left padding on some rows
+        kv_start = torch.tensor([0, min(3, int(kv_lens[1]) - 1), 2])
+        kv_start = torch.minimum(kv_start, kv_lens - 1)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, None, kv_start=kv_start)
+    kl = kv_lens.to(device)
+    ks = None if kv_start is None else kv_start.to(device)
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kl, None, kv_start=ks, return_lse=True)
+    _check(out, lse, exp_out, exp_lse, dtype)
+    ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kl, None, kv_start=ks, return_lse=True)
+    _check(ref, ref_lse, exp_out, exp_lse, dtype)
+
+
+# ----------------------------------------------------------------------------- sparse
+SPARSE_CASES = [  # (n_sink, n_recent, k_mid)
+    (4, 8, 24),
+    (0, 1, 5),
+    (1, 16, 1),  # K = 1
+    (2, 0, 200),  # K >= context: mostly holes
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("B", [1, 3])
+def test_sparse_matches_float64(B, heads, D, dtype, device):
+    Hq, Hkv = heads
+    case = HEADS.index(heads) * 2 + (D == 64) + 3 * (dtype == torch.float16)
+    n_sink, n_recent, k_mid = SPARSE_CASES[case % len(SPARSE_CASES)]
+    L = 130
+    q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, device)
+    kv_lens = _lens(B, case)
+    kv_start = torch.tensor([0, 2, 5])[:B] if B == 3 else None
+    if kv_start is not None:
+        kv_start = torch.minimum(kv_start, kv_lens)
+    idx = _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+    kw = dict(n_sink=n_sink, n_recent=n_recent, return_lse=True,
+              kv_start=None if kv_start is None else kv_start.to(device))
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), **kw)
+    _check(out, lse, exp_out, exp_lse, dtype)
+    ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx.to(device), **kw)
+    _check(ref, ref_lse, exp_out, exp_lse, dtype)
+
+
+@pytest.mark.parametrize("n_sink,n_recent", [(0, 0), (4, 8), (3, 40), (50, 50)])
+def test_all_middle_indices_equal_dense(n_sink, n_recent, device):
+    """Sinks + every middle position + recent is the whole context: dense attention.
+    (Large n_sink/n_recent make the ranges overlap at short lengths.)"""
+    B, Hq, Hkv, D, L = 3, 4, 2, 64, 130
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([130, 7, 37])
+    kv_start = torch.tensor([0, 1, 4])
+    idx = _middle_indices(kv_lens, kv_start, Hkv, 140, n_sink, n_recent, fill_all=True)
+    kl, ks = kv_lens.to(device), kv_start.to(device)
+    dense, dense_lse = A.sparse_decode_attention_triton(q, k, v, kl, None, kv_start=ks, return_lse=True)
+    sparse, sparse_lse = A.sparse_decode_attention_triton(q, k, v, kl, idx.to(device), n_sink=n_sink,
+                                                          n_recent=n_recent, kv_start=ks, return_lse=True)
+    assert _rel(sparse, dense) < 1e-5
+    assert (sparse_lse - dense_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_num_splits_agree(num_splits, device):
+    """Any split count gives the same answer (more splits than blocks: empty splits)."""
+    B, Hq, Hkv, D, L = 2, 4, 2, 16, 130
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([130, 37])
+    idx = _middle_indices(kv_lens, None, Hkv, 30, 4, 8)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=4, n_recent=8)
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=4,
+                                                n_recent=8, return_lse=True, num_splits=num_splits)
+    _check(out, lse, exp_out, exp_lse, torch.float32)
+
+
+def test_empty_set_and_scale(device):
+    """kv_start == kv_len leaves nothing to attend: out 0, lse -inf; a custom scale."""
+    B, Hq, Hkv, D, L = 2, 4, 2, 16, 40
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([37, 5])
+    kv_start = torch.tensor([3, 5])
+    idx = torch.full((B, Hkv, 4), -1, dtype=torch.int32)
+    for indices in (None, idx):
+        exp_out, exp_lse = _expected(q, k, v, kv_lens, indices, n_sink=2, n_recent=3, kv_start=kv_start,
+                                     scale=0.3)
+        out, lse = A.sparse_decode_attention_triton(
+            q, k, v, kv_lens.to(device), None if indices is None else indices.to(device), n_sink=2,
+            n_recent=3, kv_start=kv_start.to(device), scale=0.3, return_lse=True)
+        _check(out, lse, exp_out, exp_lse, torch.float32)
+        assert out[1].abs().max().item() == 0.0 and torch.isinf(lse[1]).all()
+
+
+def test_strided_inputs(device):
+    """q and the cache as non-contiguous views (a [B, L, H, D] cache transposed)."""
+    B, Hq, Hkv, D, L = 2, 4, 2, 64, 50
+    q = torch.randn(B, D, Hq, device=device).transpose(1, 2)
+    k = torch.randn(B, L, Hkv, D, device=device).transpose(1, 2)
+    v = torch.randn(B, L, Hkv, D, device=device).transpose(1, 2)
+    kv_lens = torch.tensor([50, 37])
+    idx = _middle_indices(kv_lens, None, Hkv, 9, 2, 4)
+    idx_view = torch.cat([idx, idx], dim=2)[:, :, ::2]  # strided index list, same content
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=4)
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx_view.to(device), n_sink=2,
+                                                n_recent=4, return_lse=True)
+    _check(out, lse, exp_out, exp_lse, torch.float32)
+
+
+def test_public_dispatch(device, monkeypatch):
+    """spade.kernels.sparse_decode_attention routes to the Triton kernel when forced."""
+    from spade import kernels
+
+    B, Hq, Hkv, D, L = 1, 4, 1, 16, 37
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([37], device=device)
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    a = kernels.sparse_decode_attention(q, k, v, kv_lens)
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    b = kernels.sparse_decode_attention(q, k, v, kv_lens)
+    assert _rel(a, b) < 1e-5
+
+
+def test_bad_shapes_raise():
+    q = torch.randn(1, 3, 16)
+    k = torch.randn(1, 2, 10, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        A.sparse_decode_attention_ref(q, k, k, torch.tensor([10]))
+    with pytest.raises(ValueError, match="indices"):
+        A.sparse_decode_attention_triton(torch.randn(1, 4, 16), k, k, torch.tensor([10]),
+                                         torch.zeros(1, 3, 2, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- merge
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_merge_two_halves_equals_union(impl, dtype, device):
+    """Part A = sinks + even middle slots, part B = odd slots + recent window (a
+    dense pass over [s, len) is the union only when combined): merge == union."""
+    merge = A.merge_attention_states_ref if impl == "ref" else A.merge_attention_states_triton
+    B, Hq, Hkv, D, L = 3, 4, 2, 64, 130
+    q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, device)
+    kv_lens = torch.tensor([130, 7, 37])
+    n_sink, n_recent = 4, 8
+    idx = _middle_indices(kv_lens, None, Hkv, 40, n_sink, n_recent)
+    idx_a, idx_b = idx.clone(), idx.clone()
+    idx_a[..., 1::2] = -1
+    idx_b[..., 0::2] = -1
+    kl = kv_lens.to(device)
+    out_a, lse_a = A.sparse_decode_attention_triton(q, k, v, kl, idx_a.to(device), n_sink=n_sink,
+                                                    return_lse=True)
+    # part B has no sinks: an explicit zero-length sink range shifts recent_start
+    # to max(len - n_recent, 0), the same window as in the union
+    out_b, lse_b = A.sparse_decode_attention_triton(q, k, v, kl, idx_b.to(device), n_recent=n_recent,
+                                                    return_lse=True)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent)
+    out, lse = merge(out_a, lse_a, out_b, lse_b)
+    _check(out, lse, exp_out, exp_lse, dtype)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_merge_with_empty_parts(impl, device):
+    merge = A.merge_attention_states_ref if impl == "ref" else A.merge_attention_states_triton
+    B, Hq, D = 2, 3, 48
+    out_a = torch.randn(B, Hq, D, device=device)
+    lse_a = torch.randn(B, Hq, device=device)
+    empty_o = torch.zeros(B, Hq, D, device=device)
+    empty_l = torch.full((B, Hq), float("-inf"), device=device)
+    out, lse = merge(out_a, lse_a, empty_o, empty_l)  # union with an empty set: unchanged
+    assert torch.allclose(out, out_a, atol=1e-6) and torch.allclose(lse, lse_a, atol=1e-6)
+    out, lse = merge(empty_o, empty_l, out_a, lse_a)
+    assert torch.allclose(out, out_a, atol=1e-6) and torch.allclose(lse, lse_a, atol=1e-6)
+    out, lse = merge(empty_o, empty_l, empty_o, empty_l)  # both empty: still empty, no NaN
+    assert out.abs().max().item() == 0.0 and torch.isinf(lse).all() and (lse < 0).all()
+    # equal lse: the plain average, lse + log 2
+    out_b = torch.randn(B, Hq, D, device=device)
+    out, lse = merge(out_a, lse_a, out_b, lse_a)
+    assert torch.allclose(out, (out_a + out_b) / 2, atol=1e-5)
+    assert torch.allclose(lse, lse_a + math.log(2), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- fuzz
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    B=st.integers(1, 3), Hkv=st.integers(1, 3), G=st.sampled_from([1, 2, 3, 4]),
+    D=st.sampled_from([16, 24, 48]), L=st.integers(1, 150), k_mid=st.integers(0, 40),
+    n_sink=st.integers(0, 6), n_recent=st.integers(0, 20), dense=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_fuzz_shapes(B, Hkv, G, D, L, k_mid, n_sink, n_recent, dense, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    Hq = Hkv * G
+    q = torch.randn(B, Hq, D, generator=gen).to(device)
+    k = torch.randn(B, Hkv, L, D, generator=gen).to(device)
+    v = torch.randn(B, Hkv, L, D, generator=gen).to(device)
+    kv_lens = torch.randint(0, L + 1, (B,), generator=gen)
+    kv_start = torch.minimum(torch.randint(0, 4, (B,), generator=gen), kv_lens)
+    idx = None if dense else _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+    out, lse = A.sparse_decode_attention_triton(
+        q, k, v, kv_lens.to(device), None if idx is None else idx.to(device), n_sink=n_sink,
+        n_recent=n_recent, kv_start=kv_start.to(device), return_lse=True)
+    _check(out, lse, exp_out, exp_lse, torch.float32)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("indices", [False, True])
+def test_gpu_qwen_shape(indices):
+    """The benchmark's layer shape (32 q / 8 KV heads, d=128, bf16) on a real GPU."""
+    dev = torch.device("cuda")
+    B, Hq, Hkv, D, L = 2, 32, 8, 128, 5000
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.bfloat16, dev)
+    kv_lens = torch.tensor([5000, 3001])
+    idx = _middle_indices(kv_lens, None, Hkv, 1000, 4, 64) if indices else None
+    kw = dict(n_sink=4, n_recent=64, return_lse=True)
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(dev), None if idx is None else idx.to(dev),
+                                                **kw)
+    ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(dev),
+                                                 None if idx is None else idx.to(dev), **kw)
+    assert _rel(out, ref.float()) < TOL[torch.bfloat16]
+    assert (lse - ref_lse).abs().max().item() < LSE_ATOL

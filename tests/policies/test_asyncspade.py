@@ -1,0 +1,197 @@
+"""AsyncSpade: top-K with a predicted query; predictors and the RoPE helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spade.policies.base import RopeSpec
+from spade.policies.predictors import predict, rotate
+from tests.policies.sim import DecodeSim, make_policy, middle_sets
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,starts", [(1, 2, 2, None), (3, 4, 2, [0, 6, 3]), (3, 4, 1, [5, 0, 0])])
+def test_last_predictor_equals_oracle_on_previous_query(B, Hq, Hkv, starts):
+    """predictor=last selects exactly what the oracle selects with q_{t-1} (the last
+    prompt query at the first decode step)."""
+    sim = DecodeSim(B=B, Hq=Hq, Hkv=Hkv, kv_start=starts, prompt_len=43, steps=6, n_layers=2, seed=6)
+    common = dict(budget=20, sink_tokens=2, recent_tokens=3)
+    pol = make_policy("asyncspade", sim, **common, predictor="last", window=3)
+    oracle = make_policy("oracle", sim, **common)
+    checked = 0
+
+    def on_step(rec, state):
+        nonlocal checked
+        prev_q = sim.q_all[rec.layer, :, :, rec.seq_len - 2]  # q_{t-1}
+        want = oracle.select(state, rec.layer, prev_q, sim.k_all[rec.layer], rec.kv_lens)
+        assert middle_sets(rec.sel) == middle_sets(want)
+        assert (rec.sel.n_sink, rec.sel.n_recent) == (want.n_sink, want.n_recent)
+        checked += 1
+
+    sim.run(pol, on_step=on_step)
+    assert checked == sim.steps * sim.n_layers
+
+
+def test_select_ignores_the_current_query():
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=30, steps=1, seed=7)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=4)
+    st = pol.new_state(2, "cpu")
+    ks, vs, kv = sim.fresh_cache()
+    st.seq_len = 30
+    pol.prefill(st, 0, sim.q_all[0, :, :, :30], ks[0], vs[0], kv)
+    st.seq_len, kv = 31, kv + 1
+    a = pol.select(st, 0, None, ks[0], kv)
+    b = pol.select(st, 0, torch.randn(2, 4, 16), ks[0], kv)
+    assert torch.equal(a.indices, b.indices)
+    assert type(pol).needs_current_query is False
+
+
+def test_window_bookkeeping_and_graph_key():
+    """n_valid grows by one per observed step from the prefill count up to W+1;
+    it is derived from seq_len, so it needs no host counter."""
+    sim = DecodeSim(B=1, Hq=2, Hkv=2, prompt_len=3, steps=6, seed=8)
+    pol = make_policy("asyncspade", sim, budget=4, sink_tokens=0, recent_tokens=1, window=5)
+    got = []
+    sim.run(pol, on_step=lambda rec, st: got.append((pol.n_valid(st), pol.graph_key(st))))
+    # select at seq_len 4 sees the 3 prompt queries; each later step one more, capped at 6
+    assert [n for n, _ in got] == [3, 4, 5, 6, 6, 6]
+    assert got[0][1] == (True, 3) and got[-1][1] == (False, 6)
+
+
+def test_no_query_seen_means_full_attention():
+    sim = DecodeSim(B=1, Hq=2, Hkv=2, prompt_len=30, steps=1)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2)
+    st = pol.new_state(1, "cpu")
+    st.seq_len = 31
+    ks, _, kv = sim.fresh_cache()
+    assert pol.select(st, 0, None, ks[0], kv + 1) is None
+
+
+def test_requires_seq_len():
+    sim = DecodeSim(B=1, Hq=2, Hkv=2, prompt_len=30, steps=1)
+    pol = make_policy("oracle", sim, budget=12, sink_tokens=1, recent_tokens=2)
+    ks, _, kv = sim.fresh_cache()
+    with pytest.raises(RuntimeError, match="seq_len"):
+        pol.select(pol.new_state(1, "cpu"), 0, sim.q_all[0, :, :, 0], ks[0], kv)
+
+
+# ------------------------------------------------------------------ RoPE
+@pytest.mark.parametrize("dim,scaling", [(0, 1.0), (8, 1.0), (16, 0.7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_round_trip_is_exact(dim, scaling, dtype):
+    """un-rotate ∘ rotate is the identity (to float32 rounding), partial rotary and
+    attention_scaling included; the rotation preserves norms."""
+    spec = RopeSpec(theta=10000.0, dim=dim, attention_scaling=scaling)
+    x = torch.randn(3, 4, 16).to(dtype)
+    pos = torch.tensor([0, 17, 4093])
+    y = rotate(x, pos, spec)
+    torch.testing.assert_close(rotate(y, pos, spec, inverse=True), x.float(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(y.norm(dim=-1), x.float().norm(dim=-1), rtol=1e-5, atol=1e-5)
+    if dim:
+        assert torch.equal(y[..., dim:], x.float()[..., dim:])
+    # [B, H, T, D] with per-row positions [B, T]
+    x4 = torch.randn(2, 3, 5, 16)
+    p2 = torch.arange(10).view(2, 5) * 7
+    y4 = rotate(x4, p2, spec)
+    torch.testing.assert_close(y4[:, :, 2], rotate(x4[:, :, 2], p2[:, 2], spec), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rotate(y4, p2, spec, inverse=True), x4, rtol=0, atol=2e-5)
+
+
+def test_rope_matches_hf_convention():
+    """rotate() equals q·cos + rotate_half(q)·sin with RopeSpec's own cos/sin."""
+    spec = RopeSpec(theta=500.0, dim=8)
+    x = torch.randn(2, 3, 8)
+    pos = torch.tensor([3, 11])
+    cos, sin = spec.cos_sin(pos)
+    rh = torch.cat([-x[..., 4:], x[..., :4]], -1)
+    torch.testing.assert_close(rotate(x, pos, spec), x * cos[:, None] + rh * sin[:, None], rtol=1e-6, atol=1e-6)
+
+
+def _rope_queries(sim: DecodeSim, spec: RopeSpec, seed: int) -> torch.Tensor:
+    """Queries that are one fixed pre-RoPE vector per (row, head) rotated to their position."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(sim.n_layers, sim.B, sim.Hq, 1, sim.D, generator=g).expand(-1, -1, -1, sim.capacity, -1)
+    starts = torch.tensor(sim.kv_start or [0] * sim.B)
+    pos = torch.arange(sim.capacity)[None, :] - starts[:, None]  # [B, L]
+    return torch.stack([rotate(u[layer], pos, spec) for layer in range(sim.n_layers)])
+
+
+@pytest.mark.parametrize("starts", [None, [0, 4, 9]])
+def test_rope_aware_last_predicts_rotating_queries_exactly(starts):
+    """If queries are a fixed vector under RoPE, rope_aware + last predicts q_t
+    itself (un-rotate by t-1, rotate by t), so it selects what the oracle selects
+    with the true query; without rope_aware it does not."""
+    spec = RopeSpec(theta=50.0)  # fast rotation: q_{t-1} is a poor guess for q_t
+    B = 1 if starts is None else 3
+    sim = DecodeSim(B=B, Hq=4, Hkv=2, kv_start=starts, prompt_len=50, steps=5, rope=spec, seed=9)
+    sim.q_all = _rope_queries(sim, spec, 1)
+    common = dict(budget=16, sink_tokens=1, recent_tokens=2)
+    oracle_sets = [middle_sets(r.sel) for r in sim.run(make_policy("oracle", sim, **common))]
+    aware = [middle_sets(r.sel) for r in sim.run(make_policy("asyncspade", sim, **common, predictor="last",
+                                                             window=2, rope_aware=True))]
+    plain = [middle_sets(r.sel) for r in sim.run(make_policy("asyncspade", sim, **common, predictor="last",
+                                                             window=2))]
+    assert aware == oracle_sets
+    assert plain != oracle_sets
+
+
+# ------------------------------------------------------------------ predictors
+def _recurrent_queries(n_seq: int, T: int, D: int, seed: int, noise: float = 0.01) -> torch.Tensor:
+    """[n_seq, T, D]: an offset plus a rotation that advances by a fixed angle per
+    step (the same angle in every plane, so q_t = c + R^t u obeys one scalar linear
+    recurrence across all dims), plus a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(n_seq, 1, D, generator=g)
+    u = torch.randn(n_seq, 1, D, generator=g) * 2
+    theta = 0.35
+    t = torch.arange(T, dtype=torch.float32)[None, :, None]
+    half = D // 2
+    cos, sin = torch.cos(theta * t), torch.sin(theta * t)
+    rot = torch.cat([u[..., :half] * cos - u[..., half:] * sin, u[..., :half] * sin + u[..., half:] * cos], -1)
+    return c + rot + noise * torch.randn(n_seq, T, D, generator=g)
+
+
+def _topk_overlap(q_hat: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, k: int) -> float:
+    a = (keys @ q_hat[..., None]).squeeze(-1).topk(k).indices  # [N, k]
+    b = (keys @ q[..., None]).squeeze(-1).topk(k).indices
+    return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (k * len(a))
+
+
+def test_ridge_beats_last_on_a_linear_recurrence():
+    """On queries that follow a linear recurrence, ridge has lower error than last
+    and a higher top-K overlap with the true query's top-K. (The softmax variants
+    are convex combinations of past queries, so they cannot extrapolate a rotation:
+    no such claim for them.)"""
+    kind = "ridge"
+    W = 8
+    seq = _recurrent_queries(24, W + 2, 32, seed=10)  # [N, W+2, D]
+    window, truth = seq[:, : W + 1].reshape(4, 6, W + 1, 32), seq[:, W + 1].reshape(4, 6, 32)
+    eps = 1e-3
+    q_last = predict(window, W + 1, "last", eps)
+    q_ridge = predict(window, W + 1, kind, eps)
+    assert torch.equal(q_last, window[:, :, -1])
+    err_last = (q_last - truth).norm(dim=-1).mean()
+    err_ridge = (q_ridge - truth).norm(dim=-1).mean()
+    assert err_ridge < err_last
+    keys = torch.randn(24, 256, 32, generator=torch.Generator().manual_seed(11))
+    ov_last = _topk_overlap(q_last.view(24, 32), truth.view(24, 32), keys, 16)
+    ov_ridge = _topk_overlap(q_ridge.view(24, 32), truth.view(24, 32), keys, 16)
+    assert ov_ridge > ov_last
+
+
+@pytest.mark.parametrize("kind", ["last", "ridge", "softmax_ridge", "assembled"])
+def test_predict_shapes_and_partial_windows(kind):
+    """Any n_valid in [1, R] works; with one valid query every kind returns it; rows
+    before the valid ones do not matter."""
+    w = torch.randn(2, 3, 5, 8)
+    out = predict(w, 1, kind)
+    assert out.shape == (2, 3, 8) and out.dtype == torch.float32
+    torch.testing.assert_close(out, w[:, :, -1], rtol=1e-4, atol=1e-4)
+    w2 = w.clone()
+    w2[:, :, :2] = 1e3 * torch.randn(2, 3, 2, 8)
+    torch.testing.assert_close(predict(w2, 3, kind), predict(w, 3, kind), rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(predict(w, 5, kind)).all()
+    with pytest.raises(ValueError):
+        predict(w, 0, kind)
+    with pytest.raises(ValueError):
+        predict(w, 6, kind)

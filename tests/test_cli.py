@@ -1,0 +1,56 @@
+"""The CLI: exit codes and one-line errors (no traceback wall)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spade.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_validate_ok(capsys):
+    assert main(["validate", "--config", str(ROOT / "configs" / "cpu_tiny.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "ok" in out and "policy" in out and "asyncspade" in out
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [("policy.budgt=3", "policy.budgt"), ("policy.budget=abc", "policy.budget"),
+     ("policy.budget=-1", "policy.budget"), ("policy.name=magic", "policy")],
+)
+def test_validate_rejects(capsys, override, field):
+    rc = main(["validate", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"), "--set", override])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert f"{field}:" in err and "Traceback" not in err
+
+
+def test_policies_and_transports_list(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in ("full", "oracle", "quest", "tova", "asyncspade", "streaming"):
+        assert name in out
+    assert main(["transports"]) == 0
+    out = capsys.readouterr().out
+    assert "local" in out and "usable" in out and "nccl" in out and "ucx" in out and "nixl" in out
+
+
+def test_bad_model_name_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "spade.cli", "run", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"),
+                        "--set", "model.name=no-such-model", "--out", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "unknown model 'no-such-model'" in r.stderr and "smollm2-135m" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_import_spade_needs_no_optional_packages():
+    code = ("import sys, spade; spade.load_config(None); "
+            "bad = [m for m in ('ucxx', 'nixl_cu13', 'torch.distributed.distributed_c10d') if m in sys.modules]; "
+            "print(bad); assert not bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,90 @@
+"""Config loading, precedence and field-level errors."""
+
+from pathlib import Path
+
+import pytest
+
+from spade.config import load_config
+from spade.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    names = {p.name for p in CONFIGS}
+    assert {"cpu_tiny.yaml", "h100_qwen3_8b.yaml", "h200x2_qwen3_8b.yaml", "a100_qwen32b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.model.name
+    from spade.models.registry import resolve_source
+
+    resolve_source(cfg.model.name)  # the model name must be known
+
+
+def test_a100_config_is_two_ranks_over_nccl():
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "a100_qwen32b.yaml")
+    assert cfg.model.name == "qwen3-32b"
+    assert cfg.runtime.topology == "multiprocess"
+    assert cfg.runtime.transport.name == "nccl"
+    assert (cfg.runtime.inference_device, cfg.runtime.cache_device) == ("cuda:0", "cuda:1")
+
+
+def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
+    y = tmp_path / "c.yaml"
+    y.write_text("policy: {name: quest, budget: 64}\nmodel: {max_seq_len: 100}\n")
+    assert load_config(y).policy.budget == 64
+    monkeypatch.setenv("SPADE_POLICY__BUDGET", "96")
+    monkeypatch.setenv("SPADE_MODEL__MAX_SEQ_LEN", "300")
+    cfg = load_config(y)
+    assert (cfg.policy.name, cfg.policy.budget, cfg.model.max_seq_len) == ("quest", 96, 300)
+    cfg = load_config(y, overrides=["policy.budget=128"])
+    assert (cfg.policy.name, cfg.policy.budget, cfg.model.max_seq_len) == ("quest", 128, 300)
+
+
+def test_switch_policy_from_cli_keeps_other_sections(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("policy: {name: asyncspade, budget: 64, predictor: last}\n")
+    cfg = load_config(y, overrides=["policy.predictor=ridge", "runtime.transport.name=nccl"])
+    assert cfg.policy.predictor == "ridge" and cfg.runtime.transport.name == "nccl"
+    assert cfg.runtime.transport.backend == "auto"
+
+
+@pytest.mark.parametrize(
+    "yaml_text, field, words",
+    [
+        ("policy: {name: asyncspade, budgt: 3}\n", "policy.budgt", ["unknown key", "budget"]),
+        ("policy: {name: quest, budget: -5}\n", "policy.budget", ["greater than 0", "-5"]),
+        ("policy: {name: nope}\n", "policy", ["unknown policy", "asyncspade", "quest"]),
+        ("model: {max_seq_len: lots}\n", "model.max_seq_len", ["integer", "lots"]),
+        ("modle: {name: x}\n", "modle", ["unknown key", "model"]),
+        ("runtime: {transport: {name: ucx, prot: 1}}\n", "runtime.transport.prot", ["port"]),
+        ("runtime: {topology: cluster}\n", "runtime.topology", ["inline", "colocated"]),
+        ("policy: {name: asyncspade, budget: 8, sink_tokens: 4, recent_tokens: 16}\n", "policy", ["exceed"]),
+    ],
+)
+def test_errors_name_the_field(tmp_path, yaml_text, field, words):
+    y = tmp_path / "bad.yaml"
+    y.write_text(yaml_text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(y)
+    msg = str(ei.value)
+    assert f"  {field}:" in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, overrides=["policy.budget"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    y = tmp_path / "list.yaml"
+    y.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(y)
