@@ -77,10 +77,12 @@ def _check(out, lse, exp_out, exp_lse, dtype):
     lse = lse.double().cpu()
     fin = torch.isfinite(exp_lse)
     assert torch.equal(torch.isfinite(lse), fin)  # empty sets: exactly -inf
-    assert (lse[fin] - exp_lse[fin]).abs().max().item() < LSE_ATOL if fin.any() else True
+    if fin.any():
+        assert (lse[fin] - exp_lse[fin]).abs().max().item() < LSE_ATOL
 
 
-def _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent, *, holes=0.2, fill_all=False):
+def _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent, *, holes=0.2, fill_all=False,
+                    gen=None):
     """Random disjoint middle indices [B, Hkv, k_mid] int32 from [sink_end, recent_start)
     (what a policy guarantees), shuffled, with -1 holes; ``fill_all`` takes every
     middle position (then k_mid must be >= the middle size)."""
@@ -93,13 +95,13 @@ def _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent, *, holes=0.
         recent_start = max(n - n_recent, sink_end)
         cand = torch.arange(sink_end, recent_start)
         for h in range(Hkv):
-            perm = cand[torch.randperm(len(cand))]
+            perm = cand[torch.randperm(len(cand), generator=gen)]
             take = perm if fill_all else perm[: k_mid]
             row = torch.full((k_mid,), -1, dtype=torch.int32)
-            slots = torch.randperm(k_mid)[: len(take)]
+            slots = torch.randperm(k_mid, generator=gen)[: len(take)]
             row[slots] = take.int()
             if not fill_all and holes > 0:
-                row[torch.rand(k_mid) < holes] = -1
+                row[torch.rand(k_mid, generator=gen) < holes] = -1
             out[b, h] = row
     return out
 
@@ -228,7 +230,8 @@ def test_strided_inputs(device):
     v = torch.randn(B, L, Hkv, D, device=device).transpose(1, 2)
     kv_lens = torch.tensor([50, 37])
     idx = _middle_indices(kv_lens, None, Hkv, 9, 2, 4)
-    idx_view = torch.cat([idx, idx], dim=2)[:, :, ::2]  # strided index list, same content
+    idx_view = torch.stack([idx, -idx], dim=-1)[..., 0]  # strided index list, same content
+    assert idx_view.stride(2) == 2
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=4)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx_view.to(device), n_sink=2,
                                                 n_recent=4, return_lse=True)
@@ -263,24 +266,29 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 def test_merge_two_halves_equals_union(impl, dtype, device):
-    """Part A = sinks + even middle slots, part B = odd slots + recent window (a
-    dense pass over [s, len) is the union only when combined): merge == union."""
+    """Part A = sinks + even middle slots; part B = odd slots + the recent window,
+    passed as explicit indices (a part-B call with n_sink=0 would move the recent
+    window's start at short lengths). Merging A and B equals attention over the union."""
     merge = A.merge_attention_states_ref if impl == "ref" else A.merge_attention_states_triton
     B, Hq, Hkv, D, L = 3, 4, 2, 64, 130
     q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, device)
     kv_lens = torch.tensor([130, 7, 37])
     n_sink, n_recent = 4, 8
     idx = _middle_indices(kv_lens, None, Hkv, 40, n_sink, n_recent)
-    idx_a, idx_b = idx.clone(), idx.clone()
+    idx_a = idx.clone()
     idx_a[..., 1::2] = -1
-    idx_b[..., 0::2] = -1
+    recent = torch.full((B, Hkv, n_recent), -1, dtype=torch.int32)
+    for b in range(B):
+        n = int(kv_lens[b])
+        r = torch.arange(max(n - n_recent, min(n_sink, n)), n, dtype=torch.int32)
+        recent[b, :, : len(r)] = r
+    odd = idx.clone()
+    odd[..., 0::2] = -1
+    idx_b = torch.cat([odd, recent], dim=2)
     kl = kv_lens.to(device)
     out_a, lse_a = A.sparse_decode_attention_triton(q, k, v, kl, idx_a.to(device), n_sink=n_sink,
                                                     return_lse=True)
-    # part B has no sinks: an explicit zero-length sink range shifts recent_start
-    # to max(len - n_recent, 0), the same window as in the union
-    out_b, lse_b = A.sparse_decode_attention_triton(q, k, v, kl, idx_b.to(device), n_recent=n_recent,
-                                                    return_lse=True)
+    out_b, lse_b = A.sparse_decode_attention_triton(q, k, v, kl, idx_b.to(device), return_lse=True)
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent)
     out, lse = merge(out_a, lse_a, out_b, lse_b)
     _check(out, lse, exp_out, exp_lse, dtype)
@@ -322,7 +330,7 @@ def test_fuzz_shapes(B, Hkv, G, D, L, k_mid, n_sink, n_recent, dense, seed, devi
     v = torch.randn(B, Hkv, L, D, generator=gen).to(device)
     kv_lens = torch.randint(0, L + 1, (B,), generator=gen)
     kv_start = torch.minimum(torch.randint(0, 4, (B,), generator=gen), kv_lens)
-    idx = None if dense else _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent)
+    idx = None if dense else _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent, gen=gen)
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
     out, lse = A.sparse_decode_attention_triton(
         q, k, v, kv_lens.to(device), None if idx is None else idx.to(device), n_sink=n_sink,
