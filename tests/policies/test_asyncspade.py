@@ -172,11 +172,11 @@ def test_ridge_beats_last_on_a_linear_recurrence():
     assert torch.equal(q_last, window[:, :, -1])
     err_last = (q_last - truth).norm(dim=-1).mean()
     err_ridge = (q_ridge - truth).norm(dim=-1).mean()
-    assert err_ridge < err_last
+    assert err_ridge < 0.25 * err_last
     keys = torch.randn(24, 256, 32, generator=torch.Generator().manual_seed(11))
     ov_last = _topk_overlap(q_last.view(24, 32), truth.view(24, 32), keys, 16)
     ov_ridge = _topk_overlap(q_ridge.view(24, 32), truth.view(24, 32), keys, 16)
-    assert ov_ridge > ov_last
+    assert ov_ridge > ov_last + 0.1
 
 
 @pytest.mark.parametrize("kind", ["last", "ridge", "softmax_ridge", "assembled"])
