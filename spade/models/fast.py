@@ -1,0 +1,921 @@
+"""spade's fast decode path: a static-cache decoder captured as CUDA graphs.
+
+``FastModel`` runs Llama / Qwen2 / Qwen3-style decoders (RMSNorm, RoPE in the
+``rotate_half`` layout, GQA, SwiGLU MLP, optional QK-RMSNorm, optional QKV
+bias, tied or untied ``lm_head``) with
+
+* a static KV cache: per layer ``k``/``v`` [max_batch, Hkv, max_seq_len, D]
+  (the layout every spade kernel reads), left-padded, so that this step's token
+  goes to the same index ``seq_len - 1`` in every row;
+* step metadata on the device (``kv_lens``, RoPE positions, write index), bumped
+  by one tiny kernel before each step: no host synchronisation in a step;
+* fused Triton kernels for the elementwise work between GEMMs on CUDA
+  (residual add + RMSNorm; QK-norm + RoPE + cache write; SiLU·mul), with plain
+  torch references beside them that follow the transformers op order (used on
+  CPU and in tests);
+* one CUDA graph per pack of ``pack_layers`` layers (embedding in the first,
+  final norm and ``lm_head`` in the last), keyed by ``(pack_layers, B,
+  ctx.graph_key())``, so the asynchronous runtime can post/await transport work
+  between packs. On CPU the same code runs eagerly.
+
+Every layer's decode attention is ``ctx.attend`` (``spade.attention``): the
+model knows policies only through that call.
+
+>>> from spade.models.fast import FastModel
+>>> from spade.models.presets import preset_config
+>>> m = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.float32,
+...                           max_batch=2, max_seq_len=64)
+>>> m.spec.n_layers, m.vocab_size
+(3, 512)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from spade.errors import ConfigError, ModelError
+from spade.models.base import DecodeBackend
+from spade.policies.base import AttentionSpec, RopeSpec
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+#: RoPE variants whose frequencies do not depend on the sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+# =============================================================================== architecture
+@dataclass(frozen=True)
+class FastArch:
+    """The shape facts of a supported decoder, read from a transformers config."""
+
+    model_type: str
+    hidden: int
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    tie: bool
+    rope_type: str
+    rope_theta: float
+    rotary_dim: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "FastArch":
+        """Validate ``cfg`` and extract the shape; raise ``ModelError`` naming what
+        the fast path does not support (the ``hf`` backend may still run it)."""
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(f"the fast backend supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                             f"got {mt!r} (use model.backend=hf)")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelError(f"the fast backend needs a SiLU MLP; config has hidden_act={act!r}")
+        if getattr(cfg, "mlp_bias", False):
+            raise ModelError("the fast backend does not support MLP biases (config.mlp_bias=True)")
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+                mt == "mistral" and getattr(cfg, "sliding_window", None) is not None):
+            raise ModelError("the fast backend does not support sliding-window layers "
+                             f"(layer_types={sorted(set(layer_types))}); use model.backend=hf")
+        n_q = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_q)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q)
+        rp = getattr(cfg, "rope_parameters", None)
+        if rp is None:  # older configs: rope_theta / rope_scaling attributes
+            rp = dict(getattr(cfg, "rope_scaling", None) or {})
+            rp.setdefault("rope_type", rp.get("type", "default"))
+            rp.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        if "rope_type" not in rp:
+            raise ModelError(f"the fast backend needs one RoPE setting for all layers; got {rp!r}")
+        rope_type = rp["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelError(f"the fast backend supports RoPE types {', '.join(SUPPORTED_ROPE_TYPES)}; "
+                             f"config has rope_type={rope_type!r} (length-dependent frequencies)")
+        rot = int(head_dim * float(rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))))
+        if rot % 2 or rot <= 0 or rot > head_dim:
+            raise ModelError(f"unsupported rotary dimension {rot} for head_dim {head_dim}")
+        if n_q % n_kv:
+            raise ModelError(f"num_attention_heads ({n_q}) must be a multiple of num_key_value_heads ({n_kv})")
+        if mt == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(cfg, "attention_bias", False))
+        return cls(
+            model_type=mt, hidden=int(cfg.hidden_size), n_layers=int(cfg.num_hidden_layers), n_q_heads=n_q,
+            n_kv_heads=n_kv, head_dim=head_dim, intermediate=int(cfg.intermediate_size),
+            vocab=int(cfg.vocab_size), eps=float(cfg.rms_norm_eps), qk_norm=(mt == "qwen3"),
+            qkv_bias=qkv_bias, o_bias=o_bias, tie=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope_type=rope_type, rope_theta=float(rp["rope_theta"]), rotary_dim=rot,
+        )
+
+    @property
+    def qkv_out(self) -> int:
+        return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def n_params(self) -> int:
+        """Parameter count (a tied head counts once), without building anything."""
+        H, D = self.hidden, self.head_dim
+        per_layer = (2 * H + self.qkv_out * H + self.n_q_heads * D * H + 3 * H * self.intermediate
+                     + (self.qkv_out if self.qkv_bias else 0) + (H if self.o_bias else 0)
+                     + (2 * D if self.qk_norm else 0))
+        return self.n_layers * per_layer + H + self.vocab * H * (1 if self.tie else 2)
+
+
+def rope_inv_freq(cfg, arch: FastArch) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim/2] float32, attention_scaling), computed exactly as
+    transformers computes it for this config (so llama3 / yarn scaling match)."""
+    if arch.rope_type == "default":
+        d = arch.rotary_dim
+        inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[arch.rope_type](cfg, "cpu")
+    return inv.float().cpu(), float(scaling)
+
+
+# =============================================================================== weights
+@dataclass
+class LayerWeights:
+    """One decoder layer, projections fused for fewer, larger GEMMs."""
+
+    ln1: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q rows, then k rows, then v rows
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    q_norm: torch.Tensor | None  # [D]
+    k_norm: torch.Tensor | None  # [D]
+    wo: torch.Tensor  # [H, Hq D]
+    bo: torch.Tensor | None  # [H]
+    ln2: torch.Tensor  # [H]
+    wgu: torch.Tensor  # [2 I, H]: gate rows, then up rows
+    wd: torch.Tensor  # [H, I]
+
+
+def _hf_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {
+        "ln1": p + "input_layernorm.weight", "ln2": p + "post_attention_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
+        "o": p + "self_attn.o_proj.weight", "bq": p + "self_attn.q_proj.bias", "bk": p + "self_attn.k_proj.bias",
+        "bv": p + "self_attn.v_proj.bias", "bo": p + "self_attn.o_proj.bias",
+        "qn": p + "self_attn.q_norm.weight", "kn": p + "self_attn.k_norm.weight",
+        "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight",
+    }
+
+
+# =============================================================================== elementwise ops
+# Plain-torch versions follow transformers' op order and rounding (RMSNorm in
+# float32, cast back, then the weight multiply in the model dtype; RoPE with cos/sin
+# cast to the model dtype), so on CPU in float32 the fast path matches the HF model
+# to rounding noise. The Triton versions compute the same formulas with one
+# rounding per stored value.
+
+def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (transformers' LlamaRMSNorm arithmetic)."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., D]; ``cos``/``sin`` [..., rot] broadcastable, already in x's dtype.
+    Dims past ``rot`` pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def add_rms_norm_torch(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual add, in x's dtype), then RMSNorm(x).
+    ``x``/``delta`` [B, H]; returns [B, H]."""
+    if delta is not None:
+        x.add_(delta)
+    return rms_norm_torch(x, w, eps)
+
+
+def qkv_rope_store_torch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                         cos_tab: torch.Tensor, sin_tab: torch.Tensor, pos: torch.Tensor, widx: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """Split the fused projection ``qkv`` [B, (Hq + 2 Hkv) D], QK-norm (if given) and
+    rotate q and k at positions ``pos`` [B], write k and v into the caches
+    [B, Hkv, L, D] at index ``widx`` [1]; returns q [B, Hq, D]."""
+    B = qkv.shape[0]
+    D = k_cache.shape[-1]
+    q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    q, k, v = q.view(B, n_q, D), k.view(B, n_kv, D), v.view(B, n_kv, D)
+    if q_norm is not None:
+        q, k = rms_norm_torch(q, q_norm, eps), rms_norm_torch(k, k_norm, eps)
+    cos = cos_tab[pos].to(qkv.dtype)[:, None, :]  # [B, 1, rot]
+    sin = sin_tab[pos].to(qkv.dtype)[:, None, :]
+    q, k = apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
+    k_cache.index_copy_(2, widx, k[:, :, None, :].to(k_cache.dtype))
+    v_cache.index_copy_(2, widx, v[:, :, None, :].to(v_cache.dtype))
+    return q
+
+
+def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
+    """``gu`` [B, 2I] (gate then up) -> silu(gate) * up [B, I]."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+_TRITON_OPS: dict[str, Callable] | None = None
+
+
+def triton_ops() -> dict[str, Callable]:
+    """The Triton versions of the three elementwise ops, built on first use (so that
+    importing this module never imports triton, and ``TRITON_INTERPRET`` set by a
+    test harness before the first call is honoured)."""
+    global _TRITON_OPS
+    if _TRITON_OPS is not None:
+        return _TRITON_OPS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, DELTA, W, OUT, stride_x, stride_d, stride_o, N, eps,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: x (+= delta), then y = w * (x * rsqrt(mean(x^2) + eps)).
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(DELTA + row * stride_d + offs, mask=m, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(X + row * stride_x + offs, x, mask=m)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+        # Round the normalised value to the model dtype before the weight multiply,
+        # as the reference does.
+        y = (xf * r).to(OUT.dtype.element_ty).to(tl.float32) * w
+        tl.store(OUT + row * stride_o + offs, y.to(OUT.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qkv_rope_store_kernel(QKV, QN, KN, COS, SIN, POS, WIDX, QOUT, KC, VC,
+                               stride_qkv, stride_qo_b, stride_qo_h,
+                               stride_kc_b, stride_kc_h, stride_kc_l,
+                               stride_vc_b, stride_vc_h, stride_vc_l,
+                               stride_cs, HQ, HKV, eps,
+                               D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+        # Grid (B, Hq + 2 Hkv): one head vector per program. q heads: norm, rotate,
+        # store to QOUT; k heads: norm, rotate, store to the cache at WIDX; v heads:
+        # copy to the cache at WIDX.
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
+        base = QKV + b * stride_qkv + h.to(tl.int64) * D
+        x = tl.load(base + offs, mask=m, other=0.0)
+        w_idx = tl.load(WIDX).to(tl.int64)
+        if h < HQ + HKV:
+            HALF: tl.constexpr = ROT // 2
+            in_rot = offs < ROT
+            partner = tl.where(in_rot, tl.where(offs < HALF, offs + HALF, offs - HALF), offs)
+            xp = tl.load(base + partner, mask=m, other=0.0)
+            xf = x.to(tl.float32)
+            xpf = xp.to(tl.float32)
+            if HAS_NORM:
+                is_q = h < HQ
+                r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+                w = tl.where(is_q, tl.load(QN + offs, mask=m, other=0.0), tl.load(KN + offs, mask=m, other=0.0))
+                wp = tl.where(is_q, tl.load(QN + partner, mask=m, other=0.0),
+                              tl.load(KN + partner, mask=m, other=0.0))
+                xf = ((xf * r).to(QKV.dtype.element_ty).to(tl.float32) * w.to(tl.float32))
+                xf = xf.to(QKV.dtype.element_ty).to(tl.float32)
+                xpf = ((xpf * r).to(QKV.dtype.element_ty).to(tl.float32) * wp.to(tl.float32))
+                xpf = xpf.to(QKV.dtype.element_ty).to(tl.float32)
+            p = tl.load(POS + b).to(tl.int64)
+            c = tl.load(COS + p * stride_cs + offs, mask=m & in_rot, other=1.0)
+            s = tl.load(SIN + p * stride_cs + offs, mask=m & in_rot, other=0.0)
+            sign = tl.where(offs < HALF, -1.0, 1.0)
+            y = xf * c + sign * xpf * s
+            if h < HQ:
+                tl.store(QOUT + b * stride_qo_b + h.to(tl.int64) * stride_qo_h + offs,
+                         y.to(QOUT.dtype.element_ty), mask=m)
+            else:
+                hk = (h - HQ).to(tl.int64)
+                tl.store(KC + b * stride_kc_b + hk * stride_kc_h + w_idx * stride_kc_l + offs,
+                         y.to(KC.dtype.element_ty), mask=m)
+        else:
+            hv = (h - HQ - HKV).to(tl.int64)
+            tl.store(VC + b * stride_vc_b + hv * stride_vc_h + w_idx * stride_vc_l + offs,
+                     x.to(VC.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < I
+        g = tl.load(GU + b * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + b * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + b * stride_o + offs, (sg * u).to(OUT.dtype.element_ty), mask=m)
+
+    def _warps(block: int) -> int:
+        return int(min(16, max(1, block // 512)))
+
+    def add_rms_norm_triton(x, delta, w, eps):
+        B, N = x.shape
+        assert x.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
+        out = torch.empty_like(x)
+        block = triton.next_power_of_2(N)
+        _add_rms_norm_kernel[(B,)](
+            x, delta if delta is not None else x, w, out, x.stride(0),
+            delta.stride(0) if delta is not None else 0, out.stride(0), N, float(eps),
+            HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+        return out
+
+    def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv):
+        B = qkv.shape[0]
+        D = k_cache.shape[-1]
+        rot = cos_tab.shape[-1]
+        assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+        assert cos_tab.stride(1) == 1 and cos_tab.stride() == sin_tab.stride()
+        q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
+        has_norm = q_norm is not None
+        _qkv_rope_store_kernel[(B, n_q + 2 * n_kv)](
+            qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos_tab, sin_tab, pos, widx,
+            q_out, k_cache, v_cache, qkv.stride(0), q_out.stride(0), q_out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            cos_tab.stride(0), n_q, n_kv, float(eps),
+            D=D, ROT=rot, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+        return q_out
+
+    def silu_mul_triton(gu):
+        B, two_i = gu.shape
+        n = two_i // 2
+        assert gu.stride(1) == 1
+        out = torch.empty(B, n, dtype=gu.dtype, device=gu.device)
+        block = min(2048, triton.next_power_of_2(n))
+        _silu_mul_kernel[(B, triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block,
+                                                     num_warps=_warps(block))
+        return out
+
+    _TRITON_OPS = {"add_rms_norm": add_rms_norm_triton, "qkv_rope_store": qkv_rope_store_triton,
+                   "silu_mul": silu_mul_triton}
+    return _TRITON_OPS
+
+
+_TORCH_OPS: dict[str, Callable] = {"add_rms_norm": add_rms_norm_torch, "qkv_rope_store": qkv_rope_store_torch,
+                                   "silu_mul": silu_mul_torch}
+
+
+# =============================================================================== the model
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise ConfigError(f"model.dtype: unknown dtype {dtype!r}") from None
+
+
+def _eos_ids(*sources: Any) -> list[int]:
+    ids: list[int] = []
+    for src in sources:
+        for i in (src if isinstance(src, (list, tuple)) else [src]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+class FastModel(DecodeBackend):
+    """Static-cache decoder with CUDA-graph decode steps (see the module docstring).
+
+    Build it with ``from_hf_folder``, ``from_hf_model`` or ``from_config`` (random
+    weights). ``max_batch`` and ``max_seq_len`` size the static KV cache; a prompt
+    batch may use fewer rows. ``use_cuda_graphs`` (CUDA only) may be toggled
+    between generations. ``fused_kernels`` picks the Triton elementwise kernels
+    (default: on CUDA) or the torch references.
+
+    ``last_logits`` / returned logits are fresh float32 [B, V] tensors.
+    """
+
+    kind = "fast"
+
+    def __init__(self, hf_config, arch: FastArch, layers: list[LayerWeights], embed: torch.Tensor,
+                 norm: torch.Tensor, lm_head: torch.Tensor, *, device: torch.device, dtype: torch.dtype,
+                 max_batch: int, max_seq_len: int, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
+                 use_cuda_graphs: bool = True, fused_kernels: bool | None = None, prefill_chunk: int = 1024):
+        if max_batch < 1 or max_seq_len < 2:
+            raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
+        self.hf_config = hf_config
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.layers = layers
+        self.embed = embed  # [V, H]
+        self.norm = norm  # [H]
+        self.lm_head = lm_head  # [V, H] (the embedding itself when tied)
+        self.max_batch = int(max_batch)
+        self.max_seq_len = int(max_seq_len)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.vocab_size = arch.vocab
+        self.use_cuda_graphs = bool(use_cuda_graphs)
+        self.fused_kernels = (device.type == "cuda") if fused_kernels is None else bool(fused_kernels)
+        self.prefill_chunk = int(prefill_chunk)
+
+        inv_freq, scaling = rope_inv_freq(hf_config, arch)
+        self.rope_scaling = scaling
+        rope = (RopeSpec(theta=arch.rope_theta, dim=arch.rotary_dim, attention_scaling=scaling)
+                if arch.rope_type == "default" else None)  # RopeSpec cannot express scaled frequencies
+        self.spec = AttentionSpec(n_layers=arch.n_layers, n_q_heads=arch.n_q_heads, n_kv_heads=arch.n_kv_heads,
+                                  head_dim=arch.head_dim, scale=arch.head_dim ** -0.5, rope=rope)
+        # RoPE tables [max_seq_len, rot] float32: transformers' float32 frequencies,
+        # angles in float64 (exact at 100k+ positions).
+        ang = torch.arange(self.max_seq_len, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+        emb = torch.cat([ang, ang], dim=-1)
+        self.cos_tab = (emb.cos() * scaling).float().to(device).contiguous()
+        self.sin_tab = (emb.sin() * scaling).float().to(device).contiguous()
+
+        B, Hkv, L, D = self.max_batch, arch.n_kv_heads, self.max_seq_len, arch.head_dim
+        # Zeroed, not empty: reference attention multiplies masked probabilities (0) by
+        # values, and 0 * NaN garbage would poison the output.
+        self.k_cache = [torch.zeros(B, Hkv, L, D, dtype=dtype, device=device) for _ in range(arch.n_layers)]
+        self.v_cache = [torch.zeros(B, Hkv, L, D, dtype=dtype, device=device) for _ in range(arch.n_layers)]
+        # Step metadata, one tensor so that one kernel advances it: row 0 kv_lens,
+        # row 1 RoPE position of the current token, row 2 (first entry) write index.
+        self._meta = torch.zeros(3, B, dtype=torch.int64, device=device)
+        self._tokens = torch.zeros(B, dtype=torch.int64, device=device)
+        self._x = torch.zeros(B, arch.hidden, dtype=dtype, device=device)  # residual stream
+        self._logits = torch.zeros(B, arch.vocab, dtype=torch.float32, device=device)
+        self._batch = 0
+        self._seq_len = 0
+        self.last_logits = torch.empty(0)
+        self._graphs: dict[tuple, list] = {}
+        self._graph_ctx_id: int | None = None
+        self._pool = None
+        self._stream = None
+        if device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=device)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return self.spec
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of the current generation (set by ``prefill`` / ``fake_prefill``)."""
+        return self._batch
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """[B] int64 device view: valid cache length per row (same value in every row)."""
+        return self._meta[0, : self._batch]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B] int64 device view: RoPE position of the most recent token per row."""
+        return self._meta[1, : self._batch]
+
+    def _ops(self) -> dict[str, Callable]:
+        return triton_ops() if self.fused_kernels else _TORCH_OPS
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters one decode step reads (all layers, final norm, lm_head;
+        the embedding rows read are negligible, a tied head counts once)."""
+        n = sum(t.numel() * t.element_size() for L in self.layers for t in vars(L).values() if t is not None)
+        return n + self.norm.numel() * self.norm.element_size() + self.lm_head.numel() * self.lm_head.element_size()
+
+    def kv_bytes(self, tokens: int, batch: int | None = None) -> int:
+        """Bytes of K and V read when every layer attends ``tokens`` tokens per row."""
+        b = self._batch if batch is None else batch
+        a = self.arch
+        return 2 * a.n_layers * b * a.n_kv_heads * tokens * a.head_dim * self.k_cache[0].element_size()
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _build(cls, hf_config, get: Callable[[str], torch.Tensor | None], *, device, dtype, max_batch: int,
+               max_seq_len: int, **kw) -> "FastModel":
+        """Assemble from a name -> tensor getter (transformers parameter names)."""
+        device = torch.device(device)
+        dtype = _resolve_dtype(dtype, device)
+        arch = FastArch.from_hf_config(hf_config)
+
+        def need(name: str) -> torch.Tensor:
+            t = get(name)
+            if t is None:
+                raise ModelError(f"checkpoint has no tensor {name!r} (model type {arch.model_type})")
+            return t.to(device=device, dtype=dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            t = get(name)
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(arch.n_layers):
+            n = _hf_names(i)
+            bq, bk, bv = opt(n["bq"]), opt(n["bk"]), opt(n["bv"])
+            if arch.qkv_bias and bq is None:
+                raise ModelError(f"checkpoint has no tensor {n['bq']!r} although the config asks for QKV bias")
+            layers.append(LayerWeights(
+                ln1=need(n["ln1"]), ln2=need(n["ln2"]),
+                wqkv=torch.cat([need(n["q"]), need(n["k"]), need(n["v"])], 0).contiguous(),
+                bqkv=torch.cat([bq, bk, bv], 0).contiguous() if bq is not None else None,
+                q_norm=need(n["qn"]) if arch.qk_norm else None, k_norm=need(n["kn"]) if arch.qk_norm else None,
+                wo=need(n["o"]).contiguous(), bo=opt(n["bo"]),
+                wgu=torch.cat([need(n["gate"]), need(n["up"])], 0).contiguous(), wd=need(n["down"]).contiguous(),
+            ))
+            exp = (arch.qkv_out, arch.hidden)
+            if tuple(layers[-1].wqkv.shape) != exp:
+                raise ModelError(f"layer {i}: fused qkv weight {tuple(layers[-1].wqkv.shape)} != expected {exp}")
+        embed = need("model.embed_tokens.weight")
+        head = get("lm_head.weight")
+        lm_head = embed if (arch.tie or head is None) else head.to(device=device, dtype=dtype)
+        return cls(hf_config, arch, layers, embed, need("model.norm.weight"), lm_head, device=device, dtype=dtype,
+                   max_batch=max_batch, max_seq_len=max_seq_len, **kw)
+
+    @classmethod
+    def from_hf_model(cls, model, *, device=None, dtype=None, max_batch: int = 1, max_seq_len: int = 4096,
+                      tokenizer: Any = None, **kw) -> "FastModel":
+        """Take the weights of a loaded transformers ``*ForCausalLM`` (norms and the
+        embedding may share storage with it when device and dtype already match)."""
+        param = next(model.parameters())
+        device = torch.device(device) if device is not None else param.device
+        dtype = dtype if dtype is not None else param.dtype
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        gen = getattr(model, "generation_config", None)
+        kw.setdefault("eos_token_ids", _eos_ids(getattr(gen, "eos_token_id", None), model.config.eos_token_id,
+                                                getattr(tokenizer, "eos_token_id", None)))
+        with torch.no_grad():
+            return cls._build(model.config, sd.get, device=device, dtype=dtype, max_batch=max_batch,
+                              max_seq_len=max_seq_len, tokenizer=tokenizer, **kw)
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path, *, device="cpu", dtype=None, max_batch: int = 1,
+                       max_seq_len: int = 4096, tokenizer: Any = "auto", **kw) -> "FastModel":
+        """Load ``config.json`` + ``*.safetensors`` of a Hugging Face folder (tensor by
+        tensor, straight to ``device``). A folder holding one ``.gguf`` instead is
+        loaded through transformers on the CPU and converted. ``tokenizer="auto"``
+        loads the folder's tokenizer (left padding) when it has one."""
+        from transformers import AutoConfig
+
+        p = Path(path).expanduser()
+        ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
+        if p.is_dir() and not (p / "config.json").is_file() and len(ggufs) == 1:
+            return cls._from_gguf(p, ggufs[0].name, device=device, dtype=dtype, max_batch=max_batch,
+                                  max_seq_len=max_seq_len, tokenizer=tokenizer, **kw)
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{p}: not a Hugging Face folder (no config.json)")
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"{p}: no *.safetensors weights (the fast backend reads safetensors only)")
+        from safetensors import safe_open
+
+        cfg = AutoConfig.from_pretrained(str(p))
+        handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        where: dict[str, Any] = {}
+        for h in handles:
+            for name in h.keys():
+                where[name] = h
+
+        def get(name: str) -> torch.Tensor | None:
+            for cand in (name, name.removeprefix("model.")):
+                if cand in where:
+                    return where[cand].get_tensor(cand)
+            return None
+
+        gen_eos = None
+        if (p / "generation_config.json").is_file():
+            gen_eos = json.loads((p / "generation_config.json").read_text()).get("eos_token_id")
+        tok = cls._auto_tokenizer(str(p), {}) if tokenizer == "auto" else tokenizer
+        kw.setdefault("eos_token_ids", _eos_ids(gen_eos, cfg.eos_token_id, getattr(tok, "eos_token_id", None)))
+        with torch.no_grad():
+            return cls._build(cfg, get, device=device, dtype=dtype, max_batch=max_batch, max_seq_len=max_seq_len,
+                              tokenizer=tok, **kw)
+
+    @classmethod
+    def _from_gguf(cls, folder: Path, gguf: str, *, tokenizer: Any, **kw) -> "FastModel":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf, dtype=torch.float32)
+        tok = cls._auto_tokenizer(str(folder), {"gguf_file": gguf}) if tokenizer == "auto" else tokenizer
+        kw["device"] = kw.get("device") or "cpu"
+        kw["dtype"] = _resolve_dtype(kw.get("dtype"), torch.device(kw["device"]))
+        return cls.from_hf_model(model, tokenizer=tok, **kw)
+
+    @staticmethod
+    def _auto_tokenizer(path: str, kw: dict) -> Any:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path, **kw)
+        except Exception as e:  # no tokenizer files: the caller tokenizes
+            log.info("no tokenizer loaded from %s: %s", path, e)
+            return None
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        return tok
+
+    @classmethod
+    def from_config(cls, hf_config, *, device="cpu", dtype=None, max_batch: int = 1, max_seq_len: int = 4096,
+                    seed: int = 0, std: float = 0.02, **kw) -> "FastModel":
+        """Random weights for a config (or a preset name): projections and the
+        embedding ~ N(0, ``std``), biases ~ N(0, ``std``), norms at 1. With std 0.02
+        the residual stream stays O(10) over 64 layers, finite in bf16. Weights are
+        drawn on ``device`` (seconds for 8B on a GPU)."""
+        if isinstance(hf_config, str):
+            from spade.models.presets import preset_config
+
+            hf_config = preset_config(hf_config)
+        device = torch.device(device)
+        dtype = _resolve_dtype(dtype, device)
+        arch = FastArch.from_hf_config(hf_config)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(seed))
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, dtype=dtype, device=device)
+
+        a = arch
+        layers = [LayerWeights(
+            ln1=ones(a.hidden), wqkv=rnd(a.qkv_out, a.hidden), bqkv=rnd(a.qkv_out) if a.qkv_bias else None,
+            q_norm=ones(a.head_dim) if a.qk_norm else None, k_norm=ones(a.head_dim) if a.qk_norm else None,
+            wo=rnd(a.hidden, a.n_q_heads * a.head_dim), bo=rnd(a.hidden) if a.o_bias else None,
+            ln2=ones(a.hidden), wgu=rnd(2 * a.intermediate, a.hidden), wd=rnd(a.hidden, a.intermediate),
+        ) for _ in range(a.n_layers)]
+        embed = rnd(a.vocab, a.hidden)
+        lm_head = embed if a.tie else rnd(a.vocab, a.hidden)
+        kw.setdefault("eos_token_ids", _eos_ids(getattr(hf_config, "eos_token_id", None)))
+        return cls(hf_config, arch, layers, embed, ones(a.hidden), lm_head, device=device, dtype=dtype,
+                   max_batch=max_batch, max_seq_len=max_seq_len, **kw)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under transformers' parameter names (fused tensors split back),
+        e.g. to load a random-weight model into ``Qwen3ForCausalLM`` for comparison."""
+        a = self.arch
+        D = a.head_dim
+        sd = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
+              "lm_head.weight": self.lm_head}
+        for i, L in enumerate(self.layers):
+            n = _hf_names(i)
+            q, k, v = L.wqkv.split([a.n_q_heads * D, a.n_kv_heads * D, a.n_kv_heads * D], 0)
+            g, u = L.wgu.chunk(2, 0)
+            sd.update({n["ln1"]: L.ln1, n["ln2"]: L.ln2, n["q"]: q, n["k"]: k, n["v"]: v, n["o"]: L.wo,
+                       n["gate"]: g, n["up"]: u, n["down"]: L.wd})
+            if L.bqkv is not None:
+                bq, bk, bv = L.bqkv.split([a.n_q_heads * D, a.n_kv_heads * D, a.n_kv_heads * D], 0)
+                sd.update({n["bq"]: bq, n["bk"]: bk, n["bv"]: bv})
+            if L.bo is not None:
+                sd[n["bo"]] = L.bo
+            if L.q_norm is not None:
+                sd.update({n["qn"]: L.q_norm, n["kn"]: L.k_norm})
+        return sd
+
+    # ------------------------------------------------------------------ prefill
+    def _reset(self, batch: int, seq_len: int, n_valid: torch.Tensor) -> None:
+        """Point the step metadata at a cache holding ``seq_len`` entries per row
+        (``n_valid`` [B] of them real tokens); drop graphs of the previous generation
+        (they hold pointers into its AttentionContext)."""
+        if not 1 <= batch <= self.max_batch:
+            raise ConfigError(f"batch of {batch} rows does not fit max_batch={self.max_batch}")
+        if not 1 <= seq_len <= self.max_seq_len:
+            raise ConfigError(f"a cache of {seq_len} tokens does not fit max_seq_len={self.max_seq_len} "
+                              "(raise model.max_seq_len)")
+        self._graphs.clear()
+        self._batch = batch
+        self._seq_len = seq_len
+        self._meta[0].fill_(seq_len)
+        self._meta[1, :batch].copy_(n_valid.to(self._meta.device) - 1)
+        self._meta[2].fill_(seq_len - 1)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, ctx) -> torch.Tensor:
+        """Dense pass over the left-padded prompt ``input_ids`` [B, T]; fills the
+        cache, reports each layer to ``ctx.prefill`` and returns the last
+        position's logits [B, V] float32. One host sync (is any row padded?)."""
+        a = self.arch
+        dev = self.device
+        ids = input_ids.to(dev)
+        B, T = ids.shape
+        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.to(dev).bool())  # [B, T]
+        n_valid = mask.sum(1)  # [B]
+        self._reset(B, T, n_valid)
+        padded = bool((n_valid < T).any())
+        ctx.kv_start = (T - n_valid).to(torch.int32) if padded else None
+        ctx.begin_step(T)
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: left padding does not shift positions
+        cos = self.cos_tab[pos].to(self.dtype)[:, :, None, :]  # [B, T, 1, rot]
+        sin = self.sin_tab[pos].to(self.dtype)[:, :, None, :]
+        kv_lens = self.kv_lens
+        C = max(1, min(self.prefill_chunk, T))
+        D, Hq, Hkv = a.head_dim, a.n_q_heads, a.n_kv_heads
+        x = F.embedding(ids, self.embed)  # [B, T, H]
+        for li, L in enumerate(self.layers):
+            kc, vc = self.k_cache[li][:B], self.v_cache[li][:B]
+            q_all = torch.empty(B, Hq, T, D, dtype=self.dtype, device=dev)
+            for c0 in range(0, T, C):  # pass 1: q/k/v of every prompt token, k/v into the cache
+                c1 = min(T, c0 + C)
+                qkv = F.linear(rms_norm_torch(x[:, c0:c1], L.ln1, a.eps), L.wqkv, L.bqkv)  # [B, c, N]
+                q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+                q = q.view(B, c1 - c0, Hq, D)
+                k = k.view(B, c1 - c0, Hkv, D)
+                v = v.view(B, c1 - c0, Hkv, D)
+                if L.q_norm is not None:
+                    q, k = rms_norm_torch(q, L.q_norm, a.eps), rms_norm_torch(k, L.k_norm, a.eps)
+                q = apply_rope_torch(q, cos[:, c0:c1], sin[:, c0:c1])
+                k = apply_rope_torch(k, cos[:, c0:c1], sin[:, c0:c1])
+                q_all[:, :, c0:c1] = q.transpose(1, 2)
+                kc[:, :, c0:c1] = k.transpose(1, 2)
+                vc[:, :, c0:c1] = v.transpose(1, 2)
+            for c0 in range(0, T, C):  # pass 2: attention, o_proj, MLP per chunk of queries
+                c1 = min(T, c0 + C)
+                o = self._prefill_attention(q_all[:, :, c0:c1], kc[:, :, :c1], vc[:, :, :c1], mask[:, :c1], c0,
+                                            padded)  # [B, Hq, c, D]
+                xc = x[:, c0:c1] + F.linear(o.transpose(1, 2).reshape(B, c1 - c0, Hq * D), L.wo, L.bo)
+                h = rms_norm_torch(xc, L.ln2, a.eps)
+                x[:, c0:c1] = xc + F.linear(silu_mul_torch(F.linear(h, L.wgu)), L.wd)
+            ctx.prefill(li, q_all, kc, vc, kv_lens)
+        h = rms_norm_torch(x[:, -1], self.norm, a.eps)  # [B, H]
+        self._x[:B].copy_(x[:, -1])
+        self.last_logits = F.linear(h, self.lm_head).float()
+        return self.last_logits
+
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, c0: int,
+                           padded: bool) -> torch.Tensor:
+        """Causal attention of the queries at positions [c0, c0 + c) over keys
+        [0, c0 + c): q [B, Hq, c, D], k/v [B, Hkv, c0 + c, D], mask [B, c0 + c]."""
+        B, Hq, c, D = q.shape
+        S = k.shape[2]
+        scale = self.spec.softmax_scale
+        if not padded and c0 == 0 and c == S:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != k.shape[1])
+        G = Hq // k.shape[1]
+        if G > 1:  # memory-efficient kernels take masks but not always grouped heads
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        qpos = torch.arange(c0, c0 + c, device=q.device)[:, None]  # [c, 1]
+        kpos = torch.arange(S, device=q.device)[None, :]  # [1, S]
+        # A padded query attends itself too, so that its (unused) row never has all
+        # keys masked (which would give NaN).
+        allowed = (kpos <= qpos) & (mask[:, None, :] | (kpos == qpos))  # [B, c, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale)
+
+    @torch.no_grad()
+    def fake_prefill(self, seq_len: int, batch: int | None = None, *, ctx=None, std: float = 1.0,
+                     seed: int = 0) -> None:
+        """Benchmark helper: pretend a prompt of ``seq_len`` tokens was prefetched by
+        filling the cache with N(0, std) keys/values (no prefill compute) and setting
+        the step metadata. No row is padded (``ctx.kv_start = None`` if ``ctx``)."""
+        B = self.max_batch if batch is None else int(batch)
+        self._reset(B, seq_len, torch.full((B,), seq_len, dtype=torch.int64))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[:B, :, :seq_len].normal_(0.0, std, generator=gen)
+            vc[:B, :, :seq_len].normal_(0.0, std, generator=gen)
+        self._x[:B].zero_()
+        if ctx is not None:
+            ctx.kv_start = None
+
+    # ------------------------------------------------------------------ decode
+    def _run_pack(self, ctx, B: int, l0: int, l1: int, first: bool, last: bool) -> None:
+        """Layers [l0, l1) of one decode step on the static buffers (the body that is
+        captured as one CUDA graph)."""
+        a = self.arch
+        ops = self._ops()
+        add_rms_norm, qkv_rope_store, silu_mul = ops["add_rms_norm"], ops["qkv_rope_store"], ops["silu_mul"]
+        x = self._x[:B]  # [B, H], updated in place
+        kv_lens = self._meta[0, :B]
+        pos = self._meta[1, :B]
+        widx = self._meta[2, :1]
+        if first:
+            x.copy_(F.embedding(self._tokens[:B], self.embed))
+        pending = None  # the previous layer's MLP output, added to x inside the next norm
+        for li in range(l0, l1):
+            L = self.layers[li]
+            h = add_rms_norm(x, pending, L.ln1, a.eps)
+            qkv = F.linear(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
+            kc, vc = self.k_cache[li][:B], self.v_cache[li][:B]
+            q = qkv_rope_store(qkv, L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab, pos, widx, kc, vc,
+                               a.n_q_heads, a.n_kv_heads)  # [B, Hq, D]
+            o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
+            attn = F.linear(o.reshape(B, -1), L.wo, L.bo)
+            h = add_rms_norm(x, attn, L.ln2, a.eps)
+            pending = F.linear(silu_mul(F.linear(h, L.wgu)), L.wd)
+        if last:
+            h = add_rms_norm(x, pending, self.norm, a.eps)
+            self._logits[:B].copy_(F.linear(h, self.lm_head))
+        elif pending is not None:
+            x.add_(pending)
+
+    def _packs(self, pack_layers: int) -> list[tuple[int, int]]:
+        n = self.arch.n_layers
+        P = max(1, int(pack_layers))
+        return [(l0, min(n, l0 + P)) for l0 in range(0, n, P)]
+
+    @torch.no_grad()
+    def decode_stages(self, tokens: torch.Tensor, ctx, pack_layers: int) -> Iterator[int]:
+        """One decode step for ``tokens`` [B], pack by pack (see ``DecodeBackend``).
+
+        CUDA graphs: the first step with a new key ``(pack_layers, B, ctx,
+        ctx.graph_key())`` runs eagerly on the capture stream (it is the warm-up
+        torch asks for before a capture, and it compiles Triton kernels), then one
+        graph per pack is captured (capture records, it does not execute, so the
+        step's side effects happen once); later steps replay. Replays do not call
+        Python: whatever a selector does per layer must be device work recorded at
+        capture, or happen between packs.
+        """
+        B = self._batch
+        if B == 0:
+            raise ModelError("decode before prefill: call prefill (or fake_prefill) first")
+        if self._seq_len + 1 > self.max_seq_len:
+            raise ModelError(f"the KV cache is full ({self.max_seq_len} tokens): raise model.max_seq_len")
+        packs = self._packs(pack_layers)
+        n_packs = len(packs)
+        # Host bookkeeping and the device metadata bump (kv_lens, position, write index).
+        self._seq_len += 1
+        self._tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
+        self._meta.add_(1)
+        ctx.begin_step(self._seq_len)
+
+        graphs = None
+        key = None
+        if self._stream is not None and self.use_cuda_graphs:
+            key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key())
+            graphs = self._graphs.get(key)
+        if graphs is not None:
+            for i, g in enumerate(graphs):
+                g.replay()
+                if i == n_packs - 1:
+                    self.last_logits = self._logits[:B].clone()
+                yield i
+            return
+        if key is None:  # eager (CPU, or graphs off)
+            for i, (l0, l1) in enumerate(packs):
+                self._run_pack(ctx, B, l0, l1, i == 0, i == n_packs - 1)
+                if i == n_packs - 1:
+                    self.last_logits = self._logits[:B].clone()
+                yield i
+            return
+        # First step with this key: eager on the capture stream, then capture.
+        cur = torch.cuda.current_stream(self.device)
+        for i, (l0, l1) in enumerate(packs):
+            self._stream.wait_stream(cur)
+            with torch.cuda.stream(self._stream):
+                self._run_pack(ctx, B, l0, l1, i == 0, i == n_packs - 1)
+            cur.wait_stream(self._stream)
+            if i == n_packs - 1:
+                self.last_logits = self._logits[:B].clone()
+            yield i
+        self._graphs[key] = self._capture(ctx, B, packs)
+
+    def _capture(self, ctx, B: int, packs: list[tuple[int, int]]) -> list:
+        graphs = []
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for i, (l0, l1) in enumerate(packs):
+            g = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (transport progress threads)
+            # do not invalidate this capture.
+            with torch.cuda.graph(g, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                self._run_pack(ctx, B, l0, l1, i == 0, i == len(packs) - 1)
+            graphs.append(g)
+        return graphs
+
+    def close(self) -> None:
+        """Free the KV cache and the graphs (the model cannot decode afterwards)."""
+        self._graphs.clear()
+        self.k_cache = []
+        self.v_cache = []
+        self._batch = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
