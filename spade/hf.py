@@ -473,6 +473,12 @@ class HFBackend(DecodeBackend):
         model, tok = load_pretrained(path_or_folder, device=device, dtype=dtype)
         return cls(model, tok, device)
 
+    def _ensure_impl(self) -> None:
+        """The model may have been switched back to another implementation since
+        (``spade.hf.remove``): the ``spade_ctx`` keyword only works under "spade"."""
+        if self.model.config._attn_implementation != IMPL:
+            _set_impl(self.model, IMPL)
+
     @property
     def seq_len(self) -> int:
         return self._seq_len
@@ -481,6 +487,7 @@ class HFBackend(DecodeBackend):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, ctx) -> torch.Tensor:
         from transformers import DynamicCache
 
+        self._ensure_impl()
         input_ids = input_ids.to(self.device)
         B, T = input_ids.shape
         if attention_mask is None:
@@ -505,6 +512,7 @@ class HFBackend(DecodeBackend):
     def decode_stages(self, tokens: torch.Tensor, ctx, pack_layers: int) -> Iterator[int]:
         if self._cache is None:
             raise RuntimeError("HFBackend.decode before prefill")
+        self._ensure_impl()
         dec = _decoder(self.model)
         layers = dec.layers
         n = len(layers)
