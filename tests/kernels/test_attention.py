@@ -192,7 +192,7 @@ def test_all_middle_indices_equal_dense(n_sink, n_recent, device):
     assert (sparse_lse - dense_lse).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 9])
 def test_num_splits_agree(num_splits, device):
     """Any split count gives the same answer (more splits than blocks: empty splits)."""
     B, Hq, Hkv, D, L = 2, 4, 2, 16, 130
