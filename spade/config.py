@@ -390,6 +390,43 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
     return "\n".join(lines)
 
 
+def _union_member(name: str, members: list) -> Any:
+    return next((m for m in members if m.model_fields["name"].default == name), None)
+
+
+def _retarget_unions(data: dict, cli: dict) -> dict:
+    """When the CLI or the environment switches a policy/transport to another
+    ``name``, the YAML's fields that the new one does not have are dropped (the
+    ones it shares, e.g. ``budget``, are kept): ``--set policy.name=full`` on an
+    asyncspade config must just work. Fields given on the CLI are never dropped."""
+    def switch(section: dict | None, cli_sec: dict | None, env_key: str, members: list) -> dict | None:
+        if not isinstance(section, dict):
+            return section
+        new = (cli_sec or {}).get("name") if isinstance(cli_sec, dict) else None
+        new = new or os.environ.get(env_key) or os.environ.get(env_key.lower())
+        old = section.get("name")
+        if not new or new == old:
+            return section
+        cls = _union_member(new, members)
+        if cls is None:
+            return section  # unknown name: validation reports it
+        return {k: v for k, v in section.items() if k in cls.model_fields}
+
+    data = dict(data)
+    pol_members = _UNION_MEMBERS[:6]
+    tr_members = _UNION_MEMBERS[6:]
+    if "policy" in data:
+        data["policy"] = switch(data["policy"], cli.get("policy"), "SPADE_POLICY__NAME", pol_members)
+    rt = data.get("runtime")
+    if isinstance(rt, dict) and "transport" in rt:
+        rt = dict(rt)
+        cli_rt = cli.get("runtime") if isinstance(cli.get("runtime"), dict) else {}
+        rt["transport"] = switch(rt["transport"], cli_rt.get("transport"), "SPADE_RUNTIME__TRANSPORT__NAME",
+                                 tr_members)
+        data["runtime"] = rt
+    return data
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict | None = None) -> SpadeConfig:
     """Load a ``SpadeConfig`` from a YAML file (or defaults when ``path`` is None),
     then apply environment variables and ``overrides``.
@@ -410,6 +447,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (model, policy, ...)")
     cli = parse_overrides(overrides)
+    data = _retarget_unions(data, cli)
     t1, t2 = _YAML.set(data), _CLI.set(cli)
     try:
         return SpadeConfig(**data)

@@ -88,3 +88,18 @@ def test_missing_and_malformed_files(tmp_path):
     y.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(y)
+
+
+def test_switching_policy_drops_fields_the_new_one_lacks(tmp_path, monkeypatch):
+    y = tmp_path / "c.yaml"
+    y.write_text("policy: {name: asyncspade, budget: 64, predictor: last, window: 8}\n"
+                 "runtime: {transport: {name: nccl, master_port: 1234}}\n")
+    cfg = load_config(y, overrides=["policy.name=full"])
+    assert cfg.policy.name == "full"
+    cfg = load_config(y, overrides=["policy.name=quest"])
+    assert (cfg.policy.name, cfg.policy.budget) == ("quest", 64)  # shared field kept
+    monkeypatch.setenv("SPADE_RUNTIME__TRANSPORT__NAME", "local")
+    assert load_config(y).runtime.transport.name == "local"
+    # a field given explicitly for the new policy that it lacks is still an error
+    with pytest.raises(ConfigError, match="policy.window"):
+        load_config(y, overrides=["policy.name=full", "policy.window=3"])
