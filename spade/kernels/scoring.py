@@ -158,7 +158,8 @@ def _score_config(D: int, device: torch.device) -> dict:
     benchmark sweeps it)."""
     block_d = max(16, triton.next_power_of_2(D))
     if _interpret() or device.type != "cuda":
-        cfg = dict(BLOCK_L=32, num_warps=1, num_stages=1, MIN_CHUNK=64)
+        # the interpreter pays per op, not per element: few, large tiles
+        cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256)
     else:
         cfg = dict(BLOCK_L=64 if block_d <= 128 else 32, num_warps=4, num_stages=3, MIN_CHUNK=512)
     cfg.update(SCORE_CONFIG)
@@ -168,7 +169,7 @@ def _score_config(D: int, device: torch.device) -> dict:
 
 def _select_config(device: torch.device) -> dict:
     if _interpret() or device.type != "cuda":
-        cfg = dict(BLOCK=64, num_warps=1, MIN_CHUNK=64)
+        cfg = dict(BLOCK=256, num_warps=1, MIN_CHUNK=256)
     else:
         cfg = dict(BLOCK=1024, num_warps=4, MIN_CHUNK=4096)
     cfg.update(SELECT_CONFIG)
@@ -430,11 +431,33 @@ def _score_kernel(
 
 
 @triton.jit
+def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
+                   G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr,
+                   HIST: tl.constexpr):
+    """One tile of ``_softmax_finalize_kernel``; returns the carried histogram."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_l = l0 + tl.arange(0, BLOCK_L)
+    valid = (offs_l >= lo) & (offs_l < hi)
+    lg = tl.load(logit_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :],
+                 mask=(offs_g[:, None] < G) & valid[None, :], other=float("-inf"))  # [G_PAD, BLOCK_L]
+    p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
+    r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
+    if FULL_ROW:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
+    else:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
+    if HIST:
+        digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
+        hist += tl.histogram(digit, 256, mask=valid)
+    return hist
+
+
+@triton.jit
 def _softmax_finalize_kernel(
     logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     L, CHUNK, N_STATS,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """sum_softmax stage 2: merge the per-chunk (max, sum-exp) of each head into its
     normaliser, then score = Σ_g exp(logit_g - M_g) / Z_g over ``[lo, hi)``."""
@@ -454,31 +477,26 @@ def _softmax_finalize_kernel(
     row64 = row.to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
-    g_mask = offs_g < G
-    smask = g_mask[:, None] & (offs_c[None, :] < N_STATS)
+    smask = (offs_g[:, None] < G) & (offs_c[None, :] < N_STATS)
     st = stats_ptr + ((row64 * G + offs_g[:, None]) * N_STATS + offs_c[None, :]) * 2
     m = tl.load(st, mask=smask, other=float("-inf"))  # [G_PAD, BLOCK_C]
     z = tl.load(st + 1, mask=smask, other=0.0)
     m_all = tl.max(m, axis=1)  # [G_PAD]
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     z_all = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - m_safe[:, None])), axis=1)
-    inv_z = tl.where(z_all > 0, 1.0 / z_all, 0.0)
+    inv_z = tl.where(z_all > 0, 1.0 / tl.where(z_all > 0, z_all, 1.0), 0.0)
 
     hist = tl.zeros([256], dtype=tl.int32)
-    for l0 in range(start, end, BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        valid = (offs_l >= lo) & (offs_l < hi)
-        lg = tl.load(logit_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :],
-                     mask=g_mask[:, None] & valid[None, :], other=float("-inf"))
-        p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
-        r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
-        if FULL_ROW:
-            tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
-        else:
-            tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
-        if HIST:
-            digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=valid)
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        l0 = start
+        while l0 < end:
+            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
+                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
+            l0 += BLOCK_L
+    else:
+        for l0 in range(start, end, BLOCK_L):
+            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
+                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist)
 
@@ -501,7 +519,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     do_hist = hist is not None
     hist_arg = hist if do_hist else out  # never touched when HIST is off
     common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
         _score_kernel[grid](
@@ -520,7 +538,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, num_warps=cfg["num_warps"])
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"])
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -551,11 +569,9 @@ def _pick_digit(counts, k_rem):
     """Given the histogram ``counts`` [256] of the current digit among the elements
     still tied on the prefix, and the rank ``k_rem`` (>= 1) still to fill, return the
     digit holding the k_rem-th largest element and the rank left inside that digit."""
-    offs = tl.arange(0, 256)
-    total = tl.sum(counts, axis=0)
-    ge = total - tl.cumsum(counts, axis=0) + counts  # number of elements with digit >= i
-    d = tl.max(tl.where(ge >= k_rem, offs, 0), axis=0)
-    gt = tl.sum(tl.where(offs > d, counts, 0), axis=0)
+    ge = tl.cumsum(counts, axis=0, reverse=True)  # elements with digit >= i: non-increasing in i
+    d = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1  # the largest i with ge[i] >= k_rem
+    gt = tl.sum(tl.where(ge < k_rem, counts, 0), axis=0)  # elements with digit > d
     return d, k_rem - gt
 
 
@@ -595,16 +611,23 @@ def _hist_tile(row_ptr, l0, lo, hi, prefix, PASS: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr):
+def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Write -1 into slots [k_eff, k_top)."""
-    for s0 in range(0, k_top, BLOCK):
-        offs = s0 + tl.arange(0, BLOCK)
-        tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
+    s0 = (k_eff // BLOCK) * BLOCK
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        while s0 < k_top:
+            offs = s0 + tl.arange(0, BLOCK)
+            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
+            s0 += BLOCK
+    else:
+        for t0 in range(s0, k_top, BLOCK):
+            offs = t0 + tl.arange(0, BLOCK)
+            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
 
 
 @triton.jit
 def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr):
+                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Split mode, pass PASS: histogram one chunk of a row into hist[PASS, row]."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -615,15 +638,52 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, C
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
+    row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
-    for l0 in range(start, end, BLOCK):
-        acc += _hist_tile(scores_ptr + row64 * L, l0, lo, hi, prefix, PASS, BLOCK)
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        l0 = start
+        while l0 < end:
+            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
+            l0 += BLOCK
+    else:
+        for l0 in range(start, end, BLOCK):
+            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
     tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc)
 
 
 @triton.jit
+def _compact_tile(row_ptr, out_row, l0, lo, hi, thr, n_gt_total, k_eff, base_gt, base_eq, BLOCK: tl.constexpr):
+    """Scatter the positions of one tile with key > thr to slots ``base_gt + rank`` and
+    those with key == thr to ``n_gt_total + base_eq + rank`` (kept while < k_eff).
+    Returns the tile's (count_gt, count_eq)."""
+    offs = l0 + tl.arange(0, BLOCK)
+    valid = (offs >= lo) & (offs < hi)
+    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+    is_gt = (valid & (key > thr)).to(tl.int32)
+    is_eq = (valid & (key == thr)).to(tl.int32)
+    slot_gt = base_gt + tl.cumsum(is_gt, axis=0) - 1
+    slot_eq = n_gt_total + base_eq + tl.cumsum(is_eq, axis=0) - 1
+    tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
+    tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
+    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
+
+
+@triton.jit
+def _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK: tl.constexpr):
+    """``_compact_tile`` with slots handed out by the row's two atomic counters."""
+    offs = l0 + tl.arange(0, BLOCK)
+    valid = (offs >= lo) & (offs < hi)
+    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+    n_gt = tl.sum((valid & (key > thr)).to(tl.int32), axis=0)
+    n_eq = tl.sum((valid & (key == thr)).to(tl.int32), axis=0)
+    base_gt = tl.atomic_add(cnt_row, n_gt)
+    base_eq = tl.atomic_add(cnt_row + 1, n_eq)
+    _compact_tile(row_ptr, out_row, l0, lo, hi, thr, n_gt_total, k_eff, base_gt, base_eq, BLOCK)
+
+
+@triton.jit
 def _radix_compact_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                          HKV: tl.constexpr, BLOCK: tl.constexpr):
+                          HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Split mode, last step: write positions with key > T, then the first r with
     key == T (slots handed out by two atomic counters per row), then -1 padding."""
     row = tl.program_id(0)
@@ -636,26 +696,25 @@ def _radix_compact_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, lo_ptr, hi_ptr
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
+    row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
-    for l0 in range(start, end, BLOCK):
-        offs = l0 + tl.arange(0, BLOCK)
-        valid = (offs >= lo) & (offs < hi)
-        key = _f32_key(tl.load(scores_ptr + row64 * L + offs, mask=valid, other=0.0))
-        is_gt = (valid & (key > thr)).to(tl.int32)
-        is_eq = (valid & (key == thr)).to(tl.int32)
-        base_gt = tl.atomic_add(cnt_ptr + row64 * 2, tl.sum(is_gt, axis=0))
-        base_eq = tl.atomic_add(cnt_ptr + row64 * 2 + 1, tl.sum(is_eq, axis=0))
-        slot_gt = base_gt + tl.cumsum(is_gt, axis=0) - 1
-        slot_eq = n_gt_total + base_eq + tl.cumsum(is_eq, axis=0) - 1
-        tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
-        tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
+    cnt_row = cnt_ptr + row64 * 2
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        l0 = start
+        while l0 < end:
+            _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK)
+            l0 += BLOCK
+    else:
+        for l0 in range(start, end, BLOCK):
+            _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK)
     if chunk == 0:
-        _pad_tail(out_row, k_eff, k_top, BLOCK)
+        _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
 
 
 @triton.jit
 def _row_select_kernel(scores_ptr, hist_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                       HKV: tl.constexpr, START_PASS: tl.constexpr, BLOCK: tl.constexpr):
+                       HKV: tl.constexpr, START_PASS: tl.constexpr, BLOCK: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """Row mode: one program runs passes START_PASS..3 over its row (earlier passes'
     histograms come from ``hist_ptr``), then compacts in position order."""
     row = tl.program_id(0)
@@ -667,27 +726,33 @@ def _row_select_kernel(scores_ptr, hist_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows,
     row_ptr = scores_ptr + row64 * L
     for p in tl.static_range(START_PASS, 4):
         acc = tl.zeros([256], dtype=tl.int32)
-        for l0 in range(start, end, BLOCK):
-            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
+        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+            l0 = start
+            while l0 < end:
+                acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
+                l0 += BLOCK
+        else:
+            for l0 in range(start, end, BLOCK):
+                acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
         d, k_rem = _pick_digit(acc, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     n_gt_total = k_eff - k_rem
     out_row = out_ptr + row64 * k_top
-    n_gt = 0
-    n_eq = 0
-    for l0 in range(start, end, BLOCK):
-        offs = l0 + tl.arange(0, BLOCK)
-        valid = (offs >= lo) & (offs < hi)
-        key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-        is_gt = (valid & (key > prefix)).to(tl.int32)
-        is_eq = (valid & (key == prefix)).to(tl.int32)
-        slot_gt = n_gt + tl.cumsum(is_gt, axis=0) - 1
-        slot_eq = n_gt_total + n_eq + tl.cumsum(is_eq, axis=0) - 1
-        tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
-        tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
-        n_gt += tl.sum(is_gt, axis=0)
-        n_eq += tl.sum(is_eq, axis=0)
-    _pad_tail(out_row, k_eff, k_top, BLOCK)
+    n_gt = tl.zeros([], dtype=tl.int32)
+    n_eq = tl.zeros([], dtype=tl.int32)
+    if INTERPRET:
+        l0 = start
+        while l0 < end:
+            c_gt, c_eq = _compact_tile(row_ptr, out_row, l0, lo, hi, prefix, n_gt_total, k_eff, n_gt, n_eq, BLOCK)
+            n_gt += c_gt
+            n_eq += c_eq
+            l0 += BLOCK
+    else:
+        for l0 in range(start, end, BLOCK):
+            c_gt, c_eq = _compact_tile(row_ptr, out_row, l0, lo, hi, prefix, n_gt_total, k_eff, n_gt, n_eq, BLOCK)
+            n_gt += c_gt
+            n_eq += c_eq
+    _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
 
 
 def _new_hist(rows: int, device: torch.device, mode: str) -> torch.Tensor:
@@ -706,18 +771,20 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
     cfg = _select_config(scores.device)
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
+    interp = _interpret()
     if mode == "row":
         _row_select_kernel[(rows,)](scores, ws, out, lo, hi, N, rows, k_top,
-                                    HKV=hkv, START_PASS=start_pass, BLOCK=BLOCK, num_warps=nw)
+                                    HKV=hkv, START_PASS=start_pass, BLOCK=BLOCK, INTERPRET=interp,
+                                    num_warps=nw)
         return out
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"])
     grid = (rows, n_chunks)
     for p in range(start_pass, _NPASS):
         _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk,
-                                 HKV=hkv, PASS=p, BLOCK=BLOCK, num_warps=nw)
+                                 HKV=hkv, PASS=p, BLOCK=BLOCK, INTERPRET=interp, num_warps=nw)
     cnt = ws[_NPASS * rows * _NBINS:]
     _radix_compact_kernel[grid](scores, ws, cnt, out, lo, hi, N, rows, k_top, chunk,
-                                HKV=hkv, BLOCK=BLOCK, num_warps=nw)
+                                HKV=hkv, BLOCK=BLOCK, INTERPRET=interp, num_warps=nw)
     return out
 
 

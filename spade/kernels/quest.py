@@ -1,0 +1,443 @@
+"""Quest page bounds, page scores and page selection.
+
+Quest keeps, for every page of ``page_size`` consecutive cached tokens, the
+element-wise min and max of its keys. For a query head ``q`` the largest logit
+any key of the page can reach is bounded by ``Σ_d max(q_d·min_d, q_d·max_d)``;
+pages are ranked by that bound (reduced over the query heads of a GQA group by
+sum or max) and the best ones are attended in full.
+
+Ops (each with a plain-torch ``*_ref`` and a ``*_triton``):
+
+* ``quest_build``: (kmin, kmax) [B, Hkv, P, D] from a whole cache, P = ceil(L / page_size).
+* ``quest_update``: fold one new key per row into its page, in place.
+* ``quest_page_scores``: the bounds [B, Hkv, P] float32.
+* ``quest_select``: token indices of the last page plus the best other pages.
+
+The page score is two GEMMs: ``max(q_d·min_d, q_d·max_d) = q⁺_d·max_d + q⁻_d·min_d``
+with ``q⁺ = max(q, 0)`` and ``q⁻ = min(q, 0)`` (exact, also in floating point:
+one of the two products is a signed zero). So the Triton kernel runs the G query
+heads of a group as the rows of two ``tl.dot`` against the page bounds, reading
+the metadata (2·P·D elements per row) once. ``quest_select`` reuses the exact
+radix top-K of ``spade.kernels.scoring`` on the page scores.
+
+As in scoring, the query is rounded to the bounds' dtype first (both paths).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spade.kernels import scoring
+from spade.kernels.scoring import _default_scale, _interpret, _sm_count
+
+__all__ = [
+    "quest_build_ref",
+    "quest_build_triton",
+    "quest_update_ref",
+    "quest_update_triton",
+    "quest_page_scores_ref",
+    "quest_page_scores_triton",
+    "quest_select_ref",
+    "quest_select_triton",
+]
+
+_QUEST_REDUCES = ("sum_logits", "max_logits")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in _QUEST_REDUCES:
+        raise ValueError(f"Quest page scores reduce the group by {_QUEST_REDUCES}, got {reduce!r}")
+
+
+def _check_page_size(page_size: int) -> None:
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+
+
+def _check_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Validate q [B, Hq, D] against the bounds [B, Hkv, P, D]; return (B, Hq, Hkv, P, D)."""
+    if kmin.shape != kmax.shape or kmin.dim() != 4:
+        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must both be [B, Hkv, P, D]")
+    if kmin.dtype != kmax.dtype:
+        raise ValueError(f"kmin and kmax dtypes differ: {kmin.dtype} vs {kmax.dtype}")
+    B, Hkv, P, D = kmin.shape
+    if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D:
+        raise ValueError(f"q {tuple(q.shape)} does not match bounds {tuple(kmin.shape)}")
+    Hq = q.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    return B, Hq, Hkv, P, D
+
+
+def _round_q(q: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
+    return q if q.dtype == kmin.dtype else q.to(kmin.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# References (plain torch)
+# ----------------------------------------------------------------------------------------------
+
+
+def quest_build_ref(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
+                    kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference ``quest_build``: (kmin, kmax) [B, Hkv, P, D] in k's dtype; +inf / -inf
+    for pages with no valid token."""
+    _check_page_size(page_size)
+    B, H, L, D = k.shape
+    P = triton.cdiv(L, page_size)
+    pos = torch.arange(P * page_size, device=k.device)
+    start = torch.zeros_like(kv_lens) if kv_start is None else kv_start
+    valid = (pos[None, :] >= start.to(k.device).long()[:, None]) & (pos[None, :] < kv_lens.to(k.device).long()[:, None])
+    valid = valid.view(B, 1, P, page_size, 1)
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, P * page_size - L)).view(B, H, P, page_size, D)
+    inf = torch.tensor(float("inf"), device=k.device)
+    kmin = torch.where(valid, kp, inf).amin(3)
+    kmax = torch.where(valid, kp, -inf).amax(3)
+    return kmin.to(k.dtype), kmax.to(k.dtype)
+
+
+def quest_update_ref(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                     page_size: int) -> None:
+    """Reference ``quest_update`` (in place): a page's first token resets its bounds,
+    later ones fold in by element-wise min / max."""
+    _check_page_size(page_size)
+    B = kmin.shape[0]
+    pos = pos.to(kmin.device).long()
+    page = pos // page_size  # [B]
+    first = (pos % page_size == 0)[:, None, None]  # [B, 1, 1]
+    rows = torch.arange(B, device=kmin.device)
+    kn = k_new.to(kmin.dtype)  # [B, Hkv, D]
+    cur_min = kmin[rows, :, page]  # [B, Hkv, D]
+    cur_max = kmax[rows, :, page]
+    kmin[rows, :, page] = torch.where(first, kn, torch.minimum(cur_min, kn))
+    kmax[rows, :, page] = torch.where(first, kn, torch.maximum(cur_max, kn))
+
+
+def _page_range_mask(page_start: torch.Tensor | None, n_pages: torch.Tensor, P: int) -> torch.Tensor:
+    """[B, P] bool: page_start[b] <= p < n_pages[b]."""
+    pidx = torch.arange(P, device=n_pages.device)
+    lo = torch.zeros_like(n_pages) if page_start is None else page_start.to(n_pages.device)
+    return (pidx[None, :] >= lo.long()[:, None]) & (pidx[None, :] < n_pages.long()[:, None])
+
+
+def quest_page_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
+                          scale: float | None = None, reduce: str = "sum_logits",
+                          page_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference ``quest_page_scores``: [B, Hkv, P] float32, the per-head bound
+    ``scale · Σ_d max(q_d·min_d, q_d·max_d)`` reduced over the group; ``-inf``
+    for pages outside ``[page_start, n_pages)``."""
+    _check_reduce(reduce)
+    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    G = Hq // Hkv
+    qg = _round_q(q, kmin).float().view(B, Hkv, G, 1, D)
+    lo, hi = kmin.float()[:, :, None], kmax.float()[:, :, None]  # [B, Hkv, 1, P, D]
+    s = torch.maximum(qg * lo, qg * hi).sum(-1) * _default_scale(scale, D)  # [B, Hkv, G, P]
+    s = s.sum(2) if reduce == "sum_logits" else s.amax(2)
+    valid = _page_range_mask(page_start, n_pages.to(kmin.device), P)
+    return torch.where(valid[:, None, :], s, torch.tensor(float("-inf"), device=s.device)).float()
+
+
+def _select_plan(kv_lens: torch.Tensor, kv_start: torch.Tensor | None, page_size: int):
+    """Per row: first page, number of pages, last page (the one holding kv_lens-1;
+    -1 when the row is empty)."""
+    kv = kv_lens.long()
+    start = torch.zeros_like(kv) if kv_start is None else kv_start.to(kv.device).long()
+    page_lo = start // page_size
+    has = kv > start
+    # an empty row gets an empty page range (its bounds are +-inf: no score, no NaN)
+    n_pages = torch.where(has, (kv + page_size - 1) // page_size, page_lo)
+    last = torch.where(has, n_pages - 1, torch.full_like(kv, -1))
+    return start, page_lo, n_pages, last
+
+
+def _pages_to_tokens(pages: torch.Tensor, start: torch.Tensor, kv: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Expand pages [B, H, S] (-1 = none) to token indices [B, H, S * page_size] int32,
+    ``-1`` outside ``[start, kv)``."""
+    B, H, S = pages.shape
+    tok = pages.long()[..., None] * page_size + torch.arange(page_size, device=pages.device)  # [B, H, S, ps]
+    ok = (pages[..., None] >= 0) & (tok >= start.view(B, 1, 1, 1)) & (tok < kv.view(B, 1, 1, 1))
+    return torch.where(ok, tok, torch.full_like(tok, -1)).view(B, H, S * page_size).to(torch.int32)
+
+
+def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
+                     n_pages_sel: int, page_size: int, *, scale: float | None = None, reduce: str = "sum_logits",
+                     kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference ``quest_select``: int32 [B, Hkv, n_pages_sel * page_size], the last page
+    first, then the best ``n_pages_sel - 1`` other pages by ``torch.topk``."""
+    _check_reduce(reduce)
+    _check_page_size(page_size)
+    if n_pages_sel < 1:
+        raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
+    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    start, page_lo, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
+    scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce, page_start=page_lo)
+    # candidates: [page_lo, last) -- every valid page but the last (empty when last = -1)
+    others = scoring.topk_from_scores_ref(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
+    pages = torch.cat([last.view(B, 1, 1).expand(B, Hkv, 1).to(torch.int32), others], dim=-1)
+    return _pages_to_tokens(pages, start, kv_lens.to(kmin.device).long(), page_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quest_build_kernel(
+    k_ptr, kmin_ptr, kmax_ptr, lo_ptr, hi_ptr,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    L, P, page_size,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Bounds of BLOCK_P pages of one (b, KV head) row: a [BLOCK_P, BLOCK_S, BLOCK_D]
+    tile (BLOCK_S >= page_size) reduced over its token axis."""
+    row = tl.program_id(0)
+    pblk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    lo = tl.load(lo_ptr + b).to(tl.int32)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = offs_p[:, None] * page_size + offs_s[None, :]  # [BLOCK_P, BLOCK_S]
+    tmask = (offs_s[None, :] < page_size) & (tok >= lo) & (tok < hi)
+    mask = tmask[:, :, None] & (offs_d[None, None, :] < D)
+    base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    x = tl.load(base + tok[:, :, None].to(tl.int64) * stride_kl + offs_d[None, None, :] * stride_kd,
+                mask=mask, other=0.0).to(tl.float32)  # exact; the interpreter has no bf16 constants
+    kmn = tl.min(tl.where(mask, x, float("inf")), axis=1)  # [BLOCK_P, BLOCK_D]
+    kmx = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+    out = (row.to(tl.int64) * P + offs_p[:, None]) * D + offs_d[None, :]
+    omask = (offs_p[:, None] < P) & (offs_d[None, :] < D)
+    tl.store(kmin_ptr + out, kmn.to(kmin_ptr.dtype.element_ty), mask=omask)
+    tl.store(kmax_ptr + out, kmx.to(kmax_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _quest_update_kernel(
+    kmin_ptr, kmax_ptr, knew_ptr, pos_ptr,
+    stride_mb, stride_mh, stride_mp, stride_md,
+    stride_nb, stride_nh, stride_nd,
+    P, page_size,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Fold ``k_new[b, h]`` into the bounds of the page holding ``pos[b]``."""
+    row = tl.program_id(0)
+    b = row // HKV
+    h = row % HKV
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    page = pos // page_size
+    first = (pos % page_size) == 0
+    ok = (pos >= 0) & (page < P)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = (offs_d < D) & ok
+    kn = tl.load(knew_ptr + b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh + offs_d * stride_nd,
+                 mask=dmask, other=0.0).to(kmin_ptr.dtype.element_ty)
+    off = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + page * stride_mp + offs_d * stride_md
+    cur_min = tl.load(kmin_ptr + off, mask=dmask, other=0.0)
+    cur_max = tl.load(kmax_ptr + off, mask=dmask, other=0.0)
+    tl.store(kmin_ptr + off, tl.where(first, kn, tl.minimum(cur_min, kn)), mask=dmask)
+    tl.store(kmax_ptr + off, tl.where(first, kn, tl.maximum(cur_max, kn)), mask=dmask)
+
+
+@triton.jit
+def _quest_scores_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, lo_ptr, hi_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_mb, stride_mh, stride_mp, stride_md,
+    P, scale,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, REDUCE: tl.constexpr, HAS_LO: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Page bounds of BLOCK_P pages for one (b, KV head): ``q⁺·kmax + q⁻·kmin`` as two
+    [G_PAD, D] x [D, BLOCK_P] dots, then the group reduction."""
+    row = tl.program_id(0)
+    pblk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    hi = tl.load(hi_ptr + b).to(tl.int32)
+    if HAS_LO:
+        lo = tl.load(lo_ptr + b).to(tl.int32)
+    else:
+        lo = 0
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    valid = (offs_p >= lo) & (offs_p < hi) & (offs_p < P)
+    qb = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
+    q = tl.load(qb + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    zero = tl.zeros_like(q)
+    qf = q.to(tl.float32)  # NOTE: compare in fp32: the interpreter compares bf16 as raw bits
+    q_pos = tl.where(qf > 0, q, zero)  # stays in q's dtype (tensor-core operands)
+    q_neg = tl.where(qf < 0, q, zero)
+    moff = (b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + offs_p[:, None].to(tl.int64) * stride_mp
+            + offs_d[None, :] * stride_md)
+    mmask = valid[:, None] & d_mask[None, :]
+    # out-of-range pages may hold +-inf (empty pages): load zeros there instead (0 * inf = NaN)
+    kmx = tl.load(kmax_ptr + moff, mask=mmask, other=0.0)  # [BLOCK_P, BLOCK_D]
+    kmn = tl.load(kmin_ptr + moff, mask=mmask, other=0.0)
+    if UPCAST:
+        q_pos = q_pos.to(tl.float32)
+        q_neg = q_neg.to(tl.float32)
+        kmx = kmx.to(tl.float32)
+        kmn = kmn.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q_pos, tl.trans(kmx), input_precision="ieee")
+        s = tl.dot(q_neg, tl.trans(kmn), acc=s, input_precision="ieee")
+    else:
+        s = tl.dot(q_pos, tl.trans(kmx))
+        s = tl.dot(q_neg, tl.trans(kmn), acc=s)
+    s = s * scale  # [G_PAD, BLOCK_P]
+    if REDUCE == 0:
+        r = tl.sum(tl.where(g_mask[:, None], s, 0.0), axis=0)
+    else:
+        r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
+    r = tl.where(valid, r, float("-inf"))
+    tl.store(out_ptr + row.to(tl.int64) * P + offs_p, r, mask=offs_p < P)
+
+
+@triton.jit
+def _quest_expand_kernel(
+    sel_ptr, out_ptr, start_ptr, kv_ptr, page_size, n_sel, n_out,
+    HKV: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Token slots of one (b, KV head): slot ``i * page_size + j`` holds token ``j`` of
+    page ``i`` (page 0 = the last page, then the selected ones); ``-1`` outside
+    ``[start, kv)`` or for empty page slots. ``n_out`` = n_sel * page_size."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = row // HKV
+    start = tl.load(start_ptr + b).to(tl.int32)
+    kv = tl.load(kv_ptr + b).to(tl.int32)
+    has = kv > start
+    last = tl.where(has, (kv + page_size - 1) // page_size - 1, -1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    i = offs // page_size
+    j = offs % page_size
+    m = offs < n_out
+    sel = tl.load(sel_ptr + row.to(tl.int64) * (n_sel - 1) + (i - 1), mask=m & (i > 0), other=-1)
+    page = tl.where(i == 0, last, sel)
+    tok = page * page_size + j
+    ok = (page >= 0) & (tok >= start) & (tok < kv)
+    tl.store(out_ptr + row.to(tl.int64) * n_out + offs, tl.where(ok, tok, -1), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
+                       kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``quest_build``: reads the valid keys once."""
+    _check_page_size(page_size)
+    B, H, L, D = k.shape
+    P = triton.cdiv(L, page_size)
+    kmin = torch.empty(B, H, P, D, dtype=k.dtype, device=k.device)
+    kmax = torch.empty_like(kmin)
+    if B * H * P == 0:
+        return kmin, kmax
+    start = torch.zeros_like(kv_lens) if kv_start is None else kv_start
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_S = triton.next_power_of_2(page_size)
+    budget = 1 << 15 if _interpret() else 1 << 13  # elements per tile
+    BLOCK_P = max(1, min(triton.next_power_of_2(P), budget // (BLOCK_S * BLOCK_D)))
+    grid = (B * H, triton.cdiv(P, BLOCK_P))
+    _quest_build_kernel[grid](k, kmin, kmax, start, kv_lens, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+                              L, P, page_size, HKV=H, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_S=BLOCK_S,
+                              num_warps=4)
+    return kmin, kmax
+
+
+def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                        page_size: int) -> None:
+    """Triton ``quest_update`` (in place; positions outside the bounds' pages are ignored)."""
+    _check_page_size(page_size)
+    B, H, P, D = kmin.shape
+    if k_new.shape != (B, H, D):
+        raise ValueError(f"k_new must be [{B}, {H}, {D}], got {tuple(k_new.shape)}")
+    if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
+        raise ValueError("kmin and kmax must have the same shape and strides")
+    if B * H == 0:
+        return
+    _quest_update_kernel[(B * H,)](
+        kmin, kmax, k_new, pos, kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), P, page_size,
+        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+
+
+def _launch_page_scores(q, kmin, kmax, out, n_pages, page_start, *, scale, reduce) -> None:
+    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    if kmax.stride() != kmin.stride():
+        raise ValueError("kmin and kmax must have the same strides")
+    G = Hq // Hkv
+    qr = _round_q(q, kmin)
+    upcast = _interpret()
+    ieee = kmin.dtype == torch.float32 and not upcast
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if upcast or not kmin.is_cuda:
+        BLOCK_P = min(256, max(16, triton.next_power_of_2(P)))
+    else:  # enough programs to fill the GPU, tiles of at most 64 pages
+        BLOCK_P = 64 if B * Hkv * triton.cdiv(P, 64) >= 2 * _sm_count(kmin.device) else 32
+        BLOCK_P = min(BLOCK_P, 32 if BLOCK_D > 128 else BLOCK_P)
+    grid = (B * Hkv, triton.cdiv(P, BLOCK_P))
+    lo = page_start if page_start is not None else n_pages
+    _quest_scores_kernel[grid](
+        qr, kmin, kmax, out, lo, n_pages, qr.stride(0), qr.stride(1), qr.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3), P, scale,
+        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P,
+        REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=page_start is not None, UPCAST=upcast, IEEE=ieee,
+        num_warps=4)
+
+
+def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
+                             scale: float | None = None, reduce: str = "sum_logits",
+                             page_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``quest_page_scores``: [B, Hkv, P] float32."""
+    _check_reduce(reduce)
+    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    out = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
+    if B * Hkv * P == 0:
+        return out
+    _launch_page_scores(q, kmin, kmax, out, n_pages, page_start, scale=_default_scale(scale, D), reduce=reduce)
+    return out
+
+
+def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
+                        n_pages_sel: int, page_size: int, *, scale: float | None = None,
+                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``quest_select``: page scores, exact radix top-(n_pages_sel - 1) of the
+    pages before the last one, then expansion to token indices (last page first)."""
+    _check_reduce(reduce)
+    _check_page_size(page_size)
+    if n_pages_sel < 1:
+        raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
+    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    n_out = n_pages_sel * page_size
+    out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
+    if B * Hkv == 0:
+        return out
+    start, page_lo, n_pages, last = _select_plan(kv_lens, kv_start, page_size)
+    if n_pages_sel > 1:
+        scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
+        _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=_default_scale(scale, D),
+                            reduce=reduce)
+        sel = scoring.topk_from_scores_triton(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
+    else:
+        sel = out  # never read: n_sel - 1 == 0 slots
+    BLOCK = min(1024, triton.next_power_of_2(n_out))
+    _quest_expand_kernel[(B * Hkv, triton.cdiv(n_out, BLOCK))](
+        sel, out, start, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,276 @@
+"""Quest page bounds, page scores and page selection: Triton vs reference vs independent loops.
+
+Bounds are min/max of the same values, so Triton and the reference must agree exactly.
+Page scores differ only by fp32 summation order. Selections are compared through the
+page scores of the chosen pages (ties may choose different pages).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spade import kernels
+from spade.kernels import quest
+
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REDUCES = ["sum_logits", "max_logits"]
+SHAPES = [(1, 37, 16, 8), (3, 130, 64, 16), (3, 1, 16, 4), (1, 130, 64, 5), (3, 37, 64, 1), (3, 61, 16, 7)]
+# (B, L, D, page_size): odd lengths, page sizes that do not divide them, page_size 1
+
+# page scores: identical rounded inputs on both sides, fp32 sums over D terms in another
+# order (tensor-core accumulation order is unspecified for 16-bit inputs). (rtol, atol)
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-4, 1e-4)}
+
+
+def _grid(*axes):
+    """Product of ``axes`` with SHAPES cycled along it: (*combo, B, L, D, page_size)."""
+    return [(*combo, *shape) for combo, shape in zip(itertools.product(*axes), itertools.cycle(SHAPES))]
+
+
+def _inputs(B, Hq, Hkv, L, D, dtype, device, *, seed=0):
+    """Random q/k; row b valid on [kv_start[b], kv_lens[b]) with kv_start > 0 on some
+    rows; NaN garbage after kv_lens (must never reach a bound)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype).to(device)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    kv_lens = torch.tensor([max(1, L - 5 * b) for b in range(B)])
+    kv_start = torch.tensor([min(3 * b, int(kv_lens[b]) - 1) for b in range(B)])
+    for b in range(B):
+        k[b, :, int(kv_lens[b]):] = float("nan")
+    return q, k.to(device), kv_lens.to(device), kv_start.to(device)
+
+
+def _bounds_loop(k, kv_lens, kv_start, page_size):
+    """Independent page bounds: a Python loop over rows and pages, in float64."""
+    B, H, L, D = k.shape
+    P = -(-L // page_size)
+    kmin = torch.full((B, H, P, D), float("inf"), dtype=torch.float64)
+    kmax = torch.full((B, H, P, D), float("-inf"), dtype=torch.float64)
+    k64 = k.double().cpu()
+    for b in range(B):
+        for p in range(P):
+            lo = max(p * page_size, int(kv_start[b]))
+            hi = min((p + 1) * page_size, int(kv_lens[b]))
+            if hi > lo:
+                kmin[b, :, p] = k64[b, :, lo:hi].amin(1)
+                kmax[b, :, p] = k64[b, :, lo:hi].amax(1)
+    return kmin, kmax
+
+
+def _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages, scale=None):
+    """Independent float64 page bounds: max over the two corners, per head, then reduce."""
+    B, Hq, D = q.shape
+    Hkv, P = kmin.shape[1], kmin.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    q64 = q.to(kmin.dtype).double().cpu()
+    out = torch.full((B, Hkv, P), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            for p in range(int(page_lo[b]), int(n_pages[b])):
+                mn, mx = kmin[b, h, p].double().cpu(), kmax[b, h, p].double().cpu()
+                per_head = [float((torch.maximum(q64[b, h * G + g] * mn, q64[b, h * G + g] * mx)).sum()) * scale
+                            for g in range(G)]
+                out[b, h, p] = sum(per_head) if reduce == "sum_logits" else max(per_head)
+    return out
+
+
+def _plan(kv_lens, kv_start, page_size):
+    kv = kv_lens.cpu().long()
+    start = kv_start.cpu().long()
+    return start // page_size, (kv + page_size - 1) // page_size
+
+
+def _check_selection(idx, scores64, kv_lens, kv_start, n_sel, page_size, *, atol):
+    """``idx`` [B, H, n_sel * ps] is a valid Quest selection: the last page always, the
+    best other pages (up to ``atol`` on the page scores), no duplicates, every valid
+    token of a chosen page and nothing outside [kv_start, kv_lens). Returns the chosen
+    pages' score sum [B, H] (for comparing two implementations)."""
+    B, H, S = idx.shape
+    assert S == n_sel * page_size and idx.dtype == torch.int32
+    idx = idx.cpu().long()
+    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    sums = torch.zeros(B, H, dtype=torch.float64)
+    for b in range(B):
+        s_b, kv_b = int(kv_start[b]), int(kv_lens[b])
+        for h in range(H):
+            tok = idx[b, h][idx[b, h] >= 0]
+            assert len(torch.unique(tok)) == len(tok), "duplicate tokens"
+            assert ((tok >= s_b) & (tok < kv_b)).all(), "token outside [kv_start, kv_lens)"
+            pages = torch.unique(tok // page_size)
+            last = int(n_pages[b]) - 1
+            if kv_b <= s_b:
+                assert len(tok) == 0
+                continue
+            assert last in pages.tolist(), "the last page is always kept"
+            for p in pages.tolist():  # whole pages (their valid part)
+                lo, hi = max(p * page_size, s_b), min((p + 1) * page_size, kv_b)
+                assert ((tok >= lo) & (tok < hi)).sum() == hi - lo, f"page {p} only partly selected"
+            others = [p for p in pages.tolist() if p != last]
+            cand = list(range(int(page_lo[b]), last))
+            assert len(others) == min(n_sel - 1, len(cand))
+            if others:
+                cs = scores64[b, h, cand]
+                kth = cs.topk(len(others)).values[-1]
+                chosen = scores64[b, h, others]
+                assert chosen.min() >= kth - atol, "a chosen page is below the K-th best"
+                rest = [p for p in cand if p not in others]
+                if rest:
+                    assert scores64[b, h, rest].max() <= kth + atol, "a better page was left out"
+                sums[b, h] = chosen.sum()
+    return sums
+
+
+# ------------------------------------------------------------------------------------------------
+# quest_build / quest_update
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads,dtype,B,L,D,page_size", _grid(HEADS, DTYPES))
+def test_build_matches_loop_and_triton(heads, dtype, B, L, D, page_size, device):
+    _, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=1)
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=kv_start)
+    lmin, lmax = _bounds_loop(k, kv_lens.cpu(), kv_start.cpu(), page_size)
+    assert kmin.dtype == dtype and kmin.shape == lmin.shape
+    assert torch.equal(kmin.double().cpu(), lmin) and torch.equal(kmax.double().cpu(), lmax)
+    tmin, tmax = quest.quest_build_triton(k, kv_lens, page_size, kv_start=kv_start)
+    assert torch.equal(tmin, kmin) and torch.equal(tmax, kmax)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_token_by_token_equals_build(impl, dtype, device):
+    """Appending the keys one at a time (rows at different lengths, a page's first token
+    resetting stale bounds) ends where quest_build over the whole cache does."""
+    update = quest.quest_update_ref if impl == "ref" else quest.quest_update_triton
+    B, Hkv, L, D, ps = 3, 2, 23, 16, 4
+    _, k, _, _ = _inputs(B, 4, Hkv, L, D, dtype, device, seed=2)
+    k = torch.nan_to_num(k, nan=0.5)
+    lens = torch.tensor([23, 17, 9], device=device)
+    P = -(-L // ps)
+    # stale garbage bounds: every page's first token must overwrite them
+    kmin = torch.full((B, Hkv, P, D), -7.0, dtype=dtype, device=device)
+    kmax = torch.full((B, Hkv, P, D), 7.0, dtype=dtype, device=device)
+    for t in range(L):
+        pos = torch.minimum(torch.full_like(lens, t), lens - 1)  # finished rows re-fold their last key
+        update(kmin, kmax, k[torch.arange(B, device=device), :, pos], pos, ps)
+    bmin, bmax = quest.quest_build_ref(k, lens, ps)
+    n_pages = (lens + ps - 1) // ps
+    for b in range(B):
+        n = int(n_pages[b])
+        assert torch.equal(kmin[b, :, :n], bmin[b, :, :n]) and torch.equal(kmax[b, :, :n], bmax[b, :, :n])
+
+
+def test_update_folds_into_partial_page(device):
+    """A mid-page token folds by min / max; a page-start token resets (both impls)."""
+    kmin = torch.zeros(1, 1, 2, 16, device=device)
+    kmax = torch.ones(1, 1, 2, 16, device=device)
+    new = torch.linspace(-2, 3, 16, device=device).view(1, 1, 16)
+    for fn in (quest.quest_update_ref, quest.quest_update_triton):
+        a, b = kmin.clone(), kmax.clone()
+        fn(a, b, new, torch.tensor([5], device=device), 4)  # page 1, not its first token
+        assert torch.equal(a[0, 0, 1], torch.minimum(kmin[0, 0, 1], new[0, 0]))
+        assert torch.equal(b[0, 0, 1], torch.maximum(kmax[0, 0, 1], new[0, 0]))
+        assert torch.equal(a[0, 0, 0], kmin[0, 0, 0])  # other pages untouched
+        fn(a, b, new, torch.tensor([4], device=device), 4)  # page 1's first token
+        assert torch.equal(a[0, 0, 1], new[0, 0]) and torch.equal(b[0, 0, 1], new[0, 0])
+
+
+# ------------------------------------------------------------------------------------------------
+# quest_page_scores
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D,page_size", _grid(REDUCES, HEADS, DTYPES))
+def test_page_scores(reduce, heads, dtype, B, L, D, page_size, device):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=3)
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=kv_start)
+    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    page_lo, n_pages = page_lo.to(device), n_pages.to(device)
+    ref = quest.quest_page_scores_ref(q, kmin, kmax, n_pages, reduce=reduce, page_start=page_lo)
+    true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
+    assert ref.dtype == torch.float32 and torch.equal(torch.isinf(ref).cpu(), torch.isinf(true))
+    torch.testing.assert_close(ref.double().cpu(), true, rtol=1e-5, atol=1e-5)
+    out = quest.quest_page_scores_triton(q, kmin, kmax, n_pages, reduce=reduce, page_start=page_lo)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out[fin], ref[fin], rtol=rtol, atol=atol)
+
+
+def test_page_scores_default_start_and_scale(device):
+    q, k, kv_lens, _ = _inputs(3, 4, 2, 40, 16, torch.float32, device, seed=4)
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, 8)
+    n_pages = (kv_lens + 7) // 8
+    ref = quest.quest_page_scores_ref(q, kmin, kmax, n_pages, scale=0.7)
+    out = quest.quest_page_scores_triton(q, kmin, kmax, n_pages, scale=0.7)
+    true = _page_scores64(q, kmin, kmax, "sum_logits", torch.zeros(3, dtype=torch.long), n_pages.cpu(), scale=0.7)
+    torch.testing.assert_close(ref.double().cpu(), true, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sum_softmax_is_rejected():
+    q = torch.randn(1, 2, 16)
+    kmin = torch.zeros(1, 1, 3, 16)
+    for fn in (quest.quest_page_scores_ref, quest.quest_page_scores_triton):
+        with pytest.raises(ValueError, match="reduce"):
+            fn(q, kmin, kmin + 1, torch.tensor([3]), reduce="sum_softmax")
+
+
+# ------------------------------------------------------------------------------------------------
+# quest_select
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D,page_size", _grid(REDUCES, HEADS, DTYPES))
+def test_select(reduce, heads, dtype, B, L, D, page_size, device):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=5)
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=kv_start)
+    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
+    n_sel = [1, 3, 1000][(REDUCES.index(reduce) + DTYPES.index(dtype)) % 3]  # last page only, some, all
+    ref = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start)
+    out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start)
+    s_ref = _check_selection(ref, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-5)
+    s_out = _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
+    torch.testing.assert_close(s_out, s_ref, rtol=1e-5, atol=1e-4)
+    if n_sel == 1000:  # more pages than exist: exactly the valid tokens
+        for b in range(B):
+            want = set(range(int(kv_start[b]), int(kv_lens[b])))
+            for h in range(heads[1]):
+                got = out[b, h].cpu()
+                assert set(got[got >= 0].tolist()) == want
+
+
+def test_select_dispatch_and_empty_row(monkeypatch, device):
+    """Through the public entry point (forced Triton), with an empty row (kv_lens == kv_start)."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    q, k, _, _ = _inputs(2, 4, 2, 40, 16, torch.float32, device, seed=6)
+    kv_lens = torch.tensor([40, 6], device=device)
+    kv_start = torch.tensor([0, 6], device=device)
+    kmin, kmax = kernels.quest_build(k, kv_lens, 8, kv_start=kv_start)
+    idx = kernels.quest_select(q, kmin, kmax, kv_lens, 2, 8, kv_start=kv_start)
+    assert idx.shape == (2, 2, 16)
+    assert (idx[1] == -1).all()
+    page_lo, n_pages = _plan(kv_lens, kv_start, 8)
+    true = _page_scores64(q, kmin, kmax, "sum_logits", page_lo, n_pages)
+    _check_selection(idx, true, kv_lens.cpu(), kv_start.cpu(), 2, 8, atol=1e-4)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 3]), L=st.integers(1, 60),
+       D=st.sampled_from([8, 16, 32]), page_size=st.integers(1, 9), n_sel=st.integers(1, 12),
+       reduce=st.sampled_from(REDUCES), seed=st.integers(0, 2**16))
+def test_select_fuzz(B, Hkv, G, L, D, page_size, n_sel, reduce, seed, device):
+    q, k, kv_lens, kv_start = _inputs(B, G * Hkv, Hkv, L, D, torch.float32, device, seed=seed)
+    kmin, kmax = quest.quest_build_triton(k, kv_lens, page_size, kv_start=kv_start)
+    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
+    out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start)
+    _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)

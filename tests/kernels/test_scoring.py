@@ -1,0 +1,329 @@
+"""Group scoring and fused top-K: Triton vs the torch reference vs an independent float64 computation.
+
+Selections are compared through the true (float64) scores, never raw indices, because
+ties may order or even choose positions differently: a valid top-K set has every
+selected score >= the K-th best score and every unselected candidate <= it (up to the
+tolerance of the fp32 scores the kernels rank).
+
+Under the interpreter each Triton program costs milliseconds, so the parameter grid
+crosses the axes that change code paths (reduce x GQA shape x dtype) and cycles the
+awkward sizes (B, L, D) through them instead of taking the full product.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spade import kernels
+from spade.kernels import scoring
+
+REDUCES = scoring.REDUCES
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 37, 16), (3, 130, 64), (3, 1, 16), (1, 130, 64), (3, 37, 64), (1, 1, 64)]  # (B, L, D)
+
+# Both paths see identical (dtype-rounded) inputs and compute fp32 products, so they differ
+# only by fp32 accumulation order over D terms. fp32 inputs on a GPU use IEEE fp32 dots;
+# 16-bit inputs go through tensor cores whose fp32 accumulation order is unspecified,
+# hence the looser bound. (rtol, atol) on scores of magnitude ~1.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-4, 1e-4)}
+
+
+def _grid(*axes):
+    """Product of ``axes`` with SHAPES cycled along it: (*combo, B, L, D)."""
+    return [(*combo, *shape) for combo, shape in zip(itertools.product(*axes), itertools.cycle(SHAPES))]
+
+
+def _inputs(B, Hq, Hkv, L, D, dtype, device, *, seed=0):
+    """Random q/k with ragged rows: row b holds [kv_start[b], kv_lens[b]), kv_start > 0
+    on some rows (left padding) and garbage (NaN) after kv_lens, which must never leak."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype).to(device)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+    kv_lens = torch.tensor([max(1, L - 3 * b) for b in range(B)])
+    kv_start = torch.tensor([min(2 * b, int(kv_lens[b]) - 1) for b in range(B)])
+    for b in range(B):
+        k[b, :, int(kv_lens[b]):] = float("nan")
+    return q, k.to(device), kv_lens.to(device), kv_start.to(device)
+
+
+def _scores64(q, k, reduce, norm_lo, norm_hi, scale=None):
+    """Independent float64 group scores [B, Hkv, L] (loops over rows and heads; -inf
+    outside [norm_lo, norm_hi) for every reduce)."""
+    B, Hq, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    q64 = q.to(k.dtype).double().cpu()
+    k64 = k.double().cpu()
+    out = torch.full((B, Hkv, L), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        lo, hi = int(norm_lo[b]), int(norm_hi[b])
+        if hi <= lo:
+            continue
+        for h in range(Hkv):
+            logits = torch.stack([k64[b, h, lo:hi] @ q64[b, h * G + g] * scale for g in range(G)])  # [G, n]
+            if reduce == "sum_logits":
+                s = logits.sum(0)
+            elif reduce == "max_logits":
+                s = logits.max(0).values
+            else:
+                e = torch.exp(logits - logits.max(1, keepdim=True).values)
+                s = (e / e.sum(1, keepdim=True)).sum(0)
+            out[b, h, lo:hi] = s
+    return out
+
+
+def _check_topk(idx, true, lo, hi, k_top, *, atol):
+    """``idx`` [B, H, k_top] is a valid top-K of ``true`` [B, H, L] (float64) over [lo, hi)."""
+    B, H, _ = idx.shape
+    assert idx.shape[-1] == k_top and idx.dtype == torch.int32
+    idx = idx.cpu().long()
+    for b in range(B):
+        lo_b, hi_b = max(int(lo[b]), 0), int(hi[b])
+        n_cand = max(hi_b - lo_b, 0)
+        for h in range(H):
+            row = idx[b, h]
+            sel = row[row >= 0]
+            assert (row[len(sel):] == -1).all() and (row >= -1).all(), "valid entries first, then -1 padding"
+            assert len(sel) == min(k_top, n_cand), (len(sel), k_top, n_cand)
+            assert len(torch.unique(sel)) == len(sel), "duplicate positions"
+            if len(sel) == 0:
+                continue
+            assert ((sel >= lo_b) & (sel < hi_b)).all(), "position outside [lo, hi)"
+            cand = true[b, h, lo_b:hi_b]
+            kth = cand.topk(len(sel)).values[-1]
+            assert true[b, h, sel].min() >= kth - atol, "a selected score is below the K-th best"
+            rest = torch.ones(hi_b - lo_b, dtype=torch.bool)
+            rest[sel - lo_b] = False
+            if rest.any():
+                assert cand[rest].max() <= kth + atol, "an unselected score is above the K-th best"
+
+
+def _sel_sum(idx, true):
+    """Sum of the true scores of each selection: [B, H] (ties make any choice equal)."""
+    idx = idx.cpu().long()
+    return torch.where(idx >= 0, true.gather(2, idx.clamp(min=0)), torch.zeros((), dtype=true.dtype)).sum(-1)
+
+
+@pytest.fixture(autouse=True)
+def _default_configs():
+    """Tests that override the launch configs must not leak them."""
+    yield
+    scoring.SCORE_CONFIG.clear()
+    scoring.SELECT_CONFIG.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# group_scores
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D", _grid(REDUCES, HEADS, DTYPES))
+def test_group_scores_ref_matches_float64(reduce, heads, dtype, B, L, D):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, "cpu")
+    ref = scoring.group_scores_ref(q, k, kv_lens, reduce=reduce, kv_start=kv_start)
+    true = _scores64(q, k, reduce, kv_start, kv_lens)
+    assert ref.dtype == torch.float32 and ref.shape == true.shape
+    assert torch.equal(torch.isinf(ref), torch.isinf(true)), "-inf exactly outside [kv_start, kv_lens)"
+    torch.testing.assert_close(ref.double(), true, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D", _grid(REDUCES, HEADS, DTYPES))
+def test_group_scores_triton_matches_ref(reduce, heads, dtype, B, L, D, device):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=1)
+    ref = scoring.group_scores_ref(q, k, kv_lens, reduce=reduce, kv_start=kv_start)
+    out = scoring.group_scores_triton(q, k, kv_lens, reduce=reduce, kv_start=kv_start)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    rtol, atol = TOL[dtype]
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin], ref[fin], rtol=rtol, atol=atol)
+
+
+def test_group_scores_custom_scale_and_multichunk(device):
+    """A non-default scale, and tiny tiles so rows split into several chunks (the
+    sum_softmax statistics then merge across chunks)."""
+    scoring.SCORE_CONFIG.update(BLOCK_L=16, MIN_CHUNK=16)
+    q, k, kv_lens, kv_start = _inputs(3, 4, 2, 70, 16, torch.float32, device, seed=2)
+    for reduce in REDUCES:
+        ref = scoring.group_scores_ref(q, k, kv_lens, reduce=reduce, kv_start=kv_start, scale=0.3)
+        out = scoring.group_scores_triton(q, k, kv_lens, reduce=reduce, kv_start=kv_start, scale=0.3)
+        fin = torch.isfinite(ref)
+        assert torch.equal(fin, torch.isfinite(out))
+        torch.testing.assert_close(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_group_scores_strided_cache_and_fp32_query(device):
+    """k as a transposed view of a [B, L, Hkv, D] buffer, and a float32 query against a
+    bf16 cache (both paths score the query rounded to bf16)."""
+    B, Hq, Hkv, L, D = 3, 4, 2, 37, 16
+    q = torch.randn(B, Hq, D, device=device)
+    k = torch.randn(B, L, Hkv, D, device=device).to(torch.bfloat16).transpose(1, 2)  # non-contiguous
+    kv_lens = torch.tensor([37, 20, 5], device=device)
+    ref = scoring.group_scores_ref(q, k, kv_lens)
+    out = scoring.group_scores_triton(q, k, kv_lens)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    torch.testing.assert_close(out[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+def test_group_scores_rejects_bad_inputs():
+    q = torch.randn(1, 3, 16)
+    k = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        scoring.group_scores_ref(q, k, torch.tensor([8]))
+    with pytest.raises(ValueError, match="reduce"):
+        scoring.group_scores_triton(torch.randn(1, 2, 16), k, torch.tensor([8]), reduce="mean")
+
+
+# ------------------------------------------------------------------------------------------------
+# score_topk
+# ------------------------------------------------------------------------------------------------
+
+
+def _bounds(kv_lens, kv_start, n_sink, n_recent):
+    """Middle range [kv_start + n_sink, kv_lens - n_recent) (empty when they cross)."""
+    lo = torch.minimum(kv_start + n_sink, kv_lens)
+    hi = torch.maximum(kv_lens - n_recent, lo)
+    return lo, hi
+
+
+def _norm(reduce, lo, hi, kv_lens):
+    """The documented sum_softmax normaliser range of score_topk."""
+    if reduce == "sum_softmax" and kv_lens is not None:
+        return torch.zeros_like(lo), torch.maximum(kv_lens, hi)
+    return lo, hi
+
+
+K_CASES = ["one", "some", "all"]  # K=1, K below the candidates, K >= the candidates
+
+
+def _k_top(case, L):
+    return {"one": 1, "some": max(1, L // 3), "all": L + 5}[case]
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D", _grid(REDUCES, HEADS, DTYPES))
+def test_score_topk_ref_is_exact_topk(reduce, heads, dtype, B, L, D):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, "cpu", seed=3)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 2)
+    norm_lens = kv_lens if reduce == "sum_softmax" else None
+    true = _scores64(q, k, reduce, *_norm(reduce, lo, hi, norm_lens))
+    for case in K_CASES:
+        k_top = _k_top(case, L)
+        idx = scoring.score_topk_ref(q, k, lo, hi, k_top, reduce=reduce, kv_lens=norm_lens)
+        _check_topk(idx, true, lo, hi, k_top, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce,heads,dtype,B,L,D", _grid(REDUCES, HEADS, DTYPES))
+def test_score_topk_triton_matches_ref(reduce, heads, dtype, B, L, D, device):
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=4)
+    # sinks and the recent window excluded; with kv_lens the softmax normaliser spans [0, kv_lens)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    norm_lens = kv_lens if (reduce == "sum_softmax" and dtype != torch.float16) else None
+    case = K_CASES[(REDUCES.index(reduce) + DTYPES.index(dtype)) % 3]
+    k_top = _k_top(case, L)
+    ref = scoring.score_topk_ref(q, k, lo, hi, k_top, reduce=reduce, kv_lens=norm_lens)
+    out = scoring.score_topk_triton(q, k, lo, hi, k_top, reduce=reduce, kv_lens=norm_lens)
+    true = _scores64(q, k, reduce, *_norm(reduce, lo.cpu(), hi.cpu(), None if norm_lens is None else kv_lens.cpu()))
+    _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-4)
+    torch.testing.assert_close(_sel_sum(out, true), _sel_sum(ref, true), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode,fuse", [("row", True), ("split", True), ("split", False), ("row", False)])
+def test_score_topk_stage2_modes(mode, fuse, device):
+    """Both stage-2 launch shapes, with and without the fused pass-0 histogram, over
+    tiny tiles so each row spans several chunks (atomic histograms and counters)."""
+    scoring.SCORE_CONFIG.update(BLOCK_L=16, MIN_CHUNK=16)
+    scoring.SELECT_CONFIG.update(mode=mode, fuse_hist=fuse, BLOCK=32, MIN_CHUNK=32)
+    q, k, kv_lens, kv_start = _inputs(2, 4, 2, 75, 16, torch.float32, device, seed=5)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    for k_top in (23, 100):
+        out = scoring.score_topk_triton(q, k, lo, hi, k_top)
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["row", "split"])
+def test_score_topk_ties(mode, device):
+    """Many exactly equal scores: the tie at the threshold must be cut to exactly K.
+    Keys take values in {-1, 0, 1} along one axis, so scores are integers * q."""
+    scoring.SELECT_CONFIG.update(mode=mode, BLOCK=32, MIN_CHUNK=32)
+    B, Hq, Hkv, L, D = 2, 2, 1, 50, 16
+    q = torch.zeros(B, Hq, D, device=device)
+    q[..., 0] = 1.0
+    k = torch.zeros(B, Hkv, L, D)
+    k[..., 0] = torch.randint(-1, 2, (B, Hkv, L)).float()
+    k = k.to(device)
+    lo = torch.tensor([0, 5], device=device)
+    hi = torch.tensor([50, 40], device=device)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    for k_top in (7, 60):
+        out = scoring.score_topk_triton(q, k, lo, hi, k_top)
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=0.0)
+    # all scores equal (q = 0): any K positions, but exactly K of them
+    out = scoring.score_topk_triton(torch.zeros_like(q), k, lo, hi, 13)
+    _check_topk(out, torch.zeros_like(true), lo.cpu(), hi.cpu(), 13, atol=0.0)
+
+
+def test_score_topk_empty_ranges_and_zero_k(device):
+    q, k, kv_lens, _ = _inputs(3, 4, 2, 37, 16, torch.float32, device, seed=6)
+    lo = torch.tensor([10, 20, 0], device=device)
+    hi = torch.tensor([10, 5, 37], device=device)  # empty, crossed, full
+    for fn in (scoring.score_topk_ref, scoring.score_topk_triton):
+        out = fn(q, k, lo, hi, 4)
+        assert (out[:2] == -1).all()
+        assert (out[2] >= 0).all()
+        assert fn(q, k, lo, hi, 0).shape == (3, 2, 0)
+
+
+def test_score_topk_softmax_normaliser_changes_ranking(device):
+    """sum_softmax normalises each head separately, so its top-K is not the sum_logits
+    one; the normaliser range ([0, kv_lens) vs [lo, hi)) changes the scores, not the
+    per-head ranking, and both paths agree on each."""
+    B, Hq, Hkv, L, D = 1, 4, 1, 64, 16
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Hq, D, generator=g)
+    q[:, 0] *= 8.0  # one sharp head dominates the logit sum, not the softmax sum
+    q = q.to(device)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(device)
+    lo, hi = torch.tensor([4], device=device), torch.tensor([60], device=device)
+    kv_lens = torch.tensor([L], device=device)
+    a = scoring.score_topk_ref(q, k, lo, hi, 8, reduce="sum_logits")
+    b = scoring.score_topk_ref(q, k, lo, hi, 8, reduce="sum_softmax", kv_lens=kv_lens)
+    assert set(a.flatten().tolist()) != set(b.flatten().tolist())
+    for norm_lens in (kv_lens, None):
+        true = _scores64(q, k, "sum_softmax", *_norm("sum_softmax", lo.cpu(), hi.cpu(),
+                                                     None if norm_lens is None else kv_lens.cpu()))
+        out = scoring.score_topk_triton(q, k, lo, hi, 8, reduce="sum_softmax", kv_lens=norm_lens)
+        _check_topk(out, true, lo.cpu(), hi.cpu(), 8, atol=1e-6)
+
+
+def test_score_topk_dispatch(monkeypatch, device):
+    """The public entry point routes to Triton when forced (and on CUDA tensors)."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    q, k, kv_lens, kv_start = _inputs(1, 4, 2, 37, 16, torch.float32, device, seed=8)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    out = kernels.score_topk(q, k, lo, hi, 5)
+    _check_topk(out, _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), 5, atol=1e-5)
+    s = kernels.group_scores(q, k, kv_lens, kv_start=kv_start)
+    torch.testing.assert_close(s.double().cpu(), _scores64(q, k, "sum_logits", kv_start.cpu(), kv_lens.cpu()),
+                               rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 3]), L=st.integers(1, 70),
+       D=st.sampled_from([8, 16, 32]), reduce=st.sampled_from(REDUCES), sink=st.integers(0, 4),
+       recent=st.integers(0, 4), k_top=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_score_topk_fuzz(B, Hkv, G, L, D, reduce, sink, recent, k_top, seed, device):
+    q, k, kv_lens, kv_start = _inputs(B, G * Hkv, Hkv, L, D, torch.float32, device, seed=seed)
+    lo, hi = _bounds(kv_lens, kv_start, sink, recent)
+    norm_lens = kv_lens if reduce == "sum_softmax" else None
+    out = scoring.score_topk_triton(q, k, lo, hi, k_top, reduce=reduce, kv_lens=norm_lens)
+    true = _scores64(q, k, reduce, *_norm(reduce, lo.cpu(), hi.cpu(), None if norm_lens is None else kv_lens.cpu()))
+    _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
