@@ -111,11 +111,14 @@ class Selection:
         pos = torch.arange(length, device=dev)
         s, sink_end, recent_start, kv = (t[:, None, None] for t in self._bounds(kv_lens))
         mask = ((pos >= s) & (pos < sink_end)) | ((pos >= recent_start) & (pos < kv))
-        mask = mask.expand(B, H, length).clone()
+        mask = mask.expand(B, H, length)
+        # scatter the middle indices into a spare column for the -1 slots, so an
+        # empty slot can never clobber a real index (scatter order is undefined)
         idx = self.indices.long()
-        valid = idx >= 0
-        src = valid.to(torch.bool)
-        mask.scatter_(2, idx.clamp(min=0), src | mask.gather(2, idx.clamp(min=0)))
+        idx = torch.where(idx >= 0, idx, torch.full_like(idx, length))
+        extra = torch.zeros(B, H, length + 1, dtype=torch.bool, device=dev)
+        extra.scatter_(2, idx, True)
+        mask = mask | extra[..., :length]
         return mask
 
 
