@@ -631,6 +631,9 @@ class FastModel(DecodeBackend):
 
     @staticmethod
     def _auto_tokenizer(path: str, kw: dict) -> Any:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not kw.get("gguf_file") and not any((Path(path) / f).is_file() for f in files):
+            return None  # transformers would build an empty tokenizer from the config
         try:
             from transformers import AutoTokenizer
 

