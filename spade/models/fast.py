@@ -733,8 +733,10 @@ class FastModel(DecodeBackend):
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(dev).bool())  # [B, T]
         n_valid = mask.sum(1)  # [B]
+        padded, right_padded = torch.stack([(n_valid < T).any(), (~mask[:, -1]).any()]).tolist()
+        if right_padded:
+            raise ConfigError("prefill needs left-padded prompts (every row's last position must be a real token)")
         self._reset(B, T, n_valid)
-        padded = bool((n_valid < T).any())
         ctx.kv_start = (T - n_valid).to(torch.int32) if padded else None
         ctx.begin_step(T)
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: left padding does not shift positions
@@ -876,6 +878,9 @@ class FastModel(DecodeBackend):
         if self._stream is not None and self.use_cuda_graphs:
             key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key())
             graphs = self._graphs.get(key)
+        if graphs == "eager":  # capture failed for this key: stay eager
+            key = None
+            graphs = None
         if graphs is not None:
             for i, g in enumerate(graphs):
                 g.replay()
@@ -900,7 +905,11 @@ class FastModel(DecodeBackend):
             if i == n_packs - 1:
                 self.last_logits = self._logits[:B].clone()
             yield i
-        self._graphs[key] = self._capture(ctx, B, packs)
+        try:
+            self._graphs[key] = self._capture(ctx, B, packs)
+        except Exception as e:  # e.g. a selector that syncs with the host
+            log.warning("CUDA graph capture failed for key %r; decoding eagerly for it: %s", key[-1], e)
+            self._graphs[key] = "eager"
 
     def _capture(self, ctx, B: int, packs: list[tuple[int, int]]) -> list:
         graphs = []

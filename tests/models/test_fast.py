@@ -238,6 +238,8 @@ def test_capacity_errors():
         m.prefill(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long), full_ctx(m, 3))
     with pytest.raises(ConfigError, match="max_seq_len"):
         m.prefill(torch.ones(1, 7, dtype=torch.long), torch.ones(1, 7, dtype=torch.long), ctx)
+    with pytest.raises(ConfigError, match="left-padded"):
+        m.prefill(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 1], [1, 1, 0]]), ctx)
     with pytest.raises(ModelError, match="before prefill"):
         m.decode(torch.ones(2, dtype=torch.long), ctx)
     m.prefill(torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long), ctx)
