@@ -10,8 +10,8 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
   host launch gaps; shows the op is capturable);
 * ``quest_build``, ``quest_page_scores``, ``quest_select`` (page size 16,
   K / 16 pages) vs torch (two ``matmul`` on the positive / negative query parts);
-* ``variants``: stage-2 launch shapes (``row`` / ``split``, pass-0 histogram
-  fused or not) and ``sum_softmax`` at a few shapes, next to the heuristic;
+* ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
+  sizes, and ``sum_softmax``, at a few shapes;
 * ``--sweep``: tile configs of the scoring kernel at B=8, L=32k.
 
 Floors: bytes that must be read (keys of the candidate range once; Quest page
@@ -210,19 +210,23 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
     if variants:
         K = max(ks)
         shp = dict(B=B, L=L, K=K)
-        rows = B * HKV
-        print(f"  heuristic stage-2 mode here: {scoring._pick_select_mode(rows, L, k.device)}", flush=True)
-        for mode in ("row", "split"):
-            for fuse in (True, False):
+        for fuse in (True, False):
+            scoring.SELECT_CONFIG.clear()
+            scoring.SELECT_CONFIG.update(fuse_hist=fuse)
+            try:
+                out = scoring.score_topk_triton(q, k, lo, hi, K)
+                ok = dict(deficit=selection_deficit(out, naive_topk(q, k, lo, hi, K, scale), truth))
+                ms = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
+            finally:
                 scoring.SELECT_CONFIG.clear()
-                scoring.SELECT_CONFIG.update(mode=mode, fuse_hist=fuse)
-                try:
-                    out = scoring.score_topk_triton(q, k, lo, hi, K)
-                    ok = dict(deficit=selection_deficit(out, naive_topk(q, k, lo, hi, K, scale), truth))
-                    ms = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
-                finally:
-                    scoring.SELECT_CONFIG.clear()
-                r.add("score_topk", f"{mode}{'+fuse' if fuse else ''}", shp, ms, mid_bytes, **ok)
+            r.add("score_topk", "fuse_hist" if fuse else "separate_hist0", shp, ms, mid_bytes, **ok)
+        for block, warps in ((1024, 4), (2048, 8), (4096, 8)):
+            scoring.SELECT_CONFIG.update(BLOCK=block, num_warps=warps)
+            try:
+                ms = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
+            finally:
+                scoring.SELECT_CONFIG.clear()
+            r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
         r.add("score_topk_softmax", "triton", shp,
               bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens)),
               mid_bytes)

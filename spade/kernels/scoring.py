@@ -30,24 +30,27 @@ chunk, so the design is a *radix select on the score bits*:
    at d=128 bf16. It also builds the histogram of the top 8 bits of each score's
    order-preserving uint32 key (``_f32_key``) in registers and adds it to a
    per-row global histogram with 256 atomics per program (pass 0 fused).
-2. Stage 2 finds the exact K-th largest key of each row digit by digit (8 bits a
-   pass, 4 passes): pass p histograms the next digit of the scores whose higher
-   digits equal the prefix chosen so far; the chosen digit is the largest whose
-   suffix count reaches the remaining rank. The threshold ``T`` and the number
-   ``r`` of elements equal to ``T`` to take follow exactly. A compaction pass
-   writes every position with key > T plus the first ``r`` with key == T
-   (ties broken by arrival order), then ``-1`` padding.
+2. Stage 2 finds the exact K-th largest key of each row digit by digit (8-bit
+   digits, most significant first): pass p histograms digit p of the keys tied
+   with the prefix chosen so far, and the chosen digit is the largest whose
+   suffix count reaches the rank still to fill. Passes 0 and 1 run over whole
+   rows as (row, chunk) programs merging histograms with atomics (pass 0 fused
+   into stage 1). A split pass then writes the sure winners (top 16 key bits
+   above the K-th's) straight to the output and the 16-bit ties to a per-row
+   buffer; 16 bits resolve the score to 2^-7 relative, so for real score
+   distributions only a few dozen ties remain. A last one-program-per-row
+   kernel runs passes 2-3 on the ties alone, gets the exact threshold ``T`` and
+   the count ``r`` of elements equal to it to take, and writes the ties above
+   ``T``, the first ``r`` equal to it (ties broken by arrival order), then
+   ``-1`` padding.
 
-Stage 2 only re-reads fp32 scores (4 passes + 1 compaction = 5/64 of the key
-bytes, mostly hits in L2), so the whole op should stay close to one read of the
-keys. It has two launch shapes, chosen by ``_pick_select_mode``:
-
-* ``split``: one launch per pass, each over (row, chunk) programs with
-  atomically merged histograms, and an atomic-counter compaction: many programs,
-  for few rows (small B) or long rows.
-* ``row``: one program per row runs all remaining passes and the compaction in
-  a single launch (no atomics, deterministic order): when there are at least as
-  many rows as SMs, or rows are short (Quest pages reuse it).
+The 8-bit histograms cost instructions (``tl.histogram`` works by warp ballots
+per bin bit), so only one pass besides the fused one touches every score;
+everything after stage 1 reads fp32 scores, 4 bytes per token and KV head, from
+L2 mostly: two sweeps are 1/32 of the key bytes. Launches: a memset of the
+workspace, stage 1, pass 1, split, ties (plus the softmax finalize kernel for
+``sum_softmax``). Worst case (all scores equal) the tie buffer holds the whole
+row and the last kernel sweeps it three times per row: slower, still exact.
 
 Everything is sized from tensor shapes only (no host sync), so the ops can be
 captured in a CUDA graph.
@@ -80,7 +83,6 @@ REDUCES = ("sum_logits", "max_logits", "sum_softmax")
 _REDUCE_CODE = {"sum_logits": 0, "max_logits": 1}
 _LOGITS_MODE = 2  # stage-1 mode of sum_softmax: per-head logits + online stats
 _NBINS = 256  # 8-bit radix digits, 4 passes over a 32-bit key
-_NPASS = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,18 +182,8 @@ SCORE_CONFIG: dict = {}
 """Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
-"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``)
-and ``mode`` (``"row"`` / ``"split"``) for stage 2."""
-
-
-def _pick_select_mode(rows: int, n: int, device: torch.device) -> str:
-    """``row`` when every SM gets a row anyway or rows are short, else ``split``."""
-    mode = SELECT_CONFIG.get("mode")
-    if mode is not None:
-        return mode
-    if rows >= _sm_count(device) or n <= 4096:
-        return "row"
-    return "split"
+"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``) and
+``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
 
 
 def _dot_flags(k: torch.Tensor) -> tuple[bool, bool]:
@@ -628,7 +620,8 @@ def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.cons
 @triton.jit
 def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
                        HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Split mode, pass PASS: histogram one chunk of a row into hist[PASS, row]."""
+    """Pass PASS (0 or 1) over one chunk of a row: histogram of digit PASS of the
+    keys tied with the prefix so far, added into hist[PASS, row]."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -652,139 +645,152 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, C
 
 
 @triton.jit
-def _compact_tile(row_ptr, out_row, l0, lo, hi, thr, n_gt_total, k_eff, base_gt, base_eq, BLOCK: tl.constexpr):
-    """Scatter the positions of one tile with key > thr to slots ``base_gt + rank`` and
-    those with key == thr to ``n_gt_total + base_eq + rank`` (kept while < k_eff).
-    Returns the tile's (count_gt, count_eq)."""
+def _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK: tl.constexpr):
+    """One tile of ``_radix_split_kernel``: positions whose key's top 16 bits beat
+    ``top16`` go to the output, those equal to it to the tie buffer; slots come from
+    the row's two atomic counters plus the rank inside the tile."""
     offs = l0 + tl.arange(0, BLOCK)
     valid = (offs >= lo) & (offs < hi)
-    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-    is_gt = (valid & (key > thr)).to(tl.int32)
-    is_eq = (valid & (key == thr)).to(tl.int32)
-    slot_gt = base_gt + tl.cumsum(is_gt, axis=0) - 1
-    slot_eq = n_gt_total + base_eq + tl.cumsum(is_eq, axis=0) - 1
-    tl.store(out_row + slot_gt, offs, mask=is_gt != 0)
-    tl.store(out_row + slot_eq, offs, mask=(is_eq != 0) & (slot_eq < k_eff))
-    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
+    key16 = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0)) >> 16
+    is_gt = (valid & (key16 > top16)).to(tl.int32)
+    is_tie = (valid & (key16 == top16)).to(tl.int32)
+    base_gt = tl.atomic_add(cnt_row, tl.sum(is_gt, axis=0))
+    base_tie = tl.atomic_add(cnt_row + 1, tl.sum(is_tie, axis=0))
+    tl.store(out_row + base_gt + tl.cumsum(is_gt, axis=0) - 1, offs, mask=is_gt != 0)
+    tl.store(tie_row + base_tie + tl.cumsum(is_tie, axis=0) - 1, offs, mask=is_tie != 0)
 
 
 @triton.jit
-def _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK: tl.constexpr):
-    """``_compact_tile`` with slots handed out by the row's two atomic counters."""
-    offs = l0 + tl.arange(0, BLOCK)
-    valid = (offs >= lo) & (offs < hi)
-    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-    n_gt = tl.sum((valid & (key > thr)).to(tl.int32), axis=0)
-    n_eq = tl.sum((valid & (key == thr)).to(tl.int32), axis=0)
-    base_gt = tl.atomic_add(cnt_row, n_gt)
-    base_eq = tl.atomic_add(cnt_row + 1, n_eq)
-    _compact_tile(row_ptr, out_row, l0, lo, hi, thr, n_gt_total, k_eff, base_gt, base_eq, BLOCK)
-
-
-@triton.jit
-def _radix_compact_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                          HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Split mode, last step: write positions with key > T, then the first r with
-    key == T (slots handed out by two atomic counters per row), then -1 padding."""
+def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
+                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """After passes 0-1 (the top 16 key bits of the K-th largest are known): write the
+    sure winners (top 16 bits larger) to the output and the 16-bit ties to a per-row
+    buffer, whose length the pass-1 histogram already gives (typically a few dozen)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    thr, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 4)
-    n_gt_total = k_eff - k_rem
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
+    top16 = prefix >> 16
     c0 = chunk * CHUNK
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
     row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
+    tie_row = tie_ptr + row64 * L
     cnt_row = cnt_ptr + row64 * 2
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK)
+            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
             l0 += BLOCK
     else:
         for l0 in range(start, end, BLOCK):
-            _compact_tile_atomic(row_ptr, out_row, cnt_row, l0, lo, hi, thr, n_gt_total, k_eff, BLOCK)
-    if chunk == 0:
-        _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
+            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
 
 
 @triton.jit
-def _row_select_kernel(scores_ptr, hist_ptr, out_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                       HKV: tl.constexpr, START_PASS: tl.constexpr, BLOCK: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    """Row mode: one program runs passes START_PASS..3 over its row (earlier passes'
-    histograms come from ``hist_ptr``), then compacts in position order."""
+def _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram of digit PASS (2 or 3) over one tile of the tie buffer."""
+    offs = t0 + tl.arange(0, BLOCK)
+    m = offs < n_tie
+    pos = tl.load(tie_row + offs, mask=m, other=0)
+    key = _f32_key(tl.load(row_ptr + pos, mask=m, other=0.0))
+    m = m & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+    return tl.histogram(((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32), 256, mask=m)
+
+
+@triton.jit
+def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, k_eff, BLOCK: tl.constexpr):
+    """Write the tie-buffer entries of one tile with key > thr at ``slot_gt + rank`` and
+    those == thr at ``slot_eq + rank`` (while < k_eff); returns the two counts."""
+    offs = t0 + tl.arange(0, BLOCK)
+    m = offs < n_tie
+    pos = tl.load(tie_row + offs, mask=m, other=0)
+    key = _f32_key(tl.load(row_ptr + pos, mask=m, other=0.0))
+    is_gt = (m & (key > thr)).to(tl.int32)
+    is_eq = (m & (key == thr)).to(tl.int32)
+    s_gt = slot_gt + tl.cumsum(is_gt, axis=0) - 1
+    s_eq = slot_eq + tl.cumsum(is_eq, axis=0) - 1
+    tl.store(out_row + s_gt, pos, mask=is_gt != 0)
+    tl.store(out_row + s_eq, pos, mask=(is_eq != 0) & (s_eq < k_eff))
+    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
+
+
+@triton.jit
+def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
+                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per row: passes 2-3 over the 16-bit ties only, then the exact
+    threshold T: ties with key > T, then the first ones equal to T, fill the slots
+    after the sure winners; -1 padding after k_eff."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, START_PASS)
-    start = (lo // BLOCK) * BLOCK
-    end = tl.where(k_eff > 0, hi, start)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
+    n_gt16 = k_eff - k_rem  # sure winners already written by _radix_split_kernel
+    d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
+    n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1)  # elements tied on 16 bits
+    n_tie = tl.where(k_eff > 0, n_tie, 0)
     row_ptr = scores_ptr + row64 * L
-    for p in tl.static_range(START_PASS, 4):
+    tie_row = tie_ptr + row64 * L
+    out_row = out_ptr + row64 * k_top
+    for p in tl.static_range(2, 4):
         acc = tl.zeros([256], dtype=tl.int32)
         if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-            l0 = start
-            while l0 < end:
-                acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
-                l0 += BLOCK
+            t0 = n_tie * 0
+            while t0 < n_tie:
+                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
+                t0 += BLOCK
         else:
-            for l0 in range(start, end, BLOCK):
-                acc += _hist_tile(row_ptr, l0, lo, hi, prefix, p, BLOCK)
+            for t0 in range(0, n_tie, BLOCK):
+                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
         d, k_rem = _pick_digit(acc, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-    n_gt_total = k_eff - k_rem
-    out_row = out_ptr + row64 * k_top
-    n_gt = tl.zeros([], dtype=tl.int32)
-    n_eq = tl.zeros([], dtype=tl.int32)
+    n_gt = n_gt16
+    n_eq = k_eff - k_rem  # the first slot of the ties equal to T
     if INTERPRET:
-        l0 = start
-        while l0 < end:
-            c_gt, c_eq = _compact_tile(row_ptr, out_row, l0, lo, hi, prefix, n_gt_total, k_eff, n_gt, n_eq, BLOCK)
+        t0 = n_tie * 0
+        while t0 < n_tie:
+            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
             n_gt += c_gt
             n_eq += c_eq
-            l0 += BLOCK
+            t0 += BLOCK
     else:
-        for l0 in range(start, end, BLOCK):
-            c_gt, c_eq = _compact_tile(row_ptr, out_row, l0, lo, hi, prefix, n_gt_total, k_eff, n_gt, n_eq, BLOCK)
+        for t0 in range(0, n_tie, BLOCK):
+            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
             n_gt += c_gt
             n_eq += c_eq
     _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
 
 
-def _new_hist(rows: int, device: torch.device, mode: str) -> torch.Tensor:
-    """Zeroed radix workspace: [4, rows, 256] histograms (+ [rows, 2] counters in split
-    mode) in one allocation, so one memset clears it."""
-    n = _NPASS * rows * _NBINS + (2 * rows if mode == "split" else 0)
-    return torch.zeros(n, dtype=torch.int32, device=device)
+_NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
+
+
+def _new_workspace(rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed radix workspace: [2, rows, 256] histograms + [rows, 2] slot counters, in one
+    allocation so one memset clears it."""
+    return torch.zeros(_NPASS_GLOBAL * rows * _NBINS + 2 * rows, dtype=torch.int32, device=device)
 
 
 def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
-                        ws: torch.Tensor, *, start_pass: int, mode: str) -> torch.Tensor:
+                        ws: torch.Tensor, *, hist0_done: bool) -> torch.Tensor:
     """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
-    row). ``ws`` is the zeroed workspace of ``_new_hist``, with passes < start_pass
-    already accumulated. Returns int32 [rows, k_top]."""
+    row). ``ws`` is the zeroed workspace of ``_new_workspace``, with the pass-0
+    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]."""
     rows, N = scores.shape
     out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
+    ties = torch.empty(rows, N, dtype=torch.int32, device=scores.device)  # [rows, N] positions, prefix used
     cfg = _select_config(scores.device)
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
-    interp = _interpret()
-    if mode == "row":
-        _row_select_kernel[(rows,)](scores, ws, out, lo, hi, N, rows, k_top,
-                                    HKV=hkv, START_PASS=start_pass, BLOCK=BLOCK, INTERPRET=interp,
-                                    num_warps=nw)
-        return out
+    meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), num_warps=nw)
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"])
     grid = (rows, n_chunks)
-    for p in range(start_pass, _NPASS):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk,
-                                 HKV=hkv, PASS=p, BLOCK=BLOCK, INTERPRET=interp, num_warps=nw)
-    cnt = ws[_NPASS * rows * _NBINS:]
-    _radix_compact_kernel[grid](scores, ws, cnt, out, lo, hi, N, rows, k_top, chunk,
-                                HKV=hkv, BLOCK=BLOCK, INTERPRET=interp, num_warps=nw)
+    for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta)
+    cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **meta)
     return out
 
 
@@ -799,9 +805,8 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     if k_top == 0 or B * H == 0:
         return torch.full((B, H, k_top), -1, dtype=torch.int32, device=scores.device)
     s = scores.float().contiguous().view(B * H, N)
-    mode = _pick_select_mode(B * H, N, scores.device)
-    ws = _new_hist(B * H, scores.device, mode)
-    return _select_from_scores(s, lo, hi, k_top, H, ws, start_pass=0, mode=mode).view(B, H, k_top)
+    ws = _new_workspace(B * H, scores.device)
+    return _select_from_scores(s, lo, hi, k_top, H, ws, hist0_done=False).view(B, H, k_top)
 
 
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
@@ -824,11 +829,10 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
         return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
-    mode = _pick_select_mode(rows, L, k.device)
     fuse = SELECT_CONFIG.get("fuse_hist", True)
-    ws = _new_hist(rows, k.device, mode)
+    ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
     _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
                    full_row=False, hist=ws if fuse else None)
-    out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, start_pass=1 if fuse else 0, mode=mode)
+    out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse)
     return out.view(B, Hkv, k_top)
