@@ -206,7 +206,7 @@ def _decode_split_kernel(
     stride_ib, stride_ih, stride_ik,
     Hkv, Hq, K_MID, N_SINK, N_RECENT, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
     HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -279,7 +279,7 @@ def _decode_split_kernel(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     qh64 = h64 * G + offs_g  # query heads of this group [G_PAD]
     st_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if DIRECT:  # one split: no merge pass
         o_ptrs = OUT + (b64 * Hq + qh64)[:, None] * D + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=st_mask)
         tl.store(LSE + b64 * Hq + qh64, lse, mask=g_mask)
@@ -290,8 +290,8 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(O_PART, LSE_PART, OUT, LSE, D: tl.constexpr, D_PAD: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+def _reduce_splits_kernel(O_PART, LSE_PART, OUT, LSE, NUM_SPLITS, D: tl.constexpr, D_PAD: tl.constexpr,
+                          S_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # flattened (b, query head)
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -337,18 +337,26 @@ _SM_COUNT: dict[int, int] = {}
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # interpreter: a few "SMs" so that tests exercise several splits
+        return 16  # interpreter: pretend a small GPU so that tests exercise several splits
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
 
 
+# Programs of the decode kernel resident per SM on sm_90 (d=128, bf16, BLOCK_N=64,
+# 4 warps, 3 stages), from the compiled kernels' resources: the dense path keeps
+# two K+V stages in shared memory (70 KiB: 3 programs in 227 KiB); the indexed path
+# keeps one (38 KiB) but needs 167 registers per thread (3 programs in 64K regs).
+_PROGRAMS_PER_SM = 3
+
+
 def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). One K and one V tile of BLOCK_N rows per
-    stage in shared memory: 64 rows of d=128 bf16 are 32 KiB per stage, so three
-    stages leave room for two programs per SM (bytes in flight are what a
-    bandwidth-bound kernel needs)."""
+    """(BLOCK_N, num_warps, num_stages). BLOCK_N rows of K and V are 32 KiB at
+    d=128 bf16. Three stages: the indexed path loads the index block two
+    iterations ahead and the K/V rows it names one ahead (so no iteration waits on
+    an index load); the dense path double-buffers K/V. With three programs per SM
+    that keeps ~100 KiB per SM in flight, more than HBM latency x bandwidth/SM."""
     if _interpret():
         return 16, 4, 1
     block_n = max(16, min(128, (64 * 128 * 2) // (D_PAD * elem_size)))
@@ -356,12 +364,15 @@ def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
 
 
 def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device) -> int:
-    """Splits per (b, KV head): enough programs for ~4 per SM, but at least two
-    blocks of work per split (the merge is not free) and at most ``_MAX_SPLITS``."""
-    target = 4 * _sm_count(device)
-    splits = triton.cdiv(target, max(n_pairs, 1))
+    """Splits per (b, KV head). Decode attention is bound by HBM bandwidth, so every
+    SM must stream K/V: fill one wave of resident programs (``SMs x programs per
+    SM``) and no more — a partial second wave would leave SMs idle at the tail.
+    Each split keeps at least two blocks of work (the merge is not free); at most
+    ``_MAX_SPLITS``. With ``B * Hkv`` already filling a wave: one split, no merge."""
+    slots = _PROGRAMS_PER_SM * _sm_count(device)
+    splits = max(1, slots // max(n_pairs, 1))
     max_useful = max(1, triton.cdiv(t_max, 2 * block_n))
-    return int(max(1, min(splits, max_useful, _MAX_SPLITS)))
+    return int(min(splits, max_useful, _MAX_SPLITS))
 
 
 def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -405,7 +416,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         lse_part = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = out, lse  # unused
-    upcast = interp or q.dtype == torch.float32 or k.dtype == torch.float32
+    # fp32 operands take the exact (non-TF32) dot; mixed dtypes meet in fp32
+    upcast = interp or torch.float32 in (q.dtype, k.dtype) or q.dtype != k.dtype or v.dtype != k.dtype
     dot_prec = "ieee" if upcast else "tf32"  # ignored for 16-bit operands
     kv_start_t = kv_start if kv_start is not None else kv_lens
 
@@ -415,14 +427,14 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             o_part, lse_part, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *si,
             Hkv, Hq, k_mid, n_sink, n_recent, scale * _LOG2E,
-            G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, NUM_SPLITS=splits,
+            G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, NUM_SPLITS=splits, DIRECT=splits == 1,
             HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp,
             num_warps=num_warps, num_stages=num_stages,
         )
         if splits > 1:
             _reduce_splits_kernel[(B * Hq,)](
-                o_part, lse_part, out, lse, D=D, D_PAD=D_PAD, NUM_SPLITS=splits,
+                o_part, lse_part, out, lse, splits, D=D, D_PAD=D_PAD,
                 S_PAD=triton.next_power_of_2(splits), num_warps=2 if D_PAD <= 128 else 4,
             )
     return (out, lse) if return_lse else out

@@ -1,0 +1,1 @@
+"""GPU microbenchmarks of spade (``python -m benchmarks.<name>``)."""
