@@ -14,6 +14,9 @@ running an L-token prefill (``FastModel.fake_prefill``). Rows:
   reaches at budget K;
 * ``dense@K``: full attention over a context of only K tokens (contiguous
   reads: what a sparse step could reach with ideal memory access);
+* breakdown: ``dense@64`` (the weights side of a step: attention over 64
+  tokens) and ``attn-only`` / ``attn-only@K`` (every layer's attention call on
+  the cache, nothing else; floor = K/V bytes only);
 * ``hf/eager`` and ``hf/graph``: transformers' own model with its
   ``StaticCache`` (one ``forward`` per token, as ``generate`` does), eagerly and,
   when capture works, as a CUDA graph.
@@ -142,6 +145,29 @@ def run_fast(model, name: str, selector, *, context: int, batch: int, pack_layer
     return times
 
 
+def run_attention_only(model, *, context: int, batch: int, iters: int, warmup: int, sel=None) -> list[float]:
+    """Breakdown: only the attention calls of one step (every layer's
+    ``sparse_decode_attention`` on the cache, no projections), eagerly."""
+    from spade import kernels
+
+    model.fake_prefill(context, batch)
+    a = model.arch
+    g = torch.Generator(device=model.device).manual_seed(3)
+    q = torch.randn(batch, a.n_q_heads, a.head_dim, device=model.device, generator=g).to(model.dtype)
+    kv_lens = model.kv_lens
+    scale = model.spec.softmax_scale
+
+    def step():
+        for kc, vc in zip(model.k_cache, model.v_cache):
+            if sel is None:
+                kernels.sparse_decode_attention(q, kc[:batch], vc[:batch], kv_lens, None, scale=scale)
+            else:
+                kernels.sparse_decode_attention(q, kc[:batch], vc[:batch], kv_lens, sel.indices,
+                                                n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale)
+
+    return time_steps(step, iters=iters, warmup=warmup, device=model.device)
+
+
 def run_hf(cfg, *, dtype, device, batch: int, context: int, iters: int, warmup: int) -> dict[str, object]:
     """transformers' model + ``StaticCache`` (the cache ``generate`` uses for
     compiled decoding): one token per ``forward`` at position ``context``, eagerly
@@ -205,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack", type=int, default=4, help="layers per graph for the packed rows")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="10 steps per row; full, optimal, dense@K, hf/eager only")
+    ap.add_argument("--quick", action="store_true",
+                    help="10 steps per row; full, optimal, dense@K, hf/eager only (no packed/breakdown rows)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output path")
@@ -266,12 +293,21 @@ def main(argv: list[str] | None = None) -> int:
             ("full/eager", lambda: run_fast(model, "full/eager", full_selector(B), context=L, batch=B,
                                             pack_layers=n_layers, iters=min(args.iters, 10), warmup=2,
                                             graphs=False), L),
+            # Breakdown: the weights side (attention over 64 tokens) and the
+            # attention side (no projections) of a step, each against its own floor.
+            ("dense@64", lambda: run_fast(model, "dense@64", full_selector(B), context=64, batch=B,
+                                          pack_layers=n_layers, iters=args.iters, warmup=args.warmup), 64),
+            ("attn-only", lambda: run_attention_only(model, context=L, batch=B, iters=args.iters,
+                                                     warmup=args.warmup), -L),
+            ("attn-only@K", lambda: run_attention_only(model, context=L, batch=B, iters=args.iters,
+                                                       warmup=args.warmup, sel=sel), -K),
         ]
     rows: list[dict] = []
 
     def add_row(name: str, samples: list[float] | str, tokens: int) -> None:
-        floor_ms = (w_bytes + model_kv_bytes(tokens)) / bw * 1e3
-        row = {"name": name, "attended_tokens": tokens, "floor_ms": floor_ms}
+        # tokens < 0: attention only (no weight bytes in the floor)
+        floor_ms = ((w_bytes if tokens >= 0 else 0) + model_kv_bytes(abs(tokens))) / bw * 1e3
+        row = {"name": name, "attended_tokens": abs(tokens), "weights_in_floor": tokens >= 0, "floor_ms": floor_ms}
         if isinstance(samples, str):
             row["skipped"] = samples
         else:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -279,7 +278,7 @@ def triton_ops() -> dict[str, Callable]:
                                stride_kc_b, stride_kc_h, stride_kc_l,
                                stride_vc_b, stride_vc_h, stride_vc_l,
                                stride_cs, HQ, HKV, eps,
-                               D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
+                               D: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                                BLOCK_D: tl.constexpr):
         # Grid (B, Hq + 2 Hkv): one head vector per program. q heads: norm, rotate,
         # store to QOUT; k heads: norm, rotate, store to the cache at WIDX; v heads:
@@ -292,7 +291,6 @@ def triton_ops() -> dict[str, Callable]:
         x = tl.load(base + offs, mask=m, other=0.0)
         w_idx = tl.load(WIDX).to(tl.int64)
         if h < HQ + HKV:
-            HALF: tl.constexpr = ROT // 2
             in_rot = offs < ROT
             partner = tl.where(in_rot, tl.where(offs < HALF, offs + HALF, offs - HALF), offs)
             xp = tl.load(base + partner, mask=m, other=0.0)
@@ -363,7 +361,7 @@ def triton_ops() -> dict[str, Callable]:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             cos_tab.stride(0), n_q, n_kv, float(eps),
-            D=D, ROT=rot, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+            D=D, ROT=rot, HALF=rot // 2, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
         return q_out
 
     def silu_mul_triton(gu):
