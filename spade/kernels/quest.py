@@ -309,6 +309,29 @@ def _quest_scores_kernel(
 
 
 @triton.jit
+def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.constexpr, BLOCK: tl.constexpr):
+    """Per batch row (as ``_select_plan``): plan[0] = first page, plan[1] = page count
+    (an empty row gets an empty range), plan[2] = end of the candidate pages
+    ``[first, last)``; plan[3] = first valid token. One launch instead of a handful
+    of tiny torch ops."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < B
+    kv = tl.load(kv_ptr + offs, mask=m, other=0).to(tl.int32)
+    if HAS_START:
+        start = tl.load(start_ptr + offs, mask=m, other=0).to(tl.int32)
+    else:
+        start = tl.zeros([BLOCK], dtype=tl.int32)
+    page_lo = start // page_size
+    has = kv > start
+    n_pages = tl.where(has, (kv + page_size - 1) // page_size, page_lo)
+    cand_hi = tl.maximum(n_pages - 1, page_lo)
+    tl.store(plan_ptr + offs, page_lo, mask=m)
+    tl.store(plan_ptr + B + offs, n_pages, mask=m)
+    tl.store(plan_ptr + 2 * B + offs, cand_hi, mask=m)
+    tl.store(plan_ptr + 3 * B + offs, start, mask=m)
+
+
+@triton.jit
 def _quest_expand_kernel(
     sel_ptr, out_ptr, start_ptr, kv_ptr, page_size, n_sel, n_out,
     HKV: tl.constexpr, BLOCK: tl.constexpr,
@@ -429,12 +452,16 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
     if B * Hkv == 0:
         return out
-    start, page_lo, n_pages, last = _select_plan(kv_lens, kv_start, page_size)
+    plan = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
+    PB = min(1024, triton.next_power_of_2(B))
+    _quest_plan_kernel[(triton.cdiv(B, PB),)](kv_start if kv_start is not None else kv_lens, kv_lens, plan, B,
+                                             page_size, HAS_START=kv_start is not None, BLOCK=PB, num_warps=1)
+    page_lo, n_pages, cand_hi, start = plan.unbind(0)
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
         _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=_default_scale(scale, D),
                             reduce=reduce)
-        sel = scoring.topk_from_scores_triton(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
+        sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:
         sel = out  # never read: n_sel - 1 == 0 slots
     BLOCK = min(1024, triton.next_power_of_2(n_out))
