@@ -761,37 +761,47 @@ class FastModel(DecodeBackend):
                 q_all[:, :, c0:c1] = q.transpose(1, 2)
                 kc[:, :, c0:c1] = k.transpose(1, 2)
                 vc[:, :, c0:c1] = v.transpose(1, 2)
-            for c0 in range(0, T, C):  # pass 2: attention, o_proj, MLP per chunk of queries
+            o_all = self._prefill_attention(q_all, kc[:, :, :T], vc[:, :, :T], mask, padded, C)  # [B, Hq, T, D]
+            for c0 in range(0, T, C):  # pass 2: o_proj and MLP per chunk of tokens
                 c1 = min(T, c0 + C)
-                o = self._prefill_attention(q_all[:, :, c0:c1], kc[:, :, :c1], vc[:, :, :c1], mask[:, :c1], c0,
-                                            padded)  # [B, Hq, c, D]
-                xc = x[:, c0:c1] + F.linear(o.transpose(1, 2).reshape(B, c1 - c0, Hq * D), L.wo, L.bo)
+                xc = x[:, c0:c1] + F.linear(o_all[:, :, c0:c1].transpose(1, 2).reshape(B, c1 - c0, Hq * D),
+                                            L.wo, L.bo)
                 h = rms_norm_torch(xc, L.ln2, a.eps)
                 x[:, c0:c1] = xc + F.linear(silu_mul_torch(F.linear(h, L.wgu)), L.wd)
+            del o_all
             ctx.prefill(li, q_all, kc, vc, kv_lens)
         h = rms_norm_torch(x[:, -1], self.norm, a.eps)  # [B, H]
         self._x[:B].copy_(x[:, -1])
         self.last_logits = F.linear(h, self.lm_head).float()
         return self.last_logits
 
-    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, c0: int,
-                           padded: bool) -> torch.Tensor:
-        """Causal attention of the queries at positions [c0, c0 + c) over keys
-        [0, c0 + c): q [B, Hq, c, D], k/v [B, Hkv, c0 + c, D], mask [B, c0 + c]."""
-        B, Hq, c, D = q.shape
-        S = k.shape[2]
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           padded: bool, chunk: int) -> torch.Tensor:
+        """Causal attention over the prompt: q [B, Hq, T, D], k/v [B, Hkv, T, D],
+        mask [B, T] (left padding). Returns [B, Hq, T, D].
+
+        Grouped K/V heads are expanded once (a copy the size of q) so that the fused
+        SDPA kernels apply whatever torch version runs: without padding one causal
+        call (flash); with padding, query chunks of ``chunk`` rows with a boolean
+        mask (memory-efficient kernel; the mask is [B, chunk, T], never [B, T, T])."""
+        B, Hq, T, D = q.shape
         scale = self.spec.softmax_scale
-        if not padded and c0 == 0 and c == S:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != k.shape[1])
         G = Hq // k.shape[1]
-        if G > 1:  # memory-efficient kernels take masks but not always grouped heads
-            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        qpos = torch.arange(c0, c0 + c, device=q.device)[:, None]  # [c, 1]
-        kpos = torch.arange(S, device=q.device)[None, :]  # [1, S]
-        # A padded query attends itself too, so that its (unused) row never has all
-        # keys masked (which would give NaN).
-        allowed = (kpos <= qpos) & (mask[:, None, :] | (kpos == qpos))  # [B, c, S]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale)
+        if G > 1:
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, Hq, T, D]
+        if not padded:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out = torch.empty_like(q)
+        kpos = torch.arange(T, device=q.device)[None, :]  # [1, T]
+        for c0 in range(0, T, chunk):
+            c1 = min(T, c0 + chunk)
+            qpos = torch.arange(c0, c1, device=q.device)[:, None]  # [c, 1]
+            # A padded query attends itself too, so that its (unused) row never has
+            # every key masked (which would give NaN).
+            allowed = (kpos[:, :c1] <= qpos) & (mask[:, None, :c1] | (kpos[:, :c1] == qpos))  # [B, c, c1]
+            out[:, :, c0:c1] = F.scaled_dot_product_attention(q[:, :, c0:c1], k[:, :, :c1], v[:, :, :c1],
+                                                              attn_mask=allowed[:, None], scale=scale)
+        return out
 
     @torch.no_grad()
     def fake_prefill(self, seq_len: int, batch: int | None = None, *, ctx=None, std: float = 1.0,
