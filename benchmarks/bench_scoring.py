@@ -244,19 +244,19 @@ def run_sweep(r: Runner) -> None:
     kv_lens = torch.full((B,), L, device="cuda")
     lo, hi = torch.full_like(kv_lens, N_SINK), kv_lens - N_RECENT
     key_bytes = B * HKV * L * D * ELT
-    for block_l in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
-                scoring.SCORE_CONFIG.clear()
-                scoring.SCORE_CONFIG.update(BLOCK_L=block_l, num_warps=warps, num_stages=stages)
-                cfg = dict(B=B, L=L, BLOCK_L=block_l, warps=warps, stages=stages)
-                try:
-                    ms = bench(lambda: scoring.group_scores_triton(q, k, kv_lens))
-                    ms_topk = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
-                except Exception as e:  # e.g. out of shared memory
-                    print(f"  config {cfg} failed: {type(e).__name__}", file=sys.stderr)
-                    ms = ms_topk = None
-                r.add("sweep_group_scores", "triton", cfg, ms, key_bytes, topk_ms=ms_topk if ms_topk else -1.0)
+    configs = [dict(BLOCK_L=bl, num_warps=w, num_stages=st) for bl in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    configs += [dict(PER_SM=n) for n in (4, 8, 32)]  # grid size at the default tiles (16 programs per SM)
+    for over in configs:
+        scoring.SCORE_CONFIG.clear()
+        scoring.SCORE_CONFIG.update(over)
+        cfg = dict(B=B, L=L, **over)
+        try:
+            ms = bench(lambda: scoring.group_scores_triton(q, k, kv_lens))
+            ms_topk = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
+        except Exception as e:  # e.g. out of shared memory
+            print(f"  config {cfg} failed: {type(e).__name__}", file=sys.stderr)
+            ms = ms_topk = None
+        r.add("sweep_group_scores", "triton", cfg, ms, key_bytes, topk_ms=ms_topk if ms_topk else -1.0)
     scoring.SCORE_CONFIG.clear()
 
 

@@ -142,14 +142,16 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int) -> tuple[int, int]:
+def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int,
+           per_sm: int = 4) -> tuple[int, int]:
     """Split rows of length ``n`` into chunks for a (row, chunk) grid.
 
-    Aims at about 4 programs per SM, with chunks of at least ``min_chunk``
-    elements (rounded to ``block``) so per-program work amortises its fixed costs
-    (q load, histogram atomics). Returns (chunk, n_chunks)."""
+    Aims at about ``per_sm`` programs per SM (several waves, so the last partial
+    wave costs little), with chunks of at least ``min_chunk`` elements (rounded to
+    ``block``) so per-program work amortises its fixed costs (q load, histogram
+    atomics). Returns (chunk, n_chunks)."""
     n = max(n, 1)
-    target = 4 * _sm_count(device)
+    target = per_sm * _sm_count(device)
     n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
     chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block
     return chunk, triton.cdiv(n, chunk)
@@ -161,9 +163,9 @@ def _score_config(D: int, device: torch.device) -> dict:
     block_d = max(16, triton.next_power_of_2(D))
     if _interpret() or device.type != "cuda":
         # the interpreter pays per op, not per element: few, large tiles
-        cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256)
+        cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
     else:
-        cfg = dict(BLOCK_L=64 if block_d <= 128 else 32, num_warps=4, num_stages=3, MIN_CHUNK=512)
+        cfg = dict(BLOCK_L=64 if block_d <= 128 else 32, num_warps=4, num_stages=3, MIN_CHUNK=256, PER_SM=16)
     cfg.update(SCORE_CONFIG)
     cfg["BLOCK_D"] = block_d
     return cfg
@@ -180,7 +182,7 @@ def _select_config(device: torch.device) -> dict:
 
 SCORE_CONFIG: dict = {}
 """Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
-``num_stages``, ``MIN_CHUNK``); empty = the built-in heuristic."""
+``num_stages``, ``MIN_CHUNK``, ``PER_SM``); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
 """Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
@@ -419,7 +421,7 @@ def _score_kernel(
         tl.store(st, m_run, mask=g_mask)
         tl.store(st + 1, s_run, mask=g_mask)
     if HIST:
-        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist)
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
 @triton.jit
@@ -490,7 +492,7 @@ def _softmax_finalize_kernel(
             hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
                                   G, G_PAD, BLOCK_L, FULL_ROW, HIST)
     if HIST:
-        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist)
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -505,7 +507,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     rows = B * Hkv
     cfg = _score_config(D, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
-    chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"])
+    chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     upcast, ieee = _dot_flags(k)
     qr = _round_q(q, k)
     do_hist = hist is not None
@@ -641,7 +643,7 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, C
     else:
         for l0 in range(start, end, BLOCK):
             acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
-    tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc)
+    tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc, mask=acc > 0)
 
 
 @triton.jit
