@@ -48,7 +48,7 @@ def _numpy_predict(window: np.ndarray, n: int, mode: str, eps: float) -> np.ndar
 
 
 def _rel(a: torch.Tensor, b) -> float:
-    b = torch.as_tensor(b, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64).cpu()
     return ((a.double().cpu() - b).norm() / b.norm()).item()
 
 
