@@ -9,8 +9,11 @@ L in {8k, 32k, 128k} (shapes that do not fit are skipped), budget K in {1k, 2k}:
 * ``dense``: the ``indices=None`` path vs SDPA over the whole cache, and its floor;
 * ``gather``: ``gather_kv`` vs ``torch.gather`` (floor counts read + write);
 * ``ridge``: ``ridge_predict`` (N = B*32 heads, W = 16, D = 128) vs the reference;
-* ``splits``: the sparse and dense kernels at B=8, L=32k, K=2k for several split
-  counts, next to the heuristic's choice.
+* ``splits_*`` / ``cfg_*``: the sparse and dense kernels at B=8, L=32k, K=2k for
+  several split counts and launch configurations (BLOCK_N, warps, stages), next
+  to the heuristic's choice (tuning data for ``spade.kernels.attention``).
+
+Ridge rows print N (rows) in the L column and the window W in the K column.
 
 HBM bandwidth is measured in the same run with a large device-to-device copy
 (read + write bytes). Times are medians of CUDA-event timings with L2 flushed
@@ -36,6 +39,8 @@ HQ, HKV, D = 32, 8, 128
 N_SINK, N_RECENT = 4, 64
 DTYPE = torch.bfloat16
 SMOKE = dict(HQ=4, HKV=2, D=16, N_RECENT=8)  # --smoke: tiny shapes that run anywhere
+# (BLOCK_N, num_warps, num_stages) tried at the headline shape (full run only)
+TUNE_CONFIGS = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2)]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -140,6 +145,7 @@ def _empty_cache() -> None:
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status (1 without a GPU unless --smoke)."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_attention", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k only, fewer iterations")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output path")
@@ -196,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_lens = torch.full((B,), L, device=dev, dtype=torch.int32)
 
             # dense path (the `full` policy) vs SDPA over the whole cache
-            def spade_dense(S=None):
-                return attention.sparse_decode_attention_triton(q, k, v, kv_lens, num_splits=S)
+            def spade_dense(S=None, **cfg):
+                return attention.sparse_decode_attention_triton(q, k, v, kv_lens, num_splits=S, **cfg)
 
             rows.append(dict(op="dense", B=B, L=L, K=L,
                              splits=attention.choose_num_splits(B * hkv, L, block_n, dev),
@@ -209,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 idx_full = full_index(mid, L, n_sink, n_recent)
                 sel_bytes = 2 * B * hkv * K * d * elem
 
-                def spade_sparse(S=None):
+                def spade_sparse(S=None, **cfg):
                     return attention.sparse_decode_attention_triton(q, k, v, kv_lens, mid, n_sink=n_sink,
-                                                                    n_recent=n_recent, num_splits=S)
+                                                                    n_recent=n_recent, num_splits=S, **cfg)
 
                 def ref_sparse():
                     return torch_sparse(q, k, v, idx_full)
@@ -242,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                     for S in (1, 2, 4, 8, 16, 32):
                         rows.append(dict(op="splits_dense", B=B, L=L, K=L, splits=S, floor_ms=kv_bytes / bw * 1e3,
                                          spade_ms=_try(timer, lambda: spade_dense(S))))
+                    if not (args.quick or args.smoke):  # launch configurations, heuristic split count
+                        for bn, nw, ns in TUNE_CONFIGS:
+                            cfg = dict(block_n=bn, num_warps=nw, num_stages=ns)
+                            tag = f"bn{bn}_w{nw}_s{ns}"
+                            rows.append(dict(op="cfg_sparse", B=B, L=L, K=K, splits=tag, floor_ms=sel_bytes / bw * 1e3,
+                                             spade_ms=_try(timer, lambda: spade_sparse(**cfg))))
+                            rows.append(dict(op="cfg_dense", B=B, L=L, K=L, splits=tag, floor_ms=kv_bytes / bw * 1e3,
+                                             spade_ms=_try(timer, lambda: spade_dense(**cfg))))
                 del mid, idx_full, g
             del q, k, v
             _empty_cache()

@@ -379,10 +379,12 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    kv_lens: torch.Tensor, indices: torch.Tensor | None = None, *,
                                    n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
                                    kv_start: torch.Tensor | None = None, return_lse: bool = False,
-                                   num_splits: int | None = None, block_n: int | None = None):
+                                   num_splits: int | None = None, block_n: int | None = None,
+                                   num_warps: int | None = None, num_stages: int | None = None):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
-    ``num_splits`` / ``block_n`` override the heuristics (tests, tuning). No host
+    ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
+    heuristics (tests, tuning; ``benchmarks.bench_attention`` sweeps them). No host
     synchronisation: safe to capture in a CUDA graph (after a first warm-up call
     has compiled the kernels).
     """
@@ -392,11 +394,16 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     G_PAD = max(16, triton.next_power_of_2(G))
     D_PAD = max(16, triton.next_power_of_2(D))
     interp = _interpret()
-    bn, num_warps, num_stages = _launch_config(D_PAD, k.element_size())
-    if block_n is not None:
-        bn = block_n
+    bn, nw, ns = _launch_config(D_PAD, k.element_size())
+    bn = block_n or bn
+    num_warps = num_warps or nw
+    num_stages = num_stages or ns
+    dev = q.device
+    kv_lens = kv_lens.to(dev)  # no-ops for device tensors (the documented contract)
+    kv_start = None if kv_start is None else kv_start.to(dev)
     has_idx = indices is not None
     if has_idx:
+        indices = indices.to(dev)
         k_mid = indices.shape[2]
         t_max = min(n_sink, L) + k_mid + min(n_recent, L)
         idx_t = indices
