@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels import scoring
-from spade.kernels.scoring import _default_scale, _interpret, _sm_count
+from spade.kernels.scoring import _check_rows, _default_scale, _interpret, _sm_count
 
 __all__ = [
     "quest_build_ref",
@@ -368,11 +368,12 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
     _check_page_size(page_size)
     B, H, L, D = k.shape
     P = triton.cdiv(L, page_size)
+    kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     kmin = torch.empty(B, H, P, D, dtype=k.dtype, device=k.device)
     kmax = torch.empty_like(kmin)
     if B * H * P == 0:
         return kmin, kmax
-    start = torch.zeros_like(kv_lens) if kv_start is None else kv_start
+    start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start", k.device)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_S = triton.next_power_of_2(page_size)
     budget = 1 << 15 if _interpret() else 1 << 13  # elements per tile
@@ -393,6 +394,7 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
         raise ValueError(f"k_new must be [{B}, {H}, {D}], got {tuple(k_new.shape)}")
     if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
         raise ValueError("kmin and kmax must have the same shape and strides")
+    pos = _check_rows(pos, B, "pos", kmin.device)
     if B * H == 0:
         return
     _quest_update_kernel[(B * H,)](
@@ -434,6 +436,9 @@ def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     out = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
     if B * Hkv * P == 0:
         return out
+    n_pages = _check_rows(n_pages, B, "n_pages", kmin.device)
+    if page_start is not None:
+        page_start = _check_rows(page_start, B, "page_start", kmin.device)
     _launch_page_scores(q, kmin, kmax, out, n_pages, page_start, scale=_default_scale(scale, D), reduce=reduce)
     return out
 
@@ -452,6 +457,9 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
     if B * Hkv == 0:
         return out
+    kv_lens = _check_rows(kv_lens, B, "kv_lens", kmin.device)
+    if kv_start is not None:
+        kv_start = _check_rows(kv_start, B, "kv_start", kmin.device)
     plan = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
     PB = min(1024, triton.next_power_of_2(B))
     _quest_plan_kernel[(triton.cdiv(B, PB),)](kv_start if kv_start is not None else kv_lens, kv_lens, plan, B,

@@ -115,10 +115,14 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
     return B, Hq, Hkv, L, D
 
 
-def _check_rows(t: torch.Tensor, B: int, name: str) -> torch.Tensor:
+def _check_rows(t: torch.Tensor, B: int, name: str, device: torch.device | None = None) -> torch.Tensor:
+    """Validate a per-row [B] integer tensor; move it to ``device`` if given (the
+    kernels read it on the device)."""
     if t.shape != (B,):
         raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
-    return t
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t if device is None else t.to(device)
 
 
 def _default_scale(scale: float | None, D: int) -> float:
@@ -205,7 +209,7 @@ def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.T
     """Per-head logits [B, Hkv, G, L] float32 (fp32 products, q rounded to k's dtype)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    qg = _round_q(q, k).float().view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
+    qg = _round_q(q, k).float().reshape(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
     return torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
 
 
@@ -543,8 +547,8 @@ def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor,
     """
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
-    _check_rows(kv_lens, B, "kv_lens")
-    start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
+    kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
+    start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start", k.device)
     out = torch.empty(B, Hkv, L, dtype=torch.float32, device=k.device)
     if B * Hkv * L == 0:
         return out
@@ -800,8 +804,8 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
     """Exact top-K of precomputed scores [B, H, N] (fp32) restricted to ``[lo, hi)``
     per batch row: int32 [B, H, k_top], ``-1`` padding, order unspecified."""
     B, H, N = scores.shape
-    _check_rows(lo, B, "lo")
-    _check_rows(hi, B, "hi")
+    lo = _check_rows(lo, B, "lo", scores.device)
+    hi = _check_rows(hi, B, "hi", scores.device)
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     if k_top == 0 or B * H == 0:
@@ -823,8 +827,10 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     """
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
-    _check_rows(lo, B, "lo")
-    _check_rows(hi, B, "hi")
+    lo = _check_rows(lo, B, "lo", k.device)
+    hi = _check_rows(hi, B, "hi", k.device)
+    if kv_lens is not None:
+        kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     if k_top == 0 or B * Hkv == 0:
