@@ -53,10 +53,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
+import logging
+
 import torch
 
 from spade.errors import PeerGone, PeerTimeout, TransportError
 from spade.transports.base import Handshake, Transport
+
+log = logging.getLogger(__name__)
 
 #: header length (int64 words) and its layout
 _HDR = 128
@@ -98,6 +102,8 @@ class _Worker:
                 loop.call_soon_threadsafe(_settle, fut, res, exc)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
+            # drop the call (it holds a Work, which holds its process group) before blocking again
+            del item, fn, fut, loop, res, exc
 
     def submit(self, fn) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -105,8 +111,11 @@ class _Worker:
         self._q.put((fn, fut, loop))
         return fut
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 5.0) -> None:
+        """Stop after the calls already queued; wait up to ``join_s`` for the thread."""
         self._q.put(None)
+        if threading.current_thread() is not self._t:
+            self._t.join(join_s)
 
 
 def _settle(fut: asyncio.Future, res, exc) -> None:
@@ -374,24 +383,26 @@ class NcclTransport(Transport):
                 torch.cuda.synchronize(self.device)
             except Exception:
                 pass
+        # The worker threads and every Work must be gone before the groups are
+        # destroyed: a ProcessGroupGloo only stops its threads when its last
+        # reference goes, and one left for interpreter exit aborts the process.
+        for w in (self._recv_worker, self._send_worker):
+            if w is not None:
+                w.stop()
+        self._inflight.clear()
+        self._queues.clear()
+        groups, self._groups = self._groups, []
+        self._cpu_group = self._send_group = self._recv_group = None
         try:
             if self._owns_world and dist.is_initialized():
                 dist.destroy_process_group()
             else:
-                for g in self._groups:
+                for g in groups:
                     dist.destroy_process_group(g)
-        except Exception:
-            pass
-        # drop every reference to the groups and their works: a ProcessGroupGloo only
-        # stops its threads when its last reference goes
-        self._groups.clear()
-        self._cpu_group = self._send_group = self._recv_group = None
-        self._inflight.clear()
-        self._queues.clear()
+        except Exception as e:  # pragma: no cover - best effort at teardown
+            log.debug("destroy_process_group: %s", e)
+        del groups
         gc.collect()
-        for w in (self._recv_worker, self._send_worker):
-            if w is not None:
-                w.stop()
 
     async def close(self) -> None:
         if self._closed:
