@@ -1,0 +1,340 @@
+"""The cache rank: full KV store, the policy's state, and selection one step ahead.
+
+Per generation (see ``spade.runtime.protocol`` for the messages):
+
+1. BOOT: build the policy from its config (or use the in-process object), load
+   the prompt's KV and last W queries into the store and call
+   ``policy.prefill`` per layer; then compute the selection of decode step 1.
+2. Per decode step ``t`` and pack ``p``: receive the pack's q/k/v, append k/v
+   to the store, ``policy.observe`` each layer (pushes q into the query window),
+   and — when step ``t+1`` is past the sparse threshold — ``policy.select`` for
+   step ``t+1`` (``q=None``: only policies with ``needs_current_query=False``
+   come here) and send the pack's selection back at once. The inference rank
+   needs it one whole step later, at the same pack: that is the slack.
+
+Devices and streams: on CUDA the cache rank's work runs under
+``torch.cuda.device(dev)`` and, when it shares a GPU with the inference rank
+(``colocated``), on a side stream; the local transport orders that stream after
+the inference rank's work with CUDA events (``LocalTransport.stream``). No
+``await`` happens inside a stream context (the context is thread state, and the
+inference coroutine shares the thread).
+
+Store: ``[B, Hkv, capacity, D]`` per layer in the KV dtype, or — ``colocated``
+with a static-cache backend — the inference rank's own cache tensors (read
+only; positions the cache rank reads were written before the events it waits
+on, and the inference rank only writes positions the cache rank does not read
+for the step it works on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from spade import kernels
+from spade.errors import PeerGone, TransportError
+from spade.policies.base import Policy
+from spade.runtime import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class _Shutdown(Exception):
+    pass
+
+
+class SharedKV:
+    """In-process view of the inference rank's KV cache (layer -> (k, v)), updated
+    by the inference selector's hooks; read by a colocated cache rank."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+# ----------------------------------------------------------------------------- delta encoding
+def align_selection(prev: torch.Tensor, new: torch.Tensor, length: int) -> torch.Tensor:
+    """Reorder ``new`` [B, H, K] (int32, -1 = empty) so that every position still
+    selected keeps the slot it had in ``prev``; entrants fill the freed slots.
+    Device-side, no host sync. Returns the aligned [B, H, K] int32."""
+    B, H, K = new.shape
+    dev = new.device
+    pv = torch.where(prev >= 0, prev, length).long()
+    nv = torch.where(new >= 0, new, length).long()
+    in_new = torch.zeros(B, H, length + 1, dtype=torch.bool, device=dev).scatter_(2, nv, True)
+    in_prev = torch.zeros(B, H, length + 1, dtype=torch.bool, device=dev).scatter_(2, pv, True)
+    in_new[..., length] = False
+    in_prev[..., length] = False
+    keep = in_new.gather(2, pv)  # prev slot whose position is still selected
+    entrant = (~in_prev.gather(2, nv)) & (new >= 0)  # newly selected position
+    freed = ~keep
+    f_rank = torch.cumsum(freed.int(), 2) - 1
+    e_rank = torch.cumsum(entrant.int(), 2) - 1
+    slots = torch.arange(K, device=dev).expand(B, H, K)
+    freed_pos = torch.full((B, H, K + 1), K, dtype=torch.long, device=dev)
+    freed_pos.scatter_(2, torch.where(freed, f_rank.long(), K), slots)
+    tgt = freed_pos.gather(2, torch.where(entrant, e_rank.long(), K))  # [B, H, K]
+    out = torch.cat([torch.where(keep, prev, -1), torch.full((B, H, 1), -1, dtype=prev.dtype, device=dev)], 2)
+    out.scatter_(2, torch.where(entrant, tgt, K), torch.where(entrant, new, -1).to(out.dtype))
+    return out[..., :K].contiguous()
+
+
+def delta_encode(prev: torch.Tensor, aligned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Changed slots of ``aligned`` vs ``prev``: (slots, values) [B, H, C] int32,
+    ``-1`` padded, ``C`` = the most changes of any (row, head), at least 1. One
+    host sync (``C``): the cache rank's, off the critical path."""
+    B, H, K = prev.shape
+    changed = aligned != prev
+    C = max(1, int(changed.sum(2).max().item()))
+    rank = torch.cumsum(changed.int(), 2) - 1
+    dest = torch.where(changed, rank.long(), C)
+    slots = torch.full((B, H, C + 1), -1, dtype=torch.int32, device=prev.device)
+    vals = torch.full((B, H, C + 1), -1, dtype=torch.int32, device=prev.device)
+    slots.scatter_(2, dest, torch.arange(K, device=prev.device, dtype=torch.int32).expand(B, H, K).contiguous())
+    vals.scatter_(2, dest, aligned.to(torch.int32))
+    return slots[..., :C].contiguous(), vals[..., :C].contiguous()
+
+
+def delta_apply(active: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: ``active[b, h, slots[b, h, c]] = values[b, h, c]`` for ``slots >= 0``."""
+    B, H, K = active.shape
+    ext = torch.cat([active, torch.full((B, H, 1), -1, dtype=active.dtype, device=active.device)], 2)
+    ext.scatter_(2, torch.where(slots >= 0, slots.long(), K), values.to(active.dtype))
+    active.copy_(ext[..., :K])
+
+
+# ----------------------------------------------------------------------------- the rank
+class CacheRank:
+    """Serve generations for one inference rank over ``transport`` (already
+    connected). ``policy``: an in-process policy object (else rebuilt from each
+    BOOT's config); ``shared``: the inference rank's cache, in-process only."""
+
+    def __init__(self, transport: Any, device: torch.device | str, *, policy: Policy | None = None,
+                 shared: SharedKV | None = None, in_process: bool = True):
+        self.t = transport
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.policy = policy
+        self.shared = shared
+        self.in_process = in_process
+        self.stream = None
+        if self.device.type == "cuda" and hasattr(transport, "stream"):
+            # a side stream, ordered against the inference rank by the transport's events
+            self.stream = torch.cuda.Stream(device=self.device)
+            transport.stream = self.stream
+        self.stats: dict[str, float] = {"packs": 0, "selections": 0, "select_host_s": 0.0, "generations": 0}
+
+    @contextlib.contextmanager
+    def _on(self):
+        """Device, side stream and no_grad for a block of cache-rank work (never across an await)."""
+        with contextlib.ExitStack() as st:
+            st.enter_context(torch.no_grad())
+            if self.device.type == "cuda":
+                st.enter_context(torch.cuda.device(self.device))
+                if self.stream is not None:
+                    st.enter_context(torch.cuda.stream(self.stream))
+            yield
+
+    async def serve(self) -> None:
+        """Loop over generations until SHUTDOWN or the peer goes away."""
+        try:
+            while True:
+                msg = await self.t.recv("ctl")
+                c = msg[0].tolist()
+                if c[0] == P.SHUTDOWN:
+                    return
+                if c[0] == P.END:
+                    continue
+                if c[0] != P.BOOT:
+                    raise TransportError(f"cache rank: expected BOOT, got command {c[0]}")
+                setup = P.Setup.from_tensor(msg[1])
+                kv_lens = msg[2].to(self.device)
+                kv_start = msg[3].to(self.device) if setup.has_kv_start else None
+                await self._generation(setup, kv_lens, kv_start)
+        except (_Shutdown, asyncio.CancelledError):
+            return
+        except PeerGone:
+            return
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            log.error("cache rank failed: %s", text)
+            try:
+                await asyncio.wait_for(self.t.send("err", [P.text_tensor(text)]), 5.0)
+            except Exception:
+                pass
+            raise
+
+    # ------------------------------------------------------------------ one generation
+    async def _generation(self, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> None:
+        t = self.t
+        spec = P.spec_from_dict(s.spec)
+        policy = self.policy if self.policy is not None else P.policy_from_dict(s.policy, spec)
+        hooks = P.CacheHooks(**s.hooks)
+        B, T = s.batch, s.prompt_len
+        dev = self.device
+        dt = P.dtype_of(s.dtype)
+        Hkv, D = spec.n_kv_heads, spec.head_dim
+        n_layers = spec.n_layers
+        packs = P.packs_of(n_layers, s.pack_layers)
+        self.stats["generations"] += 1
+        with self._on():
+            state = policy.new_state(B, dev)
+            state.kv_start = kv_start
+            state.seq_len = T
+            if s.shared_kv:
+                if self.shared is None:
+                    raise TransportError("cache rank: shared KV requested but this cache rank is not in-process")
+                kstore = vstore = None
+            else:
+                kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                vstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+
+        def view(layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """What the inline policy would see as the cache at length ``seq``."""
+            if s.shared_kv:
+                return self.shared.refs[layer]
+            if s.static_len:
+                return kstore[layer][:, :, :s.static_len], vstore[layer][:, :, :s.static_len]
+            return kstore[layer][:, :, :seq], vstore[layer][:, :, :seq]
+
+        for layer in range(n_layers):
+            msg = await t.recv("boot")
+            with self._on():
+                q_tail = msg[0]
+                if not s.shared_kv:
+                    kstore[layer][:, :, :T].copy_(msg[1])
+                    vstore[layer][:, :, :T].copy_(msg[2])
+                k, v = view(layer, T)
+                policy.prefill(state, layer, q_tail, k, v, kv_lens)
+
+        prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
+        stalled = False
+
+        async def select_and_send(p: int, step: int, seq: int) -> None:
+            nonlocal stalled
+            if hooks.stall_from_step is not None and step >= hooks.stall_from_step:
+                stalled = True
+                return
+            if hooks.delay_s > 0 and step >= hooks.delay_from_step:
+                await asyncio.sleep(hooks.delay_s)
+            l0, l1 = packs[p]
+            t0 = time.perf_counter()
+            with self._on():
+                state.seq_len = seq
+                kv = kv_lens + (seq - T)
+                sels = []
+                for layer in range(l0, l1):
+                    k, _ = view(layer, seq)
+                    sels.append(policy.select(state, layer, None, k, kv))
+                tensors = self._encode(sels, p, step, seq, s, view, prev, l0)
+            self.stats["select_host_s"] += time.perf_counter() - t0
+            self.stats["selections"] += 1
+            await t.send("sel", tensors)
+
+        if T + 1 > s.theta:
+            for p in range(len(packs)):
+                await select_and_send(p, 1, T + 1)
+        while True:
+            msg = await t.recv("ctl")
+            c = msg[0].tolist()
+            if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
+                end = torch.full((1, P.META), -1, dtype=torch.int64)
+                await t.send("sel", [end])
+                return
+            if c[0] == P.SHUTDOWN:
+                raise _Shutdown()
+            if c[0] != P.STEP:
+                raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
+            seq, step = c[1], c[2]
+            if hooks.die_at_step is not None and step >= hooks.die_at_step:
+                if not self.in_process:
+                    os._exit(17)  # a crashed cache process, no goodbye
+                await t.close()
+                raise PeerGone("cache rank: died on purpose (test hook)")
+            pos = seq - 1
+            kv = kv_lens + (seq - T)
+            for p, (l0, l1) in enumerate(packs):
+                msg = await t.recv("qkv")
+                with self._on():
+                    state.seq_len = seq
+                    for j, layer in enumerate(range(l0, l1)):
+                        if not s.shared_kv:
+                            kstore[layer][:, :, pos].copy_(msg[1][j])
+                            vstore[layer][:, :, pos].copy_(msg[2][j])
+                        k, _ = view(layer, seq)
+                        policy.observe(state, layer, msg[0][j], k, kv)
+                self.stats["packs"] += 1
+                if seq + 1 > s.theta and not stalled:
+                    await select_and_send(p, step + 1, seq + 1)
+
+    def _encode(self, sels: list, p: int, step: int, seq: int, s: P.Setup, view, prev: dict,
+                l0: int) -> list[torch.Tensor]:
+        """The pack's "sel" message (see ``spade.runtime.protocol``)."""
+        n = len(sels)
+        meta = torch.zeros(n, P.META, dtype=torch.int64)
+        meta[:, P.META_PACK], meta[:, P.META_STEP], meta[:, P.META_SEQ] = p, step, seq
+        K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
+        for j, sel in enumerate(sels):
+            if sel is None:
+                meta[j, P.META_DENSE] = 1
+            else:
+                meta[j, P.META_SINK], meta[j, P.META_RECENT] = sel.n_sink, sel.n_recent
+            meta[j, P.META_K] = K
+        if all(sel is None for sel in sels) or K == 0:
+            if s.return_mode == "delta":
+                for j in range(n):
+                    prev.pop(l0 + j, None)
+            if K == 0:
+                meta[:, P.META_K] = 0
+            return [meta]
+        sample = next(sel for sel in sels if sel is not None).indices
+        B, H = sample.shape[:2]
+        idx = torch.full((n, B, H, K), -1, dtype=torch.int32, device=self.device)
+        for j, sel in enumerate(sels):
+            if sel is not None:
+                w = sel.indices.shape[2]
+                idx[j, :, :, :w] = sel.indices.to(torch.int32)
+        if s.return_mode == "indices":
+            return [meta, idx]
+        if s.return_mode == "kv":
+            ks, vs = [], []
+            for j in range(n):
+                k, v = view(l0 + j, seq)
+                kk, vv = kernels.gather_kv(k, v, idx[j])
+                ks.append(kk)
+                vs.append(vv)
+            return [meta, idx, torch.stack(ks), torch.stack(vs)]
+        # delta: align each layer's selection to the slots the inference rank holds
+        slots_l, vals_l = [], []
+        for j, sel in enumerate(sels):
+            layer = l0 + j
+            if sel is None:
+                prev.pop(layer, None)
+                cur = torch.full((B, H, K), -1, dtype=torch.int32, device=self.device)
+                sl, va = delta_encode(cur, cur)
+            else:
+                old = prev.get(layer)
+                if old is None or old.shape != idx[j].shape:
+                    old = torch.full_like(idx[j], -1)
+                length = view(layer, seq)[0].shape[2]
+                aligned = align_selection(old, idx[j], max(length, seq))
+                sl, va = delta_encode(old, aligned)
+                prev[layer] = aligned
+            slots_l.append(sl)
+            vals_l.append(va)
+        C = max(x.shape[2] for x in slots_l)
+        slots = torch.full((n, B, H, C), -1, dtype=torch.int32, device=self.device)
+        vals = torch.full((n, B, H, C), -1, dtype=torch.int32, device=self.device)
+        for j in range(n):
+            c = slots_l[j].shape[2]
+            slots[j, :, :, :c] = slots_l[j]
+            vals[j, :, :, :c] = vals_l[j]
+        meta[:, P.META_C] = C
+        return [meta, slots, vals]

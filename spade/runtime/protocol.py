@@ -1,0 +1,152 @@
+"""The message protocol between the inference rank and the cache rank.
+
+The runtime is the only place that knows both what tensors mean and how they
+travel: the transport moves tagged tensor lists, this module says which lists.
+
+Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
+``D`` head dim, ``K`` the policy's middle budget)::
+
+    inference -> cache
+      "ctl"   [cmd int64 [4] (cpu)]                    STEP(seq_len, step) | END | SHUTDOWN
+              [cmd, setup uint8 (cpu, JSON), kv_lens [B], kv_start [B]?]       BOOT(B, T)
+      "boot"  per layer: [q_tail [B, Hq, W, D], k [B, Hkv, T, D], v [B, Hkv, T, D]]
+              (the prompt's KV and last W queries; only q_tail when the cache rank
+              reads the inference rank's own cache: ``colocated`` with a static cache)
+      "qkv"   per pack per step: [q [n, B, Hq, D], k [n, B, Hkv, D], v [n, B, Hkv, D]]
+              (only q with a shared cache)
+    cache -> inference
+      "sel"   per pack per *sparse* step:
+              [meta int64 [n, META] (cpu), payload...]
+              indices: [idx int32 [n, B, Hkv, K]]
+              kv:      [idx, k_sel [n, B, Hkv, K, D], v_sel [n, B, Hkv, K, D]]
+              delta:   [slots int32 [n, B, Hkv, C], values int32 [n, B, Hkv, C]]
+                       (C = most changed slots of any (row, head) in the pack; -1 pads)
+              END acknowledged: [meta] with pack = -1 (the last "sel" of a generation)
+      "err"   [uint8 (cpu)]: the cache rank failed (message text), sent before it closes
+
+Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
+KV and last W queries right after prefill and then *every* step's q/k/v, dense
+steps included, so its policy state is exactly the inline run's at every step;
+only the inference rank's *use* of selections starts past θ (the cache rank
+computes and sends selections only for steps whose cache length exceeds θ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spade.policies.base import AttentionSpec, RopeSpec
+
+#: Handshake layout of a runtime link: bump when the messages below change.
+PROTOCOL = "spade-async/1"
+
+# ctl commands
+BOOT, STEP, END, SHUTDOWN = 1, 2, 3, 4
+
+# meta columns of a "sel" message (one row per layer of the pack)
+META_PACK, META_STEP, META_SEQ, META_DENSE, META_SINK, META_RECENT, META_K, META_C = range(8)
+META = 8
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def packs_of(n_layers: int, pack_layers: int) -> list[tuple[int, int]]:
+    """Layer ranges ``[l0, l1)`` of the packs (the last may be shorter), the same
+    split as ``DecodeBackend.decode_stages``."""
+    P = max(1, int(pack_layers))
+    return [(l0, min(n_layers, l0 + P)) for l0 in range(0, n_layers, P)]
+
+
+def spec_to_dict(spec: AttentionSpec) -> dict:
+    return dataclasses.asdict(spec)
+
+
+def spec_from_dict(d: dict) -> AttentionSpec:
+    d = dict(d)
+    rope = d.pop("rope", None)
+    return AttentionSpec(**d, rope=RopeSpec(**rope) if rope is not None else None)
+
+
+@dataclass
+class CacheHooks:
+    """Test hooks of the cache rank (deliberately slow or dying cache ranks).
+
+    ``delay_s``: sleep this long before sending each selection for steps
+    ``>= delay_from_step``; ``stall_from_step``: never send a selection for steps
+    ``>= stall_from_step`` (the cache rank stops there); ``die_at_step``: the cache
+    process exits abruptly (``os._exit``) when told about that step (in-process:
+    it closes its transport end without a word).
+    """
+
+    delay_s: float = 0.0
+    delay_from_step: int = 0
+    stall_from_step: int | None = None
+    die_at_step: int | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Setup:
+    """Everything the cache rank needs for one generation (sent in BOOT as JSON):
+    shapes and the policy, never the weights."""
+
+    policy: dict  # the policy config (pydantic dump), rebuilt on the cache rank
+    spec: dict  # AttentionSpec
+    batch: int
+    prompt_len: int
+    capacity: int  # cache rank's KV store length
+    static_len: int  # >0: the inference cache is static of this length (views of it are what the policy sees)
+    dtype: str  # KV dtype
+    q_dtype: str
+    pack_layers: int
+    return_mode: str  # indices | kv | delta
+    theta: int  # steps with seq_len > theta are sparse
+    q_tail: int  # prompt queries shipped per layer
+    shared_kv: bool  # the cache rank reads the inference rank's cache (in-process only)
+    has_kv_start: bool
+    hooks: dict = field(default_factory=dict)
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(json.dumps(dataclasses.asdict(self)).encode()), dtype=torch.uint8)
+
+    @staticmethod
+    def from_tensor(t: torch.Tensor) -> "Setup":
+        return Setup(**json.loads(bytes(t.cpu().tolist()).decode()))
+
+
+def text_tensor(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8)
+
+
+def tensor_text(t: torch.Tensor) -> str:
+    return bytes(t.cpu().tolist()).decode(errors="replace")
+
+
+def cmd(kind: int, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, a, b, c], dtype=torch.int64)
+
+
+def policy_from_dict(d: dict, spec: AttentionSpec) -> Any:
+    """Rebuild a policy from its config dump (the cache process has no config file)."""
+    from pydantic import TypeAdapter
+
+    from spade.config import PolicyConfig
+    from spade.policies import build_policy
+
+    cfg = TypeAdapter(PolicyConfig).validate_python(d)
+    return build_policy(cfg, spec)

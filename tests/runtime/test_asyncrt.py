@@ -1,0 +1,183 @@
+"""AsyncRuntime in one process (topologies colocated and local on CPU): the
+asynchronous pipeline must produce exactly InlineRuntime's tokens, and late or
+dead cache ranks must be handled as configured, never by hanging."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from spade.errors import TransportError
+from spade.policies import build_policy
+from spade.runtime import build_runtime
+from spade.runtime.asyncrt import AsyncRuntime, ThresholdSelector, theta_eff
+from spade.runtime.inline import InlineRuntime
+from spade.runtime.protocol import CacheHooks, packs_of
+from tests.runtime.conftest import BUDGET, NEW, T, Selectors, config, greedy, run_with_selector
+
+
+def generate(model, prompt, *overrides, hooks=None, new=NEW):
+    cfg = config(*overrides)
+    pol = build_policy(cfg.policy, model.spec)
+    rt = AsyncRuntime(cfg, model, pol, hooks=hooks)
+    try:
+        return rt.generate(*prompt, max_new_tokens=new, sample_fn=greedy)
+    finally:
+        rt.close()
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("topology,pack,mode", [
+    ("colocated", 1, "indices"),  # the cache rank reads the model's own (static) cache
+    ("colocated", 2, "kv"),       # gathered K/V merged with the local sinks + recent window
+    ("local", 2, "indices"),      # the cache rank keeps its own KV store (copies)
+    ("local", 1, "delta"),        # slot-aligned index deltas
+])
+def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mode):
+    tr = generate(model, prompt, f"runtime.topology={topology}", f"runtime.pack_layers={pack}",
+                  f"runtime.return_mode={mode}")
+    assert tr.tokens == inline_tokens
+    n_packs = len(packs_of(model.spec.n_layers, pack))
+    sparse_steps = sum(1 for s in range(1, NEW) if T + s > BUDGET)
+    assert tr.stats["sparse_steps"] == sparse_steps > 0  # the budget is crossed inside the generated span
+    assert tr.stats["sel_messages"] >= sparse_steps * n_packs
+    assert tr.late_packs == 0
+    assert len(tr.step_times_s) == NEW - 1
+
+
+def test_threshold_inside_the_span_and_reused_runtime(model, prompt):
+    """θ above the budget (dense until the cache holds 19 tokens): the same tokens as
+    inline selection with that threshold; a second generate on the same runtime
+    (same cache rank) gives them again."""
+    theta = 19
+    cfg = config("runtime.topology=colocated", f"runtime.sparse_threshold={theta}", "runtime.pack_layers=2")
+    pol = build_policy(cfg.policy, model.spec)
+    want = run_with_selector(model, pol, Selectors.threshold(theta), *prompt)
+    rt = AsyncRuntime(cfg, model, pol)
+    try:
+        a = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        b = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
+    assert a.tokens == want and b.tokens == want
+    assert a.stats["sparse_steps"] == sum(1 for s in range(1, NEW) if T + s > theta) > 0
+    # and the threshold matters: without it the tokens differ on this model
+    assert run_with_selector(model, pol, Selectors.threshold(0), *prompt) != want
+
+
+@pytest.mark.parametrize("name", ["quest", "oracle"])
+def test_query_aware_policies_run_inline_through_the_runtime(model, prompt, name):
+    over = ["policy.budget=32", "policy.page_size=4"] if name == "quest" else \
+        ["policy.budget=24", "policy.sink_tokens=2", "policy.recent_tokens=4"]
+    from spade.config import load_config
+
+    cfg = load_config(None, overrides=[f"policy.name={name}", *over, "runtime.topology=colocated"])
+    pol = build_policy(cfg.policy, model.spec)
+    assert pol.needs_current_query
+    want = InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    rt = build_runtime(cfg, model, pol)
+    assert isinstance(rt, AsyncRuntime)
+    try:
+        got = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
+    assert got.tokens == want.tokens
+    assert got.stats["sync_policy"] is True and rt._link is None  # no cache rank was started
+
+
+# ----------------------------------------------------------------------------- late packs
+STALL = 10  # the cache rank sends no selection for decode steps >= STALL
+
+
+def test_on_late_stale_uses_the_newest_selection(model, prompt):
+    """A cache rank that stops answering: every later pack reuses the selection of
+    step STALL-1, exactly like an inline run frozen there; all of them count as late."""
+    tr = generate(model, prompt, "runtime.topology=colocated", "runtime.pack_layers=2", "runtime.on_late=stale",
+                  hooks=CacheHooks(stall_from_step=STALL))
+    pol = build_policy(config().policy, model.spec)
+    want = run_with_selector(model, pol, Selectors.frozen_from(T + STALL), *prompt)
+    assert tr.tokens == want
+    late_steps = NEW - STALL  # steps STALL .. NEW-1 run
+    assert tr.late_packs == late_steps * 2 == tr.stats["stale_packs"]
+    assert want != run_with_selector(model, pol, Selectors.threshold(0), *prompt)  # staleness is visible
+
+
+def test_on_late_full_goes_dense(model, prompt):
+    tr = generate(model, prompt, "runtime.topology=local", "runtime.pack_layers=1", "runtime.on_late=full",
+                  hooks=CacheHooks(stall_from_step=STALL))
+    pol = build_policy(config().policy, model.spec)
+    assert tr.tokens == run_with_selector(model, pol, Selectors.dense_from(T + STALL), *prompt)
+    assert tr.late_packs == (NEW - STALL) * model.spec.n_layers == tr.stats["full_packs"]
+
+
+def test_on_late_wait_waits_for_a_slow_cache_rank(model, prompt, inline_tokens):
+    tr = generate(model, prompt, "runtime.topology=colocated", "runtime.pack_layers=2", "runtime.on_late=wait",
+                  hooks=CacheHooks(delay_s=0.03, delay_from_step=9))
+    assert tr.tokens == inline_tokens  # waiting changes nothing but time
+    assert tr.late_packs > 0 and tr.stats["waited_packs"] == tr.late_packs
+    assert tr.stats["wait_s"] > 0
+
+
+def test_wait_times_out_with_a_clear_error(model, prompt):
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="late_timeout_s"):
+        generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=wait", "runtime.late_timeout_s=0.5",
+                 hooks=CacheHooks(stall_from_step=9))
+    assert time.monotonic() - t0 < 60
+
+
+def test_dead_cache_rank(model, prompt, inline_tokens):
+    """wait: a clear PeerGone-type error; full: the generation finishes densely."""
+    with pytest.raises(TransportError):
+        generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=wait", "runtime.late_timeout_s=5",
+                 hooks=CacheHooks(die_at_step=9))
+    tr = generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=full", "runtime.late_timeout_s=5",
+                  hooks=CacheHooks(die_at_step=9))
+    assert "peer_gone" in tr.stats and all(len(r) == NEW for r in tr.tokens)
+    # until the cache rank died the tokens are the inline ones (token 0 + steps 1..8)
+    assert [r[:9] for r in tr.tokens] == [r[:9] for r in inline_tokens]
+    assert tr.tokens != inline_tokens  # and dense decoding afterwards is visible
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_threshold_selector_and_theta():
+    cfg = config()
+    from spade.models.presets import preset_config  # noqa: F401  (spec only)
+    from spade.policies.base import AttentionSpec
+
+    spec = AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8)
+    pol = build_policy(cfg.policy, spec)
+    assert theta_eff(0, pol) == BUDGET and theta_eff(40, pol) == 40 and theta_eff(BUDGET - 3, pol) == BUDGET
+    st = pol.new_state(1, "cpu")
+    sel = ThresholdSelector(pol, st, theta=30)
+    st.seq_len = 30
+    assert sel.selection(0, torch.zeros(1, 2, 8), torch.zeros(1, 1, 40, 8), torch.tensor([30])) is None
+    assert packs_of(5, 2) == [(0, 2), (2, 4), (4, 5)] and packs_of(3, 8) == [(0, 3)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_delta_encoding_round_trip(seed):
+    from spade.runtime.cache_rank import align_selection, delta_apply, delta_encode
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, K, L = 3, 2, 7, 40
+    held = torch.full((B, H, K), -1, dtype=torch.int32)
+    for _ in range(6):
+        new = torch.stack([torch.stack([torch.randperm(L, generator=g)[:K] for _ in range(H)]) for _ in range(B)])
+        new = new.to(torch.int32)
+        new[0, 0, -2:] = -1  # fewer candidates than slots
+        aligned = align_selection(held, new, L)
+        # same set per (b, h); every kept position keeps its slot
+        for b in range(B):
+            for h in range(H):
+                assert sorted(aligned[b, h].tolist()) == sorted(new[b, h].tolist())
+                for k in range(K):
+                    if held[b, h, k] >= 0 and held[b, h, k] in new[b, h].tolist():
+                        assert aligned[b, h, k] == held[b, h, k]
+        slots, vals = delta_encode(held, aligned)
+        got = held.clone()
+        delta_apply(got, slots, vals)
+        assert torch.equal(got, aligned)
+        held = aligned
