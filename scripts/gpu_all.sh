@@ -36,8 +36,8 @@ run() {  # run NAME TIMEOUT CMD...
 }
 for s in "${stages[@]}"; do
   case $s in
-    tests) run tests 420 python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/policies
-           run gputests 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
+    tests) run tests 330 python3 -m pytest -q -x -p no:cacheprovider --timeout 120 tests/kernels tests/policies
+           run gputests 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
     kernels) run bench_scoring 200 python3 -m benchmarks.bench_scoring --quick --out "$OUT/bench_scoring.json"
              run bench_attention 200 python3 -m benchmarks.bench_attention --quick --out "$OUT/bench_attention.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
