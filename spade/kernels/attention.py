@@ -23,7 +23,11 @@ The Triton kernel is flash-decoding with split-K:
   per group, not once per query head;
 * K/V rows are loaded through the index list (a gather inside the kernel: no
   materialised copy of the selected K/V), sinks and the recent window are plain
-  position ranges of the same virtual sequence;
+  position ranges of the same virtual sequence. A split first loads its whole
+  chunk of indices as one [blocks, BLOCK_N] tile; each block's K/V addresses are
+  then a function of the loop counter alone, so the software pipeliner keeps
+  several blocks of K/V rows in flight exactly as on the dense path (an index
+  load inside the loop would serialise index -> K/V latency on every block);
 * each split keeps an online softmax (base-2 exponentials, the scale folded with
   ``log2(e)``) and writes its normalised output and log-sum-exp; a second small
   kernel merges the splits with the log-sum-exp trick (skipped when one split
@@ -62,6 +66,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 64
+_MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per thread at 64 x 32)
 
 
 def _interpret() -> bool:
@@ -155,26 +160,44 @@ def merge_attention_states_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: 
 
 # ----------------------------------------------------------------------------- Triton kernels
 @triton.jit
-def _attend_block(q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
-                  stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
-                  offs_d, d_mask, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr,
-                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One block of BLOCK_N virtual positions ``[j0, j0 + BLOCK_N)``: map them to cache
-    positions, load K/V rows in place, fold them into the online softmax state."""
-    offs = j0 + tl.arange(0, BLOCK_N)  # virtual positions [BLOCK_N]
+def _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
+                     MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache positions of this split's whole chunk of the virtual sequence, as a
+    [MAX_BLOCKS, BLOCK_N] int32 tile (row i = block i), ``-1`` where nothing is
+    attended. Loading every index up front keeps index loads out of the main loop:
+    each block's K/V addresses are then a pure function of the loop counter, so
+    the software pipeliner can keep several blocks of K/V rows in flight."""
+    offs = start + tl.arange(0, MAX_BLOCKS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     in_range = offs < end
+    is_sink = offs < n_sink_b
+    mid_j = offs - n_sink_b
+    is_mid = (mid_j >= 0) & (mid_j < K_MID) & in_range
+    idx = tl.load(i_base + mid_j.to(tl.int64) * stride_ik, mask=is_mid, other=-1).to(tl.int32)
+    pos = tl.where(is_sink, s + offs, tl.where(is_mid, idx, recent_start + (mid_j - K_MID)))
+    mid_ok = (idx >= sink_end) & (idx < recent_start)
+    valid = in_range & (~is_mid | mid_ok)
+    return tl.where(valid, pos, -1)
+
+
+@triton.jit
+def _block_rows(pos2d, blk, start, j0, end, s, MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_INDICES: tl.constexpr):
+    """(positions int64 [BLOCK_N], valid [BLOCK_N]) of block ``blk`` (virtual start ``j0``)."""
     if HAS_INDICES:
-        is_sink = offs < n_sink_b
-        mid_j = offs - n_sink_b
-        is_mid = (mid_j >= 0) & (mid_j < K_MID) & in_range
-        idx = tl.load(i_base + mid_j.to(tl.int64) * stride_ik, mask=is_mid, other=-1).to(tl.int32)
-        pos = tl.where(is_sink, s + offs, tl.where(is_mid, idx, recent_start + (mid_j - K_MID)))
-        mid_ok = (idx >= sink_end) & (idx < recent_start)
-        valid = in_range & (~is_mid | mid_ok)
+        rows = tl.arange(0, MAX_BLOCKS)[:, None]
+        pos = tl.sum(tl.where(rows == blk, pos2d, 0), 0)  # row blk of the tile
+        valid = pos >= 0
     else:
+        offs = j0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
         pos = s + offs
-        valid = in_range
-    pos64 = pos.to(tl.int64)
+    return pos.to(tl.int64), valid
+
+
+@triton.jit
+def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
+                 m_i, l_i, acc, offs_d, d_mask, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Load the K/V rows at ``pos64`` in place and fold them into the online softmax state."""
     kv_mask = valid[:, None] & d_mask[None, :]
     kt = tl.load(k_base + pos64[:, None] * stride_kl + offs_d[None, :] * stride_kd,
                  mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
@@ -206,7 +229,7 @@ def _decode_split_kernel(
     stride_ib, stride_ih, stride_ik,
     Hkv, Hq, K_MID, N_SINK, N_RECENT, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
     HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -236,6 +259,10 @@ def _decode_split_kernel(
         T = tl.maximum(kv_len - s, 0)
     # Balanced contiguous chunk of the virtual sequence, whole blocks each.
     chunk = tl.cdiv(tl.cdiv(T, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if HAS_INDICES:
+        # the launcher sizes MAX_BLOCKS to hold a chunk; the clamp only guards memory
+        # against kv_lens beyond the cache capacity (a caller error)
+        chunk = tl.minimum(chunk, MAX_BLOCKS * BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, T)
 
@@ -257,22 +284,27 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
 
+    if HAS_INDICES:
+        pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
+                                 MAX_BLOCKS, BLOCK_N)
+    else:
+        pos2d = 0
     if INTERPRET:
         # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
         # kernel keeps the for loop, which the software pipeliner can stage.
         j0 = start
         while j0 < end:
-            m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
-                stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
-                offs_d, d_mask, BLOCK_N, HAS_INDICES, UPCAST, DOT_PREC)
+            pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, start, j0, end, s, MAX_BLOCKS, BLOCK_N,
+                                     HAS_INDICES)
+            m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                         stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
             j0 += BLOCK_N
     else:
         for j0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, i_base, j0, end, n_sink_b, s, sink_end, recent_start, K_MID,
-                stride_kl, stride_kd, stride_vl, stride_vd, stride_ik, qk_scale, m_i, l_i, acc,
-                offs_d, d_mask, BLOCK_N, HAS_INDICES, UPCAST, DOT_PREC)
+            pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, start, j0, end, s, MAX_BLOCKS, BLOCK_N,
+                                     HAS_INDICES)
+            m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                         stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -345,18 +377,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Programs of the decode kernel resident per SM on sm_90 (d=128, bf16, BLOCK_N=64,
-# 4 warps, 3 stages), from the compiled kernels' resources: the dense path keeps
-# two K+V stages in shared memory (70 KiB: 3 programs in 227 KiB); the indexed path
-# keeps one (38 KiB) but needs 167 registers per thread (3 programs in 64K regs).
+# 4 warps, 3 stages), from the compiled kernel's resources: both paths keep two
+# K+V stages in shared memory (70 KiB: 3 programs in 227 KiB) at <= 124 registers
+# per thread (4 programs in 64K registers).
 _PROGRAMS_PER_SM = 3
 
 
 def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). BLOCK_N rows of K and V are 32 KiB at
-    d=128 bf16. Three stages: the indexed path loads the index block two
-    iterations ahead and the K/V rows it names one ahead (so no iteration waits on
-    an index load); the dense path double-buffers K/V. With three programs per SM
-    that keeps ~100 KiB per SM in flight, more than HBM latency x bandwidth/SM."""
+    d=128 bf16; three stages double-buffer them (the indexed path's addresses come
+    from its preloaded index tile, so it pipelines like the dense one). Three
+    programs per SM then keep ~100-200 KiB per SM in flight, more than HBM
+    latency x bandwidth per SM."""
     if _interpret():
         return 16, 4, 1
     block_n = max(16, min(128, (64 * 128 * 2) // (D_PAD * elem_size)))
@@ -384,7 +416,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
-    heuristics (tests, tuning; ``benchmarks.bench_attention`` sweeps them). No host
+    heuristics (tests, tuning; ``benchmarks.bench_attention`` sweeps them); on the
+    indexed path ``num_splits`` is raised where a split's chunk of indices would
+    exceed ``_MAX_CHUNK_BLOCKS`` blocks (the preloaded index tile). No host
     synchronisation: safe to capture in a CUDA graph (after a first warm-up call
     has compiled the kernels).
     """
@@ -414,7 +448,12 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         idx_t = kv_lens  # never read
         si = (0, 0, 0)
     splits = num_splits if num_splits is not None else choose_num_splits(B * Hkv, t_max, bn, q.device)
+    max_blocks = 1
+    if has_idx:  # a split's index chunk is preloaded whole: at most _MAX_CHUNK_BLOCKS blocks
+        splits = max(splits, triton.cdiv(triton.cdiv(t_max, bn), _MAX_CHUNK_BLOCKS))
     splits = int(max(1, min(splits, _MAX_SPLITS)))
+    if has_idx:
+        max_blocks = triton.next_power_of_2(max(1, triton.cdiv(triton.cdiv(t_max, splits), bn)))
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
@@ -434,7 +473,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             o_part, lse_part, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *si,
             Hkv, Hq, k_mid, n_sink, n_recent, scale * _LOG2E,
-            G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, NUM_SPLITS=splits, DIRECT=splits == 1,
+            G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, MAX_BLOCKS=max_blocks, NUM_SPLITS=splits,
+            DIRECT=splits == 1,
             HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp,
             num_warps=num_warps, num_stages=num_stages,
