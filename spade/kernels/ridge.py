@@ -210,10 +210,11 @@ def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "ass
     out = torch.empty(N, D, dtype=torch.float32, device=window.device)
     if N == 0:
         return out
-    # The [M, D] and [M, M] tiles live in registers: ~1024 elements of the X tile
-    # per warp keeps sm_90 builds free of spills (M=16, D=128: 2 warps, 68 regs;
-    # M=64, D=128: 8 warps, 128 regs).
-    num_warps = max(1, min(16, (M * D_PAD) // 1024))
+    # The solve is a chain of small reductions over [M, M] tiles: one warp keeps
+    # them in shuffles (no shared-memory round trips) where the tiles fit its
+    # registers (M=16, D=128: 86 regs, no spills on sm_90); bigger tiles get a warp
+    # per ~1024 elements of X (M=64, D=128: 8 warps, 128 regs).
+    num_warps = max(1, min(16, (M * D_PAD) // (2048 if M <= 16 else 1024)))
     _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
                         D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps)
     return out

@@ -435,7 +435,7 @@ out["gather"] = build(Gm._gather_kv_kernel, dict(K=("ptr", "bf16"), V=("ptr", "b
 for M, mode in [(16, 3), (64, 1)]:
     out[f"ridge_{M}_{mode}"] = build(Rg._ridge_kernel, dict(W=("ptr", "bf16"), OUT=("ptr", "fp32"),
                                      stride_n=17 * D, stride_r=D, stride_d=1, R=17, m=M - 1, eps=("fp32", 0.01)),
-                                     dict(D=D, D_PAD=D, M=M, MODE=mode), max(1, min(16, M * D // 1024)))
+                                     dict(D=D, D_PAD=D, M=M, MODE=mode), max(1, min(16, M * D // (2048 if M <= 16 else 1024))))
 print(json.dumps(out))
 '''
 
