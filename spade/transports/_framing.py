@@ -193,12 +193,17 @@ class Backoff:
         self._last = time.perf_counter()
         self._sleep = self.min_sleep_s
 
-    def next_delay(self, busy: bool) -> float:
-        """0 while spinning; else a sleep, shorter while ``busy`` (someone waits)."""
-        if busy and time.perf_counter() - self._last < self.spin_s:
+    def next_delay(self, busy: bool, hot: bool = False) -> float:
+        """0 to spin, else how long to sleep. ``hot``: a transfer of ours is in
+        flight (spin until it is done); ``busy``: a caller waits (spin ``spin_s``
+        after the last progress, then poll every ``min_sleep_s``); neither: idle
+        (sleep, doubling up to ``max_sleep_s``)."""
+        if hot:
             return 0.0
+        if busy:
+            return 0.0 if time.perf_counter() - self._last < self.spin_s else self.min_sleep_s
         d = self._sleep
-        self._sleep = min(self._sleep * 2, self.max_sleep_s if not busy else self.min_sleep_s * 2)
+        self._sleep = min(self._sleep * 2, self.max_sleep_s)
         return d
 
 

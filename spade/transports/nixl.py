@@ -228,7 +228,11 @@ class NixlTransport(Transport):
         api = self._api
         backend = str(getattr(self.cfg, "backend", "UCX"))
         name = f"spade-r{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[backend])
+        # NOTE: NIXL's own progress thread delivered notifications ~80 ms late in
+        # our loopback tests; the poller task progresses the agent instead (every
+        # notification/state query does). Opt back in with progress_thread: true.
+        prog = bool(getattr(self.cfg, "progress_thread", False)) or os.environ.get("SPADE_NIXL_PROGRESS_THREAD") == "1"
+        conf = api.nixl_agent_config(enable_prog_thread=prog, enable_listen_thread=False, backends=[backend])
         try:
             self._agent = api.nixl_agent(name, conf)
         except Exception as e:
@@ -435,8 +439,11 @@ class NixlTransport(Transport):
             self._kick.set_result(None)
 
     def _busy(self) -> bool:
-        return bool(self._waiters) or any(tx.staged or tx.inflight for tx in self._tx.values()) or \
+        return bool(self._waiters) or any(tx.staged for tx in self._tx.values()) or \
             any(rx.credits for rx in self._rx.values())
+
+    def _hot(self) -> bool:
+        return any(tx.inflight for tx in self._tx.values())
 
     async def _poll_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -450,7 +457,7 @@ class NixlTransport(Transport):
             if progressed:
                 bo.progressed()
                 self._wake()
-            delay = bo.next_delay(self._busy())
+            delay = bo.next_delay(self._busy(), self._hot())
             if delay == 0.0:
                 await asyncio.sleep(0)
                 continue

@@ -113,7 +113,7 @@ def _ctx_acquire(loop: asyncio.AbstractEventLoop):
         try:
             # Python-future completion: requests complete through a notifier thread
             # instead of a busy poll of the event loop (an idle recv costs no CPU).
-            ucxx.init(progress_mode="thread", enable_python_future=True)
+            ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "thread"), enable_python_future=True)
             _Ctx.owned = True
         except RuntimeError:
             # Someone else initialised ucxx in this process: use it as it is.
@@ -133,11 +133,24 @@ def _ctx_release() -> None:
     _Ctx.owned = False
     ucxx = _import_ucxx()
     _drop_progress_task(loop)
+    _wake_notifier()
     gc.collect()
     try:
         ucxx.reset()  # stops the progress and notifier threads
     except Exception as e:  # noqa: BLE001 - a leak is reported, not fatal
         log.warning("ucx: could not reset ucxx (its threads stay): %s", e)
+
+
+def _wake_notifier() -> None:
+    """Make ucxx's notifier thread see its shutdown now: it otherwise checks only
+    every second, and ``ucxx.reset()`` waits for it (1 s per close)."""
+    try:
+        ctx = _import_ucxx().core._ctx
+        if ctx is not None and ctx.notifier_thread is not None:
+            ctx.notifier_thread_q.put("shutdown")
+            ctx.worker.stop_request_notifier_thread()
+    except Exception as e:  # noqa: BLE001 - reset() still stops it, only slower
+        log.debug("ucx: could not wake the notifier thread: %s", e)
 
 
 def _drop_progress_task(loop: asyncio.AbstractEventLoop | None) -> None:

@@ -52,19 +52,21 @@ def make_config(name: str, port: int, timeout_s: float):
 
 
 def pattern(shape, dtype, seed: int, device="cpu"):
-    """Deterministic, cheap, dtype-exact content (the receiver regenerates it to compare)."""
+    """Deterministic, cheap content that differs at every position (the receiver
+    regenerates it to compare): an odd-multiplier hash of the index, in int32."""
     import torch
 
     n = 1
     for s in shape:
         n *= s
-    x = torch.arange(n, dtype=torch.int64).mul_(2654435761).add_(seed * 40503).remainder_(1 << 20)
+    x = torch.arange(n, dtype=torch.int32).mul_(-1640531535).add_(seed * 40503 + 1)
+    x.bitwise_xor_(x >> 13)
     if dtype == torch.bool:
-        x = x.remainder(2).bool()
+        x = x.bitwise_and_(1).bool()
     elif dtype.is_floating_point:
-        x = (x.remainder(4093) - 2046).to(dtype)  # small integers: exact in every float dtype
+        x = x.bitwise_and_(4095).sub_(2048).to(dtype)  # the same rounding on both sides
     else:
-        x = x.remainder(1 << (8 * dtype.itemsize - 2)).to(dtype)
+        x = x.bitwise_and_((1 << (8 * dtype.itemsize - 2)) - 1).to(dtype)
     return x.reshape(shape).to(device)
 
 

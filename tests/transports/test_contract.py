@@ -46,21 +46,28 @@ class Pair:
         self.rank_sets = [(0, 1)] if name in IN_PROCESS else [(0,), (1,)]
         self.workers: list = [None] * len(self.rank_sets)
         self.ok, self.why = True, "ok"
-        for i in range(len(self.rank_sets)):
-            self._spawn(i)
+        started = [self._start(i) for i in range(len(self.rank_sets))]  # in parallel
+        for i, (proc, conn) in enumerate(started):
+            self._ready(i, proc, conn)
 
-    def _spawn(self, i: int) -> None:
+    def _start(self, i: int):
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_peer.worker_main, args=(child, self.name, self.rank_sets[i]),
                                 daemon=True, name=f"contract-{self.name}-{i}")
         proc.start()
         child.close()
+        return proc, parent
+
+    def _ready(self, i: int, proc, parent) -> None:
         if not parent.poll(SPAWN_LIMIT_S):
             proc.kill()
             raise RuntimeError(f"{self.name}: helper process did not start in {SPAWN_LIMIT_S:.0f} s")
         _, ok, why = parent.recv()
         self.ok, self.why = self.ok and ok, why if not ok else self.why
         self.workers[i] = (proc, parent)
+
+    def _spawn(self, i: int) -> None:
+        self._ready(i, *self._start(i))
 
     def _kill(self, i: int) -> None:
         proc, conn = self.workers[i]
@@ -115,8 +122,10 @@ class Pair:
                 conn.send(None)
             except OSError:
                 pass
-            proc.join(10)
-            self._kill(i)
+        for i, w in enumerate(self.workers):
+            if w is not None:
+                w[0].join(3)
+                self._kill(i)
 
 
 @pytest.fixture(scope="module", params=TRANSPORT_NAMES)
