@@ -433,7 +433,9 @@ class AsyncRuntime(Runtime):
         self.theta = theta_eff(rt.sparse_threshold, policy) if not self.sync_policy else int(rt.sparse_threshold)
         self._link = link
         self._owns_link = link is None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # a shared link lives on the loop that opened it
+        self._loop: asyncio.AbstractEventLoop | None = link.loop if link is not None else None
+        self._owns_loop = link is None
         dev = backend.device
         if rt.inference_device not in ("auto", "") and torch.device(rt.inference_device) != torch.device(dev):
             raise ConfigError(f"runtime.inference_device={rt.inference_device!r} but the model is on {dev}; "
@@ -520,7 +522,7 @@ class AsyncRuntime(Runtime):
                     self._link.kill()
             else:
                 self._link.kill()
-        if self._loop is not None and not self._loop.is_closed():
+        if self._loop is not None and self._owns_loop and not self._loop.is_closed():
             self._loop.close()
         self._loop = None
 
@@ -605,7 +607,7 @@ class InferenceSession:
         return logits
 
     async def _boot(self, max_new_tokens: int) -> None:
-        be, s, t = self.be, self.sel, self.link.transport
+        be, s = self.be, self.sel
         T = be.seq_len
         q0, k0, _ = s.boot[0]
         B, Hq, _, D = q0.shape
@@ -684,7 +686,6 @@ class InferenceSession:
     async def _receiver(self) -> None:
         """Apply every arriving selection at once (device copies on the inference
         stream, ordered after the packs already launched), newest wins."""
-        s = self.sel
         t = self.link.transport
         try:
             while True:

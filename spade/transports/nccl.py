@@ -11,7 +11,7 @@ One ``NcclTransport`` is one end of a rank-0 / rank-1 link. Three channels:
   survives ``destroy_process_group`` and aborts the interpreter at exit
   (measured with torch 2.13). A socket gives asyncio-native waits with timeouts,
   and a dead peer shows up at once as end-of-stream (``PeerGone``).
-* **cpu** (gloo process group): CPU tensors of a message, ``isend``/``irecv``
+* **cpu** (gloo process group): CPU tensors of a message, ``send``/``recv``
   under gloo tags. The sender posts them before it writes the header, so the
   receiver's wait (in a worker thread, never on the event loop) is bounded.
 * **data** (NCCL, only when both ranks are on CUDA): CUDA tensors, on one NCCL
@@ -34,6 +34,12 @@ asyncio task reading the socket) posts payload receives as soon as a header
 arrives — into the buffers of a ``recv`` already waiting for that tag, else
 into fresh ones — so a sender never waits on the receiver's application logic.
 
+Process groups are standalone (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on a
+``PrefixStore`` of this link's ``TCPStore`` at ``master_addr:master_port``, keys
+named by a per-link nonce), never the global default group: several links can
+live in one process, and a link never touches a group the application owns
+(under torchrun with an initialised default group, its store is reused).
+
 ``import spade`` never imports ``torch.distributed``; this module imports it
 lazily inside the methods that need it.
 """
@@ -44,7 +50,6 @@ import asyncio
 import collections
 import gc
 import socket
-import struct
 import time
 import zlib
 import queue
@@ -175,7 +180,8 @@ class NcclTransport(Transport):
         self.timeout_s = float(cfg.timeout_s)
         self.max_inflight = max_inflight
         self.backend_used: str | None = None  # "nccl" | "gloo" once connected
-        self._owns_world = False
+        self._store = None
+        self._nonce = ""
         self._cpu_group = None
         self._send_group = None
         self._recv_group = None
@@ -237,23 +243,13 @@ class NcclTransport(Transport):
         try:
             await asyncio.wait_for(self._open_socket(), self.timeout_s)
             peer, use_nccl = await asyncio.wait_for(self._handshake(handshake, dist), self.timeout_s)
-            if not dist.is_initialized():
-                await self._in_thread(lambda: dist.init_process_group(
-                    backend="gloo", init_method=self.init_method, rank=self.rank, world_size=self.world,
-                    timeout=to))
-                self._owns_world = True
-            elif dist.get_world_size() != 2:
-                raise TransportError(f"nccl transport: the existing process group has world size "
-                                     f"{dist.get_world_size()}; a spade link needs exactly 2 ranks")
-            if self._owns_world or dist.get_backend() == "gloo":
-                self._cpu_group = dist.group.WORLD
-            else:
-                self._cpu_group = await self._in_thread(
-                    lambda: dist.new_group(ranks=[0, 1], backend="gloo", timeout=to))
-                self._groups.append(self._cpu_group)
+            self._store = await self._in_thread(self._make_store, dist, to)
+            self._cpu_group = await self._in_thread(
+                lambda: dist.ProcessGroupGloo(dist.PrefixStore(f"spade/{self._nonce}/cpu", self._store),
+                                              self.rank, 2, to))
             if use_nccl:
-                up = await self._in_thread(lambda: dist.new_group(ranks=[0, 1], backend="nccl", timeout=to))
-                down = await self._in_thread(lambda: dist.new_group(ranks=[0, 1], backend="nccl", timeout=to))
+                up = await self._in_thread(self._make_nccl, dist, "up", to)
+                down = await self._in_thread(self._make_nccl, dist, "down", to)
                 self._groups += [up, down]
                 self._send_group, self._recv_group = (up, down) if self.rank == 0 else (down, up)
                 await self._warm_up(dist)
@@ -288,6 +284,26 @@ class NcclTransport(Transport):
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
         return ("127.0.0.1" if host == "localhost" else host), int(port) + 1
 
+    def _make_store(self, dist, to):
+        """This link's store: a fresh ``TCPStore`` at ``master_addr:master_port`` (rank 0
+        hosts it), or, under an initialised default group (torchrun), that group's
+        store; keys are namespaced by a per-link nonce from rank 0 either way, and the
+        process groups are standalone, so several links can live in one process."""
+        import os
+
+        if self.init_method.startswith("tcp://"):
+            host, port = self.init_method.removeprefix("tcp://").rsplit(":", 1)
+        else:
+            if dist.is_initialized():
+                return dist.distributed_c10d._get_default_store()
+            host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+        return dist.TCPStore(host, int(port), 2, self.rank == 0, to)
+
+    def _make_nccl(self, dist, name: str, to):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = to
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"spade/{self._nonce}/{name}", self._store), self.rank, 2, opts)
+
     async def _open_socket(self) -> None:
         host, port = self._ctrl_addr()
         if self.rank == 0:
@@ -321,8 +337,10 @@ class NcclTransport(Transport):
         import json
 
         want = self.cfg.backend
+        import uuid
+
         mine = {"cuda": self.device.type == "cuda", "nccl": bool(dist.is_nccl_available()), "want": want,
-                "handshake": handshake.to_json()}
+                "handshake": handshake.to_json(), "nonce": uuid.uuid4().hex[:16]}
         body = json.dumps(mine).encode()
         hdr = torch.zeros(_HDR, dtype=torch.int64)
         hdr[0], hdr[1], hdr[5] = _MAGIC, _KIND_HANDSHAKE, len(body)
@@ -335,6 +353,7 @@ class NcclTransport(Transport):
         theirs = json.loads((await self._read_exact(h[5])).decode())
         peer = Handshake.from_json(theirs["handshake"])
         handshake.check_peer(peer)  # version, roles, layout
+        self._nonce = (mine if self.rank == 0 else theirs)["nonce"]  # names this link's keys in the store
         wants = {want, theirs["want"]}
         both = mine["cuda"] and theirs["cuda"] and mine["nccl"] and theirs["nccl"]
         if "nccl" in wants and "gloo" in wants:
@@ -349,8 +368,8 @@ class NcclTransport(Transport):
         """Create both NCCL communicators now (their first use is collective and slow)."""
         a = torch.ones(1, device=self.device)
         b = torch.empty(1, device=self.device)
-        ws = dist.isend(a, dst=self.peer_rank, group=self._send_group)
-        wr = dist.irecv(b, src=self.peer_rank, group=self._recv_group)
+        ws = self._send_group.send([a], self.peer_rank, 0)
+        wr = self._recv_group.recv([b], self.peer_rank, 0)
         deadline = time.monotonic() + self.timeout_s
         while not (ws.is_completed() and wr.is_completed()):
             if time.monotonic() > deadline:
@@ -370,7 +389,6 @@ class NcclTransport(Transport):
         await self._teardown()
 
     async def _teardown(self) -> None:
-        dist = self._dist()
         if self._writer is not None:
             try:
                 self._writer.close()
@@ -389,18 +407,24 @@ class NcclTransport(Transport):
         for w in (self._recv_worker, self._send_worker):
             if w is not None:
                 w.stop()
+        for futs, _, _ in self._inflight:  # failed sends to a dead peer: already reported, do not log
+            for f in futs:
+                if f.done() and not f.cancelled():
+                    f.exception()
         self._inflight.clear()
         self._queues.clear()
         groups, self._groups = self._groups, []
         self._cpu_group = self._send_group = self._recv_group = None
-        try:
-            if self._owns_world and dist.is_initialized():
-                dist.destroy_process_group()
-            else:
-                for g in groups:
-                    dist.destroy_process_group(g)
-        except Exception as e:  # pragma: no cover - best effort at teardown
-            log.debug("destroy_process_group: %s", e)
+        for g in groups:  # standalone groups: NCCL ones are shut down, gloo ones go with their references
+            for name in ("shutdown", "_shutdown", "abort"):
+                fn = getattr(g, name, None)
+                if fn is not None:
+                    try:
+                        fn()
+                    except Exception as e:  # pragma: no cover - best effort at teardown
+                        log.debug("process group %s: %s", name, e)
+                    break
+        self._store = None
         del groups
         gc.collect()
 
@@ -436,46 +460,59 @@ class NcclTransport(Transport):
                 return
             self._inflight.popleft()
             for f in futs:
-                f.result()  # surface errors of finished gloo sends
+                if f.exception() is not None:  # surface errors of finished gloo sends
+                    raise PeerGone(f"nccl transport: a send to rank {self.peer_rank} failed: {f.exception()}")
 
     async def _drain_inflight(self) -> None:
         while self._inflight:
             futs, works, _ = self._inflight[0]
             for f in futs:
-                await f
+                try:
+                    await f
+                except Exception as e:
+                    raise PeerGone(f"nccl transport: a send to rank {self.peer_rank} failed: {e}") from None
             while not all(w.is_completed() for w in works):
                 await asyncio.sleep(0.001)
             self._prune()
+
+    def _post_sends(self, tag: str, tensors: list[torch.Tensor], hdr: torch.Tensor):
+        """Stage and post the payload sends of one message; fill its header."""
+        gloo_works, nccl_works, keep = [], [], []
+        for i, t in enumerate(tensors):
+            if t.dim() > _MAX_DIMS:
+                raise TransportError(f"nccl transport: tensors of at most {_MAX_DIMS} dims; {tag!r}[{i}] "
+                                     f"has {t.dim()}")
+            if t.dtype not in _DTYPE_CODE:
+                raise TransportError(f"nccl transport: dtype {t.dtype} is not supported ({tag!r}[{i}])")
+            wire = _WIRE_NCCL if (t.is_cuda and self._send_group is not None) else _WIRE_CPU
+            if wire == _WIRE_NCCL:
+                s = t.detach().contiguous().clone()  # on the current stream: the caller may reuse t
+                nccl_works.append(self._send_group.send([s], self.peer_rank, 0))
+            else:
+                s = t.detach().to("cpu", copy=True).contiguous()
+                gloo_works.append(self._cpu_group.send([s], self.peer_rank, _GLOO_TAG))
+            keep.append(s)
+            o = _FIXED + i * _PER_TENSOR
+            hdr[o], hdr[o + 1], hdr[o + 2], hdr[o + 3] = wire, _DTYPE_CODE[t.dtype], t.dim(), int(t.is_cuda)
+            for j, d in enumerate(t.shape):
+                hdr[o + 4 + j] = d
+        return gloo_works, nccl_works, keep
 
     async def send(self, tag: str, tensors: Sequence[torch.Tensor]) -> None:
         self._check_usable()
         tensors = list(tensors)
         if len(tensors) > _MAX_TENSORS:
             raise TransportError(f"nccl transport: at most {_MAX_TENSORS} tensors per message; got {len(tensors)}")
-        dist = self._dist()
         async with self._send_lock:
             self._check_usable()
             hdr = torch.zeros(_HDR, dtype=torch.int64)
             hdr[0], hdr[1], hdr[2], hdr[3], hdr[4] = _MAGIC, _KIND_DATA, _tag_id(tag), self._seq_out, len(tensors)
-            gloo_works, nccl_works, keep = [], [], []
-            for i, t in enumerate(tensors):
-                if t.dim() > _MAX_DIMS:
-                    raise TransportError(f"nccl transport: tensors of at most {_MAX_DIMS} dims; {tag!r}[{i}] "
-                                         f"has {t.dim()}")
-                if t.dtype not in _DTYPE_CODE:
-                    raise TransportError(f"nccl transport: dtype {t.dtype} is not supported ({tag!r}[{i}])")
-                wire = _WIRE_NCCL if (t.is_cuda and self._send_group is not None) else _WIRE_CPU
-                if wire == _WIRE_NCCL:
-                    s = t.detach().contiguous().clone()  # on the current stream: the caller may reuse t
-                    nccl_works.append(dist.isend(s, dst=self.peer_rank, group=self._send_group))
-                else:
-                    s = t.detach().to("cpu", copy=True).contiguous()
-                    gloo_works.append(dist.isend(s, dst=self.peer_rank, group=self._cpu_group, tag=_GLOO_TAG))
-                keep.append(s)
-                o = _FIXED + i * _PER_TENSOR
-                hdr[o], hdr[o + 1], hdr[o + 2], hdr[o + 3] = wire, _DTYPE_CODE[t.dtype], t.dim(), int(t.is_cuda)
-                for j, d in enumerate(t.shape):
-                    hdr[o + 4 + j] = d
+            try:
+                gloo_works, nccl_works, keep = self._post_sends(tag, tensors, hdr)
+            except TransportError:
+                raise
+            except Exception as e:  # the backend refuses to send: the peer is gone
+                raise PeerGone(f"nccl transport: cannot send {tag!r} to rank {self.peer_rank}: {e}") from None
             self._writer.write(hdr.numpy().tobytes())
             try:
                 await asyncio.wait_for(self._writer.drain(), self.timeout_s)
@@ -488,7 +525,10 @@ class NcclTransport(Transport):
             self._inflight.append((futs, nccl_works, keep))
             self._prune()
             if len(self._inflight) > self.max_inflight:
-                await asyncio.wait_for(self._drain_inflight(), self.timeout_s)
+                try:
+                    await asyncio.wait_for(self._drain_inflight(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise PeerTimeout(f"nccl transport: rank {self.peer_rank} stopped receiving") from None
 
     # ------------------------------------------------------------------ receive
     async def _pump(self) -> None:
@@ -517,7 +557,6 @@ class NcclTransport(Transport):
             self._fail_all(self._gone)
 
     async def _land_payload(self, tag_id: int, h: list[int], n: int) -> None:
-        dist = self._dist()
         q = self._queues[tag_id]
         waiter = None
         if not q.inbox:
@@ -544,9 +583,9 @@ class NcclTransport(Transport):
             else:
                 buf = torch.empty(shape, dtype=dt)
             if wire == _WIRE_NCCL:
-                nccl_works.append(dist.irecv(buf, src=self.peer_rank, group=self._recv_group))
+                nccl_works.append(self._recv_group.recv([buf], self.peer_rank, 0))
             else:
-                gloo_works.append(dist.irecv(buf, src=self.peer_rank, group=self._cpu_group, tag=_GLOO_TAG))
+                gloo_works.append(self._cpu_group.recv([buf], self.peer_rank, _GLOO_TAG))
             tensors.append(buf)
         for w in gloo_works:  # bounded: the sender posted these before writing the header
             await self._in_thread(w.wait)

@@ -144,7 +144,6 @@ def test_dead_cache_rank(model, prompt, inline_tokens):
 # ----------------------------------------------------------------------------- pieces
 def test_threshold_selector_and_theta():
     cfg = config()
-    from spade.models.presets import preset_config  # noqa: F401  (spec only)
     from spade.policies.base import AttentionSpec
 
     spec = AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8)

@@ -1,0 +1,74 @@
+"""AsyncRuntime with the cache rank in its own process (``python -m
+spade.runtime.worker``) over the nccl transport (gloo on CPU).
+
+Spawning a process that imports torch is slow on a small box, so one cache
+process serves several runtimes here (``link=``): each generation's BOOT carries
+its own pack size, return mode and threshold.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spade.errors import TransportError
+from spade.policies import build_policy
+from spade.runtime.asyncrt import AsyncRuntime
+from tests.runtime.conftest import BUDGET, NEW, T, config, free_port, greedy
+
+
+@pytest.fixture(scope="module")
+def mp_runtime(model):
+    cfg = config("runtime.topology=multiprocess", "runtime.transport.name=nccl",
+                 f"runtime.transport.master_port={free_port()}", "runtime.transport.timeout_s=60",
+                 "runtime.pack_layers=2", "runtime.return_mode=indices")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    yield rt
+    rt.close()
+
+
+def test_multiprocess_matches_inline(mp_runtime, prompt, inline_tokens):
+    tr = mp_runtime.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    assert tr.tokens == inline_tokens
+    assert tr.stats["sparse_steps"] == sum(1 for s in range(1, NEW) if T + s > BUDGET)
+    link = mp_runtime._link
+    assert link.proc is not None and link.proc.poll() is None  # a real process, still serving
+    assert link.transport.backend_used == "gloo"
+
+
+def test_multiprocess_kv_pack1_on_the_same_process(mp_runtime, model, prompt, inline_tokens):
+    link = mp_runtime.run(mp_runtime.link())
+    cfg = config("runtime.topology=multiprocess", "runtime.transport.name=nccl", "runtime.pack_layers=1",
+                 "runtime.return_mode=kv")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec), link=link)
+    tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    rt.close()  # does not close a link (or loop) it does not own
+    assert tr.tokens == inline_tokens
+    assert tr.stats["return_mode"] == "kv" and tr.stats["pack_layers"] == 1
+    assert link.proc.poll() is None and not link.closed
+
+
+def test_dead_cache_process_is_a_clear_error_not_a_hang(model, prompt, inline_tokens):
+    """The cache process is killed mid-generation: PeerGone/TransportError within
+    seconds (on_late=wait), and the runtime is usable afterwards (a new process)."""
+    cfg = config("runtime.topology=multiprocess", "runtime.transport.name=nccl",
+                 f"runtime.transport.master_port={free_port()}", "runtime.transport.timeout_s=30",
+                 "runtime.on_late=wait", "runtime.late_timeout_s=20", "runtime.pack_layers=3")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        def kill_at_step_5(i, _):
+            if i == 5:
+                rt._link.proc.kill()
+            return False
+
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="cache|peer|gone|exited"):
+            rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy, on_token=kill_at_step_5)
+        assert time.monotonic() - t0 < 30
+        dead = rt._link
+        tr = rt.generate(*prompt, max_new_tokens=4, sample_fn=greedy)  # a fresh cache process
+        assert rt._link is not dead and rt._link.proc.poll() is None
+        assert [r[:4] for r in tr.tokens] == [r[:4] for r in inline_tokens]
+    finally:
+        rt.close()
