@@ -158,5 +158,5 @@ def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2):
     """
     from spade.kernels import ridge
 
-    fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_ref
+    fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_torch
     return fn(window, n_valid, mode=mode, eps=eps)

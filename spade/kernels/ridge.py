@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ridge_predict_ref", "ridge_predict_triton", "MODES"]
+__all__ = ["ridge_predict_ref", "ridge_predict_torch", "ridge_predict_triton", "MODES"]
 
 MODES = ("last", "ridge", "softmax_ridge", "assembled")
 _MODE_ID = {"ridge": 1, "softmax_ridge": 2, "assembled": 3}
@@ -116,6 +116,40 @@ def ridge_predict_ref(window: torch.Tensor, n_valid: int, *, mode: str = "assemb
             out += (a[..., None] * shifted(w)).sum(1)
         out /= n - 1
     return out.float()
+
+
+def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "assembled",
+                        eps: float = 1e-2) -> torch.Tensor:
+    """The same function as ``ridge_predict_ref`` in a few batched torch ops (the
+    CPU path): the Gram matrix of the regressors is built once, and every window
+    size's system is its trailing principal block, embedded in an identity of the
+    full size so that all of them go through one batched ``torch.linalg.solve``
+    (the identity part solves to exact zeros). float32 with float64 solves."""
+    _check(window, n_valid, mode, eps)
+    n = int(n_valid)
+    R = window.shape[1]
+    x = window[:, R - n:, :].float()  # [N, n, D]
+    if mode == "last" or n < 2:
+        return x[:, -1].clone()
+    m = n - 1
+    X, y, xs = x[:, :m], x[:, -1], x[:, 1:]  # regressors, target, shifted window: [N, m, D], [N, D], [N, m, D]
+    lam = (eps * (x * x).sum(-1).mean(-1)).clamp_min(_LAMBDA_FLOOR).double()  # [N]
+    G = (X @ X.transpose(1, 2)).double()  # [N, m, m]
+    bv = (X @ y[:, :, None])[..., 0].double()  # [N, m]
+    sizes = torch.arange(1, m + 1, device=x.device) if mode == "assembled" else torch.tensor([m], device=x.device)
+    idx = torch.arange(m, device=x.device)
+    inside = idx[None, :] >= (m - sizes)[:, None]  # [S, m]: trailing block of each size
+    blk = inside[:, :, None] & inside[:, None, :]  # [S, m, m]
+    eye = torch.eye(m, dtype=torch.float64, device=x.device)
+    A = torch.where(blk[None], G[:, None] + lam[:, None, None, None] * eye, eye)  # [N, S, m, m]
+    rhs = torch.where(inside[None], bv[:, None], torch.zeros((), dtype=torch.float64, device=x.device))
+    a = torch.linalg.solve(A, rhs).float()  # [N, S, m], zero outside each block
+    if mode == "ridge":
+        w = a
+    else:  # softmax over each size's own entries only
+        w = torch.softmax(a.masked_fill(~inside[None], float("-inf")), dim=-1)
+    pred = w @ xs  # [N, S, D]
+    return pred.mean(1) if mode == "assembled" else pred[:, 0]
 
 
 @triton.jit

@@ -182,3 +182,14 @@ def test_bad_arguments():
         Rg.ridge_predict_triton(w, 3, eps=0.0)
     with pytest.raises(ValueError, match=r"\[N, R, D\]"):
         Rg.ridge_predict_ref(w[0], 3)
+
+
+@pytest.mark.parametrize("mode", ["last", "ridge", "softmax_ridge", "assembled"])
+@pytest.mark.parametrize("n,R", [(1, 4), (2, 5), (9, 9), (17, 20)])
+def test_batched_torch_path_matches_reference(mode, n, R):
+    window = torch.randn(5, R, 24) * torch.rand(5, R, 1) * 3
+    window[:, : R - n] = float("nan")  # garbage before the valid rows: never read
+    out = Rg.ridge_predict_torch(window, n, mode=mode, eps=1e-2)
+    ref = Rg.ridge_predict_ref(window, n, mode=mode, eps=1e-2)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5, _rel(out, ref)
