@@ -63,6 +63,18 @@ class QuestPolicy(Policy):
         state.layers[layer] = st
         return st
 
+    def _fit(self, st: QuestLayerState, k_cache: torch.Tensor) -> QuestLayerState:
+        """Grow the page bounds when the cache itself grew (a dynamic cache, e.g.
+        the HF path): new pages start empty (+inf / -inf). Host-side shapes only."""
+        need = -(-k_cache.shape[2] // self.cfg.page_size)
+        have = st.kmin.shape[2]
+        if need > have:
+            B, H, _, D = st.kmin.shape
+            pad = (B, H, max(need, 2 * have) - have, D)
+            st.kmin = torch.cat([st.kmin, st.kmin.new_full(pad, float("inf"))], dim=2)
+            st.kmax = torch.cat([st.kmax, st.kmax.new_full(pad, float("-inf"))], dim=2)
+        return st
+
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         self._build(state, layer, k_cache, kv_lens)
@@ -77,6 +89,7 @@ class QuestPolicy(Policy):
         st = state.layers[layer]
         if st is None:  # no prefill was reported: bound the cache as it is now (once)
             st = self._build(state, layer, k_cache, kv_lens)
+        st = self._fit(st, k_cache)
         idx = kernels.quest_select(q, st.kmin, st.kmax, kv_lens, self.n_pages_sel, cfg.page_size,
                                    scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
                                    kv_start=state.kv_start)
@@ -88,6 +101,7 @@ class QuestPolicy(Policy):
         if st is None:  # the bounds are built from the whole cache at first use
             self._build(state, layer, k_cache, kv_lens)
             return
+        self._fit(st, k_cache)
         pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]
         kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens), pos,
                              self.cfg.page_size)

@@ -39,11 +39,7 @@ def tiny_model(family: str, *, n_kv: int = 2, seed: int = 0, layers: int = 3):
     return m
 
 
-#: Quest sizes its page bounds from the cache capacity at prefill; HF's DynamicCache
-#: grows past it (spade.policies.quest must grow kmin/kmax): a known bug, reported.
-QUEST_GROWING_CACHE = pytest.mark.xfail(strict=True, raises=IndexError,
-                                        reason="quest page bounds do not grow with a DynamicCache")
-POLICY_PARAMS = [pytest.param(i, id=n, marks=[QUEST_GROWING_CACHE] if n == "quest" else [])
+POLICY_PARAMS = [pytest.param(i, id=n)
                  for i, n in enumerate(["full", "oracle", "quest", "streaming", "tova", "asyncspade"])]
 
 
