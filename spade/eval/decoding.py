@@ -87,7 +87,7 @@ def decode(backend, pre: Prefilled, policy, max_new_tokens: int, eos_ids: list[i
     batch. Returns the generated ids of each row (cut before its first EOS) and
     the mean keys attended per (row, KV head, layer, step)."""
     B = pre.input_ids.shape[0]
-    pre.cache.crop(pre.seq_len)
+    _crop_to(pre.cache, pre.seq_len)
     backend._cache, backend._seq_len, backend._next_pos = pre.cache, pre.seq_len, pre.next_pos.clone()
     state = policy.new_state(B, backend.device)
     ctx = AttentionContext(backend.spec, InlineSelector(policy, state), device=backend.device)
@@ -112,8 +112,18 @@ def decode(backend, pre: Prefilled, policy, max_new_tokens: int, eos_ids: list[i
         if all(done) or step == max_new_tokens - 1:
             break
         logits = backend.decode(nxt, ctx)
-    pre.cache.crop(pre.seq_len)
+    _crop_to(pre.cache, pre.seq_len)
     return rows, ctx.mean_attended()
+
+
+def _crop_to(cache, length: int) -> None:
+    """Drop the tokens a decode run appended (``DynamicCache.crop`` takes minus the
+    number of tokens to remove)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+    if cache.get_seq_length() != length:
+        raise RuntimeError(f"cache holds {cache.get_seq_length()} tokens after the crop, expected {length}")
 
 
 def agreement(ref: list[int], other: list[int]) -> tuple[float, float]:

@@ -35,8 +35,9 @@ def haystack_prompt(tokenizer, n_tokens: int, depth: float, secret: str) -> str:
 
     hay = essay_context(tokenizer, n_tokens)
     cut = int(len(hay) * depth)
-    nxt = hay.find(". ", cut)
-    cut = nxt + 2 if 0 <= nxt < len(hay) - 2 else cut
+    if 0 < cut < len(hay):
+        nxt = hay.find(". ", cut)
+        cut = nxt + 2 if 0 <= nxt < len(hay) - 2 else cut
     needle = f" The secret passphrase is {secret}. "
     return f"{hay[:cut]}{needle}{hay[cut:]}\n\n{QUESTION}"
 

@@ -48,6 +48,7 @@ def nll_and_argmax(model, ids: torch.Tensor, policy_cfg, prefill_len: int) -> tu
     return float(nll), pred.argmax(-1).cpu(), forcing.mean_attended()
 
 
+@torch.no_grad()
 def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Perplexity of every configured policy and budget; writes ``perplexity_<model>.json``."""
     from spade.config import FullPolicyConfig

@@ -1,0 +1,57 @@
+"""Perplexity measurement: full attention through spade equals the plain HF
+forward; a budget covering the context changes nothing; the file is written."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from spade.config import FullPolicyConfig, OraclePolicyConfig
+from spade.eval.common import essay_token_segments
+from spade.eval.config import PerplexityEvalConfig
+
+
+def test_nll_matches_sparse_perplexity(smollm2):
+    from spade.eval.perplexity import nll_and_argmax
+    from spade.teacher import sparse_perplexity
+
+    model, tok = smollm2
+    ids = essay_token_segments(tok, 48, 1)[0]
+    pc = OraclePolicyConfig(budget=24, sink_tokens=2, recent_tokens=4)
+    nll, pred, attended = nll_and_argmax(model, ids, pc, 20)
+    assert math.exp(nll) == pytest.approx(sparse_perplexity(model, ids, pc, 20), rel=1e-6)
+    assert pred.shape == (28,)
+    assert 20 <= attended <= 24 + 1e-9
+
+
+def test_run_perplexity(smollm2, tmp_path):
+    from spade.eval.perplexity import run_perplexity
+
+    cfg = PerplexityEvalConfig(context_tokens=40, prefill_tokens=24, n_texts=1, budgets=[64], context_fractions=[2],  # K = 20
+                               sink_tokens=2, recent_tokens=4,
+                               policies=[{"name": "oracle"}, {"name": "asyncspade", "predictor": "last"},
+                                         {"name": "tova"}])
+    res = run_perplexity(cfg, tmp_path, "cpu")["models"]["smollm2-135m"]
+    # full attention through spade's teacher forcing == the plain transformers forward
+    assert res["ppl_full"] == pytest.approx(res["ppl_hf"], rel=1e-4)
+    rows = {(r["budget"], r["policy"]): r for r in res["rows"]}
+    for p in ("oracle", "asyncspade[last]", "tova"):
+        r = rows["K=64", p]  # K >= context: dense, so exactly full attention
+        assert r["ppl"] == pytest.approx(res["ppl_full"], rel=1e-4)
+        assert r["top1_agreement"] == 1.0
+        sparse = rows["K=ctx/2 (20)", p]
+        assert sparse["mean_attended"] <= 20 + 1e-9
+        assert 0.0 < sparse["top1_agreement"] <= 1.0
+    data = json.loads((tmp_path / "perplexity_smollm2-135m.json").read_text())
+    assert data["tokens_per_text"] == 16 and len(data["rows"]) == 6
+    assert (tmp_path / "perplexity_smollm2-135m.png").is_file()
+
+
+def test_bad_policy_entry_fails_before_work(tmp_path):
+    from spade.errors import ConfigError
+    from spade.eval.perplexity import run_perplexity
+
+    cfg = PerplexityEvalConfig(policies=[{"name": "asyncspade", "predictor": "nope"}])
+    with pytest.raises(ConfigError, match="predictor"):
+        run_perplexity(cfg, tmp_path, "cpu")
