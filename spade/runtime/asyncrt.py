@@ -418,7 +418,7 @@ class AsyncRuntime(Runtime):
     """
 
     def __init__(self, cfg, backend, policy: Policy, *, hooks: P.CacheHooks | None = None,
-                 link: CacheLink | None = None):
+                 link: CacheLink | None = None, loop: asyncio.AbstractEventLoop | None = None):
         super().__init__(cfg, backend, policy)
         rt = cfg.runtime
         self.topology = rt.topology
@@ -434,8 +434,8 @@ class AsyncRuntime(Runtime):
         self._link = link
         self._owns_link = link is None
         # a shared link lives on the loop that opened it
-        self._loop: asyncio.AbstractEventLoop | None = link.loop if link is not None else None
-        self._owns_loop = link is None
+        self._loop: asyncio.AbstractEventLoop | None = link.loop if link is not None else loop
+        self._owns_loop = link is None and loop is None
         dev = backend.device
         if rt.inference_device not in ("auto", "") and torch.device(rt.inference_device) != torch.device(dev):
             raise ConfigError(f"runtime.inference_device={rt.inference_device!r} but the model is on {dev}; "
@@ -444,7 +444,9 @@ class AsyncRuntime(Runtime):
         if self.topology == "local" and self.cache_device == torch.device(dev) and dev.type == "cuda":
             log.warning("runtime.topology=local with the cache rank on the inference GPU: this is colocated "
                         "without a shared cache; give runtime.cache_device another GPU")
-        self._finalizer = weakref.finalize(self, _kill_link, self)
+        # safety net: a runtime dropped without close() takes its cache process with it
+        self._link_box: list = [None]
+        self._finalizer = weakref.finalize(self, _kill_box, self._link_box)
 
     def _cache_device(self, name: str, inf: torch.device) -> torch.device:
         if name not in ("auto", ""):
@@ -505,6 +507,7 @@ class AsyncRuntime(Runtime):
                                               topology=self.topology,
                                               connect_timeout_s=max(120.0, self.late_timeout_s))
             self._owns_link = True
+            self._link_box[0] = self._link
         return self._link
 
     def run(self, coro):
@@ -531,10 +534,9 @@ class AsyncRuntime(Runtime):
             await self._link.close()
 
 
-def _kill_link(rt) -> None:  # pragma: no cover - garbage-collection safety net
-    link = getattr(rt, "_link", None)
-    if link is not None:
-        link.kill()
+def _kill_box(box: list) -> None:  # pragma: no cover - garbage-collection safety net
+    if box[0] is not None:
+        box[0].kill()
 
 
 # ============================================================================ one generation

@@ -266,11 +266,12 @@ class LocalTransport(Transport):
                 msg = await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
             except asyncio.TimeoutError:
                 raise PeerTimeout(f"local transport: no message under {tag!r} within {timeout:.3g}s") from None
-            finally:
-                try:
-                    self._waiters[tag].remove(fut)
-                except ValueError:
-                    pass
+            finally:  # a timed-out or cancelled waiter leaves the queue (by identity: no repr, no compare)
+                dq = self._waiters[tag]
+                for i, w in enumerate(dq):
+                    if w is fut:
+                        del dq[i]
+                        break
         return self._land(tag, msg, into)
 
     def _land(self, tag: str, msg: _Msg, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:

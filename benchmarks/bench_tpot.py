@@ -1,0 +1,532 @@
+"""TPOT of every selection method and runtime topology, side by side (the paper's
+Fig. 2 breakdown and Table 3 overlap analysis).
+
+Qwen3-8B shape (``--preset``), random weights, bf16, on the fast path
+(``FastModel``: static cache, CUDA graphs per pack); the cache is filled with
+random K/V (``FastModel.fake_prefill``) and every policy is told about the
+"prompt" through ``ctx.prefill`` with random queries (its last W+1), as a real
+prefill would. Rows, per (batch B, context L, budget K):
+
+* ``full``: dense attention (the reference);
+* ``quest``, ``tova``, ``oracle``, ``asyncspade/inline``: selection on the
+  critical path of every layer (``InlineSelector``);
+* ``asyncspade/colocated/P``: the cache rank on a side stream of the same GPU
+  (reading the model's own cache), P layers per message;
+* ``asyncspade/local/P``: the cache rank on a second GPU of this process (local
+  transport, peer copies) — when two GPUs are visible;
+* ``asyncspade/multiprocess/P``: the cache rank in its own process on the second
+  GPU (nccl transport) — when two GPUs are visible;
+* ``optimal``: the selection given for free (one fixed ``Selection``): the floor
+  any selection method can reach at budget K.
+
+TPOT is the median over ``--iters`` steps after ``--warmup`` (CUDA events, a
+synchronisation after every step, as an engine sampling on the host does).
+
+Breakdown (Fig. 2): per step, ``attention`` = n_layers x one layer's attention
+kernel at that method's token count, ``selection`` = n_layers x one layer's
+``observe`` + ``select`` (0 when off the critical path), ``parameters`` = the
+optimal step minus its attention: everything else (GEMMs, norms, lm_head).
+
+Overlap (Table 3): per pack of P layers, the cache rank's work (``observe`` +
+``select``, measured alone on its device) against the inference rank's time per
+pack (the asynchronous TPOT / packs), and the bandwidth a link needs so that a
+pack's messages (q/k/v up, indices down) move within one inference pack.
+
+    python -m benchmarks.bench_tpot --quick            # B=8, L=32k, K=2k, P in {2, 4}
+    python -m benchmarks.bench_tpot --batch 1,8,16,32 --context 16384,32768,65536 --budget 1024,2048
+    python -m benchmarks.bench_tpot --device cpu --preset tiny --quick   # smoke run anywhere
+
+Writes JSON to ``--out`` (default results/bench_tpot.json) and PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+METHODS = ["full", "quest", "tova", "oracle", "asyncspade/inline", "asyncspade/colocated", "asyncspade/local",
+           "asyncspade/multiprocess", "optimal"]
+
+
+# ----------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds per call of ``fn`` after ``warmup`` calls (CUDA events + sync)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize(device)
+            out.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def time_async(step, *, iters: int, warmup: int, device: torch.device) -> list[float]:
+    """``time_calls`` for a coroutine step (the asynchronous runtime)."""
+    for _ in range(warmup):
+        await step()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        await step()
+        _sync(device)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(ms: list[float]) -> dict:
+    s = sorted(ms)
+    q = lambda f: s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]  # noqa: E731
+    return {"tpot_ms": statistics.median(ms), "p10_ms": q(0.1), "p90_ms": q(0.9), "steps": len(ms)}
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- set-up
+def policy_overrides(name: str, K: int, a) -> list[str]:
+    if name == "full":
+        return ["policy.name=full"]
+    if name == "quest":
+        return ["policy.name=quest", f"policy.budget={K}", f"policy.page_size={a.page_size}"]
+    if name == "tova":
+        return ["policy.name=tova", f"policy.budget={K}"]
+    common = [f"policy.budget={K}", f"policy.sink_tokens={a.sink}", f"policy.recent_tokens={a.recent}"]
+    if name == "oracle":
+        return ["policy.name=oracle", *common]
+    return ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}"]
+
+
+def make_config(overrides: list[str]):
+    from spade.config import load_config
+
+    return load_config(None, overrides=overrides)
+
+
+class FixedSelector:
+    """``optimal``: one precomputed ``Selection`` for every layer and step."""
+
+    def __init__(self, sel):
+        self.sel = sel
+
+    def begin_step(self, seq_len, kv_start):
+        pass
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        return self.sel
+
+    def after(self, layer, q, k_cache, v_cache, kv_lens):
+        pass
+
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+        pass
+
+
+def random_selection(B: int, Hkv: int, L: int, K: int, sink: int, recent: int, device):
+    """``K - sink - recent`` distinct random middle positions per (row, KV head)."""
+    from spade.policies.base import Selection
+
+    k_mid = K - sink - recent
+    g = torch.Generator(device=device).manual_seed(0)
+    r = torch.rand(B, Hkv, L - sink - recent, device=device, generator=g)
+    idx = (r.topk(k_mid, dim=-1).indices + sink).to(torch.int32)
+    return Selection(indices=idx, n_sink=sink, n_recent=recent)
+
+
+def fake_prompt(model, ctx, B: int, L: int, W: int, seed: int = 0) -> torch.Tensor:
+    """Fill the cache with L random tokens and report each layer to ``ctx.prefill``
+    with W random queries (what a prefill of an L-token prompt reports last);
+    returns placeholder logits."""
+    model.fake_prefill(L, B, ctx=ctx, seed=seed)
+    ctx.begin_step(L)
+    a = model.arch
+    g = torch.Generator(device=model.device).manual_seed(seed + 1)
+    for layer in range(a.n_layers):
+        q = torch.randn(B, a.n_q_heads, W, a.head_dim, device=model.device, generator=g).to(model.dtype)
+        ctx.prefill(layer, q, model.k_cache[layer][:B], model.v_cache[layer][:B], model.kv_lens)
+    return torch.zeros(B, model.vocab_size, device=model.device)
+
+
+# ----------------------------------------------------------------------------- rows
+def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
+    from spade.attention import AttentionContext, InlineSelector
+    from spade.policies import build_policy
+
+    if method == "optimal":
+        sel = FixedSelector(random_selection(B, model.spec.n_kv_heads, L, K, a.sink, a.recent, model.device))
+    else:
+        cfg = make_config(policy_overrides(method.split("/")[0], K, a))
+        pol = build_policy(cfg.policy, model.spec)
+        sel = InlineSelector(pol, pol.new_state(B, model.device))
+    ctx = AttentionContext(model.spec, sel, device=model.device, track_stats=False)
+    fake_prompt(model, ctx, B, L, a.window + 1)
+    tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
+    ms = time_calls(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
+    if not torch.isfinite(model.last_logits).all():
+        raise RuntimeError(f"{method}: non-finite logits")
+    return summary(ms)
+
+
+def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a, shared: dict) -> dict:
+    """One asynchronous row. ``shared`` keeps the multiprocess link (one cache
+    process for every P, budget and mode of this model)."""
+    from spade.policies import build_policy
+    from spade.runtime.asyncrt import AsyncRuntime
+
+    over = policy_overrides("asyncspade", K, a) + [
+        f"runtime.topology={topology}", f"runtime.pack_layers={P}", f"runtime.return_mode={mode}",
+        f"runtime.on_late={a.on_late}", "runtime.late_timeout_s=120"]
+    if topology == "multiprocess":
+        over += ["runtime.transport.name=nccl", f"runtime.transport.master_port={a.port}",
+                 "runtime.transport.timeout_s=300"]
+    cfg = make_config(over)
+    pol = build_policy(cfg.policy, model.spec)
+    loop = shared["loop"]
+    link = shared.get("multiprocess") if topology == "multiprocess" else None
+    rt = AsyncRuntime(cfg, model, pol, link=link, loop=loop)
+    tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
+
+    async def go():
+        sess = await rt.session()
+        steps = a.warmup + a.iters
+        await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
+        try:
+            ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
+        finally:
+            await sess.end()
+        return ms, sess.trace([[]], []).stats
+
+    ms, stats = loop.run_until_complete(go())
+    if topology == "multiprocess":
+        if link is None:  # this runtime opened the cache process: keep it for the next rows
+            shared["multiprocess"], shared["owner"] = rt._link, rt
+    else:
+        loop.run_until_complete(rt.aclose())
+    row = summary(ms)
+    row.update({k: stats.get(k) for k in ("late_packs", "stale_packs", "waited_packs", "wait_s", "sparse_steps")})
+    if not torch.isfinite(model.last_logits).all():
+        raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
+    return row
+
+
+# ----------------------------------------------------------------------------- micro timings
+def layer_timings(model, B: int, L: int, K: int, a) -> dict:
+    """One layer's attention (dense, sparse at K) and each policy's per-layer
+    selection work (``observe`` + ``select``), in ms."""
+    from spade import kernels
+    from spade.policies import build_policy
+
+    dev = model.device
+    spec = model.spec
+    model.fake_prefill(L, B)
+    kc, vc = model.k_cache[0][:B], model.v_cache[0][:B]
+    kv = model.kv_lens
+    g = torch.Generator(device=dev).manual_seed(5)
+    q = torch.randn(B, spec.n_q_heads, spec.head_dim, device=dev, generator=g).to(model.dtype)
+    it = dict(iters=max(5, a.iters), warmup=3, device=dev)
+    sel = random_selection(B, spec.n_kv_heads, L, K, a.sink, a.recent, dev)
+    out = {
+        "attention_dense_ms": statistics.median(time_calls(
+            lambda: kernels.sparse_decode_attention(q, kc, vc, kv, None, scale=spec.softmax_scale), **it)),
+        "attention_sparse_ms": statistics.median(time_calls(
+            lambda: kernels.sparse_decode_attention(q, kc, vc, kv, sel.indices, n_sink=sel.n_sink,
+                                                    n_recent=sel.n_recent, scale=spec.softmax_scale), **it)),
+        "gather_kv_ms": statistics.median(time_calls(lambda: kernels.gather_kv(kc, vc, sel.indices), **it)),
+    }
+    W = a.window + 1
+    for name in ("quest", "tova", "oracle", "asyncspade"):
+        cfg = make_config(policy_overrides(name, K, a))
+        pol = build_policy(cfg.policy, spec)
+        st = pol.new_state(B, dev)
+        st.seq_len = L
+        qp = torch.randn(B, spec.n_q_heads, W, spec.head_dim, device=dev, generator=g).to(model.dtype)
+        pol.prefill(st, 0, qp, kc, vc, kv)
+        st.seq_len = L + 1
+        kv1 = kv + 1
+
+        def work():
+            pol.observe(st, 0, q, kc, kv1)
+            pol.select(st, 0, q if pol.needs_current_query else None, kc, kv1)
+
+        out[f"select_{name}_ms"] = statistics.median(time_calls(work, **it))
+    free_memory()
+    return out
+
+
+def breakdown(rows: dict, lt: dict, n_layers: int) -> dict:
+    """Fig. 2: parameters / attention / selection per step, per method."""
+    if "optimal" not in rows:
+        return {}
+    params = rows["optimal"]["tpot_ms"] - n_layers * lt["attention_sparse_ms"]
+    out = {}
+    for name, row in rows.items():
+        base = name.split("/")[0]
+        attn = n_layers * (lt["attention_dense_ms"] if base == "full" else lt["attention_sparse_ms"])
+        on_path = name in ("quest", "tova", "oracle", "asyncspade/inline")
+        key = f"select_{base}_ms"
+        sel = n_layers * lt.get(key, 0.0) if on_path else 0.0
+        out[name] = {"parameters_ms": params, "attention_ms": attn, "selection_ms": sel,
+                     "other_ms": row["tpot_ms"] - params - attn - sel, "tpot_ms": row["tpot_ms"]}
+    return out
+
+
+def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
+    """Table 3: per P, cache-rank work per pack vs inference time per pack, and the
+    link bandwidth a pack's messages need to move within one inference pack."""
+    spec = model.spec
+    elt = torch.finfo(model.dtype).bits // 8
+    k_mid = K - a.sink - a.recent
+    out = []
+    for P in a.packs:
+        n_packs = -(-spec.n_layers // P)
+        up = P * B * (spec.n_q_heads + 2 * spec.n_kv_heads) * spec.head_dim * elt
+        down = {"indices": P * B * spec.n_kv_heads * k_mid * 4,
+                "kv": P * B * spec.n_kv_heads * k_mid * (4 + 2 * spec.head_dim * elt)}
+        cache_pack = P * lt["select_asyncspade_ms"]
+        for topo in ("colocated", "local", "multiprocess"):
+            r = rows.get(f"asyncspade/{topo}/P={P}")
+            if r is None:
+                continue
+            infer_pack = r["tpot_ms"] / n_packs
+            row = {"pack_layers": P, "topology": topo, "cache_ms_per_pack": cache_pack,
+                   "inference_ms_per_pack": infer_pack, "overlaps": cache_pack <= infer_pack,
+                   "bytes_up_per_pack": up}
+            for mode, d in down.items():
+                row[f"bytes_down_per_pack_{mode}"] = d
+                row[f"min_bandwidth_GBps_{mode}"] = (up + d) / (infer_pack * 1e-3) / 1e9
+            if lt.get("gather_kv_ms") is not None:
+                row["cache_ms_per_pack_kv"] = cache_pack + P * lt["gather_kv_ms"]
+            out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+def plots(result: dict, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - matplotlib is a dependency
+        print(f"plots skipped: {e}", file=sys.stderr)
+        return []
+    files = []
+    for c in result["configs"]:
+        tag = f"B{c['batch']}_L{c['context']}_K{c['budget']}"
+        names = list(c["rows"])
+        if names:
+            fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names)), 4))
+            vals = [c["rows"][n]["tpot_ms"] for n in names]
+            ax.bar(range(len(names)), vals, color=["#888" if n in ("full", "optimal") else "#3a7" for n in names])
+            ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+            ax.set_ylabel("median TPOT (ms)")
+            ax.set_title(f"TPOT, B={c['batch']} L={c['context']} K={c['budget']}")
+            fig.tight_layout()
+            p = out_dir / f"bench_tpot_{tag}.png"
+            fig.savefig(p, dpi=120)
+            plt.close(fig)
+            files.append(str(p))
+        bd = c.get("breakdown") or {}
+        if bd:
+            names = list(bd)
+            fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names)), 4))
+            bottom = [0.0] * len(names)
+            for part, color in (("parameters_ms", "#69c"), ("attention_ms", "#e93"), ("selection_ms", "#c44")):
+                vals = [max(0.0, bd[n][part]) for n in names]
+                ax.bar(range(len(names)), vals, bottom=bottom, label=part.removesuffix("_ms"), color=color)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.plot(range(len(names)), [bd[n]["tpot_ms"] for n in names], "k_", markersize=18, label="measured")
+            ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+            ax.set_ylabel("ms per step")
+            ax.set_title(f"latency breakdown, B={c['batch']} L={c['context']} K={c['budget']}")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            p = out_dir / f"bench_tpot_breakdown_{tag}.png"
+            fig.savefig(p, dpi=120)
+            plt.close(fig)
+            files.append(str(p))
+        ov = c.get("overlap") or []
+        if ov:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for topo in sorted({r["topology"] for r in ov}):
+                rs = [r for r in ov if r["topology"] == topo]
+                ax.plot([r["pack_layers"] for r in rs], [r["inference_ms_per_pack"] for r in rs], "o-",
+                        label=f"inference / pack ({topo})")
+            rs = [r for r in ov if r["topology"] == ov[0]["topology"]]
+            ax.plot([r["pack_layers"] for r in rs], [r["cache_ms_per_pack"] for r in rs], "s--", color="k",
+                    label="cache rank / pack")
+            ax.set_xlabel("layers per pack (P)")
+            ax.set_ylabel("ms")
+            ax.set_title(f"overlap, B={c['batch']} L={c['context']} K={c['budget']}")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            p = out_dir / f"bench_tpot_overlap_{tag}.png"
+            fig.savefig(p, dpi=120)
+            plt.close(fig)
+            files.append(str(p))
+    return files
+
+
+# ----------------------------------------------------------------------------- main
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_tpot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0: all)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--batch", type=_ints, default=[1, 8, 16, 32])
+    ap.add_argument("--context", type=_ints, default=[16384, 32768, 65536])
+    ap.add_argument("--budget", type=_ints, default=[1024, 2048])
+    ap.add_argument("--packs", type=_ints, default=[2, 4, 6, 12], help="P values for the asynchronous rows")
+    ap.add_argument("--modes", default="indices", help="return modes of the asynchronous rows (indices,kv,delta)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--predictor", default="assembled")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--on-late", default="wait", choices=["wait", "stale", "full"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--port", type=int, default=29611, help="master port of the multiprocess link (and port + 1)")
+    ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--out", default="results/bench_tpot.json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.batch, a.context, a.budget, a.packs = [8], [32768], [2048], [2, 4]
+        if a.device == "cpu":  # smoke run: tiny shapes
+            a.batch, a.context, a.budget, a.iters = [2], [256], [64], 5
+            a.recent, a.window = 8, 4
+    a.methods = [m for m in a.methods.split(",") if m]
+    a.modes = [m for m in a.modes.split(",") if m]
+    return a
+
+
+def kv_bytes(model, B: int, L: int) -> int:
+    s = model.spec
+    return 2 * s.n_layers * B * s.n_kv_heads * L * s.head_dim * (torch.finfo(model.dtype).bits // 8)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    from spade.models.fast import FastModel
+    from spade.models.presets import preset_config
+
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU visible: use --device cpu --preset tiny for a smoke run")
+    dtype = getattr(torch, a.dtype)
+    n_gpu = torch.cuda.device_count() if device.type == "cuda" else 0
+    two = device.type == "cpu" or n_gpu >= 2  # local/multiprocess rows (CPU: same device, gloo)
+    t_start = time.time()
+    hf_cfg = preset_config(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
+    result: dict[str, Any] = {"meta": {
+        "preset": a.preset, "layers": hf_cfg.num_hidden_layers, "dtype": a.dtype, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus_visible": n_gpu,
+        "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "iters": a.iters,
+        "warmup": a.warmup, "sink": a.sink, "recent": a.recent, "window": a.window, "predictor": a.predictor,
+        "packs": a.packs, "modes": a.modes}, "configs": []}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = a.warmup + a.iters + 8
+    for B in a.batch:
+        for L in a.context:
+            model = None
+            try:
+                free_memory()
+                model = FastModel.from_config(hf_cfg, device=device, dtype=dtype, max_batch=B,
+                                              max_seq_len=L + steps)
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+                print(f"B={B} L={L}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+                result["configs"].append({"batch": B, "context": L, "skipped": str(e)[:300]})
+                model = None
+                free_memory()
+                continue
+            from spade.runtime.asyncrt import new_event_loop
+
+            shared: dict = {"loop": new_event_loop()}
+            for K in a.budget:
+                conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "rows": {}, "errors": {}}
+                print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
+
+                def record(name: str, fn):
+                    t0 = time.time()
+                    try:
+                        conf["rows"][name] = fn()
+                        r = conf["rows"][name]
+                        extra = f"  late={r['late_packs']}" if r.get("late_packs") else ""
+                        print(f"  {name:<28} {r['tpot_ms']:8.3f} ms  (p90 {r['p90_ms']:.3f}; "
+                              f"{time.time() - t0:.1f}s){extra}", flush=True)
+                    except Exception as e:  # one failing row must not lose the others
+                        conf["errors"][name] = f"{type(e).__name__}: {e}"
+                        print(f"  {name:<28} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    free_memory()
+
+                for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
+                    if m in a.methods:
+                        record(m, lambda m=m: run_inline(model, m, B, L, K, a))
+                for topo in ("colocated", "local", "multiprocess"):
+                    if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
+                        continue
+                    for mode in a.modes:
+                        for P in a.packs:
+                            name = f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                            record(name, lambda topo=topo, P=P, mode=mode: run_async(model, topo, P, mode, B, L, K,
+                                                                                      a, shared))
+                try:
+                    lt = layer_timings(model, B, L, K, a)
+                    conf["layer_ms"] = lt
+                    conf["breakdown"] = breakdown(conf["rows"], lt, model.spec.n_layers)
+                    conf["overlap"] = overlap_table(model, B, K, a, conf["rows"], lt)
+                except Exception as e:
+                    conf["errors"]["layer_timings"] = f"{type(e).__name__}: {e}"
+                result["configs"].append(conf)
+                out.write_text(json.dumps(result, indent=2))  # partial results survive a crash
+            if "owner" in shared:  # the multiprocess cache process
+                shared["loop"].run_until_complete(shared["owner"].aclose())
+            shared["loop"].close()
+            model.close()
+            model = None
+            free_memory()
+    result["meta"]["wall_s"] = time.time() - t_start
+    if not a.no_plots:
+        result["plots"] = plots(result, out.parent)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out} ({result['meta']['wall_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
