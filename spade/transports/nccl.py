@@ -297,6 +297,8 @@ class NcclTransport(Transport):
             if dist.is_initialized():
                 return dist.distributed_c10d._get_default_store()
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
+                return dist.TCPStore(host, int(port), None, False, to)
         return dist.TCPStore(host, int(port), 2, self.rank == 0, to)
 
     def _make_nccl(self, dist, name: str, to):

@@ -180,3 +180,25 @@ def test_delta_encoding_round_trip(seed):
         delta_apply(got, slots, vals)
         assert torch.equal(got, aligned)
         held = aligned
+
+
+def test_tova_selects_ahead_on_the_cache_rank(model, prompt):
+    """TOVA evicts in ``observe`` with the current query and ``select`` ignores the
+    query, so it runs one step ahead too: the same tokens as inline."""
+    from spade.config import load_config
+
+    cfg = load_config(None, overrides=["policy.name=tova", f"policy.budget={BUDGET}", "runtime.topology=colocated",
+                                       "runtime.pack_layers=2"])
+    pol = build_policy(cfg.policy, model.spec)
+    want = InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    tr = generate_cfg(cfg, model, prompt)
+    assert not tr.stats["sync_policy"] and tr.stats["sparse_steps"] > 0
+    assert tr.tokens == want
+
+
+def generate_cfg(cfg, model, prompt):
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
