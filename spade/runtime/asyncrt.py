@@ -86,6 +86,8 @@ from spade.transports.base import Handshake
 log = logging.getLogger(__name__)
 
 PROTOCOL = P.PROTOCOL
+#: prompt layers in flight before the cache rank acknowledges (bounds staging memory)
+BOOT_AHEAD = 2
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -635,6 +637,9 @@ class InferenceSession:
         if kv_start is not None:
             msg.append(kv_start)
         await self._send("ctl", msg)
+        # The prompt's KV can be most of a GPU: at most BOOT_AHEAD layers travel
+        # unacknowledged, so neither side stages the whole cache at once.
+        acks = 0
         for layer in range(self.spec.n_layers):
             q, k, v = s.boot[layer]
             q_tail = q[:, :, q.shape[2] - W:].contiguous()
@@ -642,6 +647,12 @@ class InferenceSession:
                 await self._send("boot", [q_tail])
             else:
                 await self._send("boot", [q_tail, k[:, :, :T].contiguous(), v[:, :, :T].contiguous()])
+            while layer + 1 - acks > BOOT_AHEAD:
+                await self._boot_ack()
+                acks += 1
+        while acks < self.spec.n_layers:
+            await self._boot_ack()
+            acks += 1
         s.boot.clear()
         # selection buffers up front (CUDA graphs capture their addresses)
         cfgp = self.policy.cfg
@@ -651,6 +662,14 @@ class InferenceSession:
                 s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, cfgp.sink_tokens, cfgp.recent_tokens,
                                  be.device, kv_dtype=k0.dtype, D=D, kv_start=kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
+
+    async def _boot_ack(self) -> None:
+        if self.peer_gone is not None:
+            return
+        try:
+            await self.link.transport.recv("boot_ack", timeout=max(120.0, self.rt.late_timeout_s))
+        except TransportError as e:
+            await self._on_peer_failure(e)
 
     # ------------------------------------------------------------------ transport helpers
     async def _send(self, tag: str, tensors: list[torch.Tensor]) -> None:

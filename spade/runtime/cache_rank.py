@@ -213,6 +213,8 @@ class CacheRank:
                     vstore[layer][:, :, :T].copy_(msg[2])
                 k, v = view(layer, T)
                 policy.prefill(state, layer, q_tail, k, v, kv_lens)
+            del msg, q_tail
+            await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
 
         prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
         stalled = False

@@ -15,6 +15,7 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
       "qkv"   per pack per step: [q [n, B, Hq, D], k [n, B, Hkv, D], v [n, B, Hkv, D]]
               (only q with a shared cache)
     cache -> inference
+      "boot_ack" [layer int64 [1] (cpu)] after each "boot" (at most 2 unacknowledged)
       "sel"   per pack per *sparse* step:
               [meta int64 [n, META] (cpu), payload...]
               indices: [idx int32 [n, B, Hkv, K]]

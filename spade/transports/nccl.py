@@ -158,12 +158,13 @@ class _TagQueue:
 
 class NcclTransport(Transport):
     """See the module docstring. Extra keyword arguments: ``init_method`` (default
-    ``tcp://master_addr:master_port``; ``env://`` under torchrun), ``max_inflight``."""
+    ``tcp://master_addr:master_port``; ``env://`` under torchrun), ``max_inflight`` and
+    ``max_inflight_bytes`` (unfinished sends: messages, and bytes of staged clones)."""
 
     name = "nccl"
 
     def __init__(self, cfg: Any = None, *, rank: int, world: int = 2, device: str | torch.device = "cpu",
-                 init_method: str | None = None, max_inflight: int = 256):
+                 init_method: str | None = None, max_inflight: int = 256, max_inflight_bytes: int = 4 << 30):
         if cfg is None:
             from spade.config import NcclTransportConfig
 
@@ -179,6 +180,7 @@ class NcclTransport(Transport):
         self.init_method = init_method or f"tcp://{cfg.master_addr}:{cfg.master_port}"
         self.timeout_s = float(cfg.timeout_s)
         self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes  # staged clones kept until their sends complete
         self.backend_used: str | None = None  # "nccl" | "gloo" once connected
         self._store = None
         self._nonce = ""
@@ -465,8 +467,14 @@ class NcclTransport(Transport):
                 if f.exception() is not None:  # surface errors of finished gloo sends
                     raise PeerGone(f"nccl transport: a send to rank {self.peer_rank} failed: {f.exception()}")
 
-    async def _drain_inflight(self) -> None:
-        while self._inflight:
+    def _inflight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, _, keep in self._inflight for t in keep)
+
+    async def _drain_inflight(self, keep_msgs: int = 0, keep_bytes: int | None = None) -> None:
+        """Wait for the oldest sends until at most ``keep_msgs`` messages (and
+        ``keep_bytes`` staged bytes) are unfinished."""
+        while self._inflight and (len(self._inflight) > keep_msgs
+                                  or (keep_bytes is not None and self._inflight_bytes() > keep_bytes)):
             futs, works, _ = self._inflight[0]
             for f in futs:
                 try:
@@ -526,9 +534,10 @@ class NcclTransport(Transport):
             futs = [self._send_worker.submit(w.wait) for w in gloo_works]
             self._inflight.append((futs, nccl_works, keep))
             self._prune()
-            if len(self._inflight) > self.max_inflight:
+            if len(self._inflight) > self.max_inflight or self._inflight_bytes() > self.max_inflight_bytes:
                 try:
-                    await asyncio.wait_for(self._drain_inflight(), self.timeout_s)
+                    await asyncio.wait_for(self._drain_inflight(self.max_inflight, self.max_inflight_bytes // 2),
+                                           self.timeout_s)
                 except asyncio.TimeoutError:
                     raise PeerTimeout(f"nccl transport: rank {self.peer_rank} stopped receiving") from None
 
