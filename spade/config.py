@@ -158,6 +158,10 @@ class NixlTransportConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(13617, gt=0, lt=65536)
     timeout_s: float = Field(60.0, gt=0)
+    slots: int = Field(2, ge=1)
+    """Receive slots registered per tag (messages in flight before back-pressure)."""
+    progress_thread: bool = False
+    """Use NIXL's own progress thread instead of spade's asyncio poller."""
 
 
 TransportConfig = Annotated[

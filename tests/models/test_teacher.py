@@ -24,7 +24,6 @@ from spade.config import (
 from spade.teacher import TeacherForcing, sparse_perplexity, teacher_forced_logits
 from tests.models.test_hf import (
     PROMPT,
-    QUEST_GROWING_CACHE,
     decode_logits,
     load_smollm2,
     new_ctx,
@@ -71,8 +70,7 @@ def token_by_token(model, ids: torch.Tensor, policy, prefill_len: int) -> torch.
 
 # --------------------------------------------------------------------------- tiny models
 def _params(family_kv: list[tuple[str, int]], names: list[str]) -> list:
-    # the reference (HFBackend) runs quest on a growing DynamicCache: see QUEST_GROWING_CACHE
-    return [pytest.param(*fk, n, marks=[QUEST_GROWING_CACHE] if n == "quest" else [])
+    return [pytest.param(*fk, n)
             for fk in family_kv for n in names]
 
 
@@ -156,7 +154,7 @@ def smol():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[QUEST_GROWING_CACHE] if n == "quest" else [])
+@pytest.mark.parametrize("name", [pytest.param(n)
                                   for n in POLICY_NAMES])
 def test_teacher_equals_token_by_token_smollm2(smol, name):
     """fp32 SmolLM2, 12 decoded positions, budget 16 (< context)."""
