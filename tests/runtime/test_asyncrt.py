@@ -202,3 +202,20 @@ def generate_cfg(cfg, model, prompt):
         return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
     finally:
         rt.close()
+
+
+def test_hf_backend_growing_cache(prompt):
+    """transformers' DynamicCache grows by concatenation: the cache rank keeps its
+    own store and shows the policy the same cache length the inline run sees."""
+    from transformers import AutoModelForCausalLM
+
+    from spade.hf import HFBackend
+    from spade.models.presets import preset_config
+
+    torch.manual_seed(0)
+    be = HFBackend(AutoModelForCausalLM.from_config(preset_config("tiny"), dtype=torch.float32), None, "cpu")
+    cfg = config("runtime.topology=colocated", "runtime.pack_layers=2", "runtime.return_mode=kv")
+    pol = build_policy(cfg.policy, be.spec)
+    want = InlineRuntime(cfg, be, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    tr = generate_cfg(cfg, be, prompt)
+    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
