@@ -130,6 +130,13 @@ class CacheRank:
             self.stream = torch.cuda.Stream(device=self.device)
             transport.stream = self.stream
         self.stats: dict[str, float] = {"packs": 0, "selections": 0, "select_host_s": 0.0, "generations": 0}
+        self.use_graphs = True
+        self._graphs: dict = {}
+        self._pool = None
+        self._capture_stream = None
+        if self.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+            self._capture_stream = torch.cuda.Stream(device=self.device)
 
     @contextlib.contextmanager
     def _on(self):
@@ -218,6 +225,60 @@ class CacheRank:
 
         prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
         stalled = False
+        # fixed device buffers: inputs copied in per pack, outputs read out per pack,
+        # so that a pack's work can be replayed as a CUDA graph
+        graphs_on = self._graphs_enabled(s)
+        self._graphs = {}
+        q_in: dict[int, list[torch.Tensor]] = {}
+        out: dict[int, dict] = {}
+        with self._on():
+            kv_obs = kv_lens.clone()
+            kv_sel = kv_lens.clone()
+            pos_buf = torch.zeros(1, dtype=torch.int64, device=dev)
+
+        def observe_pack(p: int, seq: int) -> None:
+            l0, l1 = packs[p]
+            state.seq_len = seq
+            qb = q_in[p]
+            for j, layer in enumerate(range(l0, l1)):
+                if not s.shared_kv:  # append the step's k, v at the device-side position
+                    kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
+                    vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
+                k, _ = view(layer, seq)
+                policy.observe(state, layer, qb[0][j], k, kv_obs)
+
+        def select_pack(p: int, seq: int) -> tuple:
+            """Selections of pack ``p`` at cache length ``seq`` into the pack's output
+            buffers; returns the host facts of the message (dense flags, sinks, K)."""
+            l0, l1 = packs[p]
+            state.seq_len = seq
+            sels = []
+            for layer in range(l0, l1):
+                k, _ = view(layer, seq)
+                sels.append(policy.select(state, layer, None, k, kv_sel))
+            K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
+            info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
+                         for sel in sels) + (K,)
+            if K == 0:
+                return info
+            o = out.get(p)
+            n = l1 - l0
+            if o is None or o["idx"].shape[-1] != K:
+                o = out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
+                if s.return_mode == "kv":
+                    o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
+                    o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
+            idx = o["idx"]
+            idx.fill_(-1)
+            for j, sel in enumerate(sels):
+                if sel is not None:
+                    idx[j, :, :, :sel.indices.shape[2]].copy_(sel.indices)
+                    if s.return_mode == "kv":
+                        k, v = view(l0 + j, seq)
+                        kk, vv = kernels.gather_kv(k, v, idx[j])
+                        o["k"][j].copy_(kk)
+                        o["v"][j].copy_(vv)
+            return info
 
         async def select_and_send(p: int, step: int, seq: int) -> None:
             nonlocal stalled
@@ -226,16 +287,12 @@ class CacheRank:
                 return
             if hooks.delay_s > 0 and step >= hooks.delay_from_step:
                 await asyncio.sleep(hooks.delay_s)
-            l0, l1 = packs[p]
             t0 = time.perf_counter()
             with self._on():
-                state.seq_len = seq
-                kv = kv_lens + (seq - T)
-                sels = []
-                for layer in range(l0, l1):
-                    k, _ = view(layer, seq)
-                    sels.append(policy.select(state, layer, None, k, kv))
-                tensors = self._encode(sels, p, step, seq, s, view, prev, l0)
+                torch.add(kv_lens, seq - T, out=kv_sel)
+                key = ("select", p, _key(policy, state, seq))
+                info = self._run(key, lambda: select_pack(p, seq), graphs_on)
+                tensors = self._encode(info, out.get(p), p, step, seq, s, view, prev, packs[p][0])
             self.stats["select_host_s"] += time.perf_counter() - t0
             self.stats["selections"] += 1
             await t.send("sel", tensors)
@@ -249,6 +306,9 @@ class CacheRank:
             if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
                 end = torch.full((1, P.META), -1, dtype=torch.int64)
                 await t.send("sel", [end])
+                if dev.type == "cuda":  # buffers of this generation were used on several streams
+                    torch.cuda.synchronize(dev)
+                self._graphs = {}
                 return
             if c[0] == P.SHUTDOWN:
                 raise _Shutdown()
@@ -260,64 +320,87 @@ class CacheRank:
                     os._exit(17)  # a crashed cache process, no goodbye
                 await t.close()
                 raise PeerGone("cache rank: died on purpose (test hook)")
-            pos = seq - 1
-            kv = kv_lens + (seq - T)
-            for p, (l0, l1) in enumerate(packs):
+            with self._on():
+                pos_buf.fill_(seq - 1)
+                torch.add(kv_lens, seq - T, out=kv_obs)
+            for p in range(len(packs)):
                 msg = await t.recv("qkv")
                 with self._on():
-                    state.seq_len = seq
-                    for j, layer in enumerate(range(l0, l1)):
-                        if not s.shared_kv:
-                            kstore[layer][:, :, pos].copy_(msg[1][j])
-                            vstore[layer][:, :, pos].copy_(msg[2][j])
-                        k, _ = view(layer, seq)
-                        policy.observe(state, layer, msg[0][j], k, kv)
+                    if p not in q_in:
+                        q_in[p] = [torch.empty_like(x) for x in msg]
+                    for dst, src in zip(q_in[p], msg):
+                        dst.copy_(src, non_blocking=True)
+                    del msg
+                    self._run(("observe", p, _key(policy, state, seq)), lambda: observe_pack(p, seq), graphs_on)
                 self.stats["packs"] += 1
                 if seq + 1 > s.theta and not stalled:
                     await select_and_send(p, step + 1, seq + 1)
 
-    def _encode(self, sels: list, p: int, step: int, seq: int, s: P.Setup, view, prev: dict,
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graphs_enabled(self, s: P.Setup) -> bool:
+        """Replay each pack's work as a CUDA graph: on CUDA, with a cache of fixed
+        shape (a static inference cache or a shared one), for ``indices`` and ``kv``
+        (``delta`` encoding syncs the host). ``SPADE_CACHE_GRAPHS=0`` turns it off."""
+        return (self.device.type == "cuda" and self.use_graphs and os.environ.get("SPADE_CACHE_GRAPHS", "1") != "0"
+                and s.return_mode in ("indices", "kv") and (s.shared_kv or s.static_len > 0))
+
+    def _run(self, key: tuple, fn, graphs_on: bool):
+        """``fn()`` eagerly, or as a CUDA graph: the first call of a key runs eagerly
+        (warm-up: Triton compiles, outputs are allocated) on the capture stream, then
+        is captured; later calls replay. ``fn`` returns host facts, which a key fixes
+        (the policy's ``graph_key`` is part of it, as on the inference rank)."""
+        if not graphs_on:
+            return fn()
+        hit = self._graphs.get(key)
+        if hit is not None:
+            if hit[0] is None:  # this key could not be captured: eager
+                return fn()
+            hit[0].replay()
+            return hit[1]
+        cur = torch.cuda.current_stream(self.device)
+        cap = self._capture_stream
+        cap.wait_stream(cur)
+        with torch.cuda.stream(cap):
+            info = fn()
+        cur.wait_stream(cap)
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self._pool, stream=cap, capture_error_mode="thread_local"):
+                fn()
+        except Exception as e:  # a policy that cannot be captured still works, eagerly
+            log.warning("cache rank: CUDA graph capture of %s failed (%s: %s); running it eagerly",
+                        key[:2], type(e).__name__, e)
+            self._graphs[key] = (None, info)
+            return info
+        cur.wait_stream(cap)
+        self._graphs[key] = (g, info)
+        self.stats["graphs"] = self.stats.get("graphs", 0) + 1
+        return info
+
+    def _encode(self, info: tuple, o: dict | None, p: int, step: int, seq: int, s: P.Setup, view, prev: dict,
                 l0: int) -> list[torch.Tensor]:
-        """The pack's "sel" message (see ``spade.runtime.protocol``)."""
-        n = len(sels)
-        meta = torch.zeros(n, P.META, dtype=torch.int64)
-        meta[:, P.META_PACK], meta[:, P.META_STEP], meta[:, P.META_SEQ] = p, step, seq
-        K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
-        for j, sel in enumerate(sels):
-            if sel is None:
-                meta[j, P.META_DENSE] = 1
-            else:
-                meta[j, P.META_SINK], meta[j, P.META_RECENT] = sel.n_sink, sel.n_recent
-            meta[j, P.META_K] = K
-        if all(sel is None for sel in sels) or K == 0:
+        """The pack's "sel" message (see ``spade.runtime.protocol``) from the host
+        facts ``info`` and the output buffers ``o`` of ``select_pack``."""
+        flags, K = info[:-1], info[-1]
+        n = len(flags)
+        meta = torch.tensor([[p, step, seq, int(dense), sink, recent, K, 0] for dense, sink, recent in flags],
+                            dtype=torch.int64)
+        if K == 0:
             if s.return_mode == "delta":
                 for j in range(n):
                     prev.pop(l0 + j, None)
-            if K == 0:
-                meta[:, P.META_K] = 0
             return [meta]
-        sample = next(sel for sel in sels if sel is not None).indices
-        B, H = sample.shape[:2]
-        idx = torch.full((n, B, H, K), -1, dtype=torch.int32, device=self.device)
-        for j, sel in enumerate(sels):
-            if sel is not None:
-                w = sel.indices.shape[2]
-                idx[j, :, :, :w] = sel.indices.to(torch.int32)
+        idx = o["idx"]
         if s.return_mode == "indices":
             return [meta, idx]
         if s.return_mode == "kv":
-            ks, vs = [], []
-            for j in range(n):
-                k, v = view(l0 + j, seq)
-                kk, vv = kernels.gather_kv(k, v, idx[j])
-                ks.append(kk)
-                vs.append(vv)
-            return [meta, idx, torch.stack(ks), torch.stack(vs)]
+            return [meta, idx, o["k"], o["v"]]
         # delta: align each layer's selection to the slots the inference rank holds
+        B, H = idx.shape[1:3]
         slots_l, vals_l = [], []
-        for j, sel in enumerate(sels):
+        for j, (dense, _, _) in enumerate(flags):
             layer = l0 + j
-            if sel is None:
+            if dense:
                 prev.pop(layer, None)
                 cur = torch.full((B, H, K), -1, dtype=torch.int32, device=self.device)
                 sl, va = delta_encode(cur, cur)
@@ -340,3 +423,13 @@ class CacheRank:
             vals[j, :, :, :c] = vals_l[j]
         meta[:, P.META_C] = C
         return [meta, slots, vals]
+
+
+def _key(policy: Policy, state, seq: int) -> tuple:
+    """The policy's host facts at cache length ``seq`` (``Policy.graph_key``)."""
+    keep = state.seq_len
+    state.seq_len = seq
+    try:
+        return tuple(policy.graph_key(state))
+    finally:
+        state.seq_len = keep
