@@ -154,9 +154,10 @@ class AsyncSelector:
         self.seq_len = 0
         self.kv_start: torch.Tensor | None = None
         self.boot: dict[int, tuple] = {}
-        self.q_buf: list[torch.Tensor] = []
-        self.k_buf: list[torch.Tensor] = []
+        self.q_buf: list[torch.Tensor] = []  # per pack [n, B, Hq, D] (views of pack_buf when fused)
+        self.k_buf: list[torch.Tensor] = []  # per pack [n, B, Hkv, D]
         self.v_buf: list[torch.Tensor] = []
+        self.pack_buf: list[torch.Tensor] = []  # per pack [n, B, Hq + 2 Hkv, D]: one message tensor
         self.kv_lens0: torch.Tensor | None = None
         self.g_lens: torch.Tensor | None = None  # kv mode: [B] = K
         self.slot_ar: torch.Tensor | None = None  # kv mode: [K]
@@ -181,14 +182,7 @@ class AsyncSelector:
 
     def prefill(self, layer, q, k_cache, v_cache, kv_lens):
         if not self.q_buf:
-            B, Hq, _, D = q.shape
-            Hkv = k_cache.shape[1]
-            for l0, l1 in self.packs:
-                n = l1 - l0
-                self.q_buf.append(torch.zeros(n, B, Hq, D, dtype=q.dtype, device=q.device))
-                if self.stage_kv:
-                    self.k_buf.append(torch.zeros(n, B, Hkv, D, dtype=k_cache.dtype, device=k_cache.device))
-                    self.v_buf.append(torch.zeros(n, B, Hkv, D, dtype=v_cache.dtype, device=v_cache.device))
+            self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
             self.kv_lens0 = kv_lens.clone()
         self.boot[layer] = (q, k_cache, v_cache)
         if self.shared is not None:
@@ -198,7 +192,29 @@ class AsyncSelector:
     def graph_key(self) -> tuple:
         return self.key
 
+    def allocate(self, B: int, Hq: int, Hkv: int, D: int, q_dtype, kv_dtype, device) -> None:
+        """Per-pack staging buffers. With K/V to ship and one dtype, q, k and v are
+        head ranges of one [n, B, Hq + 2 Hkv, D] tensor: one message tensor per pack
+        (one NCCL send instead of three)."""
+        self.q_buf, self.k_buf, self.v_buf, self.pack_buf = [], [], [], []
+        for l0, l1 in self.packs:
+            n = l1 - l0
+            if self.stage_kv and q_dtype == kv_dtype:
+                buf = torch.zeros(n, B, Hq + 2 * Hkv, D, dtype=q_dtype, device=device)
+                self.pack_buf.append(buf)
+                self.q_buf.append(buf[:, :, :Hq])
+                self.k_buf.append(buf[:, :, Hq:Hq + Hkv])
+                self.v_buf.append(buf[:, :, Hq + Hkv:])
+                continue
+            self.q_buf.append(torch.zeros(n, B, Hq, D, dtype=q_dtype, device=device))
+            if self.stage_kv:
+                self.k_buf.append(torch.zeros(n, B, Hkv, D, dtype=kv_dtype, device=device))
+                self.v_buf.append(torch.zeros(n, B, Hkv, D, dtype=kv_dtype, device=device))
+
     def pack_tensors(self, p: int) -> list[torch.Tensor]:
+        """The "qkv" message of pack ``p``: [qkv] fused, [q, k, v], or [q] (shared cache)."""
+        if self.pack_buf:
+            return [self.pack_buf[p]]
         if self.stage_kv:
             return [self.q_buf[p], self.k_buf[p], self.v_buf[p]]
         return [self.q_buf[p]]
@@ -619,9 +635,9 @@ class InferenceSession:
         # colocated + static cache: the cache rank reads our cache, only queries travel;
         # otherwise (growing caches included) it keeps its own store
         shared_kv = self.link.shared is not None and static_len > 0
-        if shared_kv:
+        if shared_kv:  # queries only
             s.stage_kv = False
-            s.k_buf, s.v_buf = [], []
+            s.allocate(B, Hq, k0.shape[1], D, q0.dtype, k0.dtype, q0.device)
         else:
             s.shared = None
         rows = getattr(self.policy, "rows", None)

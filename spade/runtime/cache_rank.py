@@ -230,7 +230,9 @@ class CacheRank:
         graphs_on = self._graphs_enabled(s)
         self._graphs = {}
         q_in: dict[int, list[torch.Tensor]] = {}
+        parts: dict[int, tuple] = {}
         out: dict[int, dict] = {}
+        Hq = spec.n_q_heads
         with self._on():
             kv_obs = kv_lens.clone()
             kv_sel = kv_lens.clone()
@@ -239,7 +241,7 @@ class CacheRank:
         def observe_pack(p: int, seq: int) -> None:
             l0, l1 = packs[p]
             state.seq_len = seq
-            qb = q_in[p]
+            qb = parts[p]  # (q, k, v) views of the pack's input buffers
             for j, layer in enumerate(range(l0, l1)):
                 if not s.shared_kv:  # append the step's k, v at the device-side position
                     kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
@@ -328,6 +330,11 @@ class CacheRank:
                 with self._on():
                     if p not in q_in:
                         q_in[p] = [torch.empty_like(x) for x in msg]
+                        if len(msg) == 1 and msg[0].shape[2] == Hq + 2 * Hkv:  # fused [n, B, Hq + 2 Hkv, D]
+                            f = q_in[p][0]
+                            parts[p] = (f[:, :, :Hq], f[:, :, Hq:Hq + Hkv], f[:, :, Hq + Hkv:])
+                        else:  # [q, k, v] or [q] (shared cache)
+                            parts[p] = tuple(q_in[p])
                     for dst, src in zip(q_in[p], msg):
                         dst.copy_(src, non_blocking=True)
                     del msg

@@ -12,8 +12,9 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
       "boot"  per layer: [q_tail [B, Hq, W, D], k [B, Hkv, T, D], v [B, Hkv, T, D]]
               (the prompt's KV and last W queries; only q_tail when the cache rank
               reads the inference rank's own cache: ``colocated`` with a static cache)
-      "qkv"   per pack per step: [q [n, B, Hq, D], k [n, B, Hkv, D], v [n, B, Hkv, D]]
-              (only q with a shared cache)
+      "qkv"   per pack per step: [qkv [n, B, Hq + 2 Hkv, D]] (q, k, v head ranges of one
+              tensor), or [q [n, B, Hq, D], k [n, B, Hkv, D], v] when their dtypes
+              differ, or [q] alone with a shared cache
     cache -> inference
       "boot_ack" [layer int64 [1] (cpu)] after each "boot" (at most 2 unacknowledged)
       "sel"   per pack per *sparse* step:
