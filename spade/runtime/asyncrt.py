@@ -872,10 +872,8 @@ class InferenceSession:
                 s.cur[layer] = None
         gen = be.decode_stages(tokens, ctx, self.P)
         for p in range(len(self.packs)):
-            if st.sparse:
+            if st.sparse:  # (a cache rank lost mid-step under graphs: the step's packs keep their buffers)
                 await self._ensure(p, step)
-                if self.peer_gone is not None and self.graphs:
-                    pass  # the step's graph key was sparse: keep the stale buffers for this step
             got = next(gen)
             if got != p:
                 raise RuntimeError(f"backend yielded pack {got}, expected {p} (pack_layers={self.P})")
