@@ -55,6 +55,21 @@ class InlineSelector:
         self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
 
 
+class ThresholdSelector(InlineSelector):
+    """Inline selection with the sparse threshold: dense while the cache length is
+    ``<= theta`` (``select`` is not called then), the policy's selection after.
+    With ``theta = 0`` it is exactly ``InlineSelector``."""
+
+    def __init__(self, policy: Policy, state: PolicyState, theta: int = 0):
+        super().__init__(policy, state)
+        self.theta = int(theta)
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        if self.state.seq_len <= self.theta:
+            return None
+        return super().selection(layer, q, k_cache, kv_lens)
+
+
 class AttentionContext:
     """Per-generation attention context: the selector, the step's bookkeeping and
     device-side statistics (no host sync inside a step).

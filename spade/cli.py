@@ -46,6 +46,9 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from spade.engine import run
+    from spade.runtime.worker import maybe_serve
+
+    maybe_serve()  # under torchrun, rank 1 becomes the cache rank here and exits
 
     cfg = _load(args)
     con = _console()

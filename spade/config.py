@@ -196,6 +196,15 @@ class RuntimeConfig(_Section):
     def _transport_default(cls, v):
         return {"name": "local", **v} if isinstance(v, dict) else v
 
+    @model_validator(mode="after")
+    def _reachable(self):
+        if self.topology == "multiprocess" and self.transport.name == "local":
+            raise ValueError(
+                "topology 'multiprocess' puts the cache rank in another process, which the 'local' "
+                "transport cannot reach: set runtime.transport.name to nccl, ucx or nixl"
+            )
+        return self
+
 
 # --------------------------------------------------------------------------- generation
 class PromptConfig(_Section):

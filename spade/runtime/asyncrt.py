@@ -74,7 +74,7 @@ from typing import Any, Callable
 import torch
 
 from spade import kernels
-from spade.attention import AttentionContext, InlineSelector
+from spade.attention import AttentionContext, InlineSelector, ThresholdSelector  # noqa: F401
 from spade.errors import ConfigError, PeerGone, PeerTimeout, TransportError
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import last_token_keys
@@ -112,21 +112,6 @@ def is_async_policy(policy: Policy) -> bool:
 
 
 # ============================================================================ synchronous path
-class ThresholdSelector(InlineSelector):
-    """Inline selection with the sparse threshold: dense while the cache length is
-    ``<= theta`` (``select`` is not called then), the policy's selection after.
-    With ``theta = 0`` it is exactly ``InlineSelector``."""
-
-    def __init__(self, policy: Policy, state: PolicyState, theta: int = 0):
-        super().__init__(policy, state)
-        self.theta = int(theta)
-
-    def selection(self, layer, q, k_cache, kv_lens):
-        if self.state.seq_len <= self.theta:
-            return None
-        return super().selection(layer, q, k_cache, kv_lens)
-
-
 # ============================================================================ inference rank
 class AsyncSelector:
     """The inference rank's ``Selector``: hands out the cache rank's selections and

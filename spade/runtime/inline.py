@@ -1,12 +1,11 @@
-"""``inline`` topology: the policy selects on the critical path of each step."""
+"""``inline`` topology: the policy selects on the critical path of each step
+(dense until the cache passes ``runtime.sparse_threshold``, as in the async runtime)."""
 
 from __future__ import annotations
 
 import time
 
-import torch
-
-from spade.attention import AttentionContext, InlineSelector
+from spade.attention import AttentionContext, ThresholdSelector
 from spade.runtime.base import GenerationTrace, Runtime, _sync, timed_loop
 
 
@@ -14,7 +13,8 @@ class InlineRuntime(Runtime):
     def generate(self, input_ids, attention_mask, *, max_new_tokens, sample_fn, on_token=None):
         be = self.backend
         state = self.policy.new_state(input_ids.shape[0], be.device)
-        ctx = AttentionContext(be.spec, InlineSelector(self.policy, state), device=be.device)
+        theta = self.cfg.runtime.sparse_threshold
+        ctx = AttentionContext(be.spec, ThresholdSelector(self.policy, state, theta), device=be.device)
         _sync(be.device)
         t0 = time.perf_counter()
         logits = be.prefill(input_ids.to(be.device), attention_mask.to(be.device), ctx)
