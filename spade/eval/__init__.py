@@ -100,7 +100,7 @@ def _summary_rows(sec: str, res: dict) -> dict[str, tuple[list[str], list[list[A
         red = res["config"]["group_reduces"][0]
         for name, m in res["models"].items():
             rows = [r for r in m["rows"] if r["reduce"] in (red, "-") and not r["policy"].startswith(("stale", "ridge[", "assembled["))]
-            budgets = list(dict.fromkeys(r["budget"] for r in rows))
+            budgets = _order_budgets(dict.fromkeys(r["budget"] for r in rows))
             pols = list(dict.fromkeys(r["policy"] for r in rows))
             cols = ["policy"] + [f"recall {b}" for b in budgets] + [f"overlap {b}" for b in budgets]
             body = []
@@ -136,6 +136,13 @@ def _summary_rows(sec: str, res: dict) -> dict[str, tuple[list[str], list[list[A
                 for r in res["rows"]]
         tables[f"niah {res['model']}"] = (cols, body)
     return tables
+
+
+def _order_budgets(labels) -> list[str]:
+    """Fixed budgets by size, then the context fractions."""
+    labels = list(labels)
+    fixed = sorted((b for b in labels if "ctx" not in b), key=lambda b: int(b.split("=")[1]))
+    return fixed + [b for b in labels if "ctx" in b]
 
 
 def _fmt(v: Any) -> str:

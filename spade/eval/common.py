@@ -179,7 +179,9 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
     t = Table(title=title, title_justify="left")
     for c in columns:
-        t.add_column(c, justify="left" if c == columns[0] else "right")
+        first = c == columns[0]
+        t.add_column(c, justify="left" if first else "right", no_wrap=first)
     for r in rows:
         t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r])
-    Console(width=max(100, 14 * len(columns) + 30)).print(t)
+    width = max(len(str(r[0])) for r in rows) + sum(max(len(c), 8) + 3 for c in columns[1:]) + 8 if rows else 100
+    Console(width=max(100, width)).print(t)
