@@ -19,6 +19,14 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
+def _zoom(ax, series: dict[str, list]) -> None:
+    """y from a little below the smallest bar to 1: differences of a few hundredths show."""
+    vals = [v for vs in series.values() for v in vs if v is not None]
+    if vals:
+        lo = max(0.0, int((min(vals) - 0.05) * 10) / 10)
+        ax.set_ylim(lo, min(1.02, max(vals) + 0.04) if max(vals) <= 1 else max(vals) * 1.05)
+
+
 def _budgets(rows: list[dict]) -> list[str]:
     seen: list[str] = []
     for r in rows:
@@ -35,12 +43,17 @@ def _get(rows: list[dict], budget: str, policy: str, reduce: str) -> dict | None
     return None
 
 
+def _colors(n: int) -> list:
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
 def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> None:
     n = max(1, len(series))
     width = 0.8 / n
-    for i, (lab, vals) in enumerate(series.items()):
+    for i, ((lab, vals), col) in enumerate(zip(series.items(), _colors(n))):
         xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=lab)
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=lab, color=col)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups)
     ax.set_ylabel(ylabel)
@@ -65,17 +78,19 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
             if any(v is not None for v in vals):
                 series[pol] = vals
         _bars(ax, budgets, series, metric, f"{name}: {metric} by policy and budget ({red}; layer mean)")
-        ax.set_ylim(0, 1.05)
+        _zoom(ax, series)
         ax.legend(fontsize=7, ncol=3, loc="lower right")
         out.append(_save(fig, out_dir / f"selection_{name}_{metric}.png"))
 
     # per-layer recall at the first budget
     b0 = budgets[0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for pol, rd in main:
+    key = [(p, rd) for p, rd in main if p in ("oracle", "asyncspade[last]", "asyncspade[assembled]",
+                                              "asyncspade[assembled,rope]", "quest", "streaming", "tova")]
+    for (pol, rd), col in zip(key, _colors(len(key))):
         r = _get(rows, b0, pol, rd)
         if r is not None and "recall_per_layer" in r:
-            ax.plot(range(len(r["recall_per_layer"])), r["recall_per_layer"], marker=".", label=pol)
+            ax.plot(range(len(r["recall_per_layer"])), r["recall_per_layer"], marker=".", label=pol, color=col)
     ax.set_xlabel("layer")
     ax.set_ylabel("attention recall")
     ax.set_title(f"{name}: recall per layer, {b0}")
@@ -89,6 +104,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
     for ax, metric in zip(axes, ("recall", "overlap")):
         series = {rd: [(_get(rows, b0, p, rd) or {}).get(metric) for p in pols] for rd in cfg.group_reduces}
         _bars(ax, pols, series, metric, f"{name}: GQA reduction, {b0}")
+        _zoom(ax, series)
         ax.tick_params(axis="x", labelsize=7, rotation=15)
         ax.legend(fontsize=7)
     out.append(_save(fig, out_dir / f"selection_{name}_reduce.png"))
@@ -115,7 +131,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
         series = {lab.replace("stale[d=1]", "last (q_{t-1})"): [(_get(rows, b, lab, red) or {}).get("overlap")
                                                                 for b in budgets] for lab in labels}
         _bars(ax, budgets, series, "overlap", f"{name}: one-step shift of the ridge weights (Fig. 5)")
-        ax.set_ylim(0, 1.05)
+        _zoom(ax, series)
         ax.legend(fontsize=7, ncol=3, loc="lower right")
         out.append(_save(fig, out_dir / f"selection_{name}_fig5.png"))
     return out
