@@ -37,12 +37,13 @@ run() {  # run NAME TIMEOUT CMD...
 for s in "${stages[@]}"; do
   case $s in
     tests) run tests 330 python3 -m pytest -q -x -p no:cacheprovider --timeout 120 tests/kernels tests/policies
-           run gputests 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests ;;
+           run gputests 200 python3 -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or multigpu" tests ;;
     kernels) run bench_scoring 200 python3 -m benchmarks.bench_scoring --quick --out "$OUT/bench_scoring.json"
              run bench_attention 200 python3 -m benchmarks.bench_attention --quick --out "$OUT/bench_attention.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
-    tpot) run bench_tpot 420 python3 -m benchmarks.bench_tpot --quick --out "$OUT/bench_tpot.json" ;;
-    transports) run bench_transports 200 python3 -m benchmarks.bench_transports --out "$OUT/bench_transports.json" ;;
+    tpot) run bench_tpot 330 python3 -m benchmarks.bench_tpot --quick --out "$OUT/bench_tpot.json" ;;
+    gputests) run gputests 120 python3 -m pytest -v -p no:cacheprovider --timeout 40 -m "gpu or multigpu" tests ;;
+    transports) run bench_transports 120 python3 -m benchmarks.bench_transports --out "$OUT/bench_transports.json" ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done

@@ -147,7 +147,8 @@ class NiahEvalConfig(_Section):
     budgets: list[PosInt] = Field(default_factory=lambda: [64])
     sink_tokens: int = Field(4, ge=0)
     recent_tokens: int = Field(16, ge=1)
-    max_new_tokens: int = Field(24, gt=0)
+    max_new_tokens: int = Field(32, gt=0)
+    """Room for a preamble ("The secret passphrase is ...") before the passphrase."""
     batch_size: int = Field(3, gt=0)
     policies: list[dict[str, Any]] = Field(default_factory=lambda: [
         {"name": "asyncspade", "predictor": "assembled"},

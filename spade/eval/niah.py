@@ -6,7 +6,7 @@ the model is asked for the passphrase after the essays. The prompt pass is
 dense (as in every policy), so the question has seen the needle; the answer is
 written by sparse decode steps, which must find the needle among the cached
 tokens again to copy it. Scored: exact retrieval (the passphrase appears in the
-answer) per policy, budget, context length and depth, and the same cell under
+answer, ignoring case) per policy, budget, context length and depth, and the same cell under
 full attention for reference.
 """
 
@@ -81,7 +81,7 @@ def run_niah(cfg: NiahEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
                     ans = tok.decode(g, skip_special_tokens=True)
                     records.append({"run": lab, "policy": pol, "K": b, "context": n, "depth": d,
                                     "prompt_tokens": int(m.sum()), "secret": s, "answer": ans.strip(),
-                                    "found": s in ans})
+                                    "found": s.lower() in ans.lower()})
                 advance()
             backend.close()
     summary = []
