@@ -249,10 +249,7 @@ class BenchConfig(_Section):
     )
 
 
-class EvalConfig(_Section):
-    out_dir: str = "results/eval"
-    extra: dict[str, Any] = Field(default_factory=dict)
-    """Settings of the individual measurements (see ``spade eval --help``)."""
+from spade.eval.config import EvalConfig  # noqa: E402  (pydantic only: the measurement sections)
 
 
 # --------------------------------------------------------------------------- root
