@@ -175,13 +175,14 @@ def write_json(path: Path, data: Any) -> Path:
 def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     """A rich table on stdout (the summary the CLI shows)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
+    t = Table(title=escape(title), title_justify="left")
     for c in columns:
         first = c == columns[0]
-        t.add_column(c, justify="left" if first else "right", no_wrap=first)
-    for r in rows:
-        t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in r])
+        t.add_column(escape(c), justify="left" if first else "right", no_wrap=first)
+    for r in rows:  # labels such as "asyncspade[last]" are not rich markup
+        t.add_row(*[escape(f"{v:.4f}" if isinstance(v, float) else str(v)) for v in r])
     width = max(len(str(r[0])) for r in rows) + sum(max(len(c), 8) + 3 for c in columns[1:]) + 8 if rows else 100
     Console(width=max(100, width)).print(t)
