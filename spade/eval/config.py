@@ -40,7 +40,7 @@ class SelectionEvalConfig(_Budgets):
     """Overlap and attention recall of each selection, on captured queries/keys.
 
     Defaults (one 2048-token text, 48 positions, every predictor x RoPE x GQA
-    reduction, 3 fixed budgets + K = t/16) take about 2.5 minutes for SmolLM2
+    reduction, 3 fixed budgets + K = t/16) take about 1 minute for SmolLM2
     on 2 CPU cores.
 
     One dense teacher-forced pass per text captures every layer's post-RoPE
@@ -84,10 +84,10 @@ class SelectionEvalConfig(_Budgets):
 class PerplexityEvalConfig(_Budgets):
     """Teacher-forced perplexity under each policy vs full attention.
 
-    Defaults (one 512-token text, 384 scored tokens, K = 64) take about 4
-    minutes for SmolLM2 on 2 CPU cores: every scored position runs the policy
-    once per layer, and the CPU references of the predictors and Quest cost
-    milliseconds per call.
+    Defaults (one 512-token text, 384 scored tokens, K = 64) take about 40
+    seconds for SmolLM2 on 2 CPU cores; longer texts cost more than linearly:
+    every scored position runs the policy once per layer, and the CPU
+    references of the predictors and Quest cost milliseconds per call.
     """
 
     enabled: bool = True
@@ -114,7 +114,7 @@ class Gsm8kEvalConfig(_Section):
     """Greedy GSM8K answers under each policy vs full attention.
 
     The default (Qwen2.5-Coder-0.5B, 8 problems, 256 new tokens, full + 2
-    policies) takes about 5 minutes on 2 CPU cores; ``configs/eval_qwen15b_gsm8k.yaml``
+    policies) takes about 5.5 minutes on 2 CPU cores; ``configs/eval_qwen15b_gsm8k.yaml``
     is the 1.5B run.
     """
 

@@ -151,7 +151,7 @@ def perplexity_plot(name: str, res: dict, out_dir: Path) -> list[str]:
           f"{name}: perplexity under sparse decoding (full {res['ppl_full']:.2f})")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return [_save(fig, out_dir / f"perplexity_{name}.png")]
 
 
@@ -163,7 +163,7 @@ def gsm8k_plot(res: dict, out_dir: Path) -> list[str]:
                        "prefix agreement": [r["prefix_agreement"] for r in rows],
                        "token agreement": [r["token_agreement"] for r in rows]},
           "fraction", f"GSM8K, {res['model']}, {res['n_problems']} problems (greedy)")
-    ax.errorbar(range(len(rows)), [r["accuracy"] for r in rows], yerr=[r["stderr"] for r in rows], fmt="none",
+    ax.errorbar([i - 0.8 / 3 for i in range(len(rows))], [r["accuracy"] for r in rows], yerr=[r["stderr"] for r in rows], fmt="none",
                 ecolor="k", capsize=3, elinewidth=0.8, xerr=None)
     ax.tick_params(axis="x", labelsize=7, rotation=20)
     ax.set_ylim(0, 1.05)

@@ -30,7 +30,6 @@ of q_t, vs d) and Fig. 5 (ridge prediction with vs without the one-step shift).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any

@@ -3,7 +3,6 @@ generation, policies do not leak into each other, and the run writes its file.""
 
 import json
 
-import pytest
 import torch
 
 from spade.config import AsyncSpadePolicyConfig, FullPolicyConfig, OraclePolicyConfig

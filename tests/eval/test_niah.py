@@ -3,7 +3,6 @@ scores every policy and a budget covering the context matches full attention."""
 
 import random
 
-import pytest
 
 from spade.eval.config import NiahEvalConfig
 

@@ -5,9 +5,8 @@ import json
 import math
 
 import pytest
-import torch
 
-from spade.config import FullPolicyConfig, OraclePolicyConfig
+from spade.config import OraclePolicyConfig
 from spade.eval.common import essay_token_segments
 from spade.eval.config import PerplexityEvalConfig
 
