@@ -45,6 +45,8 @@ from typing import Callable
 
 import torch
 
+from spade.attention import FixedSelector
+
 N_SINK, N_RECENT = 4, 64
 TARGET_RATIO = 1.2  # full-attention TPOT must be within 1.2x of its byte floor
 
@@ -89,26 +91,6 @@ def _free_memory() -> None:
 
 
 # ----------------------------------------------------------------------------- selectors
-class FixedSelector:
-    """The "optimal" selector: one precomputed ``Selection`` for every layer and
-    step (no selection cost). Implements ``spade.attention.Selector``."""
-
-    def __init__(self, selection):
-        self.sel = selection
-
-    def begin_step(self, seq_len, kv_start):
-        pass
-
-    def selection(self, layer, q, k_cache, kv_lens):
-        return self.sel
-
-    def after(self, layer, q, k_cache, v_cache, kv_lens):
-        pass
-
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
-        pass
-
-
 def random_selection(B: int, Hkv: int, L: int, K: int, device: torch.device, seed: int = 0):
     """``K - N_SINK - N_RECENT`` distinct random middle positions per (row, KV head)
     in ``[N_SINK, L - N_RECENT)`` (unsorted, as a top-k returns them)."""

@@ -52,6 +52,8 @@ from typing import Any, Callable
 
 import torch
 
+from spade.attention import FixedSelector
+
 METHODS = ["full", "quest", "tova", "oracle", "asyncspade/inline", "asyncspade/colocated", "asyncspade/local",
            "asyncspade/multiprocess", "optimal"]
 
@@ -128,25 +130,6 @@ def make_config(overrides: list[str]):
     from spade.config import load_config
 
     return load_config(None, overrides=overrides)
-
-
-class FixedSelector:
-    """``optimal``: one precomputed ``Selection`` for every layer and step."""
-
-    def __init__(self, sel):
-        self.sel = sel
-
-    def begin_step(self, seq_len, kv_start):
-        pass
-
-    def selection(self, layer, q, k_cache, kv_lens):
-        return self.sel
-
-    def after(self, layer, q, k_cache, v_cache, kv_lens):
-        pass
-
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
-        pass
 
 
 def random_selection(B: int, Hkv: int, L: int, K: int, sink: int, recent: int, device):

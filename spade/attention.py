@@ -70,6 +70,26 @@ class ThresholdSelector(InlineSelector):
         return super().selection(layer, q, k_cache, kv_lens)
 
 
+class FixedSelector:
+    """A selector that returns one precomputed ``Selection`` every step: the
+    "optimal" decode (selection indices given for free) of the benchmarks."""
+
+    def __init__(self, selection: Selection | None):
+        self.sel = selection
+
+    def begin_step(self, seq_len, kv_start):
+        pass
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        return self.sel
+
+    def after(self, layer, q, k_cache, v_cache, kv_lens):
+        pass
+
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+        pass
+
+
 class AttentionContext:
     """Per-generation attention context: the selector, the step's bookkeeping and
     device-side statistics (no host sync inside a step).

@@ -85,6 +85,15 @@ class LocalTransport(Transport):
         return True, "in-process queues (CUDA streams/events when tensors are on GPUs)"
 
     # ------------------------------------------------------------------ life cycle
+    def _withdraw(self) -> None:
+        """Leave the rendezvous of our channel if no peer took us (timeout, cancel)."""
+        with _Rendezvous.lock:
+            slot = _Rendezvous.waiting.get(self.channel, {})
+            if slot.get(self.rank, (None,))[0] is self:
+                del slot[self.rank]
+                if not slot:
+                    _Rendezvous.waiting.pop(self.channel, None)
+
     async def connect(self, handshake: Handshake) -> Handshake:
         if self._closed:
             raise TransportError("local transport: connect after close")
@@ -115,21 +124,11 @@ class LocalTransport(Transport):
         try:
             peer = await asyncio.wait_for(fut, self.connect_timeout_s)
         except asyncio.TimeoutError:
-            with _Rendezvous.lock:
-                slot = _Rendezvous.waiting.get(self.channel, {})
-                if slot.get(self.rank, (None,))[0] is self:
-                    del slot[self.rank]
-                    if not slot:
-                        _Rendezvous.waiting.pop(self.channel, None)
+            self._withdraw()
             raise PeerTimeout(f"local transport: no peer joined channel {self.channel!r} within "
                               f"{self.connect_timeout_s:.1f}s") from None
         except asyncio.CancelledError:
-            with _Rendezvous.lock:
-                slot = _Rendezvous.waiting.get(self.channel, {})
-                if slot.get(self.rank, (None,))[0] is self:
-                    del slot[self.rank]
-                    if not slot:
-                        _Rendezvous.waiting.pop(self.channel, None)
+            self._withdraw()
             raise
         assert peer.handshake is not None
         handshake.check_peer(peer.handshake)
