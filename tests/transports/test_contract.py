@@ -28,7 +28,7 @@ TRANSPORT_NAMES = ["local", "nccl", "ucx", "nixl"]
 #: Transports whose two endpoints live in one process.
 IN_PROCESS = {"local"}
 #: The transports' own timeout (connect, send) in the scenarios.
-TIMEOUT_S = 20.0
+TIMEOUT_S = 60.0  # generous: a 64 MiB message over UCX-TCP on a busy 2-core CI box
 #: Wall-clock bound of one scenario, start to finish, both ranks.
 SCENARIO_LIMIT_S = 120.0
 #: Start-up bound of a helper process (imports torch: seconds on a slow CI box).
