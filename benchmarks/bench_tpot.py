@@ -123,7 +123,10 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
     common = [f"policy.budget={K}", f"policy.sink_tokens={a.sink}", f"policy.recent_tokens={a.recent}"]
     if name == "oracle":
         return ["policy.name=oracle", *common]
-    return ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}"]
+    out = ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}"]
+    if getattr(a, "cur_score_keys", "exact") != "exact":
+        out.append(f"policy.score_keys={a.cur_score_keys}")
+    return out
 
 
 def make_config(overrides: list[str]):
@@ -188,7 +191,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         f"runtime.on_late={a.on_late}", "runtime.late_timeout_s=120"]
     if topology == "multiprocess":
         over += ["runtime.transport.name=nccl", f"runtime.transport.master_port={a.port}",
-                 "runtime.transport.timeout_s=300"]
+                 "runtime.transport.timeout_s=90"]
     cfg = make_config(over)
     pol = build_policy(cfg.policy, model.spec)
     loop = shared["loop"]
@@ -202,6 +205,10 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
+            if a.profile and not shared.get("profiled_" + topology):
+                shared["profiled_" + topology] = True
+                await profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
+                                    f"profile_{topology}_P{P}_B{B}_L{L}_K{K}")
         finally:
             await sess.end()
         return ms, sess.trace([[]], []).stats
@@ -217,6 +224,52 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
     return row
+
+
+async def profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = 4) -> None:
+    """``torch.profiler`` over a few steady-state steps: a table of the top CUDA
+    kernels per device and a Chrome trace (where the time of an asynchronous step goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            await step()
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(i)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    (out_dir / f"{name}.txt").write_text(f"{steps} steps\n{table}\n")
+    try:
+        prof.export_chrome_trace(str(out_dir / f"{name}.json"))
+    except Exception as e:  # pragma: no cover
+        print(f"chrome trace not written: {e}", file=sys.stderr)
+    print(f"  profile of {steps} steps -> {out_dir / name}.txt", flush=True)
+
+
+def time_graph(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
+    """``time_calls`` of ``fn`` replayed as one CUDA graph (what the cache rank
+    does per pack); eager when capture fails or off CUDA."""
+    if device.type != "cuda":
+        return time_calls(fn, iters=iters, warmup=warmup, device=device)
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    except Exception as e:
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:100]}; timing eagerly)", flush=True)
+        torch.cuda.synchronize(device)
+        return time_calls(fn, iters=iters, warmup=warmup, device=device)
+    return time_calls(g.replay, iters=iters, warmup=warmup, device=device)
 
 
 # ----------------------------------------------------------------------------- micro timings
@@ -244,8 +297,16 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
         "gather_kv_ms": statistics.median(time_calls(lambda: kernels.gather_kv(kc, vc, sel.indices), **it)),
     }
     W = a.window + 1
-    for name in ("quest", "tova", "oracle", "asyncspade"):
-        cfg = make_config(policy_overrides(name, K, a))
+    names = ["quest", "tova", "oracle", "asyncspade"] + [f"asyncspade_{sk}" for sk in a.score_keys if sk != "exact"]
+    for name in names:
+        a.cur_score_keys = name.split("_", 1)[1] if "_" in name else "exact"
+        try:
+            cfg = make_config(policy_overrides(name.split("_")[0], K, a))
+        except Exception as e:
+            out[f"select_{name}_error"] = f"{type(e).__name__}: {e}"
+            continue
+        finally:
+            a.cur_score_keys = "exact"
         pol = build_policy(cfg.policy, spec)
         st = pol.new_state(B, dev)
         st.seq_len = L
@@ -258,7 +319,9 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
             pol.observe(st, 0, q, kc, kv1)
             pol.select(st, 0, q if pol.needs_current_query else None, kc, kv1)
 
-        out[f"select_{name}_ms"] = statistics.median(time_calls(work, **it))
+        out[f"select_{name}_ms"] = statistics.median(time_calls(work, **it))  # eager: launches included
+        if name.startswith("asyncspade"):  # the cache rank replays its pack work as a CUDA graph
+            out[f"select_{name}_graph_ms"] = statistics.median(time_graph(work, **it))
     free_memory()
     return out
 
@@ -272,8 +335,9 @@ def breakdown(rows: dict, lt: dict, n_layers: int) -> dict:
     for name, row in rows.items():
         base = name.split("/")[0]
         attn = n_layers * (lt["attention_dense_ms"] if base == "full" else lt["attention_sparse_ms"])
-        on_path = name in ("quest", "tova", "oracle", "asyncspade/inline")
-        key = f"select_{base}_ms"
+        on_path = name in ("quest", "tova", "oracle") or name.startswith("asyncspade/inline")
+        sk = name.split("/")[2] if name.startswith("asyncspade/inline/") else ""
+        key = f"select_{base}_{sk}_ms" if sk else f"select_{base}_ms"
         sel = n_layers * lt.get(key, 0.0) if on_path else 0.0
         out[name] = {"parameters_ms": params, "attention_ms": attn, "selection_ms": sel,
                      "other_ms": row["tpot_ms"] - params - attn - sel, "tpot_ms": row["tpot_ms"]}
@@ -298,7 +362,7 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
         up = n * B * (spec.n_q_heads + 2 * spec.n_kv_heads) * spec.head_dim * elt
         down = {"indices": n * B * spec.n_kv_heads * k_mid * 4,
                 "kv": n * B * spec.n_kv_heads * k_mid * (4 + 2 * spec.head_dim * elt)}
-        cache_pack = n * lt["select_asyncspade_ms"]
+        cache_pack = n * lt.get("select_asyncspade_graph_ms", lt["select_asyncspade_ms"])
         row: dict[str, Any] = {"pack_layers": P, "packs": n_packs, "cache_ms_per_pack": cache_pack,
                                "cache_ms_per_pack_kv": cache_pack + n * lt["gather_kv_ms"],
                                "bytes_up_per_pack": up}
@@ -309,9 +373,14 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
             for mode, d in down.items():
                 row[f"bytes_down_per_pack_{mode}"] = d
                 row[f"min_bandwidth_GBps_{mode}"] = (up + d) / (infer_pack * 1e-3) / 1e9
+        for sk in a.score_keys:
+            if sk != "exact" and f"select_asyncspade_{sk}_graph_ms" in lt:
+                row[f"cache_ms_per_pack_{sk}"] = n * lt[f"select_asyncspade_{sk}_graph_ms"]
+                if t_opt is not None:
+                    row[f"overlaps_{sk}"] = row[f"cache_ms_per_pack_{sk}"] <= row["inference_ms_per_pack"]
         row["measured_ms_per_pack"] = {
-            topo: rows[f"asyncspade/{topo}/P={P}"]["tpot_ms"] / n_packs
-            for topo in ("colocated", "local", "multiprocess") if f"asyncspade/{topo}/P={P}" in rows}
+            name.removeprefix("asyncspade/"): r["tpot_ms"] / n_packs for name, r in rows.items()
+            if name.startswith("asyncspade/") and f"/P={P}" in name}
         out.append(row)
     return out
 
@@ -369,10 +438,14 @@ def plots(result: dict, out_dir: Path) -> list[str]:
                 ax.plot(xs, [r["inference_ms_per_pack"] for r in ov], "o-", color="k", label="inference rank / pack")
             ax.plot(xs, [r["cache_ms_per_pack"] for r in ov], "s--", color="#c44", label="cache rank / pack")
             for topo in ("colocated", "local", "multiprocess"):
-                pts = [(r["pack_layers"], r["measured_ms_per_pack"][topo]) for r in ov
-                       if topo in r["measured_ms_per_pack"]]
+                pts = [(r["pack_layers"], v) for r in ov for k, v in r["measured_ms_per_pack"].items()
+                       if k.split("/")[0] == topo and k.count("/") == 1]
                 if pts:
                     ax.plot(*zip(*pts), "^:", label=f"measured step / packs ({topo})")
+            for sk in sorted({k.removeprefix("cache_ms_per_pack_") for r in ov for k in r
+                              if k.startswith("cache_ms_per_pack_") and k != "cache_ms_per_pack_kv"}):
+                ax.plot(xs, [r.get(f"cache_ms_per_pack_{sk}", float("nan")) for r in ov], "s:",
+                        label=f"cache rank / pack ({sk} scoring keys)")
             ax.set_xlabel("layers per pack (P)")
             ax.set_ylabel("ms")
             ax.set_title(f"overlap, B={c['batch']} L={c['context']} K={c['budget']}")
@@ -411,6 +484,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--port", type=int, default=29611, help="master port of the multiprocess link (and port + 1)")
+    ap.add_argument("--score-keys", default="exact",
+                    help="scoring-key variants of the asyncspade rows (exact,int8): policy.score_keys")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="wall-clock budget: no new row starts after it (0: none); what finished is written")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over a few steps of the first row of each asynchronous topology")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -422,6 +501,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
     a.modes = [m for m in a.modes.split(",") if m]
+    a.score_keys = [m for m in a.score_keys.split(",") if m]
+    a.cur_score_keys = "exact"
     return a
 
 
@@ -480,6 +561,10 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
+                    if a.budget_s and time.time() - t_start > a.budget_s:
+                        conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
+                        print(f"  {name:<28} not run (budget spent)", flush=True)
+                        return
                     t0 = time.time()
                     try:
                         conf["rows"][name] = fn()
@@ -491,18 +576,41 @@ def run(argv: list[str] | None = None) -> dict:
                         conf["errors"][name] = f"{type(e).__name__}: {e}"
                         print(f"  {name:<28} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     free_memory()
+                    out.write_text(json.dumps({**result, "configs": result["configs"] + [conf]}, indent=2))
 
                 for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
                     if m in a.methods:
                         record(m, lambda m=m: run_inline(model, m, B, L, K, a))
+                if "asyncspade/inline" in a.methods:
+                    for sk in a.score_keys:
+                        if sk == "exact":
+                            continue
+
+                        def go_inline(sk=sk):
+                            a.cur_score_keys = sk
+                            try:
+                                return run_inline(model, "asyncspade/inline", B, L, K, a)
+                            finally:
+                                a.cur_score_keys = "exact"
+
+                        record(f"asyncspade/inline/{sk}", go_inline)
                 for topo in ("colocated", "local", "multiprocess"):
                     if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
                         continue
-                    for mode in a.modes:
-                        for P in a.packs:
-                            name = f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
-                            record(name, lambda topo=topo, P=P, mode=mode: run_async(model, topo, P, mode, B, L, K,
-                                                                                      a, shared))
+                    for sk in a.score_keys:
+                        for mode in a.modes:
+                            for P in a.packs:
+                                name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                                        + ("" if sk == "exact" else f"/{sk}"))
+
+                                def go(topo=topo, P=P, mode=mode, sk=sk):
+                                    a.cur_score_keys = sk
+                                    try:
+                                        return run_async(model, topo, P, mode, B, L, K, a, shared)
+                                    finally:
+                                        a.cur_score_keys = "exact"
+
+                                record(name, go)
                 try:
                     lt = layer_timings(model, B, L, K, a)
                     conf["layer_ms"] = lt

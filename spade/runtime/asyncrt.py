@@ -564,8 +564,17 @@ class InferenceSession:
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
             "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0,
         }
-        self.arrived = [0] * len(self.packs)  # newest step whose selection is in place, per pack
+        self.arrived = [0] * len(self.packs)  # newest step whose selection reached this host, per pack
         self.ever = [False] * len(self.packs)
+        # Selections that arrived but are not applied yet, per pack, in arrival order:
+        # (meta rows, message tensors, CUDA event on the landing stream or None). They
+        # are applied right before the pack that uses them (``_ensure``), so the
+        # compute stream waits for the cache rank's work of step t only at the pack of
+        # step t+1 that needs it, never in the middle of step t.
+        self.pending: list[list[tuple]] = [[] for _ in self.packs]
+        self._land_stream = None  # CUDA: the stream selections land on (``Transport.recv_stream``)
+        self._qkv_sent = 0
+        self._cache_base = 0
         self._recv_task: asyncio.Task | None = None
         self._recv_error: BaseException | None = None
         self._end_seen: asyncio.Event | None = None
@@ -594,6 +603,11 @@ class InferenceSession:
             return logits
         link = self.link
         link.check()
+        if be.device.type == "cuda":
+            self._land_stream = torch.cuda.Stream(device=be.device)
+            link.transport.recv_stream = self._land_stream
+        if link.cache is not None:
+            self._cache_base = link.cache.consumed
         shared = link.shared
         self.sel.shared = shared
         self.ctx = AsyncAttentionContext(be.spec, self.sel, device=be.device)
@@ -716,13 +730,39 @@ class InferenceSession:
                 if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
                     self._end_seen.set()
                     return
-                self._apply(meta, msg)
+                ev = None
+                if self._land_stream is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._land_stream)
+                p = meta[0][P.META_PACK]
+                if self.rt.return_mode != "delta":  # newest wins; delta messages build on each other
+                    self.pending[p].clear()
+                self.pending[p].append((meta, msg, ev))
+                self.arrived[p] = max(self.arrived[p], meta[0][P.META_STEP])
+                self.ever[p] = True
+                self.stats["sel_messages"] += 1
                 self._wake.set()
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             self._recv_error = e
             self._wake.set()
+
+    def _apply_pending(self, p: int) -> None:
+        """Apply pack ``p``'s arrived selections on the compute stream (device-side
+        wait on their landing events; no host wait)."""
+        q = self.pending[p]
+        if not q:
+            return
+        cur = torch.cuda.current_stream(self.be.device) if self._land_stream is not None else None
+        for meta, msg, ev in q:
+            if cur is not None:
+                cur.wait_event(ev)
+                for t in msg:
+                    if t.is_cuda:
+                        t.record_stream(cur)
+            self._apply(meta, msg)
+        q.clear()
 
     def _apply(self, meta: list[list[int]], msg: list[torch.Tensor]) -> None:
         s = self.sel
@@ -752,13 +792,11 @@ class InferenceSession:
                 if mode == "kv":
                     s.k_sel[layer].copy_(msg[2][j], non_blocking=True)
                     s.v_sel[layer].copy_(msg[3][j], non_blocking=True)
-        self.arrived[p] = max(self.arrived[p], step)
-        self.ever[p] = True
-        self.stats["sel_messages"] += 1
 
     # ------------------------------------------------------------------ one step
     def _use(self, p: int, fresh: bool) -> None:
         """Make pack ``p``'s layers hand out their fixed-buffer selections."""
+        self._apply_pending(p)
         s = self.sel
         l0, l1 = self.packs[p]
         for layer in range(l0, l1):
@@ -837,6 +875,22 @@ class InferenceSession:
         self.stats["wait_s"] += time.perf_counter() - t0
         self._use(p, True)
 
+    async def _yield_to_cache(self) -> None:
+        """Let an in-process cache rank launch its work for the pack just posted
+        (its coroutine shares this thread: without a yield it would only run when
+        this step next waits, i.e. after the step, serialising the two ranks).
+        Launching is host work only (asynchronous on the device)."""
+        self._qkv_sent += 1
+        cache = self.link.cache if self.link is not None else None
+        if cache is None:
+            return
+        for _ in range(32):
+            if cache.consumed - self._cache_base >= self._qkv_sent or self.peer_gone is not None:
+                return
+            if self.link.cache_task is not None and self.link.cache_task.done():
+                return
+            await asyncio.sleep(0)
+
     async def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step; returns the logits [B, V]."""
         be, ctx = self.be, self.ctx
@@ -863,6 +917,7 @@ class InferenceSession:
             if got != p:
                 raise RuntimeError(f"backend yielded pack {got}, expected {p} (pack_layers={self.P})")
             await self._send("qkv", s.pack_tensors(p))
+            await self._yield_to_cache()
         for _ in gen:  # exhaust (graph capture happens here on a new key)
             raise RuntimeError("backend yielded more packs than expected")
         return be.last_logits

@@ -130,6 +130,7 @@ class CacheRank:
             self.stream = torch.cuda.Stream(device=self.device)
             transport.stream = self.stream
         self.stats: dict[str, float] = {"packs": 0, "selections": 0, "select_host_s": 0.0, "generations": 0}
+        self.consumed = 0  # "qkv" packs fully handled (observed, selection launched and sent), cumulative
         self.use_graphs = True
         self._graphs: dict = {}
         self._pool = None
@@ -342,6 +343,7 @@ class CacheRank:
                 self.stats["packs"] += 1
                 if seq + 1 > s.theta and not stalled:
                     await select_and_send(p, step + 1, seq + 1)
+                self.consumed += 1
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graphs_enabled(self, s: P.Setup) -> bool:

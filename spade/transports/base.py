@@ -19,7 +19,12 @@ tensors (shapes and dtypes must match what was sent) and returns them; without
 raises ``PeerTimeout``; a peer that closed or died raises ``PeerGone``.
 
 GPU ordering is expressed with CUDA events/streams, never by blocking the host
-inside a step: a send of CUDA tensors records the order on the current stream.
+inside a step: a send of CUDA tensors records the order on the current stream;
+a ``recv`` that completes on the device (local peer copies, NCCL) makes the
+current stream wait for the data, or ``recv_stream`` when one is set. A runtime
+sets ``recv_stream`` to a side stream when a message may arrive long before it
+is needed (a selection for the next step): waiting on the compute stream at
+arrival would order the current step's remaining work after the peer's.
 """
 
 from __future__ import annotations
@@ -91,6 +96,17 @@ class Transport(ABC):
         self.device = torch.device(device)
         self.peer_handshake: Handshake | None = None
         self._registered: dict[str, list[torch.Tensor]] = {}
+        self.recv_stream: Any = None
+        """A ``torch.cuda.Stream`` on this endpoint's device that ``recv`` orders after
+        the arriving data (and lands ``into`` copies on) instead of the current stream."""
+
+    def recv_context(self):
+        """The stream context ``recv`` lands device-side work in (``recv_stream`` or none)."""
+        import contextlib
+
+        if self.recv_stream is not None and self.device.type == "cuda":
+            return torch.cuda.stream(self.recv_stream)
+        return contextlib.nullcontext()
 
     # -- capability -------------------------------------------------------
     @classmethod

@@ -153,6 +153,12 @@ class LocalTransport(Transport):
             return self.stream
         return torch.cuda.current_stream(device)
 
+    def _land_stream(self):
+        """Where ``recv`` waits for arriving CUDA data: ``recv_stream``, else ``stream``/current."""
+        if self.recv_stream is not None and self.device.type == "cuda":
+            return self.recv_stream
+        return self._stream_for(self.device)
+
     def _comm_stream(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
         s = self._comm_streams.get(idx)
@@ -279,7 +285,7 @@ class LocalTransport(Transport):
         if dest is not None and len(dest) != len(got):
             raise TransportError(f"local transport: {tag!r} carries {len(got)} tensors, receive slots hold {len(dest)}")
         if msg.events:  # CUDA tensors land on this endpoint's GPU: order its stream after the copies
-            stream = self._stream_for(self.device)
+            stream = self._land_stream()
             for ev in msg.events:
                 stream.wait_event(ev)
             for t in got:
@@ -292,7 +298,8 @@ class LocalTransport(Transport):
                 raise TransportError(f"local transport: {tag!r} slot is {tuple(d.shape)} {d.dtype}, "
                                      f"message is {tuple(t.shape)} {t.dtype}")
             if d.is_cuda:
-                with torch.cuda.device(d.device), torch.cuda.stream(self._stream_for(d.device)):
+                land = self._land_stream() if d.device == self.device else self._stream_for(d.device)
+                with torch.cuda.device(d.device), torch.cuda.stream(land):
                     d.copy_(t, non_blocking=True)
             else:
                 d.copy_(t)

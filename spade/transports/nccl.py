@@ -372,8 +372,15 @@ class NcclTransport(Transport):
         """Create both NCCL communicators now (their first use is collective and slow)."""
         a = torch.ones(1, device=self.device)
         b = torch.empty(1, device=self.device)
-        ws = self._send_group.send([a], self.peer_rank, 0)
-        wr = self._recv_group.recv([b], self.peer_rank, 0)
+        # The first operation on each group creates its communicator, a blocking
+        # collective of both ranks: touch the groups in the same order on both
+        # ranks ("up" first), or rank 0 blocks in "up" while rank 1 blocks in "down".
+        if self.rank == 0:
+            ws = self._send_group.send([a], self.peer_rank, 0)  # up
+            wr = self._recv_group.recv([b], self.peer_rank, 0)  # down
+        else:
+            wr = self._recv_group.recv([b], self.peer_rank, 0)  # up
+            ws = self._send_group.send([a], self.peer_rank, 0)  # down
         deadline = time.monotonic() + self.timeout_s
         while not (ws.is_completed() and wr.is_completed()):
             if time.monotonic() > deadline:
@@ -648,6 +655,10 @@ class NcclTransport(Transport):
                 msg = await asyncio.wait_for(fut, timeout) if timeout is not None else await fut
             except asyncio.TimeoutError:
                 raise PeerTimeout(f"nccl transport: no message under {tag!r} within {timeout:.3g}s") from None
+        with self.recv_context():
+            return self._land(tag, msg, into)
+
+    def _land(self, tag: str, msg, into) -> list[torch.Tensor]:
         for w in msg.nccl_works:
             w.wait()  # the current stream waits for the NCCL receive; the host does not
         if msg.landed_in is not None:
