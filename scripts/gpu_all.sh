@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of spade in one device call (machines start bare).
 #
-#   bash scripts/gpu_all.sh [STAGE ...]     STAGE: tests kernels decode tpot transports (default: all)
+#   bash scripts/gpu_all.sh [STAGE ...]
+#
+# STAGE (default: all but sweep):
+#   tests      kernel + policy suites on the GPU (on GPU 1 when two are visible,
+#              in the background, so that `kernels` runs beside it on GPU 0)
+#   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
+#   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
+#   decode     whole-model decode: spade fast path vs HF (one GPU)
+#   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P swept,
+#              exact and int8 scoring keys, torch.profiler of the async rows
+#   sweep      TPOT over B x L x K (the shapes that fit), fewer methods
+#   transports bandwidth/latency of every transport for the runtime's messages
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
@@ -19,32 +30,56 @@ if [ -d .whl ] && ! python3 -c "import pydantic_settings" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests kernels decode tpot transports)
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels gputests tpot transports)
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
+T0=$(date +%s)
 run() {  # run NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
-  echo "=== $name: $*"
+  echo "=== $name (t+$(( $(date +%s) - T0 )) s): $*"
   local t0=$(date +%s)
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
   local r=$?
   echo "=== $name: rc=$r in $(( $(date +%s) - t0 )) s"
-  tail -n 40 "$OUT/$name.log"
+  tail -n 30 "$OUT/$name.log"
   [ $r -ne 0 ] && rc=$r
   return 0
 }
+bg_pid=""
 for s in "${stages[@]}"; do
   case $s in
-    tests) run tests 330 python3 -m pytest -q -x -p no:cacheprovider --timeout 120 tests/kernels tests/policies
-           run gputests 200 python3 -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or multigpu" tests ;;
-    kernels) run bench_scoring 200 python3 -m benchmarks.bench_scoring --quick --out "$OUT/bench_scoring.json"
-             run bench_attention 200 python3 -m benchmarks.bench_attention --quick --out "$OUT/bench_attention.json" ;;
+    tests)
+      if [ "$NGPU" -ge 2 ]; then  # beside the next stage, on the other GPU
+        ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider --maxfail=10 \
+            --timeout 120 tests/kernels tests/policies > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
+        bg_pid=$!
+        echo "=== tests: in the background on GPU 1 (pid $bg_pid)"
+      else
+        run tests 300 python3 -m pytest -q -p no:cacheprovider --maxfail=10 --timeout 120 tests/kernels tests/policies
+      fi ;;
+    kernels)
+      if [ -f benchmarks/kernels.py ]; then
+        run kernels 200 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.kernels --full --budget-s 180 --out "$OUT/kernels.json"
+      else
+        run bench_scoring 120 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --quick --out "$OUT/bench_scoring.json"
+        run bench_attention 120 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_attention --quick --out "$OUT/bench_attention.json"
+      fi ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
-    tpot) run bench_tpot 330 python3 -m benchmarks.bench_tpot --quick --out "$OUT/bench_tpot.json" ;;
-    gputests) run gputests 120 python3 -m pytest -v -p no:cacheprovider --timeout 40 -m "gpu or multigpu" tests ;;
-    transports) run bench_transports 120 python3 -m benchmarks.bench_transports --out "$OUT/bench_transports.json" ;;
+    tpot) run bench_tpot 260 python3 -m benchmarks.bench_tpot --quick --packs 2,4,6 --score-keys exact,int8 \
+            --profile --budget-s 230 --out "$OUT/bench_tpot.json" ;;
+    sweep) run bench_tpot_sweep 560 python3 -m benchmarks.bench_tpot --batch 1,8,16,32 --context 16384,32768,65536 \
+             --budget 1024,2048 --packs 4 --score-keys exact,int8 --iters 10 \
+             --methods full,quest,asyncspade/inline,asyncspade/local,optimal --budget-s 540 \
+             --out "$OUT/bench_tpot_sweep.json" ;;
+    gputests)
+      [ -n "$bg_pid" ] && { wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; bg_pid=""; }
+      run gputests 240 env NCCL_DEBUG=WARN python3 -m pytest -v -p no:cacheprovider --timeout 90 -m "gpu or multigpu" tests ;;
+    transports) run bench_transports 150 python3 -m benchmarks.bench_transports --budget-s 130 --out "$OUT/bench_transports.json" ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
+if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; fi
+echo "=== total $(( $(date +%s) - T0 )) s"
 exit $rc
