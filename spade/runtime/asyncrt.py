@@ -730,14 +730,26 @@ class InferenceSession:
                 if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
                     self._end_seen.set()
                     return
-                ev = None
-                if self._land_stream is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(self._land_stream)
                 p = meta[0][P.META_PACK]
-                if self.rt.return_mode != "delta":  # newest wins; delta messages build on each other
-                    self.pending[p].clear()
-                self.pending[p].append((meta, msg, ev))
+                if self._land_stream is not None and self.rt.return_mode != "delta":
+                    # Copy into the fixed buffers right away, on the landing stream: the
+                    # buffers' last readers (pack p of the step before) finished before the
+                    # cache rank could produce this message (it waited on that pack's q/k/v),
+                    # so only the pack that uses it waits, on the event (no copy on the
+                    # compute stream).
+                    with torch.cuda.device(self.be.device), torch.cuda.stream(self._land_stream):
+                        self._apply(meta, msg)
+                        ev = torch.cuda.Event()
+                        ev.record(self._land_stream)
+                    self.pending[p] = [(None, None, ev)]
+                else:
+                    ev = None
+                    if self._land_stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(self._land_stream)
+                    if self.rt.return_mode != "delta":  # newest wins; delta messages build on each other
+                        self.pending[p].clear()
+                    self.pending[p].append((meta, msg, ev))
                 self.arrived[p] = max(self.arrived[p], meta[0][P.META_STEP])
                 self.ever[p] = True
                 self.stats["sel_messages"] += 1
@@ -758,6 +770,9 @@ class InferenceSession:
         for meta, msg, ev in q:
             if cur is not None:
                 cur.wait_event(ev)
+            if msg is None:  # already copied into the fixed buffers on the landing stream
+                continue
+            if cur is not None:
                 for t in msg:
                     if t.is_cuda:
                         t.record_stream(cur)
