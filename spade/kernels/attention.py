@@ -29,9 +29,14 @@ The Triton kernel is flash-decoding with split-K:
   several blocks of K/V rows in flight exactly as on the dense path (an index
   load inside the loop would serialise index -> K/V latency on every block);
 * each split keeps an online softmax (base-2 exponentials, the scale folded with
-  ``log2(e)``) and writes its normalised output and log-sum-exp; a second small
-  kernel merges the splits with the log-sum-exp trick (skipped when one split
-  suffices, e.g. at large batch).
+  ``log2(e)``) and writes its normalised output and log-sum-exp; the splits are
+  merged with the log-sum-exp trick (skipped when one split suffices, e.g. at
+  large batch). By default the merge runs inside the same launch: each split
+  bumps an atomic counter of its (b, KV head) after writing its partial, and the
+  last one to arrive merges all of them ("last block reduces"). At small K the
+  kernel is latency-bound (a few microseconds of work per program), so the
+  second launch of the earlier two-kernel path (``combine="kernel"``, kept for
+  comparison) was a visible share of the step.
 
 The number of splits is chosen from ``B * Hkv`` and the SM count so that the grid
 fills the GPU (decode attention is bound by HBM bandwidth: every SM must be
@@ -231,7 +236,7 @@ def _decode_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
     HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -319,6 +324,48 @@ def _decode_split_kernel(
         row = (b64 * Hq + qh64) * NUM_SPLITS + split  # [G_PAD] rows of [B, Hq, S]
         tl.store(O_PART + row[:, None] * D + offs_d[None, :], out, mask=st_mask)
         tl.store(LSE_PART + row, lse, mask=g_mask)
+        if FUSED_COMBINE:
+            # Last-block-reduces: the acq_rel bump publishes this split's partial
+            # (release) and, in the split that sees count NUM_SPLITS - 1, makes every
+            # other split's partial visible (acquire); that split merges them, so the
+            # separate merge launch (and its launch latency) disappears.
+            done = tl.atomic_add(COUNTER + pid_bh, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                _combine_group(O_PART, LSE_PART, OUT, LSE, b64, qh64, g_mask, offs_d, d_mask, Hq, NUM_SPLITS,
+                               D, G_PAD, D_PAD)
+                tl.store(COUNTER + pid_bh, 0)  # ready for the next call (and CUDA-graph replay)
+
+
+@triton.jit
+def _combine_group(O_PART, LSE_PART, OUT, LSE, b64, qh64, g_mask, offs_d, d_mask, Hq, NUM_SPLITS,
+                   D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """Merge the NUM_SPLITS partial states of one GQA group's query heads with a
+    running log-sum-exp (one split at a time: no [S, G, D] tile in registers)."""
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    tot = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    row0 = (b64 * Hq + qh64) * NUM_SPLITS  # [G_PAD] first split's row of each head
+    st_mask = g_mask[:, None] & d_mask[None, :]
+    sp = NUM_SPLITS * 0
+    while sp < NUM_SPLITS:  # NOTE: a while loop: the interpreter takes no tensor bounds in range()
+        # .cg: read through L2, never a stale L1 line of another SM's partial
+        l_s = tl.load(LSE_PART + row0 + sp, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(O_PART + (row0 + sp)[:, None] * D + offs_d[None, :], mask=st_mask, other=0.0,
+                      cache_modifier=".cg")  # [G_PAD, D_PAD]
+        m_new = tl.maximum(m, l_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # keep -inf - -inf out
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(l_s - m_safe)  # 0 for an empty split
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        tot = tot * alpha + w
+        m = m_new
+        sp += 1
+    has = tot > 0
+    out = acc / tl.where(has, tot, 1.0)[:, None]
+    m_fin = tl.where(m == float("-inf"), 0.0, m)
+    lse = tl.where(has, m_fin + tl.log(tl.where(has, tot, 1.0)), float("-inf"))
+    tl.store(OUT + (b64 * Hq + qh64)[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=st_mask)
+    tl.store(LSE + b64 * Hq + qh64, lse, mask=g_mask)
 
 
 @triton.jit
@@ -367,6 +414,21 @@ def _merge_states_kernel(OA, LA, OB, LB, OUT, LSE,
 _SM_COUNT: dict[int, int] = {}
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per (b, KV head), kept per device: every
+    fused launch leaves them at zero again, so they are allocated once (grown when
+    a larger batch comes; a new allocation inside a CUDA-graph capture would break
+    it, hence the warm-up call before capture)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16  # interpreter: pretend a small GPU so that tests exercise several splits
@@ -412,7 +474,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
                                    kv_start: torch.Tensor | None = None, return_lse: bool = False,
                                    num_splits: int | None = None, block_n: int | None = None,
-                                   num_warps: int | None = None, num_stages: int | None = None):
+                                   num_warps: int | None = None, num_stages: int | None = None,
+                                   combine: str = "fused"):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
@@ -420,9 +483,18 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     indexed path ``num_splits`` is raised where a split's chunk of indices would
     exceed ``_MAX_CHUNK_BLOCKS`` blocks (the preloaded index tile). No host
     synchronisation: safe to capture in a CUDA graph (after a first warm-up call
-    has compiled the kernels).
+    has compiled the kernels and sized the split counters).
+
+    ``combine`` picks how several splits are merged: ``"fused"`` (default) lets the
+    last split of each (b, KV head) merge them inside the one launch (an atomic
+    counter per pair, reset by that split); ``"kernel"`` is the earlier two-launch
+    path (a separate merge kernel), kept for side-by-side benchmarks. The fused
+    counters are shared per device: two of these calls must not run concurrently
+    on different streams of one device with ``combine="fused"``.
     """
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    if combine not in ("fused", "kernel"):
+        raise ValueError(f"combine must be 'fused' or 'kernel', got {combine!r}")
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     G_PAD = max(16, triton.next_power_of_2(G))
@@ -467,6 +539,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dot_prec = "ieee" if upcast else "tf32"  # ignored for 16-bit operands
     kv_start_t = kv_start if kv_start is not None else kv_lens
 
+    fused = combine == "fused" and splits > 1
+    counter = _split_counters(B * Hkv, q.device) if fused else kv_lens  # never read unless fused
+
     if B * Hkv > 0:
         _decode_split_kernel[(B * Hkv, splits)](
             q, k, v, kv_lens, kv_start_t, idx_t,
@@ -476,10 +551,10 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, MAX_BLOCKS=max_blocks, NUM_SPLITS=splits,
             DIRECT=splits == 1,
             HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
-            INTERPRET=interp,
+            INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             num_warps=num_warps, num_stages=num_stages,
         )
-        if splits > 1:
+        if splits > 1 and not fused:
             _reduce_splits_kernel[(B * Hq,)](
                 o_part, lse_part, out, lse, splits, D=D, D_PAD=D_PAD,
                 S_PAD=triton.next_power_of_2(splits), num_warps=2 if D_PAD <= 128 else 4,

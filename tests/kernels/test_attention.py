@@ -192,17 +192,51 @@ def test_all_middle_indices_equal_dense(n_sink, n_recent, device):
     assert (sparse_lse - dense_lse).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("combine", ["fused", "kernel"])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 9])
-def test_num_splits_agree(num_splits, device):
-    """Any split count gives the same answer (more splits than blocks: empty splits)."""
+def test_num_splits_agree(num_splits, combine, device):
+    """Any split count and either merge path (in-kernel last-split merge or the
+    separate merge launch) gives the same answer (more splits than blocks: empty
+    splits)."""
     B, Hq, Hkv, D, L = 2, 4, 2, 16, 130
     q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
     kv_lens = torch.tensor([130, 37])
     idx = _middle_indices(kv_lens, None, Hkv, 30, 4, 8)
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=4, n_recent=8)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=4,
-                                                n_recent=8, return_lse=True, num_splits=num_splits)
+                                                n_recent=8, return_lse=True, num_splits=num_splits,
+                                                combine=combine)
     _check(out, lse, exp_out, exp_lse, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_fused_combine_repeats_and_resets_counters(heads, dtype, device):
+    """The fused merge leaves its arrival counters at zero, so back-to-back calls
+    (as in CUDA-graph replay) with other shapes and split counts stay exact; rows
+    with empty sets (every slot -1, no sinks/recent) and K >= context included."""
+    Hq, Hkv = heads
+    D, L = 16, 97
+    for B, lens, k_mid, splits in [(3, [97, 1, 40], 120, 3), (1, [61], 1, 4), (3, [5, 97, 33], 9, 7)]:
+        q, k, v = _inputs(B, Hq, Hkv, D, L, dtype, device)
+        kv_lens = torch.tensor(lens)
+        idx = _middle_indices(kv_lens, None, Hkv, k_mid, 2, 3)
+        exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=3)
+        out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=2,
+                                                    n_recent=3, return_lse=True, num_splits=splits)
+        _check(out, lse, exp_out, exp_lse, dtype)
+        assert int(A._split_counters(B * Hkv, q.device).abs().sum()) == 0
+    # an empty middle and no sinks/recent: nothing attended, out 0 and lse -inf
+    idx = torch.full((1, Hkv, 5), -1, dtype=torch.int32, device=device)
+    out, lse = A.sparse_decode_attention_triton(q[:1], k[:1], v[:1], torch.tensor([50], device=device), idx,
+                                                return_lse=True, num_splits=3)
+    assert out.abs().max().item() == 0.0 and torch.isinf(lse).all()
+
+
+def test_bad_combine_raises(device):
+    q, k, v = _inputs(1, 2, 1, 16, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="combine"):
+        A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), combine="tree")
 
 
 def test_long_index_list(device):
@@ -404,24 +438,29 @@ def build(fn, args, cons, num_warps=4, num_stages=3):
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     ttgir = k.asm["ttgir"]
     loop = ttgir[ttgir.find("scf.for"):]
+    loop = loop[:loop.find("scf.yield")]  # the main loop's body (it holds no nested region)
     return dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared,
+                acq_rel_atomics=ttgir.count("atomic_rmw add, acq_rel, gpu"),
                 loads_in_loop=loop.count("tt.load "), kv_buffers=[l.split("memdesc<")[1].split("x")[0]
                 for l in ttgir.splitlines() if "local_alloc" in l and "mutable" in l])
 
 out = {}
 L, Hkv, G, D, KM = 32768, 8, 4, 128, 1980
-for dt, has_idx, direct in [("bf16", True, False), ("bf16", False, True), ("fp16", True, True), ("fp32", True, False)]:
+for dt, has_idx, direct, fused in [("bf16", True, False, True), ("bf16", False, True, False),
+                                   ("fp16", True, True, False), ("fp32", True, False, True),
+                                   ("bf16", True, False, False)]:
     p = ("ptr", dt)
     args = dict(Q=p, K=p, V=p, KV_LENS=("ptr", "i32"), KV_START=("ptr", "i32"), IDX=("ptr", "i32"),
                 O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"), OUT=p, LSE=("ptr", "fp32"),
                 stride_qb=Hkv * G * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * L * D, stride_kh=L * D,
                 stride_kl=D, stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
-                N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1))
+                N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"))
     bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2)
-    out[f"decode_{dt}_{has_idx}"] = build(A._decode_split_kernel, args, dict(
+    out[f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel")] = build(A._decode_split_kernel, args, dict(
         G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=8, DIRECT=direct, HAS_INDICES=has_idx, HAS_START=True,
-        UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERPRET=False), nw, ns)
+        UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERPRET=False,
+        FUSED_COMBINE=fused), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),
@@ -458,7 +497,10 @@ def test_kernels_build_for_hopper():
         pytest.skip("this triton cannot build ahead of time")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("decode_bf16_True", "decode_bf16_False", "decode_fp16_True"):
+    # fused split combine: one acq_rel arrival counter; the two-launch path has none
+    assert res["decode_bf16_True"]["acq_rel_atomics"] == 1 and res["decode_fp32_True"]["acq_rel_atomics"] == 1
+    assert res["decode_bf16_True_kernel"]["acq_rel_atomics"] == 0
+    for name in ("decode_bf16_True", "decode_bf16_False", "decode_fp16_True", "decode_bf16_True_kernel"):
         r = res[name]
         # K/V rows arrive through multi-buffered async copies, and no load waits
         # inside the main loop (the indexed path preloads its chunk of indices)
