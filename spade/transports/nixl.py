@@ -11,22 +11,42 @@ It carries the versioned handshake, both agents' metadata, and per tag the
 receiver's slot descriptors (again, with fresh metadata, whenever new memory is
 registered). When it breaks without a goodbye, the peer is gone.
 
-Data plane, per tag and direction (the receiver owns the layout):
+Data plane, per tag and direction (the receiver owns the memory):
 
-* The receiver registers ``slots`` (default 2) receive slots of the message
-  layout once: at ``register()``, at the first ``recv(into=...)``, or when the
-  sender first asks for a tag nobody registered (it then tells the layout).
-* The sender registers as many staging slots once, prepares both descriptor
-  lists once (``prep_xfer_dlist``) and one WRITE per slot once
-  (``make_prepped_xfer``); every message then is: copy the tensors into a free
-  staging slot (on the current CUDA stream, so ``send`` returns at once in
-  stream order), and post that slot's prepared WRITE with a notification
-  carrying (tag id, sequence number).
-* Message ``s`` goes to slot ``s % slots``. The receiver copies a slot out
-  into the caller's buffers in ``recv`` and then returns a credit (a NIXL
-  notification with the count consumed); the sender posts ``s`` only once the
-  receiver consumed ``s - slots``. Up to ``2 * slots`` messages per tag are in
-  flight before ``send`` waits.
+* A tag's layout may change from message to message (the runtime sends BOOT and
+  STEP commands on one tag, prompt-length-dependent shapes, a short last pack,
+  deltas whose width varies per step). Slots are therefore flat byte buffers of
+  a *capacity*; the tensors of a message are packed into a slot at 64-byte
+  aligned offsets, and the layout travels in the data notification, so the
+  receiver knows what each message holds.
+* A *generation* of a tag is ``slots`` (default 2) receive slots of one
+  capacity, registered once, plus as many staging slots on the sender. The
+  receiver makes generation 0 at ``register()``, at the first
+  ``recv(into=...)``, or when the sender first asks for a tag (``want``, with
+  the bytes it needs). A message that does not fit the newest generation makes
+  the sender ask again; the receiver registers a larger generation (at least
+  1.5x: growth is rare and logarithmic) and announces it with fresh agent
+  metadata, as NIXL requires after registering memory. Messages that fit are
+  carried by the current generation, whatever their shapes: the steady state
+  registers nothing.
+* Renegotiation loses and reorders nothing: every message keeps the generation
+  and slot it was staged in; the sender starts using a newer generation at a
+  message boundary and never goes back; the receiver frees a generation only
+  after it consumed a message of a newer one (so every older message was
+  consumed). The sender frees its side once nothing of it is staged or in flight.
+* A WRITE moves the message's bytes rounded up to one of 8 sizes per octave
+  (at most 12.5% extra), so the descriptor lists and WRITE handles prepared per
+  (generation, size, slot) are few and reused; they are prepared on first use
+  (``prep_xfer_dlist`` / ``make_prepped_xfer``), and every message is: copy the
+  tensors into a free staging slot (on the current CUDA stream, so ``send``
+  returns at once in stream order), then post that slot's prepared WRITE with a
+  notification carrying (tag id, sequence number, generation, slot, layout).
+* Flow control: message ``s`` of a generation starting at ``s0`` goes to slot
+  ``(s - s0) % slots``; the receiver copies a slot out into the caller's buffers
+  in ``recv`` and then returns a credit (a NIXL notification with the count
+  consumed); the sender posts ``s`` only once the slot's previous message was
+  consumed. Up to ``2 * slots`` messages per tag are in flight before ``send``
+  waits.
 
 Completion and notifications are polled from one asyncio task that spins only
 briefly after activity and otherwise sleeps (1-8 ms), so an idle link costs
@@ -53,27 +73,38 @@ import torch
 from spade.errors import MissingDependencyError, PeerGone, PeerTimeout, TransportError
 from spade.transports._framing import (
     Backoff,
+    Layout,
     alloc,
     byte_view,
     call_quietly,
     check_sendable,
     deadline_after,
     encode_frame,
-    layout_from_json,
     layout_of,
     layout_str,
-    layout_to_json,
+    nbytes_of,
+    pack_header,
     read_frame,
     record_event,
     remaining,
     tag_id,
+    unpack_header,
 )
-from spade.transports.base import Handshake, Transport
+from spade.transports.base import WIRE_VERSION, Handshake, Transport
 
 log = logging.getLogger("spade.transports.nixl")
 
 _INSTALL = "pip install 'spade[nixl]'  (nixl-cu13>=1.5.1; nixl-cu12 on CUDA 12)"
-_NOTIF = struct.Struct("<cIQ")  # kind (b"D" data arrived, b"C" credit), tag id, seq / count
+#: Data notification: kind b"D", tag id, seq, generation (-1: no bytes), slot; then the layout header.
+_DATA = struct.Struct("<cIQii")
+#: Credit notification: kind b"C", tag id, messages consumed so far.
+_CREDIT = struct.Struct("<cIQ")
+#: Offsets of the tensors inside a slot (a multiple of every dtype's size; 64 B is a cache line).
+_ALIGN = 64
+#: Smallest WRITE size bucket (tiny messages all share one prepared WRITE per slot).
+_MIN_BUCKET = 256
+#: Growth factor of a renegotiated generation (bounds how often a growing tag renegotiates).
+_GROWTH = 1.5
 #: After the peer said goodbye, how long data it had already posted may still land.
 _GONE_GRACE_S = 2.0
 #: close(): how long to wait for posted writes to complete.
@@ -95,52 +126,123 @@ def _import_nixl():
     raise ImportError("; ".join(errors))
 
 
-def _desc(t: torch.Tensor) -> tuple[int, int, int]:
-    """(address, bytes, device id) of a contiguous tensor; device id 0 for host memory."""
-    dev = (t.device.index or 0) if t.is_cuda else 0
-    return (t.data_ptr(), t.numel() * t.element_size(), dev)
-
-
 def _mem(device: torch.device) -> str:
     return "VRAM" if device.type == "cuda" else "DRAM"
 
 
+def _dev_id(t: torch.Tensor) -> int:
+    """NIXL device id of a tensor: the GPU index, 0 for host memory."""
+    return (t.device.index or 0) if t.is_cuda else 0
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def packing(layout: Layout) -> tuple[list[int], int]:
+    """Byte offsets of the tensors of ``layout`` inside a slot, and the bytes the
+    message needs (each tensor starts ``_ALIGN``-aligned, so a byte view of the
+    slot can be viewed as any dtype)."""
+    offs, off = [], 0
+    for shape, dtype in layout:
+        offs.append(off)
+        off += _round_up(nbytes_of(shape, dtype), _ALIGN)
+    return offs, off
+
+
+def write_bucket(nbytes: int, cap: int) -> int:
+    """How many bytes a WRITE of an ``nbytes`` message moves: ``nbytes`` rounded up
+    to one of 8 sizes per octave (<= 12.5% more), capped at the slot capacity.
+    Few distinct sizes -> few prepared descriptor lists, however the layout varies."""
+    if nbytes >= cap:
+        return cap
+    if nbytes <= _MIN_BUCKET:
+        return min(_MIN_BUCKET, cap)
+    step = 1 << max(0, nbytes.bit_length() - 4)  # 2^k / 8 with 2^k <= nbytes < 2^(k+1)
+    return min(_round_up(nbytes, step), cap)
+
+
+def _views(flat: torch.Tensor, layout: Layout, offs: list[int]) -> list[torch.Tensor]:
+    """Typed views of the packed tensors inside one flat uint8 slot."""
+    out = []
+    for (shape, dtype), off in zip(layout, offs):
+        n = nbytes_of(shape, dtype)
+        out.append(flat[off:off + n].view(dtype).view(shape) if n else
+                   torch.empty(shape, dtype=dtype, device=flat.device))
+    return out
+
+
+@dataclass
+class _RxGen:
+    """One generation of a tag's receive slots: ``len(slots)`` flat buffers of ``cap`` bytes."""
+
+    gen: int
+    cap: int
+    slots: list[torch.Tensor]  # [cap] uint8 each
+    reg: Any  # nixlRegDList, for deregistration
+    frame: bytes  # the announcement (re-sent on request)
+
+
 @dataclass
 class _Rx:
-    """Receiving side of one tag: slots the peer writes into."""
+    """Receiving side of one tag."""
 
     tag: str
     tid: int
-    layout: list
-    slots: list[list[torch.Tensor]]
-    reg: Any  # nixlRegDList, for deregistration
-    frame: bytes  # the announcement (re-sent on request)
+    device: torch.device
+    gens: dict[int, _RxGen] = field(default_factory=dict)
+    newest: int = -1
     user: list[torch.Tensor] | None = None  # registered default destination
     next_seq: int = 0
-    arrived: set = field(default_factory=set)
+    arrived: dict = field(default_factory=dict)  # seq -> (gen, slot, layout)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     credits: collections.deque = field(default_factory=collections.deque)  # (cuda event, count)
+
+    @property
+    def cap(self) -> int:
+        return self.gens[self.newest].cap if self.newest in self.gens else -1
+
+
+@dataclass
+class _TxGen:
+    """Sender's view of one generation of the peer's slots, plus as many local staging slots."""
+
+    gen: int
+    cap: int
+    nslots: int
+    remote: list[tuple[int, int]]  # per slot: (address, device id) on the peer
+    remote_mem: str
+    staging: list[torch.Tensor]  # [cap] uint8 each, registered with our agent
+    reg: Any
+    start: int = -1  # seq of the first message carried by this generation (-1: not used yet)
+    busy: list = field(default_factory=list)  # per slot: seq staged/in flight there, or None
+    inflight: dict = field(default_factory=dict)  # slot -> (seq, xfer)
+    dlists: dict = field(default_factory=dict)  # bucket -> (local dlist, remote dlist, [xfer|None per slot])
+
+
+@dataclass
+class _Staged:
+    seq: int
+    gen: _TxGen
+    slot: int
+    nbytes: int
+    header: bytes  # layout header (travels in the notification)
+    event: Any  # CUDA event of the staging copy, or None
 
 
 @dataclass
 class _Tx:
-    """Sending side of one tag: staging slots and one prepared WRITE per slot."""
+    """Sending side of one tag."""
 
     tag: str
     tid: int
-    layout: list
-    nslots: int
-    staging: list[list[torch.Tensor]]
-    reg: Any
-    local: Any  # prepped local dlist
-    remote: Any  # prepped remote dlist
-    xfers: list  # per slot: prepared WRITE, or None when the message has no bytes
+    gens: dict[int, _TxGen] = field(default_factory=dict)
+    newest: _TxGen | None = None  # the newest generation the receiver announced
+    cur: _TxGen | None = None  # the generation new messages go to
     next_seq: int = 0
     posted: int = 0  # messages whose WRITE (or bare notification) was posted
     peer_consumed: int = 0
-    busy: list = field(default_factory=list)  # per slot: seq staged/in flight there, or None
-    staged: collections.deque = field(default_factory=collections.deque)  # (seq, slot, event)
-    inflight: dict = field(default_factory=dict)  # slot -> seq
+    staged: collections.deque = field(default_factory=collections.deque)  # _Staged, in seq order
 
 
 class NixlTransport(Transport):
@@ -172,7 +274,7 @@ class NixlTransport(Transport):
         self._rx_tid: dict[int, _Rx] = {}
         self._tx_tid: dict[int, _Tx] = {}
         self._tx_locks: dict[str, asyncio.Lock] = {}
-        self._wanted: set[str] = set()
+        self._wanted: dict[str, int] = {}  # tag -> most bytes asked for so far
         self._rejects: dict[int, str] = {}
         self._unsent: list[bytes] = []  # frames queued before connect
         self._waiters: list[asyncio.Future] = []
@@ -181,6 +283,9 @@ class NixlTransport(Transport):
         self._gone_at = 0.0
         self._peer_sent: dict[int, int] = {}
         self._failed: str | None = None
+        #: Generations registered over the link's life (both directions): renegotiations
+        #: are rare by design, and tests check that the steady state adds none.
+        self.generations_made = 0
 
     # -- capability -------------------------------------------------------
     @classmethod
@@ -360,60 +465,117 @@ class NixlTransport(Transport):
             log.warning("nixl: link failed: %s", why)
         self._wake()
 
+    # -- slot negotiation (receiver side) ---------------------------------
     def _on_want(self, msg: dict) -> None:
-        tag = str(msg["tag"])
-        if tag not in self._rx:
-            self._make_rx(tag, layout_from_json(msg["layout"]), self.device, user=None)
-        else:
-            self._send_frame(self._rx[tag].frame)
+        """The sender needs ``bytes`` per slot for ``tag``: announce a generation that big."""
+        tag, need = str(msg["tag"]), int(msg["bytes"])
+        try:
+            rx = self._rx.get(tag)
+            if rx is None:
+                self._make_rx(tag, self.device, user=None, need=need)
+            elif rx.cap >= need:
+                self._send_frame(rx.gens[rx.newest].frame)  # a request crossed an announcement
+            else:
+                self._new_gen(rx, need)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the sender must hear why
+            self._send_frame(encode_frame({"t": "reject", "tid": tag_id(tag),
+                                           "msg": f"the receiver cannot make {need}-byte slots: "
+                                                  f"{type(e).__name__}: {e}"}))
 
-    def _on_slots(self, msg: dict, md: bytes) -> None:
-        tag, tid = str(msg["tag"]), int(msg["tid"])
-        if tag in self._tx:
-            return  # a repeat announcement (a request crossed it)
-        agent = self._agent
-        agent.add_remote_agent(md)  # the peer's metadata now covers the new slots
-        layout = layout_from_json(msg["layout"])
-        n = int(msg["nslots"])
-        staging = [alloc(layout, self.device) for _ in range(n)]
-        nz = [i for i, (shape, dt) in enumerate(layout) if _nbytes(shape, dt)]
-        local = [_desc(s[i]) for s in staging for i in nz]
-        remote = [tuple(d) for d in msg["descs"]]
-        if len(remote) != len(local):
-            raise TransportError(f"nixl: tag {tag!r}: peer announced {len(remote)} regions, expected {len(local)}")
-        reg = ldl = rdl = None
-        xfers: list = [None] * n
-        if local:
-            reg = agent.register_memory([(a, b, c, "") for a, b, c in local], _mem(self.device))
-            ldl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, _mem(self.device))
-            rdl = agent.prep_xfer_dlist(self._peer, remote, str(msg["mem"]))
-            k = len(nz)
-            for s in range(n):
-                idx = list(range(s * k, (s + 1) * k))
-                xfers[s] = agent.make_prepped_xfer("WRITE", ldl, idx, rdl, idx, notif_msg=b"")
-        tx = _Tx(tag=tag, tid=tid, layout=layout, nslots=n, staging=staging, reg=reg, local=ldl,
-                 remote=rdl, xfers=xfers, busy=[None] * n)
-        self._tx[tag] = tx
-        self._tx_tid[tid] = tx
-
-    def _make_rx(self, tag: str, layout: list, device: torch.device, user) -> _Rx:
-        agent = self._agent_or_raise()
+    def _make_rx(self, tag: str, device: torch.device, user, need: int) -> _Rx:
         tid = tag_id(tag)
         if tid in self._rx_tid:
             raise TransportError(f"nixl: tag {tag!r} collides with tag {self._rx_tid[tid].tag!r} (same id)")
-        n = self._nslots
-        slots = [alloc(layout, device) for _ in range(n)]
-        nz = [i for i, (shape, dt) in enumerate(layout) if _nbytes(shape, dt)]
-        descs = [_desc(s[i]) for s in slots for i in nz]
-        reg = agent.register_memory([(a, b, c, "") for a, b, c in descs], _mem(device)) if descs else None
-        frame = encode_frame({"t": "slots", "tag": tag, "tid": tid, "layout": layout_to_json(layout),
-                              "nslots": n, "mem": _mem(device), "descs": [list(d) for d in descs]},
-                             agent.get_agent_metadata())
-        rx = _Rx(tag=tag, tid=tid, layout=layout, slots=slots, reg=reg, frame=frame, user=user)
+        self._agent_or_raise()
+        rx = _Rx(tag=tag, tid=tid, device=device, user=user)
+        self._new_gen(rx, need)
         self._rx[tag] = rx
         self._rx_tid[tid] = rx
-        self._send_frame(frame)
         return rx
+
+    def _new_gen(self, rx: _Rx, need: int) -> None:
+        """Register a generation of slots of at least ``need`` bytes and announce it
+        (with fresh agent metadata: the peer must learn the new memory)."""
+        agent = self._agent_or_raise()
+        old = rx.cap
+        cap = _round_up(max(need, int(old * _GROWTH) if old > 0 else 0, _ALIGN), _ALIGN)
+        slots = [torch.empty(cap, dtype=torch.uint8, device=rx.device) for _ in range(self._nslots)]
+        descs = [(s.data_ptr(), cap, _dev_id(s)) for s in slots]
+        reg = agent.register_memory([(a, b, c, "") for a, b, c in descs], _mem(rx.device))
+        gen = rx.newest + 1
+        frame = encode_frame({"t": "slots", "tag": rx.tag, "tid": rx.tid, "gen": gen, "cap": cap,
+                              "nslots": self._nslots, "mem": _mem(rx.device),
+                              "descs": [[a, c] for a, _, c in descs]},
+                             agent.get_agent_metadata())
+        rx.gens[gen] = _RxGen(gen=gen, cap=cap, slots=slots, reg=reg, frame=frame)
+        rx.newest = gen
+        self.generations_made += 1
+        if gen:
+            log.debug("nixl: tag %r: receive slots renegotiated, %d -> %d bytes (generation %d)",
+                      rx.tag, old, cap, gen)
+        self._send_frame(frame)
+
+    def _retire(self, rx: _Rx, gen: int) -> None:
+        """A message of ``gen`` was consumed, so every older message was: the sender
+        never goes back to an older generation, whose memory can go."""
+        agent = self._agent
+        for g in [g for g in rx.gens if g < gen]:
+            old = rx.gens.pop(g)
+            if agent is not None and old.reg is not None:
+                call_quietly(lambda r=old.reg: agent.deregister_memory(r))
+
+    # -- slot negotiation (sender side) -----------------------------------
+    def _on_slots(self, msg: dict, md: bytes) -> None:
+        tag, tid, gen = str(msg["tag"]), int(msg["tid"]), int(msg["gen"])
+        tx = self._tx.get(tag)
+        if tx is not None and tx.newest is not None and tx.newest.gen >= gen:
+            return  # a repeat announcement (a request crossed it)
+        agent = self._agent
+        agent.add_remote_agent(md)  # the peer's metadata now covers the new slots
+        cap, n = int(msg["cap"]), int(msg["nslots"])
+        staging = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        reg = agent.register_memory([(s.data_ptr(), cap, _dev_id(s), "") for s in staging], _mem(self.device))
+        g = _TxGen(gen=gen, cap=cap, nslots=n, remote=[(int(a), int(d)) for a, d in msg["descs"]],
+                   remote_mem=str(msg["mem"]), staging=staging, reg=reg, busy=[None] * n)
+        if len(g.remote) != n:
+            raise TransportError(f"nixl: tag {tag!r}: peer announced {len(g.remote)} slots, expected {n}")
+        if tx is None:
+            tx = _Tx(tag=tag, tid=tid)
+            self._tx[tag] = tx
+            self._tx_tid[tid] = tx
+        tx.gens[gen] = g
+        tx.newest = g
+
+    def _xfer(self, g: _TxGen, bucket: int, slot: int):
+        """The prepared WRITE of ``bucket`` bytes from staging slot ``slot`` to the peer's
+        slot ``slot`` of generation ``g`` (prepared on first use, then reused)."""
+        agent = self._agent
+        ent = g.dlists.get(bucket)
+        if ent is None:
+            mem = _mem(self.device)
+            ldl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(s.data_ptr(), bucket, _dev_id(s)) for s in g.staging],
+                                        mem)
+            rdl = agent.prep_xfer_dlist(self._peer, [(a, bucket, d) for a, d in g.remote], g.remote_mem)
+            ent = g.dlists[bucket] = (ldl, rdl, [None] * g.nslots)
+        ldl, rdl, xfers = ent
+        if xfers[slot] is None:
+            xfers[slot] = agent.make_prepped_xfer("WRITE", ldl, [slot], rdl, [slot], notif_msg=b"")
+        return xfers[slot]
+
+    def _release_tx_gen(self, g: _TxGen) -> None:
+        agent = self._agent
+        if agent is None:
+            return
+        for ldl, rdl, xfers in g.dlists.values():
+            for x in xfers:
+                if x is not None:
+                    call_quietly(x.release)
+            call_quietly(ldl.release)
+            call_quietly(rdl.release)
+        g.dlists.clear()
+        if g.reg is not None:
+            call_quietly(lambda r=g.reg: agent.deregister_memory(r))
+            g.reg = None
 
     def _agent_or_raise(self):
         if self._agent is None:
@@ -443,7 +605,7 @@ class NixlTransport(Transport):
             any(rx.credits for rx in self._rx.values())
 
     def _hot(self) -> bool:
-        return any(tx.inflight for tx in self._tx.values())
+        return any(g.inflight for tx in self._tx.values() for g in tx.gens.values())
 
     async def _poll_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -470,12 +632,17 @@ class NixlTransport(Transport):
         progressed = False
         notifs = agent.get_new_notifs()
         for msg in notifs.get(peer, ()):
-            kind, tid, n = _NOTIF.unpack(msg[: _NOTIF.size])
+            kind = msg[:1]
             if kind == b"D":
+                _, tid, seq, gen, slot = _DATA.unpack_from(msg, 0)
                 rx = self._rx_tid.get(tid)
                 if rx is not None:
-                    rx.arrived.add(n)
+                    _, _, htid, hseq, _, layout, _ = unpack_header(memoryview(msg)[_DATA.size:])
+                    if (htid, hseq) != (tid, seq):
+                        raise TransportError(f"corrupt data notification for tag {rx.tag!r} (message {seq})")
+                    rx.arrived[seq] = (gen, slot, layout)
             elif kind == b"C":
+                _, tid, n = _CREDIT.unpack_from(msg, 0)
                 tx = self._tx_tid.get(tid)
                 if tx is not None and n > tx.peer_consumed:
                     tx.peer_consumed = n
@@ -483,40 +650,51 @@ class NixlTransport(Transport):
         for rx in self._rx.values():
             while rx.credits and (rx.credits[0][0] is None or rx.credits[0][0].query()):
                 _, count = rx.credits.popleft()
-                agent.send_notif(peer, _NOTIF.pack(b"C", rx.tid, count))
+                agent.send_notif(peer, _CREDIT.pack(b"C", rx.tid, count))
                 progressed = True
         for tx in self._tx.values():
-            for slot, seq in list(tx.inflight.items()):
-                st = agent.check_xfer_state(tx.xfers[slot])
+            progressed |= self._progress_tx(agent, peer, tx)
+        return progressed
+
+    def _progress_tx(self, agent, peer, tx: _Tx) -> bool:
+        """Reap finished WRITEs, post staged messages in order, free drained old generations."""
+        progressed = False
+        for g in tx.gens.values():
+            for slot, (seq, xfer) in list(g.inflight.items()):
+                st = agent.check_xfer_state(xfer)
                 if st == "DONE":
-                    del tx.inflight[slot]
-                    tx.busy[slot] = None
+                    del g.inflight[slot]
+                    g.busy[slot] = None
                     progressed = True
                 elif st == "ERR":
                     raise TransportError(f"WRITE of message {seq} of tag {tx.tag!r} failed"
                                          + (f" ({self._gone})" if self._gone else ""))
-            while tx.staged:
-                seq, slot, ev = tx.staged[0]
-                if ev is not None and not ev.query():
-                    break
-                if seq >= tx.peer_consumed + tx.nslots:
-                    break  # the peer's slot still holds an unconsumed message
-                notif = _NOTIF.pack(b"D", tx.tid, seq)
-                xfer = tx.xfers[slot]
-                if xfer is None:
-                    agent.send_notif(peer, notif)
-                    tx.busy[slot] = None
+        while tx.staged:
+            m: _Staged = tx.staged[0]
+            if m.event is not None and not m.event.query():
+                break
+            g = m.gen
+            prev = m.seq - g.nslots  # the slot's previous message in this generation
+            if m.nbytes and prev >= g.start and tx.peer_consumed <= prev:
+                break  # the peer's slot still holds an unconsumed message
+            notif = _DATA.pack(b"D", tx.tid, m.seq, g.gen if m.nbytes else -1, m.slot) + m.header
+            if not m.nbytes:
+                agent.send_notif(peer, notif)
+            else:
+                xfer = self._xfer(g, write_bucket(m.nbytes, g.cap), m.slot)
+                st = agent.transfer(xfer, notif)
+                if st == "ERR":
+                    raise TransportError(f"posting message {m.seq} of tag {tx.tag!r} failed")
+                if st == "DONE":
+                    g.busy[m.slot] = None
                 else:
-                    st = agent.transfer(xfer, notif)
-                    if st == "ERR":
-                        raise TransportError(f"posting message {seq} of tag {tx.tag!r} failed")
-                    if st == "DONE":
-                        tx.busy[slot] = None
-                    else:
-                        tx.inflight[slot] = seq
-                tx.staged.popleft()
-                tx.posted = seq + 1
-                progressed = True
+                    g.inflight[m.slot] = (m.seq, xfer)
+            tx.staged.popleft()
+            tx.posted = m.seq + 1
+            progressed = True
+        for gid in [gid for gid, g in tx.gens.items() if g is not tx.cur and g is not tx.newest
+                    and not g.inflight and all(b is None for b in g.busy)]:
+            self._release_tx_gen(tx.gens.pop(gid))
         return progressed
 
     async def _wait_for(self, cond: Callable[[], bool], deadline: float | None, what: str,
@@ -527,7 +705,7 @@ class NixlTransport(Transport):
             if self._failed:
                 raise TransportError(f"nixl {what}: link failed: {self._failed}")
             if tid is not None and tid in self._rejects:
-                raise TransportError(f"nixl {what}: the sender refused the message: {self._rejects[tid]}")
+                raise TransportError(f"nixl {what}: {self._rejects[tid]}")
             if self._gone:
                 sent = self._peer_sent.get(tid, 0) if tid is not None else 0
                 # Data the peer posted before its goodbye may still be landing.
@@ -564,58 +742,64 @@ class NixlTransport(Transport):
         tensors = list(tensors)
         for t in tensors:
             byte_view(t)  # contiguity
+        layout = layout_of(tensors)
+        offs, need = packing(layout)
         deadline = deadline_after(self._timeout)
         lock = self._tx_locks.setdefault(tag, asyncio.Lock())
         # asyncio.Lock is FIFO: concurrent sends of a tag keep their call order.
         await lock.acquire()
         try:
             tx = self._tx.get(tag)
-            if tx is None:
-                if tag not in self._wanted:
-                    self._wanted.add(tag)
-                    self._send_frame(encode_frame({"t": "want", "tag": tag, "tid": tag_id(tag),
-                                                   "layout": layout_to_json(layout_of(tensors))}))
-                await self._wait_for(lambda: tag in self._tx, deadline, f"send {tag!r} (waiting for the "
-                                     "receiver's slots)")
+            if tx is None or tx.newest.cap < need:
+                # No slots yet, or too small for this message: ask the receiver for a
+                # generation that fits (once per size), and wait for its announcement.
+                if self._wanted.get(tag, -1) < need:
+                    self._wanted[tag] = need
+                    self._send_frame(encode_frame({"t": "want", "tag": tag, "tid": tag_id(tag), "bytes": need}))
+                await self._wait_for(lambda: tag in self._tx and self._tx[tag].newest.cap >= need, deadline,
+                                     f"send {tag!r} (waiting for {need}-byte slots from the receiver)",
+                                     tid=tag_id(tag))
                 tx = self._tx[tag]
-            if layout_of(tensors) != tx.layout:
-                msg = (f"tag {tag!r}: sent {layout_str(layout_of(tensors))} but the receiver's slots hold "
-                       f"{layout_str(tx.layout)}")
-                self._send_frame(encode_frame({"t": "reject", "tid": tx.tid, "msg": msg}))
-                raise TransportError(f"nixl send: {msg}")
             seq = tx.next_seq
-            slot = seq % tx.nslots
-            await self._wait_for(lambda: tx.busy[slot] is None, deadline, f"send {tag!r}")
-            for st, t in zip(tx.staging[slot], tensors):
-                if st.numel():
-                    st.copy_(t, non_blocking=st.is_cuda or t.is_cuda)
-            ev = record_event(self.device) if (self.device.type == "cuda" or any(t.is_cuda for t in tensors)) \
-                else None
-            tx.busy[slot] = seq
+            header = bytes(pack_header(WIRE_VERSION, tx.tid, seq, tensors, payload=need))  # rides the notification
+            if tx.cur is not tx.newest:  # switch at a message boundary, never back
+                tx.cur = tx.newest
+                tx.cur.start = seq
+            g = tx.cur
+            slot = (seq - g.start) % g.nslots
+            ev = None
+            if need:
+                await self._wait_for(lambda: g.busy[slot] is None, deadline, f"send {tag!r}")
+                for v, t in zip(_views(g.staging[slot], layout, offs), tensors):
+                    if v.numel():
+                        v.copy_(t, non_blocking=v.is_cuda or t.is_cuda)
+                if self.device.type == "cuda" or any(t.is_cuda for t in tensors):
+                    ev = record_event(g.staging[slot].device if g.staging[slot].is_cuda else tensors[0].device)
+                g.busy[slot] = seq
             tx.next_seq = seq + 1
-            tx.staged.append((seq, slot, ev))
+            tx.staged.append(_Staged(seq=seq, gen=g, slot=slot, nbytes=need, header=header, event=ev))
             self._kick_poller()
         finally:
             lock.release()
 
     def register(self, tag: str, buffers: Sequence[torch.Tensor]) -> None:
-        """Register receive slots for ``tag`` shaped like ``buffers`` (once), and tell
-        the peer where to write; ``recv(tag)`` then fills ``buffers``."""
+        """Make receive slots for ``tag`` big enough for ``buffers`` (once; a larger
+        layout later registers a larger generation) and tell the peer where to
+        write; ``recv(tag)`` then fills ``buffers`` when a message has their layout."""
         buffers = list(buffers)
         for b in buffers:
             byte_view(b)
         if self._state in ("closing", "closed"):
             raise TransportError("nixl: transport is closed")
+        need = packing(layout_of(buffers))[1]
         rx = self._rx.get(tag)
-        lay = layout_of(buffers)
         if rx is None:
             dev = buffers[0].device if buffers else self.device
-            self._make_rx(tag, lay, dev, user=buffers)
-        elif rx.layout != lay:
-            raise TransportError(f"nixl: tag {tag!r} already has slots of {layout_str(rx.layout)}; "
-                                 f"cannot re-register it as {layout_str(lay)}")
+            self._make_rx(tag, dev, user=buffers, need=need)
         else:
             rx.user = buffers
+            if need > rx.cap:
+                self._new_gen(rx, need)
         super().register(tag, buffers)
 
     async def recv(self, tag: str, into: Sequence[torch.Tensor] | None = None,
@@ -627,9 +811,10 @@ class NixlTransport(Transport):
         if rx is None:
             if into is not None:
                 into = list(into)
-                rx = self._make_rx(tag, layout_of(into), into[0].device if into else self.device, user=None)
+                rx = self._make_rx(tag, into[0].device if into else self.device, user=None,
+                                   need=packing(layout_of(into))[1])
             else:
-                # Nobody registered the tag: the sender announces its layout.
+                # Nobody registered the tag: the sender asks for slots with its first message.
                 try:
                     await self._wait_for(lambda: tag in self._rx, deadline, what, tid=tag_id(tag), seq=0)
                 except PeerTimeout:
@@ -645,23 +830,32 @@ class NixlTransport(Transport):
                 await self._wait_for(lambda: seq in rx.arrived, deadline, what, tid=rx.tid, seq=seq)
             except PeerTimeout:
                 raise PeerTimeout(f"nixl {what}: nothing arrived within {timeout} s") from None
-            slot = rx.slots[seq % len(rx.slots)]
+            gen, slot_i, layout = rx.arrived.pop(seq)
+            src = None
+            if gen >= 0:
+                if gen not in rx.gens:
+                    raise TransportError(f"nixl {what}: message {seq} is in generation {gen}, which this "
+                                         "rank no longer (or never) had")
+                src = rx.gens[gen].slots[slot_i]
             dest = list(into) if into is not None else rx.user
             mismatch = None
-            if dest is not None and layout_of(dest) != rx.layout:
+            if dest is not None and layout_of(dest) != layout:
                 mismatch = (f"nixl {what}: {'into' if into is not None else 'registered buffers'} "
-                            f"{layout_str(layout_of(dest))} do not match the message {layout_str(rx.layout)}")
+                            f"{layout_str(layout_of(dest))} do not match the message {layout_str(layout)}")
                 dest = None
             if mismatch is None:
                 if dest is None:
-                    dest = alloc(rx.layout, rx.slots[0][0].device if rx.slots[0] else self.device)
-                for d, s in zip(dest, slot):
-                    if d.numel():
-                        d.copy_(s, non_blocking=d.is_cuda or s.is_cuda)
-            rx.arrived.discard(seq)
+                    dest = alloc(layout, rx.device)
+                if src is not None:
+                    for d, s in zip(dest, _views(src, layout, packing(layout)[0])):
+                        if d.numel():
+                            d.copy_(s, non_blocking=d.is_cuda or s.is_cuda)
             rx.next_seq = seq + 1
-            cuda = any(s.is_cuda for s in slot) or (dest is not None and any(d.is_cuda for d in dest))
-            ev = record_event(slot[0].device if slot and slot[0].is_cuda else dest[0].device) if cuda else None
+            if gen >= 0:
+                self._retire(rx, gen)
+            cuda = (src is not None and src.is_cuda) or (dest is not None and any(d.is_cuda for d in dest))
+            ev = record_event(src.device if src is not None and src.is_cuda else
+                              next(d.device for d in dest if d.is_cuda)) if cuda else None
             rx.credits.append((ev, rx.next_seq))  # the slot is free once the copy is done
             self._kick_poller()
             if mismatch:
@@ -696,10 +890,14 @@ class NixlTransport(Transport):
             except Exception as e:  # noqa: BLE001
                 self._failed = str(e)
                 break
-            if not any(tx.staged or tx.inflight for tx in self._tx.values()) and \
+            if not any(tx.staged or self._tx_inflight(tx) for tx in self._tx.values()) and \
                     not any(rx.credits for rx in self._rx.values()):
                 return
             await asyncio.sleep(bo.next_delay(True))
+
+    @staticmethod
+    def _tx_inflight(tx: _Tx) -> bool:
+        return any(g.inflight for g in tx.gens.values())
 
     async def _teardown(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -718,22 +916,18 @@ class NixlTransport(Transport):
         if self._server is not None:
             self._server.close()
             self._server = None
-        agent, self._agent = self._agent, None
+        agent = self._agent
         if agent is not None:
             for tx in self._tx.values():
-                for x in tx.xfers:
-                    if x is not None:
-                        call_quietly(x.release)
-                for d in (tx.local, tx.remote):
-                    if d is not None:
-                        call_quietly(d.release)
-                if tx.reg is not None:
-                    call_quietly(lambda r=tx.reg: agent.deregister_memory(r))
+                for g in tx.gens.values():
+                    self._release_tx_gen(g)
             for rx in self._rx.values():
-                if rx.reg is not None:
-                    call_quietly(lambda r=rx.reg: agent.deregister_memory(r))
+                for g in rx.gens.values():
+                    if g.reg is not None:
+                        call_quietly(lambda r=g.reg: agent.deregister_memory(r))
             if self._peer is not None:
                 call_quietly(lambda: agent.remove_remote_agent(self._peer))
+            self._agent = None
             del agent
         self._tx.clear()
         self._rx.clear()
@@ -742,11 +936,4 @@ class NixlTransport(Transport):
         gc.collect()  # the agent's destructor stops its threads
 
 
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
-
-
-__all__ = ["NixlTransport"]
+__all__ = ["NixlTransport", "packing", "write_bucket"]

@@ -572,6 +572,152 @@ async def close_both(env: Env) -> dict:
     return {"base": base, "after": counts}
 
 
+
+# --------------------------------------------------------------------------- variable layouts
+# The runtime sends different layouts on one tag (BOOT vs STEP commands, prompt-length
+# dependent shapes, a short last pack, deltas whose width varies per step): every
+# transport must carry them in order, whatever it pre-registered.
+
+def alternating_layouts():
+    """Three layouts cycled on one tag: a command-like, a step-like and a mixed one."""
+    import torch
+
+    return [
+        [((7,), torch.int64), ((3, 5), torch.float32)],
+        [((3,), torch.int64)],
+        [((2, 9, 4), torch.bfloat16), ((1,), torch.int32), ((4, 3), torch.float16)],
+    ]
+
+
+N_ALT = 24
+
+
+async def layouts_0(env: Env) -> dict:
+    """Alternating layouts on one tag, each way; the receiver uses new tensors, then `into`."""
+    t = await env.open()
+    lays = alternating_layouts()
+    try:
+        for i in range(N_ALT):
+            await t.send("alt", make_msg(lays[i % 3], 300 + i, env.device))
+        for i in range(N_ALT):
+            lay = lays[(i * 2) % 3]  # another cycle order in the other direction
+            got = await t.recv("alt_back", timeout=env.timeout_s)
+            check_msg(got, lay, 400 + i, env.device, f"alt_back message {i} {lay}")
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
+async def layouts_1(env: Env) -> dict:
+    import torch
+
+    t = await env.open()
+    lays = alternating_layouts()
+    try:
+        for i in range(N_ALT):
+            lay = lays[i % 3]
+            if i % 2:
+                into = [torch.empty(s, dtype=d, device=env.device) for s, d in lay]
+                got = await t.recv("alt", into=into, timeout=env.timeout_s)
+                assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, into)), "recv did not fill `into`"
+            else:
+                got = await t.recv("alt", timeout=env.timeout_s)
+            check_msg(got, lay, 300 + i, env.device, f"alt message {i} {lay}")
+        for i in range(N_ALT):
+            await t.send("alt_back", make_msg(lays[(i * 2) % 3], 400 + i, env.device))
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
+def grow_shrink_sizes() -> list[int]:
+    """Elements per message: growing (odd sizes, up to 1 MiB of fp32), then shrinking
+    back, then growing again below the peak (a transport must reuse, not regrow)."""
+    up = [1, 3, 31, 257, 4099, 65537, 262147]
+    return up + up[-2::-1] + [0, 5, 70001, 262147, 9]
+
+
+async def grow_shrink_0(env: Env) -> dict:
+    """Sizes grow then shrink on one tag (a short last pack, a delta's varying width)."""
+    import torch
+
+    t = await env.open()
+    try:
+        for i, n in enumerate(grow_shrink_sizes()):
+            await t.send("gs", [pattern((n,), torch.float32, 500 + i, env.device),
+                                pattern((2, n % 7 + 1), torch.int32, 600 + i, env.device)])
+        await t.recv("done", timeout=env.timeout_s)
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
+async def grow_shrink_1(env: Env) -> dict:
+    import torch
+
+    t = await env.open()
+    try:
+        for i, n in enumerate(grow_shrink_sizes()):
+            if i % 3 == 1:
+                into = [torch.full((n,), -1.0, device=env.device),
+                        torch.empty(2, n % 7 + 1, dtype=torch.int32, device=env.device)]
+                got = await t.recv("gs", into=into, timeout=env.timeout_s)
+            else:
+                got = await t.recv("gs", timeout=env.timeout_s)
+            assert tuple(got[0].shape) == (n,), f"message {i}: shape {tuple(got[0].shape)}, expected ({n},)"
+            assert same(got[0], pattern((n,), torch.float32, 500 + i)), f"message {i} ({n} floats) differs"
+            assert same(got[1], pattern((2, n % 7 + 1), torch.int32, 600 + i)), f"message {i}: tensor 1 differs"
+        await t.send("done", [torch.zeros(1, device=env.device)])
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
+def reneg_sizes() -> list[int]:
+    """Floats per message: small ones around three larger ones (each larger than all
+    before it, so slot-based transports must renegotiate with messages in flight)."""
+    out = []
+    for big in (1000, 30000, 200001):
+        out += [13 + i for i in range(6)] + [big]
+    return out + [11 + i for i in range(6)]
+
+
+async def reneg_0(env: Env) -> dict:
+    """Many sends in flight across renegotiations (all posted before the receiver reads)."""
+    import torch
+
+    t = await env.open()
+    try:
+        sizes = reneg_sizes()
+        tasks = [asyncio.ensure_future(t.send("rn", [pattern((n,), torch.float32, 700 + i, env.device),
+                                                     torch.full((1,), i, dtype=torch.int64, device=env.device)]))
+                 for i, n in enumerate(sizes)]
+        await asyncio.sleep(0)
+        await t.send("posted", [torch.ones(1, device=env.device)])
+        await asyncio.wait_for(asyncio.gather(*tasks), 4 * env.timeout_s)
+        await t.recv("done", timeout=env.timeout_s)
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
+async def reneg_1(env: Env) -> dict:
+    import torch
+
+    t = await env.open()
+    try:
+        await t.recv("posted", timeout=env.timeout_s)
+        await asyncio.sleep(0.3)  # the sender's messages are all outstanding now
+        for i, n in enumerate(reneg_sizes()):
+            got = await t.recv("rn", timeout=env.timeout_s)
+            assert int(got[1].item()) == i, f"message {i} arrived as message {int(got[1].item())} (order lost)"
+            assert same(got[0], pattern((n,), torch.float32, 700 + i)), f"message {i} ({n} floats) differs"
+        await t.send("done", [torch.zeros(1, device=env.device)])
+    finally:
+        await t.close()
+    return {"ok": True}
+
+
 SCENARIOS: dict[str, tuple[Callable[[Env], Awaitable[dict]], Callable[[Env], Awaitable[dict]]]] = {
     "basic": (basic_0, basic_1),
     "order": (order_0, order_1),
@@ -583,6 +729,9 @@ SCENARIOS: dict[str, tuple[Callable[[Env], Awaitable[dict]], Callable[[Env], Awa
     "peer_closed": (gone_0, closed_1),
     "peer_killed": (gone_0, killed_1),
     "close": (close_both, close_both),
+    "layouts": (layouts_0, layouts_1),
+    "grow_shrink": (grow_shrink_0, grow_shrink_1),
+    "reneg": (reneg_0, reneg_1),
 }
 
 

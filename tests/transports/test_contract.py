@@ -194,3 +194,15 @@ def test_peer_killed_is_noticed_not_a_hang(pair):
 
 def test_close_releases_everything(pair):
     pair.run("close")
+
+
+def test_one_tag_carries_alternating_layouts(pair):
+    pair.run("layouts")
+
+
+def test_one_tag_grows_then_shrinks(pair):
+    pair.run("grow_shrink")
+
+
+def test_many_in_flight_across_a_renegotiation(pair):
+    pair.run("reneg")

@@ -1,4 +1,5 @@
-"""NIXL specifics beyond the contract: slot back-pressure and register-before-connect.
+"""NIXL specifics beyond the contract: slot back-pressure, register-before-connect,
+slot generations (growth, reuse, release) and the packing of a message into a slot.
 
 Both endpoints run in this process (two NIXL agents talk over loopback), which is
 enough for flow control and much faster than spawning helper processes.
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from spade.config import NixlTransportConfig
+from spade.errors import TransportError
 from spade.transports import Handshake, availability
 from spade.transports._framing import free_port
 
@@ -58,18 +60,77 @@ def test_sends_wait_for_slots_beyond_two_per_slot():
     asyncio.run(main())
 
 
-def test_reregistering_a_tag_with_another_layout_is_refused():
-    from spade.errors import TransportError
-
+def test_registering_a_larger_layout_grows_the_slots():
     async def main():
         a, b = await _pair(register_first=True)
         try:
-            b.register("x", [torch.ones(5, dtype=torch.int64)])  # same layout: new destination, fine
-            with pytest.raises(TransportError, match="already has slots"):
-                b.register("x", [torch.ones(6, dtype=torch.int64)])
-            with pytest.raises(TransportError, match="receiver's slots"):
-                await a.send("x", [torch.ones(6, dtype=torch.int64)])
+            b.register("x", [torch.ones(5, dtype=torch.int64)])  # same layout: new destination only
+            made = b.generations_made
+            big = [torch.empty(600, dtype=torch.int64)]
+            b.register("x", big)  # larger: a new generation, announced before any message needs it
+            assert b.generations_made == made + 1
+            await a.send("x", [torch.arange(600, dtype=torch.int64)])
+            got = await b.recv("x", timeout=5)
+            assert got[0].data_ptr() == big[0].data_ptr() and got[0].tolist() == list(range(600))
+            await a.send("x", [torch.full((5,), 3, dtype=torch.int64)])  # fits: no new generation
+            with pytest.raises(TransportError, match="600"):  # registered buffers: [600], message: [5]
+                await b.recv("x", timeout=5)
+            assert b.generations_made == made + 1
         finally:
             await asyncio.gather(a.close(), b.close())
 
     asyncio.run(main())
+
+
+def test_steady_state_registers_nothing_and_old_generations_are_freed():
+    """After the largest message was seen once, varying layouts that fit reuse the
+    slots (no registration per step), and superseded generations are released."""
+
+    async def main():
+        a, b = await _pair()
+        try:
+            lays = [[(7,), (3, 5)], [(3,)], [(2, 9, 4), (1,)], [(40, 17)]]
+            for rnd in range(2):
+                if rnd == 1:
+                    made = (a.generations_made, b.generations_made)
+                for i in range(12):
+                    shapes = lays[i % len(lays)]
+                    msg = [torch.randn(s) for s in shapes]
+                    await a.send("v", msg)
+                    got = await b.recv("v", timeout=5)
+                    assert [tuple(g.shape) for g in got] == [tuple(s) for s in shapes]
+                    assert all(torch.equal(g, m) for g, m in zip(got, msg)), f"round {rnd}, message {i}"
+            assert (a.generations_made, b.generations_made) == made, "the steady state registered memory"
+            assert b.generations_made >= 2, "the growing layouts should have renegotiated at least once"
+            assert len(b._rx["v"].gens) == 1, "superseded receive generations must be freed"
+            await asyncio.sleep(0.1)  # the sender frees its side once its WRITEs completed
+            assert len(a._tx["v"].gens) == 1, "superseded staging generations must be freed"
+        finally:
+            await asyncio.gather(a.close(), b.close())
+
+    asyncio.run(main())
+
+
+def test_packing_offsets_and_write_buckets():
+    from spade.transports.nixl import packing, write_bucket
+
+    lay = [((3,), torch.bool), ((5, 3), torch.float64), ((0,), torch.int32), ((7,), torch.bfloat16)]
+    offs, need = packing(lay)
+    assert all(o % 64 == 0 for o in offs) and offs == sorted(offs)
+    assert need >= offs[-1] + 14 and need % 64 == 0
+    for (shape, dt), o, o2 in zip(lay, offs, offs[1:] + [need]):
+        n = 1
+        for x in shape:
+            n *= x
+        assert o + n * dt.itemsize <= o2, "packed tensors overlap"
+    cap = 3 << 20
+    seen = set()
+    for n in list(range(1, 5000, 7)) + [cap - 1, cap, 1 << 20, (1 << 20) + 1]:
+        b = write_bucket(n, cap)
+        assert n <= b <= cap
+        if n > 256:
+            assert b <= n * 1.125 + 1, f"bucket {b} wastes more than 12.5% of {n}"
+        seen.add(b)
+    assert write_bucket(cap + 5, cap) == cap
+    # few distinct WRITE sizes for many message sizes (prepared lists stay few)
+    assert len({write_bucket(n, cap) for n in range(1, cap, 997)}) <= 8 * 22 + 1
