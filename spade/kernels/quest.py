@@ -249,48 +249,19 @@ def _quest_update_kernel(
 
 
 @triton.jit
-def _quest_scores_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, lo_ptr, hi_ptr,
-    stride_qb, stride_qh, stride_qd,
-    stride_mb, stride_mh, stride_mp, stride_md,
-    P, scale,
-    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, REDUCE: tl.constexpr, HAS_LO: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    """Page bounds of BLOCK_P pages for one (b, KV head): ``q⁺·kmax + q⁻·kmin`` as two
-    [G_PAD, D] x [D, BLOCK_P] dots, then the group reduction."""
-    row = tl.program_id(0)
-    pblk = tl.program_id(1)
-    b = row // HKV
-    h = row % HKV
-    hi = tl.load(hi_ptr + b).to(tl.int32)
-    if HAS_LO:
-        lo = tl.load(lo_ptr + b).to(tl.int32)
-    else:
-        lo = 0
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
-    g_mask = offs_g < G
-    d_mask = offs_d < D
+def _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale, offs_d,
+                      g_mask, d_mask, stride_mp, stride_md, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Bounds of the BLOCK_P pages from ``p0``: ``q⁺·kmax + q⁻·kmin`` as two
+    [G_PAD, D] x [D, BLOCK_P] dots, then the group reduction; stored at ``orow``."""
+    offs_p = p0 + tl.arange(0, BLOCK_P)
     valid = (offs_p >= lo) & (offs_p < hi) & (offs_p < P)
-    qb = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
-    q = tl.load(qb + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
-    zero = tl.zeros_like(q)
-    qf = q.to(tl.float32)  # NOTE: compare in fp32: the interpreter compares bf16 as raw bits
-    q_pos = tl.where(qf > 0, q, zero)  # stays in q's dtype (tensor-core operands)
-    q_neg = tl.where(qf < 0, q, zero)
-    moff = (b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + offs_p[:, None].to(tl.int64) * stride_mp
-            + offs_d[None, :] * stride_md)
+    moff = mbase + offs_p[:, None].to(tl.int64) * stride_mp + offs_d[None, :] * stride_md
     mmask = valid[:, None] & d_mask[None, :]
     # out-of-range pages may hold +-inf (empty pages): load zeros there instead (0 * inf = NaN)
     kmx = tl.load(kmax_ptr + moff, mask=mmask, other=0.0)  # [BLOCK_P, BLOCK_D]
     kmn = tl.load(kmin_ptr + moff, mask=mmask, other=0.0)
     if UPCAST:
-        q_pos = q_pos.to(tl.float32)
-        q_neg = q_neg.to(tl.float32)
         kmx = kmx.to(tl.float32)
         kmn = kmn.to(tl.float32)
     if IEEE:
@@ -305,7 +276,79 @@ def _quest_scores_kernel(
     else:
         r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
     r = tl.where(valid, r, float("-inf"))
-    tl.store(out_ptr + row.to(tl.int64) * P + offs_p, r, mask=offs_p < P)
+    tl.store(out_ptr + orow + offs_p, r, mask=offs_p < P)
+
+
+@triton.jit
+def _quest_scores_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, lo_ptr, hi_ptr, plan_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_mb, stride_mh, stride_mp, stride_md,
+    P, B, CHUNK, page_size, scale,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, REDUCE: tl.constexpr, HAS_LO: tl.constexpr, FROM_LENS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Page bounds of CHUNK pages (whole BLOCK_P tiles) of one (b, KV head) row.
+
+    A program loops over its tiles so the compiler can keep the next tiles'
+    metadata loads in flight (software pipelining) while the current one is in
+    the tensor cores; the query's positive / negative parts are loaded once per
+    program. With FROM_LENS, ``hi_ptr`` / ``lo_ptr`` hold token lengths / starts
+    and the page range is derived here (``quest_select``'s plan), and program
+    (b, h=0, chunk 0) also writes the top-K candidate range of row ``b`` into
+    ``plan_ptr`` ([2, B]: first page, end of the pages before the last one), so
+    the selection needs no separate plan launch."""
+    row = tl.program_id(0)
+    pblk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    if FROM_LENS:
+        kv = tl.load(hi_ptr + b).to(tl.int32)
+        if HAS_LO:
+            start = tl.load(lo_ptr + b).to(tl.int32)
+        else:
+            start = 0
+        lo = start // page_size
+        # an empty row gets an empty page range (its bounds are +-inf: no score, no NaN)
+        hi = tl.where(kv > start, (kv + page_size - 1) // page_size, lo)
+        first = (h == 0) & (pblk == 0)
+        tl.store(plan_ptr + b, lo, mask=first)
+        tl.store(plan_ptr + B + b, tl.maximum(hi - 1, lo), mask=first)
+    else:
+        hi = tl.load(hi_ptr + b).to(tl.int32)
+        if HAS_LO:
+            lo = tl.load(lo_ptr + b).to(tl.int32)
+        else:
+            lo = 0
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    qb = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
+    q = tl.load(qb + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    zero = tl.zeros_like(q)
+    qf = q.to(tl.float32)  # NOTE: compare in fp32: the interpreter compares bf16 as raw bits
+    q_pos = tl.where(qf > 0, q, zero)  # stays in q's dtype (tensor-core operands)
+    q_neg = tl.where(qf < 0, q, zero)
+    if UPCAST:
+        q_pos = q_pos.to(tl.float32)
+        q_neg = q_neg.to(tl.float32)
+    mbase = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    orow = row.to(tl.int64) * P
+    p_start = pblk * CHUNK
+    p_end = tl.minimum(p_start + CHUNK, P)
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        p0 = p_start
+        while p0 < p_end:
+            _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
+                              offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
+            p0 += BLOCK_P
+    else:
+        for p0 in range(p_start, p_end, BLOCK_P):
+            _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
+                              offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
 
 
 @triton.jit
@@ -334,7 +377,7 @@ def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.
 @triton.jit
 def _quest_expand_kernel(
     sel_ptr, out_ptr, start_ptr, kv_ptr, page_size, n_sel, n_out,
-    HKV: tl.constexpr, BLOCK: tl.constexpr,
+    HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
 ):
     """Token slots of one (b, KV head): slot ``i * page_size + j`` holds token ``j`` of
     page ``i`` (page 0 = the last page, then the selected ones); ``-1`` outside
@@ -342,7 +385,10 @@ def _quest_expand_kernel(
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV
-    start = tl.load(start_ptr + b).to(tl.int32)
+    if HAS_START:
+        start = tl.load(start_ptr + b).to(tl.int32)
+    else:
+        start = 0
     kv = tl.load(kv_ptr + b).to(tl.int32)
     has = kv > start
     last = tl.where(has, (kv + page_size - 1) // page_size - 1, -1)
@@ -403,7 +449,44 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
         HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
-def _launch_page_scores(q, kmin, kmax, out, n_pages, page_start, *, scale, reduce) -> None:
+QUEST_CONFIG: dict = {}
+"""Overrides for the page-score kernel's launch config (``BLOCK_P`` pages per tile,
+``TILES`` tiles per program, ``PER_SM`` target programs per SM when TILES is not
+given, ``num_warps``, ``num_stages``); empty = the built-in heuristic. The
+benchmark (``python -m benchmarks.kernels --sweep``) sweeps it."""
+
+
+def _scores_config(P: int, rows: int, BLOCK_D: int, device: torch.device) -> dict:
+    """Launch config of the page-score kernel: (BLOCK_P, CHUNK pages per program,
+    num_warps, num_stages).
+
+    Page scoring reads 2·P·D metadata elements per row and does little math, so it
+    is bound by HBM bandwidth: the grid should keep every SM streaming with
+    several tiles in flight. One tile per program (the earlier kernel) left no
+    loop to pipeline, so each program waited for its loads; now a program loops
+    over a few tiles (about PER_SM programs per SM) and the compiler overlaps the
+    next tiles' loads with the current dots."""
+    if _interpret() or device.type != "cuda":
+        # the interpreter pays per op, not per element: few, large tiles
+        cfg = dict(BLOCK_P=min(256, max(16, triton.next_power_of_2(P))), PER_SM=4, num_warps=4, num_stages=1)
+    else:
+        cfg = dict(BLOCK_P=64 if BLOCK_D <= 128 else 32, PER_SM=4, num_warps=4, num_stages=3)
+    cfg.update(QUEST_CONFIG)
+    bp = int(cfg["BLOCK_P"])
+    tiles_row = triton.cdiv(P, bp)
+    if "TILES" in cfg:
+        tiles = max(1, int(cfg["TILES"]))
+    else:
+        target = int(cfg["PER_SM"]) * _sm_count(device)
+        tiles = max(1, (rows * tiles_row) // max(target, 1))
+    tiles = min(tiles, tiles_row)
+    return dict(BLOCK_P=bp, CHUNK=tiles * bp, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+
+
+def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None, page_size=1) -> None:
+    """Launch the page-score kernel. ``hi``/``lo`` are page bounds [B] (``lo`` may be
+    None), or with ``plan`` given token lengths / starts from which the kernel
+    derives the page range and writes the selection plan (see the kernel)."""
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     if kmax.stride() != kmin.stride():
         raise ValueError("kmin and kmax must have the same strides")
@@ -412,19 +495,16 @@ def _launch_page_scores(q, kmin, kmax, out, n_pages, page_start, *, scale, reduc
     upcast = _interpret()
     ieee = kmin.dtype == torch.float32 and not upcast
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    if upcast or not kmin.is_cuda:
-        BLOCK_P = min(256, max(16, triton.next_power_of_2(P)))
-    else:  # enough programs to fill the GPU, tiles of at most 64 pages
-        BLOCK_P = 64 if B * Hkv * triton.cdiv(P, 64) >= 2 * _sm_count(kmin.device) else 32
-        BLOCK_P = min(BLOCK_P, 32 if BLOCK_D > 128 else BLOCK_P)
-    grid = (B * Hkv, triton.cdiv(P, BLOCK_P))
-    lo = page_start if page_start is not None else n_pages
+    cfg = _scores_config(P, B * Hkv, BLOCK_D, kmin.device)
+    grid = (B * Hkv, triton.cdiv(P, cfg["CHUNK"]))
+    lo_t = lo if lo is not None else hi
     _quest_scores_kernel[grid](
-        qr, kmin, kmax, out, lo, n_pages, qr.stride(0), qr.stride(1), qr.stride(2),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3), P, scale,
-        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P,
-        REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=page_start is not None, UPCAST=upcast, IEEE=ieee,
-        num_warps=4)
+        qr, kmin, kmax, out, lo_t, hi, plan if plan is not None else out, qr.stride(0), qr.stride(1), qr.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3), P, B, cfg["CHUNK"], page_size, scale,
+        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=cfg["BLOCK_P"],
+        REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=lo is not None, FROM_LENS=plan is not None,
+        UPCAST=upcast, IEEE=ieee, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
 
 
 def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
@@ -445,13 +525,30 @@ def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
 
 def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
                         n_pages_sel: int, page_size: int, *, scale: float | None = None,
-                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
+                        plan: str = "fused") -> torch.Tensor:
     """Triton ``quest_select``: page scores, exact radix top-(n_pages_sel - 1) of the
-    pages before the last one, then expansion to token indices (last page first)."""
+    pages before the last one, then expansion to token indices (last page first).
+
+    ``plan`` says where the per-row page ranges come from: ``"fused"`` (default)
+    derives them inside the page-score kernel, which also writes the top-K's
+    candidate range; ``"kernel"`` is the earlier path with its own plan launch
+    (kept so the benchmark can compare the two). No host synchronisation.
+
+    Why the select looked 2.6x slower in run3 than in run1 (0.468 vs 0.179 ms) after
+    the plan kernel came in: its torch baseline, which that change does not touch,
+    slowed down by the same factor (0.317 -> 0.749 ms). The op is a chain of ~7
+    short launches timed eagerly, so its time is the host's launch rate, which
+    differed between the two machines; the plan kernel only adds one launch. The
+    fix is fewer launches (this path: one fewer) and timing it replayed from a
+    CUDA graph, which the benchmark reports next to the eager time.
+    """
     _check_reduce(reduce)
     _check_page_size(page_size)
     if n_pages_sel < 1:
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
+    if plan not in ("fused", "kernel"):
+        raise ValueError(f"plan must be 'fused' or 'kernel', got {plan!r}")
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     n_out = n_pages_sel * page_size
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
@@ -460,19 +557,27 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     kv_lens = _check_rows(kv_lens, B, "kv_lens", kmin.device)
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", kmin.device)
-    plan = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
-    PB = min(1024, triton.next_power_of_2(B))
-    _quest_plan_kernel[(triton.cdiv(B, PB),)](kv_start if kv_start is not None else kv_lens, kv_lens, plan, B,
-                                             page_size, HAS_START=kv_start is not None, BLOCK=PB, num_warps=1)
-    page_lo, n_pages, cand_hi, start = plan.unbind(0)
+    start_t = kv_start if kv_start is not None else kv_lens  # the kernels read it only with a start
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
-        _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=_default_scale(scale, D),
-                            reduce=reduce)
+        if plan == "fused":
+            cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # page_lo, cand_hi
+            _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=_default_scale(scale, D),
+                                reduce=reduce, plan=cand, page_size=page_size)
+            page_lo, cand_hi = cand.unbind(0)
+        else:
+            plan_t = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
+            PB = min(1024, triton.next_power_of_2(B))
+            _quest_plan_kernel[(triton.cdiv(B, PB),)](start_t, kv_lens, plan_t, B, page_size,
+                                                     HAS_START=kv_start is not None, BLOCK=PB, num_warps=1)
+            page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
+            _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=_default_scale(scale, D),
+                                reduce=reduce)
         sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:
         sel = out  # never read: n_sel - 1 == 0 slots
     BLOCK = min(1024, triton.next_power_of_2(n_out))
     _quest_expand_kernel[(B * Hkv, triton.cdiv(n_out, BLOCK))](
-        sel, out, start, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK, num_warps=4)
+        sel, out, start_t, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK,
+        HAS_START=kv_start is not None, num_warps=4)
     return out
