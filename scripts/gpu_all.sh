@@ -16,11 +16,14 @@
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
-# Results (JSON, PNG, logs) go to $OUT (the device tool's folder) or results/gpu.
+# Results (JSON, PNG, logs, profiles) go to results/gpu; when $OUT is set (the
+# device tool's folder, which returns at most 8 files) they are packed into
+# $OUT/gpu_results.tgz at the end, with the console log beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-results/gpu}
-mkdir -p "$OUT"
+RET=${OUT:-}
+OUT=results/gpu
+rm -rf "$OUT"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (shared hosts): keep these set for every child process
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -82,4 +85,7 @@ for s in "${stages[@]}"; do
 done
 if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; fi
 echo "=== total $(( $(date +%s) - T0 )) s"
+if [ -n "$RET" ]; then
+  tar czf "$RET/gpu_results.tgz" -C results gpu && echo "packed $(ls "$OUT" | wc -l) files into \$OUT/gpu_results.tgz"
+fi
 exit $rc
