@@ -144,7 +144,7 @@ def cmd_models(args) -> int:
 
 
 BENCHES = {
-    "kernels": ["benchmarks.bench_scoring", "benchmarks.bench_attention"],
+    "kernels": ["benchmarks.kernels"],
     "scoring": ["benchmarks.bench_scoring"],
     "attention": ["benchmarks.bench_attention"],
     "decode": ["benchmarks.bench_decode"],

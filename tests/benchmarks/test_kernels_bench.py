@@ -1,0 +1,106 @@
+"""Smoke tests of ``python -m benchmarks.kernels --tiny`` (CPU: Triton interpreter).
+
+They check the script, not speed: the JSON rows (every kernel and variant
+present, correct against its torch reference, floors and x-floor consistent,
+skips carrying a reason), the JSON rewritten after every row, the budget, the
+markdown table and the plot, and the ``spade bench kernels`` route."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import kernels as KB
+
+SHAPE = "1x67"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kb") / "kernels.json"
+    writes: list[int] = []
+    real_flush = KB.Recorder.flush
+
+    def counting_flush(self):
+        real_flush(self)
+        writes.append(len(json.loads(self.path.read_text())["rows"]))
+
+    KB.Recorder.flush = counting_flush
+    try:
+        rc = KB.main(["--tiny", "--shapes", SHAPE, "--out", str(out)])
+    finally:
+        KB.Recorder.flush = real_flush
+    return rc, out, json.loads(out.read_text()), writes
+
+
+def test_tiny_rows(tiny_run):
+    rc, out, doc, _ = tiny_run
+    assert rc == 0
+    assert doc["tiny"] and doc["copy_bytes_per_s"] > 0
+    rows = [r for r in doc["rows"] if "skipped" not in r]
+    have = {(r["op"], r["impl"]) for r in rows}
+    want = {("dense_attn", i) for i in ("fused", "kernel", "torch")}
+    want |= {("sparse_attn", i) for i in ("fused", "kernel", "single", "torch")}
+    want |= {("gather", "triton"), ("gather", "torch"), ("quest_scores", "triton"), ("quest_scores", "torch")}
+    want |= {("quest_select", i) for i in ("fused", "kernel", "torch")}
+    assert want <= have, want - have
+    for r in rows:
+        assert r["B"] == 1 and r["L"] == 67
+        assert r["ms"] is not None and r["ms"] > 0, r
+        assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
+        if "rel_err" in r:
+            assert isinstance(r["rel_err"], float) and r["rel_err"] < 1e-4, r  # fp32 on CPU
+        assert r.get("exact", True) is True and r.get("selection_ok", True) is True, r
+    # floors: selected K/V bytes = 2 * B * Hkv * K * D * 4 (fp32), at the measured bandwidth
+    sp = next(r for r in rows if r["op"] == "sparse_attn" and r["impl"] == "fused" and r["K"] == 13)
+    assert sp["floor_ms"] == pytest.approx(2 * 1 * 2 * 13 * 16 * 4 / doc["copy_bytes_per_s"] * 1e3)
+    skipped = [r for r in doc["rows"] if "skipped" in r]
+    assert skipped and all(r["skipped"] for r in skipped)  # the scoring rows need a GPU: a reason
+
+
+def test_json_written_after_every_row(tiny_run):
+    _, _, doc, writes = tiny_run
+    n = len(doc["rows"])
+    assert set(range(1, n + 1)) <= set(writes)  # every prefix of the rows reached the file
+
+
+def test_table_and_plot(tiny_run):
+    _, out, doc, _ = tiny_run
+    md = out.with_suffix(".md").read_text()
+    assert "### sparse_attn" in md and "| 1 | 67 | 13 |" in md
+    assert doc["plot"] == str(out.with_suffix(".png"))
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_budget_and_memory_skips(tmp_path, monkeypatch):
+    """A spent budget records skipped rows with the reason (no timing) and still
+    writes the JSON; a shape too large for memory is skipped with the reason."""
+    out = tmp_path / "k.json"
+    assert KB.main(["--tiny", "--shapes", SHAPE, "--budget-s", "0", "--out", str(out), "--no-scoring"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all("budget" in r["skipped"] for r in rows)
+    monkeypatch.setattr(KB, "_free_bytes", lambda cuda, device: 2**20)
+    out2 = tmp_path / "k2.json"
+    assert KB.main(["--tiny", "--shapes", SHAPE, "--out", str(out2), "--no-scoring"]) == 0
+    rows = json.loads(out2.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["skipped"].startswith("does not fit")
+
+
+def test_sweep_rows(tmp_path):
+    out = tmp_path / "s.json"
+    assert KB.main(["--tiny", "--shapes", SHAPE, "--sweep", "--out", str(out), "--no-scoring"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    splits = {r["impl"] for r in rows if r["op"] == "sparse_attn" and r["impl"].startswith("S")}
+    assert splits == {f"S{s}_{c}" for s in KB.SPLIT_SWEEP for c in ("fused", "kernel")}
+    cfgs = [r for r in rows if r["op"] == "quest_scores" and r["impl"].startswith("cfg_")]
+    assert len(cfgs) == len(KB.QUEST_SWEEP) and all(r["ms"] for r in cfgs)
+
+
+def test_cli_routes_to_this_benchmark(tmp_path):
+    from spade import cli
+
+    assert cli.BENCHES["kernels"] == ["benchmarks.kernels"]
+    out = tmp_path / "c.json"
+    assert cli.main(["bench", "kernels", "--tiny", "--budget-s", "0", "--out", str(out), "--no-scoring"]) == 0
+    assert json.loads(out.read_text())["tiny"]
