@@ -739,7 +739,10 @@ class InferenceSession:
             if shared_kv:
                 await self._send("boot", [q_tail])
             else:
-                await self._send("boot", [q_tail, k[:, :, :T].contiguous(), v[:, :, :T].contiguous()])
+                kv = [k[:, :, :T].contiguous()]
+                if self.rt.return_mode == "kv":  # values only where the cache rank gathers them
+                    kv.append(v[:, :, :T].contiguous())
+                await self._send("boot", [q_tail, *kv])
             while layer + 1 - acks > BOOT_AHEAD:
                 await self._boot_ack()
                 acks += 1

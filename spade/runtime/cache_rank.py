@@ -202,15 +202,20 @@ class CacheRank:
                 kstore = vstore = None
             else:
                 kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
-                vstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                # Values only for the kv return mode (the cache rank gathers them): no policy
+                # that selects ahead reads values, so the other modes neither store nor ship
+                # them (half the store, half the boot traffic). Those policies get an empty
+                # [B, Hkv, 0, D] value tensor: reading it would fail loudly.
+                vstore = ([torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                          if s.return_mode == "kv" else None)
+                no_v = torch.empty(B, Hkv, 0, D, dtype=dt, device=dev)
 
         def view(layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
             """What the inline policy would see as the cache at length ``seq``."""
             if s.shared_kv:
                 return self.shared.refs[layer]
-            if s.static_len:
-                return kstore[layer][:, :, :s.static_len], vstore[layer][:, :, :s.static_len]
-            return kstore[layer][:, :, :seq], vstore[layer][:, :, :seq]
+            n = s.static_len or seq
+            return kstore[layer][:, :, :n], (vstore[layer][:, :, :n] if vstore is not None else no_v)
 
         for layer in range(n_layers):
             msg = await t.recv("boot")
@@ -218,7 +223,8 @@ class CacheRank:
                 q_tail = msg[0]
                 if not s.shared_kv:
                     kstore[layer][:, :, :T].copy_(msg[1])
-                    vstore[layer][:, :, :T].copy_(msg[2])
+                    if vstore is not None:
+                        vstore[layer][:, :, :T].copy_(msg[2])
                 k, v = view(layer, T)
                 policy.prefill(state, layer, q_tail, k, v, kv_lens)
             del msg, q_tail
@@ -246,7 +252,8 @@ class CacheRank:
             for j, layer in enumerate(range(l0, l1)):
                 if not s.shared_kv:  # append the step's k, v at the device-side position
                     kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
-                    vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
+                    if vstore is not None:
+                        vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
                 k, _ = view(layer, seq)
                 policy.observe(state, layer, qb[0][j], k, kv_obs)
 
