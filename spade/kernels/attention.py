@@ -329,6 +329,9 @@ def _decode_split_kernel(
             # (release) and, in the split that sees count NUM_SPLITS - 1, makes every
             # other split's partial visible (acquire); that split merges them, so the
             # separate merge launch (and its launch latency) disappears.
+            # NOTE: one thread performs the scalar atomic; the barrier first orders
+            # every thread's partial stores before it (the release is cumulative).
+            tl.debug_barrier()
             done = tl.atomic_add(COUNTER + pid_bh, 1, sem="acq_rel")
             if done == NUM_SPLITS - 1:
                 _combine_group(O_PART, LSE_PART, OUT, LSE, b64, qh64, g_mask, offs_d, d_mask, Hq, NUM_SPLITS,
