@@ -433,6 +433,9 @@ def run_one(name: str, specs: dict, mode: str, limit_s: float, log_dir: Path,
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # NVLink multicast stays off on shared GPU hosts (it can take the GPUs out of service).
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(k, v)
     if name in ("nccl", "raw_nccl"):
         env.setdefault("NCCL_DEBUG", "INFO")
         env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "1000")
@@ -496,7 +499,8 @@ def _environment() -> dict:
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     env["placement"] = ("rank r on cuda:r" if torch.cuda.device_count() >= 2 else
                         "both ranks on cuda:0" if torch.cuda.is_available() else "CPU")
-    env["transport_env"] = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "NCCL_"))}
+    env["transport_env"] = {k: v for k, v in os.environ.items()
+                            if k.startswith(("UCX_", "NIXL_", "NCCL_", "TORCH_NCCL", "NVSHMEM_"))}
     return env
 
 
