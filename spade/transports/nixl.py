@@ -773,8 +773,9 @@ class NixlTransport(Transport):
                 for v, t in zip(_views(g.staging[slot], layout, offs), tensors):
                     if v.numel():
                         v.copy_(t, non_blocking=v.is_cuda or t.is_cuda)
-                if self.device.type == "cuda" or any(t.is_cuda for t in tensors):
-                    ev = record_event(g.staging[slot].device if g.staging[slot].is_cuda else tensors[0].device)
+                cuda = next((x.device for x in (g.staging[slot], *tensors) if x.is_cuda), None)
+                if cuda is not None:  # the WRITE must not read the slot before the copy is done
+                    ev = record_event(cuda)
                 g.busy[slot] = seq
             tx.next_seq = seq + 1
             tx.staged.append(_Staged(seq=seq, gen=g, slot=slot, nbytes=need, header=header, event=ev))

@@ -50,7 +50,7 @@ def test_tiny_smoke_measures_every_usable_transport(tmp_path):
 
 
 def test_a_hung_transport_is_killed_and_its_finished_rows_kept(tmp_path):
-    rep = _bench(tmp_path, "--tiny", "--transports", "local,raw_nccl", "--limit-s", "15",
+    rep = _bench(tmp_path, "--tiny", "--transports", "local,raw_nccl", "--limit-s", "10",
                  env={"SPADE_BENCH_HANG": "local"})
     hung = rep["results"]["local"]
     assert hung["status"] == "timeout", hung

@@ -134,3 +134,21 @@ def test_packing_offsets_and_write_buckets():
     assert write_bucket(cap + 5, cap) == cap
     # few distinct WRITE sizes for many message sizes (prepared lists stay few)
     assert len({write_bucket(n, cap) for n in range(1, cap, 997)}) <= 8 * 22 + 1
+
+
+def test_a_receiver_that_cannot_grow_its_slots_fails_the_send_clearly():
+    async def main():
+        a, b = await _pair(register_first=True)  # "x": slots for 5 int64
+        try:
+            def no_memory(rx, need):
+                raise RuntimeError(f"out of memory for {need} bytes")
+
+            b._new_gen = no_memory
+            await a.send("x", [torch.arange(5, dtype=torch.int64)])  # fits: fine
+            assert (await b.recv("x", timeout=5))[0].tolist() == list(range(5))
+            with pytest.raises(TransportError, match="cannot make .*out of memory"):
+                await asyncio.wait_for(a.send("x", [torch.zeros(4096, dtype=torch.int64)]), 8)
+        finally:
+            await asyncio.gather(a.close(), b.close())
+
+    asyncio.run(main())
