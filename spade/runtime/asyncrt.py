@@ -77,6 +77,7 @@ import torch
 from spade import kernels
 from spade.attention import AttentionContext, InlineSelector, ThresholdSelector  # noqa: F401
 from spade.errors import ConfigError, PeerGone, PeerTimeout, TransportError
+from spade.kernels.stage import stage_qkv
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import last_token_keys
 from spade.runtime import protocol as P
@@ -159,10 +160,14 @@ class AsyncSelector:
 
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         p, j = self.where[layer]
-        self.q_buf[p][j].copy_(q)
-        if self.stage_kv:  # device-side gather at kv_lens - 1: graph-safe
-            self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens))
-            self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens))
+        if self.pack_buf and q.dim() == 3 and k_cache.shape[0] == q.shape[0]:
+            # one launch: q and the newest k/v row (device-side position) into the pack slot
+            stage_qkv(q, k_cache, v_cache, kv_lens, self.pack_buf[p][j])
+        else:
+            self.q_buf[p][j].copy_(q)
+            if self.stage_kv:  # device-side gather at kv_lens - 1: graph-safe
+                self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens))
+                self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens))
         if self.shared is not None:
             self.shared.refs[layer] = (k_cache, v_cache)
 

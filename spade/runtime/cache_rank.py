@@ -279,7 +279,8 @@ class CacheRank:
                     o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
                     o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
             idx = o["idx"]
-            idx.fill_(-1)
+            if any(sel is None or sel.indices.shape[2] != K for sel in sels):
+                idx.fill_(-1)  # narrower (or no) selections leave -1 padding
             for j, sel in enumerate(sels):
                 if sel is not None:
                     idx[j, :, :, :sel.indices.shape[2]].copy_(sel.indices)
