@@ -175,6 +175,15 @@ def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
     fake_prompt(model, ctx, B, L, a.window + 1)
     tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
     ms = time_calls(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
+    if a.profile and method in ("optimal", "full") and not getattr(a, f"_profiled_{method}", False):
+        setattr(a, f"_profiled_{method}", True)
+
+        async def one():
+            model.decode(tok, ctx)
+
+        import asyncio
+
+        asyncio.run(profile_steps(one, model.device, Path(a.out).parent, f"profile_{method}_B{B}_L{L}_K{K}"))
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"{method}: non-finite logits")
     return summary(ms)
