@@ -54,7 +54,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ALL = ["local", "nccl", "ucx", "nixl", "raw_nccl"]
+#: Default order: the transport that hung on the H200 pair before (nccl) goes last.
+ALL = ["local", "ucx", "nixl", "raw_nccl", "nccl"]
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 #: Test hook: a transport named here hangs (sleeps) after its first row, so the
@@ -517,7 +518,8 @@ def run_bench(argv: list[str] | None = None) -> dict:
                     help="CPU smoke test: B=1, P=2, K=16, messages <= 1 MiB, 3-4 iterations")
     ap.add_argument("--limit-s", "--transport-budget-s", dest="limit_s", type=float, default=150.0,
                     help="time budget of one transport (then it is killed)")
-    ap.add_argument("--budget-s", type=float, default=None, help="time budget of the whole run")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="time budget of the whole run (each transport gets at most an equal share of what is left)")
     ap.add_argument("--out", default="results/bench_transports.json")
     ap.add_argument("--log-dir", default=None, help="children's logs (default: <out>.logs/)")
     args = ap.parse_args(argv)
@@ -553,7 +555,7 @@ def run_bench(argv: list[str] | None = None) -> dict:
         tmp.replace(out)  # atomic: a reader never sees half a file
 
     save()
-    for name in names:
+    for idx, name in enumerate(names):
         if name not in ALL:
             report["results"][name] = {"status": "skipped", "reason": f"unknown transport (known: {ALL})"}
             save()
@@ -565,7 +567,9 @@ def run_bench(argv: list[str] | None = None) -> dict:
                 report["results"][name] = {"status": "skipped", "reason": "the global --budget-s is spent"}
                 save()
                 continue
-            limit = min(limit, left)
+            # a fair share of what is left (time a transport does not use rolls over),
+            # so one hung transport cannot starve the ones after it
+            limit = min(limit, left / (len(names) - idx))
         report["results"][name] = {"status": "running"}
         save()
 
