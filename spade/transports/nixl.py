@@ -848,6 +848,8 @@ class NixlTransport(Transport):
                 if dest is None:
                     dest = alloc(layout, rx.device)
                 if src is not None:
+                    if src.is_cuda:  # a retired generation's memory must outlive this copy
+                        src.record_stream(torch.cuda.current_stream(src.device))
                     for d, s in zip(dest, _views(src, layout, packing(layout)[0])):
                         if d.numel():
                             d.copy_(s, non_blocking=d.is_cuda or s.is_cuda)

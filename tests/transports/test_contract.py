@@ -196,13 +196,19 @@ def test_close_releases_everything(pair):
     pair.run("close")
 
 
-def test_one_tag_carries_alternating_layouts(pair):
-    pair.run("layouts")
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_tag_carries_alternating_layouts(pair, device):
+    _need_devices(pair, device)
+    pair.run("layouts", device)
 
 
-def test_one_tag_grows_then_shrinks(pair):
-    pair.run("grow_shrink")
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_tag_grows_then_shrinks(pair, device):
+    _need_devices(pair, device)
+    pair.run("grow_shrink", device)
 
 
-def test_many_in_flight_across_a_renegotiation(pair):
-    pair.run("reneg")
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_in_flight_across_a_renegotiation(pair, device):
+    _need_devices(pair, device)
+    pair.run("reneg", device)
