@@ -15,13 +15,17 @@ first). Per shape:
 * ``gather``: ``gather_kv`` vs ``torch.gather``; floor = read + write;
 * ``quest_scores``: Quest page scores (page 16) vs two torch matmuls; floor = the
   page metadata (kmin + kmax) bytes;
-* ``quest_select``: scores + top pages + expansion, ``fused`` plan (inside the
-  score kernel) vs ``kernel`` plan (its own launch), each eager and replayed from
-  a CUDA graph, vs torch; floor = the page metadata bytes.
+* ``quest_select``: scores + top pages + expansion token indices: ``radix``
+  (plan inside the score kernel + multi-program radix top-K + expansion),
+  ``radix_plan`` (the earlier path with its own plan launch), ``rowselect``
+  (score kernel + one program per row selecting and expanding: two launches),
+  each eager and replayed from a CUDA graph, vs torch (also from a graph);
+  floor = the page metadata bytes.
 
 ``--sweep`` adds, per shape, the attention kernel at split counts
-{1, 2, 4, 8, 16, 32} x {fused, kernel} merges, and at three shapes the Quest
-score kernel's tile configs (``spade.kernels.quest.QUEST_CONFIG``).
+{1, 2, 4, 8, 16, 32} x {fused, kernel} merges and, at the headline shape, its
+launch configs (BLOCK_N, warps, stages); at three shapes the Quest score
+kernel's and row-select kernel's tile configs (``spade.kernels.quest.QUEST_CONFIG``).
 
 Scoring rows (score + top-K, group scores, Quest build) come from
 ``benchmarks.bench_scoring`` (its ``main`` with ``--full`` where it has one),
@@ -62,6 +66,11 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
 QUEST_SWEEP = [dict(BLOCK_P=bp, TILES=t, num_stages=st) for bp in (32, 64, 128) for t in (1, 2, 4, 8)
                for st in (2, 3)] + [dict(PER_SM=n) for n in (2, 8, 16)]
 QUEST_SWEEP_SHAPES = {(8, 32768), (1, 131072), (32, 32768)}
+QUEST_IMPLS = ("radix", "radix_plan", "rowselect")
+ROWSELECT_SWEEP = [dict(SEL_BLOCK=b, SEL_BLOCK_E=e, SEL_WARPS=w) for b in (1024, 4096) for e in (64, 256)
+                   for w in (4, 8)]
+ATTN_CONFIGS = [(32, 4, 3), (32, 4, 4), (32, 2, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]
+HEADLINE = (8, 32768, 2048)
 TARGET_X_FLOOR = 1.3
 
 
@@ -330,6 +339,11 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
                 for comb in ("fused", "kernel"):
                     rec.add("sparse_attn", f"S{S}_{comb}", kshape,
                             lambda: timer(lambda: attn(mid, num_splits=S, combine=comb)), sel_bytes, bw)
+            if (B, L, K) == cfg.get("HEADLINE"):
+                for bn, nw, ns in ATTN_CONFIGS:
+                    kw = dict(block_n=bn, num_warps=nw, num_stages=ns)
+                    rec.add("sparse_attn", f"cfg_bn{bn}_w{nw}_s{ns}", kshape, lambda: timer(lambda: attn(mid, **kw)),
+                            sel_bytes, bw)
 
         # gather of the selected K/V (the `kv` return mode)
         g = idx_full.long()[..., None].expand(-1, -1, -1, d)
@@ -348,14 +362,25 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
             rec.skip("quest_select", "*", kshape, "more pages than the context")
         else:
             t_ref = torch_quest_select(q, kmin, kmax, kv_lens, n_sel, page, scale)
-            ok = _same_selection(quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page), t_ref, s_ref, page)
-            for plan in ("fused", "kernel"):
-                def sel(plan=plan):
-                    return quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page, plan=plan)
+            for impl in QUEST_IMPLS:
+                def sel(impl=impl):
+                    return quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page, impl=impl)
 
-                rec.add("quest_select", plan, kshape, lambda: timer(sel), meta_bytes, bw, selection_ok=ok)
+                ok = _same_selection(sel(), t_ref, s_ref, page)
+                rec.add("quest_select", impl, kshape, lambda: timer(sel), meta_bytes, bw, selection_ok=ok)
                 if graphs:
-                    rec.add("quest_select", f"{plan}_graph", kshape, lambda: timer.graph(sel), meta_bytes, bw)
+                    rec.add("quest_select", f"{impl}_graph", kshape, lambda: timer.graph(sel), meta_bytes, bw)
+            if sweep and (B, L) in QUEST_SWEEP_SHAPES | {cfg.get("TINY_SWEEP_SHAPE")}:
+                for over in ROWSELECT_SWEEP:
+                    tag = "_".join(f"{a}{b}" for a, b in over.items())
+                    quest.QUEST_CONFIG.clear()
+                    quest.QUEST_CONFIG.update(over)
+                    try:
+                        rec.add("quest_select", f"cfg_rowselect_{tag}", kshape, lambda: timer(
+                            lambda: quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page, impl="rowselect")),
+                            meta_bytes, bw)
+                    finally:
+                        quest.QUEST_CONFIG.clear()
             rec.add("quest_select", "torch", kshape, lambda: timer(
                 lambda: torch_quest_select(q, kmin, kmax, kv_lens, n_sel, page, scale)), meta_bytes, bw)
             if graphs:
@@ -553,9 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = dict(HQ=HQ, HKV=HKV, D=D, N_SINK=N_SINK, N_RECENT=N_RECENT, PAGE=PAGE, BATCHES=BATCHES, LENGTHS=LENGTHS,
-               BUDGETS=BUDGETS, dtype=torch.bfloat16)
+               BUDGETS=BUDGETS, dtype=torch.bfloat16, HEADLINE=HEADLINE)
     if args.tiny:
-        cfg.update(TINY, dtype=torch.bfloat16 if cuda else torch.float32, TINY_SWEEP_SHAPE=(1, 67))
+        cfg.update(TINY, dtype=torch.bfloat16 if cuda else torch.float32, TINY_SWEEP_SHAPE=(1, 67),
+                   HEADLINE=(1, 67, 13))
     iters = args.iters or (2 if args.tiny else 30)
     timer = Timer(iters, warmup=1 if args.tiny else 3, cuda=cuda)
     bw = copy_bandwidth(timer, device, 2**20 if args.tiny else 2**30)

@@ -403,6 +403,126 @@ def _quest_expand_kernel(
     tl.store(out_ptr + row.to(tl.int64) * n_out + offs, tl.where(ok, tok, -1), mask=m)
 
 
+@triton.jit
+def _row_tile_keys(srow, l0, lo, hi, BLOCK: tl.constexpr):
+    """Order-preserving uint32 keys of the page scores [l0, l0 + BLOCK) and which of
+    them are candidates ``[lo, hi)``."""
+    offs = l0 + tl.arange(0, BLOCK)
+    valid = (offs >= lo) & (offs < hi)
+    key = scoring._f32_key(tl.load(srow + offs, mask=valid, other=0.0))
+    return offs, key, valid
+
+
+@triton.jit
+def _quest_row_select_kernel(
+    scores_ptr, out_ptr, start_ptr, kv_ptr, P, page_size, n_sel, n_out,
+    HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PS_PAD: tl.constexpr,
+    HAS_START: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Top pages and their token indices for one (b, KV head) row, in one program.
+
+    A row has only P = L / page_size scores (2k at 32k tokens, page 16), so one
+    program can run the exact radix select itself: four 8-bit digit passes of
+    ``tl.histogram`` over the row (L2-resident after the score kernel wrote it),
+    then one ordered pass that writes the winners' tokens straight into their
+    slots (pages above the threshold key first, then the first ties in position
+    order, so ties are deterministic). No global histograms, workspace memset or
+    atomics, and the expansion to tokens is fused: with the score kernel, Quest
+    select is two launches instead of seven. Slot 0 holds the last page."""
+    row = tl.program_id(0)
+    b = row // HKV
+    row64 = row.to(tl.int64)
+    kv = tl.load(kv_ptr + b).to(tl.int32)
+    if HAS_START:
+        start = tl.load(start_ptr + b).to(tl.int32)
+    else:
+        start = 0
+    page_lo = start // page_size
+    has = kv > start
+    n_pages = tl.where(has, (kv + page_size - 1) // page_size, page_lo)
+    last = tl.where(has, n_pages - 1, -1)
+    cand_hi = tl.maximum(n_pages - 1, page_lo)  # candidates: [page_lo, last)
+    k_eff = tl.minimum(tl.maximum(cand_hi - page_lo, 0), n_sel - 1)
+    srow = scores_ptr + row64 * P
+    orow = out_ptr + row64 * n_out
+    offs_j = tl.arange(0, PS_PAD)
+    j_mask = offs_j < page_size
+
+    # slot 0: the last (partial) page
+    tok = last * page_size + offs_j
+    ok = (last >= 0) & (tok >= start) & (tok < kv)
+    tl.store(orow + offs_j, tl.where(ok, tok, -1), mask=j_mask)
+
+    t_start = (page_lo // BLOCK) * BLOCK
+    t_end = tl.where(k_eff > 0, cand_hi, t_start)  # nothing to select: no pass reads the row
+    prefix = tl.full([], 0, tl.uint32)
+    k_rem = k_eff
+    for p in tl.static_range(4):
+        acc = tl.zeros([256], dtype=tl.int32)
+        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+            l0 = t_start
+            while l0 < t_end:
+                offs, key, valid = _row_tile_keys(srow, l0, page_lo, cand_hi, BLOCK)
+                if p > 0:
+                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
+                l0 += BLOCK
+        else:
+            for l0 in range(t_start, t_end, BLOCK):
+                offs, key, valid = _row_tile_keys(srow, l0, page_lo, cand_hi, BLOCK)
+                if p > 0:
+                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+                acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
+        d, k_rem = scoring._pick_digit(acc, k_rem)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+    # prefix is now the key of the k_eff-th best page: k_eff - k_rem pages beat it,
+    # and the first k_rem pages equal to it fill the remaining slots
+    # (the emission tiles are smaller: each page expands to a [BLOCK_E, PS_PAD] tile of tokens)
+    n_gt = k_rem * 0
+    n_eq = k_eff - k_rem
+    e_start = (page_lo // BLOCK_E) * BLOCK_E
+    if INTERPRET:
+        l0 = e_start
+        while l0 < t_end:
+            n_gt, n_eq = _emit_pages(srow, orow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, start, page_size,
+                                     offs_j, j_mask, BLOCK_E)
+            l0 += BLOCK_E
+    else:
+        for l0 in range(e_start, t_end, BLOCK_E):
+            n_gt, n_eq = _emit_pages(srow, orow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, start, page_size,
+                                     offs_j, j_mask, BLOCK_E)
+    # slots of pages that do not exist (fewer candidates than n_sel - 1): -1
+    s0 = (1 + k_eff) * page_size
+    if INTERPRET:
+        t0 = (s0 // BLOCK) * BLOCK
+        while t0 < n_out:
+            o = t0 + tl.arange(0, BLOCK)
+            tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=(o >= s0) & (o < n_out))
+            t0 += BLOCK
+    else:
+        for t0 in range((s0 // BLOCK) * BLOCK, n_out, BLOCK):
+            o = t0 + tl.arange(0, BLOCK)
+            tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=(o >= s0) & (o < n_out))
+
+
+@triton.jit
+def _emit_pages(srow, orow, l0, lo, hi, thr, n_gt, n_eq, k_eff, start, page_size, offs_j, j_mask,
+                BLOCK: tl.constexpr):
+    """Write the tokens of the winning pages of one tile into slots 1 + rank; returns
+    the running counts of pages above / equal to the threshold key."""
+    offs, key, valid = _row_tile_keys(srow, l0, lo, hi, BLOCK)
+    is_gt = (valid & (key > thr)).to(tl.int32)
+    is_eq = (valid & (key == thr)).to(tl.int32)
+    s_gt = n_gt + tl.cumsum(is_gt, axis=0) - 1
+    s_eq = n_eq + tl.cumsum(is_eq, axis=0) - 1
+    slot = tl.where(is_gt != 0, s_gt, s_eq)
+    take = ((is_gt != 0) | (is_eq != 0)) & (slot < k_eff)
+    tok = offs[:, None] * page_size + offs_j[None, :]  # [BLOCK, PS_PAD]; candidates end before kv
+    dst = orow + (1 + slot)[:, None].to(tl.int64) * page_size + offs_j[None, :]
+    tl.store(dst, tl.where(tok >= start, tok, -1), mask=take[:, None] & j_mask[None, :])
+    return n_gt + tl.sum(is_gt, axis=0), n_eq + tl.sum(is_eq, axis=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton launchers
 # ----------------------------------------------------------------------------------------------
@@ -526,29 +646,39 @@ def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
 def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
                         n_pages_sel: int, page_size: int, *, scale: float | None = None,
                         reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
-                        plan: str = "fused") -> torch.Tensor:
-    """Triton ``quest_select``: page scores, exact radix top-(n_pages_sel - 1) of the
-    pages before the last one, then expansion to token indices (last page first).
+                        impl: str = "radix") -> torch.Tensor:
+    """Triton ``quest_select``: page scores, exact top-(n_pages_sel - 1) of the pages
+    before the last one, then expansion to token indices (last page first).
 
-    ``plan`` says where the per-row page ranges come from: ``"fused"`` (default)
-    derives them inside the page-score kernel, which also writes the top-K's
-    candidate range; ``"kernel"`` is the earlier path with its own plan launch
-    (kept so the benchmark can compare the two). No host synchronisation.
+    ``impl`` (all exact, same contract; the benchmark compares them):
+
+    * ``"radix"`` (default): the page-score kernel also derives each row's page
+      range and writes the top-K's candidate range, then the multi-program radix
+      top-K of ``spade.kernels.scoring`` and an expansion kernel (6 launches);
+    * ``"radix_plan"``: the earlier path, with its own plan launch (7 launches);
+    * ``"rowselect"``: the page-score kernel, then one program per (b, KV head)
+      runs the whole radix select on its row and writes the tokens
+      (``_quest_row_select_kernel``; 2 launches). Fewest launches; each row is
+      handled by one SM, so very long rows at tiny batch may favour ``radix``.
+
+    No host synchronisation.
 
     Why the select looked 2.6x slower in run3 than in run1 (0.468 vs 0.179 ms) after
-    the plan kernel came in: its torch baseline, which that change does not touch,
-    slowed down by the same factor (0.317 -> 0.749 ms). The op is a chain of ~7
-    short launches timed eagerly, so its time is the host's launch rate, which
-    differed between the two machines; the plan kernel only adds one launch. The
-    fix is fewer launches (this path: one fewer) and timing it replayed from a
-    CUDA graph, which the benchmark reports next to the eager time.
+    the plan kernel came in (8abee53): its torch baseline, which that change does
+    not touch, slowed down by about the same factor (0.317 -> 0.749 ms), and so
+    did the page-score kernel (0.027 -> 0.046 ms) that it does not touch either.
+    The op is a chain of ~7 short launches, so its time follows launch and
+    scheduling latency, which differed between the two runs' machines; the plan
+    kernel only added one launch (and removed a few tiny torch ops). The cure is
+    fewer launches (``radix``: one fewer; ``rowselect``: two in all) and timing
+    from a CUDA graph, which the benchmark reports next to the eager time.
     """
     _check_reduce(reduce)
     _check_page_size(page_size)
     if n_pages_sel < 1:
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
-    if plan not in ("fused", "kernel"):
-        raise ValueError(f"plan must be 'fused' or 'kernel', got {plan!r}")
+    if impl not in ("radix", "radix_plan", "rowselect"):
+        raise ValueError(f"impl must be 'radix', 'radix_plan' or 'rowselect', got {impl!r}")
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     n_out = n_pages_sel * page_size
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
@@ -558,12 +688,25 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", kmin.device)
     start_t = kv_start if kv_start is not None else kv_lens  # the kernels read it only with a start
+    scale = _default_scale(scale, D)
+    if impl == "rowselect":
+        scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
+        if n_pages_sel > 1:
+            cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # written, not needed here
+            _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
+                                page_size=page_size)
+        cfg = _row_select_config(P, kmin.device)
+        _quest_row_select_kernel[(B * Hkv,)](
+            scores, out, start_t, kv_lens, P, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=cfg["BLOCK"],
+            BLOCK_E=cfg["BLOCK_E"], PS_PAD=triton.next_power_of_2(page_size), HAS_START=kv_start is not None,
+            INTERPRET=_interpret(), num_warps=cfg["num_warps"])
+        return out
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
-        if plan == "fused":
+        if impl == "radix":
             cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # page_lo, cand_hi
-            _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=_default_scale(scale, D),
-                                reduce=reduce, plan=cand, page_size=page_size)
+            _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
+                                page_size=page_size)
             page_lo, cand_hi = cand.unbind(0)
         else:
             plan_t = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
@@ -571,8 +714,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             _quest_plan_kernel[(triton.cdiv(B, PB),)](start_t, kv_lens, plan_t, B, page_size,
                                                      HAS_START=kv_start is not None, BLOCK=PB, num_warps=1)
             page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
-            _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=_default_scale(scale, D),
-                                reduce=reduce)
+            _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=scale, reduce=reduce)
         sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:
         sel = out  # never read: n_sel - 1 == 0 slots
@@ -581,3 +723,19 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         sel, out, start_t, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK,
         HAS_START=kv_start is not None, num_warps=4)
     return out
+
+
+def _row_select_config(P: int, device: torch.device) -> dict:
+    """Tiles of ``_quest_row_select_kernel``: digit passes read BLOCK page scores at a
+    time (a whole row of up to 4k pages in one tile on a GPU, so each pass is one
+    load and one histogram), the emission BLOCK_E pages (each expands to a
+    [BLOCK_E, page_size] token tile). Overridable through ``QUEST_CONFIG``
+    (``SEL_BLOCK``, ``SEL_BLOCK_E``, ``SEL_WARPS``)."""
+    if _interpret() or device.type != "cuda":
+        cfg = dict(BLOCK=min(256, max(16, triton.next_power_of_2(P))), BLOCK_E=64, num_warps=4)
+    else:
+        cfg = dict(BLOCK=min(4096, max(256, triton.next_power_of_2(P))), BLOCK_E=128, num_warps=8)
+    for k in ("BLOCK", "BLOCK_E"):
+        cfg[k] = int(QUEST_CONFIG.get(f"SEL_{k}", cfg[k]))
+    cfg["num_warps"] = int(QUEST_CONFIG.get("SEL_WARPS", cfg["num_warps"]))
+    return cfg

@@ -43,7 +43,7 @@ def test_tiny_rows(tiny_run):
     want = {("dense_attn", i) for i in ("fused", "kernel", "torch")}
     want |= {("sparse_attn", i) for i in ("fused", "kernel", "single", "torch")}
     want |= {("gather", "triton"), ("gather", "torch"), ("quest_scores", "triton"), ("quest_scores", "torch")}
-    want |= {("quest_select", i) for i in ("fused", "kernel", "torch")}
+    want |= {("quest_select", i) for i in ("radix", "radix_plan", "rowselect", "torch")}
     assert want <= have, want - have
     for r in rows:
         assert r["B"] == 1 and r["L"] == 67
@@ -87,14 +87,23 @@ def test_budget_and_memory_skips(tmp_path, monkeypatch):
     assert len(rows) == 1 and rows[0]["skipped"].startswith("does not fit")
 
 
-def test_sweep_rows(tmp_path):
+def test_sweep_rows(tmp_path, monkeypatch):
+    # shortened sweep lists (the interpreter is slow); the mechanism is the same
+    monkeypatch.setattr(KB, "SPLIT_SWEEP", (1, 3))
+    monkeypatch.setattr(KB, "QUEST_SWEEP", KB.QUEST_SWEEP[:2] + KB.QUEST_SWEEP[-1:])
+    monkeypatch.setattr(KB, "ROWSELECT_SWEEP", KB.ROWSELECT_SWEEP[:2])
+    monkeypatch.setattr(KB, "ATTN_CONFIGS", KB.ATTN_CONFIGS[:2])
     out = tmp_path / "s.json"
-    assert KB.main(["--tiny", "--shapes", SHAPE, "--sweep", "--out", str(out), "--no-scoring"]) == 0
+    assert KB.main(["--tiny", "--shapes", SHAPE, "--sweep", "--iters", "1", "--out", str(out), "--no-scoring"]) == 0
     rows = json.loads(out.read_text())["rows"]
     splits = {r["impl"] for r in rows if r["op"] == "sparse_attn" and r["impl"].startswith("S")}
     assert splits == {f"S{s}_{c}" for s in KB.SPLIT_SWEEP for c in ("fused", "kernel")}
     cfgs = [r for r in rows if r["op"] == "quest_scores" and r["impl"].startswith("cfg_")]
     assert len(cfgs) == len(KB.QUEST_SWEEP) and all(r["ms"] for r in cfgs)
+    sel = [r for r in rows if r["op"] == "quest_select" and r["impl"].startswith("cfg_rowselect")]
+    assert len(sel) == len(KB.ROWSELECT_SWEEP) * len(KB.TINY["BUDGETS"]) and all(r["ms"] for r in sel)
+    attn_cfgs = [r for r in rows if r["op"] == "sparse_attn" and r["impl"].startswith("cfg_bn")]
+    assert len(attn_cfgs) == len(KB.ATTN_CONFIGS) and all(r["ms"] for r in attn_cfgs)
 
 
 def test_cli_routes_to_this_benchmark(tmp_path):

@@ -25,6 +25,7 @@ SHAPES = [(1, 37, 16, 8), (3, 130, 64, 16), (3, 1, 16, 4), (1, 130, 64, 5), (3, 
 
 # page scores: identical rounded inputs on both sides, fp32 sums over D terms in another
 # order (tensor-core accumulation order is unspecified for 16-bit inputs). (rtol, atol)
+IMPLS = ("radix", "radix_plan", "rowselect")  # quest_select_triton implementations
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-4, 1e-4)}
 
 
@@ -225,16 +226,45 @@ def test_page_scores_tiled_programs(block_p, tiles, monkeypatch, device):
     torch.testing.assert_close(out[fin], ref[fin], rtol=rtol, atol=atol)
     # and the selection through the fused plan (ranges derived inside the score kernel)
     true = _page_scores64(q, kmin, kmax, "sum_logits", page_lo.cpu(), n_pages.cpu())
-    for plan in ("fused", "kernel"):
-        sel = quest.quest_select_triton(q, kmin, kmax, kv_lens, 9, page_size, kv_start=kv_start, plan=plan)
+    for impl in IMPLS:
+        sel = quest.quest_select_triton(q, kmin, kmax, kv_lens, 9, page_size, kv_start=kv_start, impl=impl)
         _check_selection(sel, true, kv_lens.cpu(), kv_start.cpu(), 9, page_size, atol=1e-2)
 
 
-def test_select_bad_plan_raises():
+@pytest.mark.parametrize("n_sel", [1, 2, 7, 40])
+@pytest.mark.parametrize("tied", [False, True])
+def test_rowselect_multi_tile_and_ties(n_sel, tied, monkeypatch, device):
+    """The one-program-per-row select with tiles much smaller than a row (several
+    digit-pass and emission tiles), unaligned kv_start, an empty row, K >= the
+    candidates, and heavily tied page scores (duplicated pages): the exact count,
+    no duplicates, the best pages (ties broken either way)."""
+    monkeypatch.setitem(quest.QUEST_CONFIG, "SEL_BLOCK", 16)
+    monkeypatch.setitem(quest.QUEST_CONFIG, "SEL_BLOCK_E", 8)
+    page_size = 4
+    B, Hq, Hkv, L, D = 3, 4, 2, 150, 16
+    q, k, _, _ = _inputs(B, Hq, Hkv, L, D, torch.float32, device, seed=21 + n_sel)
+    if tied:  # only 3 distinct pages, repeated: most scores tie exactly
+        k = k.view(B, Hkv, L // 2, 2, D)[:, :, :, :1].expand(-1, -1, -1, 2, -1).reshape(B, Hkv, L, D).clone()
+        k = k[:, :, torch.arange(L) % 12]
+    kv_lens = torch.tensor([150, 9, 101], device=device)
+    kv_start = torch.tensor([6, 9, 3], device=device)  # row 1 empty
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=kv_start)
+    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    true = _page_scores64(q, kmin, kmax, "sum_logits", page_lo, n_pages)
+    out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, kv_start=kv_start, impl="rowselect")
+    _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
+    assert (out[1] == -1).all()
+    ref = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, kv_start=kv_start, impl="radix")
+    s_out = _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
+    s_ref = _check_selection(ref, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
+    torch.testing.assert_close(s_out, s_ref, rtol=1e-6, atol=1e-4)
+
+
+def test_select_bad_impl_raises():
     q = torch.randn(1, 2, 16)
     kmin = torch.zeros(1, 1, 3, 16)
-    with pytest.raises(ValueError, match="plan"):
-        quest.quest_select_triton(q, kmin, kmin + 1, torch.tensor([3]), 2, 1, plan="host")
+    with pytest.raises(ValueError, match="impl"):
+        quest.quest_select_triton(q, kmin, kmin + 1, torch.tensor([3]), 2, 1, impl="host")
 
 
 def test_page_scores_default_start_and_scale(device):
@@ -269,9 +299,9 @@ def test_select(reduce, heads, dtype, B, L, D, page_size, device):
     true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
     n_sel = [1, 3, 1000][(REDUCES.index(reduce) + DTYPES.index(dtype)) % 3]  # last page only, some, all
     ref = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start)
-    plan = ("fused", "kernel")[(B + L) % 2]  # both plan paths over the grid
+    impl = IMPLS[(B + L + DTYPES.index(dtype)) % 3]  # every implementation over the grid
     out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start,
-                                    plan=plan)
+                                    impl=impl)
     s_ref = _check_selection(ref, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-5)
     s_out = _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
     torch.testing.assert_close(s_out, s_ref, rtol=1e-5, atol=1e-4)
@@ -308,7 +338,7 @@ def test_select_fuzz(B, Hkv, G, L, D, page_size, n_sel, reduce, seed, device):
     page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
     true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
     out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, reduce=reduce, kv_start=kv_start,
-                                    plan=("fused", "kernel")[seed % 2])
+                                    impl=IMPLS[seed % 3])
     _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
 
 
@@ -340,13 +370,25 @@ for from_lens in (True, False):
                        options=dict(num_warps=4, num_stages=3))
     ttgir = k.asm["ttgir"]
     out[str(from_lens)] = dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared)
+for has_start in (True, False):
+    sig = dict(scores_ptr="*fp32", out_ptr="*i32", start_ptr="*i32", kv_ptr="*i32", P="i32", page_size="i32",
+               n_sel="i32", n_out="i32")
+    cons = dict(HKV=HKV, BLOCK=2048, BLOCK_E=128, PS_PAD=16, HAS_START=has_start, INTERPRET=False)
+    for n in cons:
+        sig[n] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(Q._quest_row_select_kernel.arg_names)
+             if sig[n].startswith("*") or n in ("P", "page_size", "n_out")}
+    k = triton.compile(ASTSource(Q._quest_row_select_kernel, sig, cons, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8, num_stages=3))
+    out[f"rowselect_{has_start}"] = dict(pipelined=True, shared=k.metadata.shared)  # builds; nothing to pipeline
 print(json.dumps(out))
 '''
 
 
 def test_scores_kernel_builds_for_hopper():
     """The page-score kernel compiles for sm_90 and its metadata loads are
-    software-pipelined across the tiles a program loops over (cp.async)."""
+    software-pipelined across the tiles a program loops over (cp.async); the
+    row-select kernel compiles with the GPU tile sizes."""
     import json
     import os
     import subprocess
@@ -360,6 +402,7 @@ def test_scores_kernel_builds_for_hopper():
         pytest.skip("this triton cannot build ahead of time")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"True", "False", "rowselect_True", "rowselect_False"} <= set(res)
     for name, r in res.items():
         assert r["pipelined"], (name, r)
         assert r["shared"] < 227 * 1024 // 2, (name, r)
