@@ -104,6 +104,8 @@ def test_sweep_rows(tmp_path, monkeypatch):
     assert len(sel) == len(KB.ROWSELECT_SWEEP) * len(KB.TINY["BUDGETS"]) and all(r["ms"] for r in sel)
     attn_cfgs = [r for r in rows if r["op"] == "sparse_attn" and r["impl"].startswith("cfg_bn")]
     assert len(attn_cfgs) == len(KB.ATTN_CONFIGS) and all(r["ms"] for r in attn_cfgs)
+    md = out.with_suffix(".md").read_text()
+    assert "### sweeps" in md and "| S1_fused ms" not in md  # sweeps summarised, not main-table columns
 
 
 def test_cli_routes_to_this_benchmark(tmp_path):
