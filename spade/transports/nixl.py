@@ -135,6 +135,14 @@ def _dev_id(t: torch.Tensor) -> int:
     return (t.device.index or 0) if t.is_cuda else 0
 
 
+def _slot_device(buffers: Sequence[torch.Tensor], default: torch.device) -> torch.device:
+    """Where a tag's receive slots live: on the GPU if any destination is on one (a
+    message may mix host meta rows with device payload), else in host memory."""
+    if not buffers:
+        return default
+    return next((b.device for b in buffers if b.is_cuda), buffers[0].device)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -795,8 +803,7 @@ class NixlTransport(Transport):
         need = packing(layout_of(buffers))[1]
         rx = self._rx.get(tag)
         if rx is None:
-            dev = buffers[0].device if buffers else self.device
-            self._make_rx(tag, dev, user=buffers, need=need)
+            self._make_rx(tag, _slot_device(buffers, self.device), user=buffers, need=need)
         else:
             rx.user = buffers
             if need > rx.cap:
@@ -812,7 +819,7 @@ class NixlTransport(Transport):
         if rx is None:
             if into is not None:
                 into = list(into)
-                rx = self._make_rx(tag, into[0].device if into else self.device, user=None,
+                rx = self._make_rx(tag, _slot_device(into, self.device), user=None,
                                    need=packing(layout_of(into))[1])
             else:
                 # Nobody registered the tag: the sender asks for slots with its first message.
