@@ -95,6 +95,10 @@ from spade.transports.base import WIRE_VERSION, Handshake, Transport
 log = logging.getLogger("spade.transports.nixl")
 
 _INSTALL = "pip install 'spade[nixl]'  (nixl-cu13>=1.5.1; nixl-cu12 on CUDA 12)"
+#: The nixl data-plane protocol, checked in the hello (on top of the shared WIRE_VERSION).
+#: 1: slots of one fixed layout per tag. 2: slot generations of a byte capacity, the
+#: layout in each data notification, renegotiation by ``want``/``slots``.
+_PROTO = 2
 #: Data notification: kind b"D", tag id, seq, generation (-1: no bytes), slot; then the layout header.
 _DATA = struct.Struct("<cIQii")
 #: Credit notification: kind b"C", tag id, messages consumed so far.
@@ -396,7 +400,7 @@ class NixlTransport(Transport):
     async def _exchange_hello(self, mine: Handshake, deadline: float | None) -> Handshake:
         """hello (handshake + agent metadata) both ways, then a verdict both ways."""
         agent = self._agent
-        self._writer.write(encode_frame({"t": "hello", "transport": "nixl", "hs": mine.to_json(),
+        self._writer.write(encode_frame({"t": "hello", "transport": "nixl", "proto": _PROTO, "hs": mine.to_json(),
                                          "backend": str(getattr(self.cfg, "backend", "UCX"))},
                                         agent.get_agent_metadata()))
         hello, md = await self._read_ctl(deadline)
@@ -404,6 +408,9 @@ class NixlTransport(Transport):
         try:
             if hello.get("transport") != "nixl":
                 raise TransportError(f"peer speaks transport {hello.get('transport')!r}, not 'nixl'")
+            if int(hello.get("proto", 1)) != _PROTO:
+                raise TransportError(f"nixl protocol mismatch: this rank speaks {_PROTO}, peer "
+                                     f"{hello.get('proto', 1)}; run the same spade version on both ranks")
             peer = Handshake.from_json(hello["hs"])
             mine.check_peer(peer)
             if hello.get("backend") != str(getattr(self.cfg, "backend", "UCX")):
