@@ -40,6 +40,8 @@ __all__ = [
     "sparse_decode_attention",
     "merge_attention_states",
     "ridge_predict",
+    "quantize_keys",
+    "quantize_append",
 ]
 
 
@@ -54,25 +56,28 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None):
+def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None):
     """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
-    outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction."""
+    outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction.
+    int8 ``k`` (from ``quantize_keys``) needs ``k_scale`` [B, Hkv, L]: logits are
+    ``scale * (q · kq) * k_scale``."""
     from spade.kernels import scoring
 
     fn = scoring.group_scores_triton if use_triton(q) else scoring.group_scores_ref
-    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start)
+    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start, k_scale=k_scale)
 
 
-def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None):
+def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, k_scale=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` (optional) is
     only needed for ``sum_softmax`` (its normaliser runs over ``[lo', kv_lens)``,
-    ``lo'`` = 0); without it the normaliser spans ``[lo, hi)``."""
+    ``lo'`` = 0); without it the normaliser spans ``[lo, hi)``. int8 ``k`` needs
+    ``k_scale`` as in ``group_scores``."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
-    return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens)
+    return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, k_scale=k_scale)
 
 
 def quest_build(k, kv_lens, page_size, *, kv_start=None):
@@ -160,3 +165,21 @@ def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2):
 
     fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_torch
     return fn(window, n_valid, mode=mode, eps=eps)
+
+
+def quantize_keys(k):
+    """Symmetric int8 copy of the keys for scoring: ``k`` [B, H, L, D] float ->
+    (kq int8 [B, H, L, D], ks float32 [B, H, L]) with ``k ≈ kq * ks[..., None]``."""
+    from spade.kernels import quant
+
+    fn = quant.quantize_keys_triton if use_triton(k) else quant.quantize_keys_ref
+    return fn(k)
+
+
+def quantize_append(kq, ks, k_new, pos):
+    """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b]`` ([B] int device
+    tensor, no host sync) of ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` are skipped."""
+    from spade.kernels import quant
+
+    fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
+    return fn(kq, ks, k_new, pos)

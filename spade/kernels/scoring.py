@@ -58,6 +58,13 @@ captured in a CUDA graph.
 Queries are rounded to the keys' dtype before scoring (the tensor-core path on
 GPU; the reference does the same rounding), so a float32 predicted query
 against a bf16 cache scores as the bf16 query.
+
+Compressed keys: int8 ``k`` (symmetric per-token, ``spade.kernels.quant``) with
+its scales ``k_scale`` [B, Hkv, L] float32 scores as ``scale * (q · kq) * ks``.
+The kernels load int8 (half the bytes of bf16, plus 4 bytes of scale per token)
+and convert in registers to the query's dtype, exact for |kq| <= 127; the query
+keeps its own dtype (the caller rounds it, e.g. to the cache's bf16, to keep the
+tensor-core path). Only selection reads this copy; attention uses exact keys.
 """
 
 from __future__ import annotations
@@ -129,9 +136,34 @@ def _default_scale(scale: float | None, D: int) -> float:
     return float(D) ** -0.5 if scale is None else float(scale)
 
 
+def _score_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
+    """The dtype of the scoring products: the keys' dtype, or the query's own for int8
+    keys (int8 values are exact in every float dtype, so the keys convert losslessly)."""
+    return q.dtype if k.dtype == torch.int8 else k.dtype
+
+
 def _round_q(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The query as scored: rounded to the keys' dtype (see the module docstring)."""
-    return q if q.dtype == k.dtype else q.to(k.dtype)
+    dt = _score_dtype(q, k)
+    return q if q.dtype == dt else q.to(dt)
+
+
+def _check_k_scale(k: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """int8 keys need their per-token scales [B, Hkv, L] (float32, on k's device);
+    float keys take none."""
+    if k.dtype == torch.int8:
+        if k_scale is None:
+            raise ValueError("int8 keys need k_scale [B, Hkv, L] (the scales from quantize_keys)")
+        if k_scale.shape != k.shape[:3]:
+            raise ValueError(f"k_scale must have shape {tuple(k.shape[:3])}, got {tuple(k_scale.shape)}")
+        if k_scale.device != k.device:
+            raise ValueError(f"k_scale on {k_scale.device} but k on {k.device}")
+        return k_scale.float()
+    if k_scale is not None:
+        raise ValueError(f"k_scale is only for int8 keys, got {k.dtype} keys")
+    if not k.dtype.is_floating_point:
+        raise ValueError(f"keys must be a float dtype or int8, got {k.dtype}")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,17 +232,28 @@ def _dot_flags(k: torch.Tensor) -> tuple[bool, bool]:
     return upcast, ieee
 
 
+def _dot_flags_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, bool]:
+    """``_dot_flags`` for the dtype the products run in (the query's for int8 keys)."""
+    upcast = _interpret()
+    return upcast, _score_dtype(q, k) == torch.float32 and not upcast
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference (plain torch)
 # ----------------------------------------------------------------------------------------------
 
 
-def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-head logits [B, Hkv, G, L] float32 (fp32 products, q rounded to k's dtype)."""
+def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
+                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head logits [B, Hkv, G, L] float32 (fp32 products, q rounded to k's dtype;
+    int8 keys: ``scale * (q · kq) * k_scale``)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = _round_q(q, k).float().reshape(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    return torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
+    logits = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
+    if k_scale is not None:
+        logits = logits * k_scale.float()[:, :, None, :]  # [B, Hkv, 1, L]
+    return logits
 
 
 def _range_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
@@ -235,14 +278,16 @@ def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, red
 
 
 def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
-                     reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                     reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
+                     k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
+    k_scale = _check_k_scale(k, k_scale)
     _check_rows(kv_lens, B, "kv_lens")
     start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
     valid = _range_mask(start.to(k.device), kv_lens.to(k.device), L)
-    logits = _group_logits_ref(q, k, _default_scale(scale, D))
+    logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     return _reduce_ref(logits, valid, valid, reduce)
 
 
@@ -274,17 +319,18 @@ def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
 
 def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                    scale: float | None = None, reduce: str = "sum_logits",
-                   kv_lens: torch.Tensor | None = None) -> torch.Tensor:
+                   kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline)."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
+    k_scale = _check_k_scale(k, k_scale)
     _check_rows(lo, B, "lo")
     _check_rows(hi, B, "hi")
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     lo, hi = lo.to(k.device), hi.to(k.device)
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
-    logits = _group_logits_ref(q, k, _default_scale(scale, D))
+    logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
     return topk_from_scores_ref(scores, lo, hi, k_top)
@@ -317,26 +363,34 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
 
 
 @triton.jit
-def _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd, hist, m_run, s_run,
+def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd, stride_sl,
+                hist, m_run, s_run,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
-                UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
-    (hist, m_run, s_run)."""
+    (hist, m_run, s_run). KINT8: the keys are int8 (half the bytes of bf16),
+    converted in registers to the query's dtype (exact) and the logits scaled per
+    token by ``ks``."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
     offs_l = l0 + tl.arange(0, BLOCK_L)
     valid = (offs_l >= lo) & (offs_l < hi)
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_L, BLOCK_D]
-    if UPCAST:
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    if KINT8:
+        kt = kt.to(q.dtype)  # q is already fp32 under UPCAST
+    elif UPCAST:
         kt = kt.to(tl.float32)
     if IEEE:
         s = tl.dot(q, tl.trans(kt), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(kt))
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
+    if KINT8:
+        ksv = tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)  # [BLOCK_L] fp32
+        s = s * ksv[None, :]
     if REDUCE == 2:
         ptrs = out_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :]
         tl.store(ptrs, s, mask=g_mask[:, None] & valid[None, :])
@@ -363,13 +417,14 @@ def _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, 
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr,
+    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_sb, stride_sh, stride_sl,
     L, CHUNK, N_CHUNKS, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -401,6 +456,7 @@ def _score_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
     row64 = row.to(tl.int64)
 
     hist = tl.zeros([256], dtype=tl.int32)
@@ -411,15 +467,15 @@ def _score_kernel(
         # kernel keeps the for loop so the software pipeliner can stage the key loads.
         l0 = start
         while l0 < end:
-            hist, m_run, s_run = _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl,
-                                             stride_kd, hist, m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L,
-                                             REDUCE, FULL_ROW, HIST, UPCAST, IEEE)
+            hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist, m_run, s_run = _score_tile(q, k_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl,
-                                             stride_kd, hist, m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L,
-                                             REDUCE, FULL_ROW, HIST, UPCAST, IEEE)
+            hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8)
     if REDUCE == 2:
         st = stats_ptr + ((row64 * G + offs_g) * N_CHUNKS + chunk) * 2
         tl.store(st, m_run, mask=g_mask)
@@ -501,7 +557,7 @@ def _softmax_finalize_kernel(
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
-                   hist: torch.Tensor | None) -> None:
+                   hist: torch.Tensor | None, k_scale: torch.Tensor | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``."""
     B, Hq, D = q.shape
@@ -512,26 +568,29 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     cfg = _score_config(D, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
-    upcast, ieee = _dot_flags(k)
+    upcast, ieee = _dot_flags_qk(q, k)
     qr = _round_q(q, k)
+    kint8 = k_scale is not None
+    ks_arg = k_scale if kint8 else out  # never read when KINT8 is off
+    ks_strides = k_scale.stride() if kint8 else (0, 0, 0)
     do_hist = hist is not None
     hist_arg = hist if do_hist else out  # never touched when HIST is off
     common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
-                  INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  KINT8=kint8, INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
         _score_kernel[grid](
-            qr, k, out, out, hist_arg, lo, hi,
+            qr, k, ks_arg, out, out, hist_arg, lo, hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-            L, chunk, n_chunks, scale,
+            *ks_strides, L, chunk, n_chunks, scale,
             REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
     _score_kernel[grid](
-        qr, k, logits, stats, out, norm_lo, norm_hi,
+        qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        L, chunk, n_chunks, scale,
+        *ks_strides, L, chunk, n_chunks, scale,
         REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common)
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
@@ -540,20 +599,22 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
-                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                        reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``.
 
     >>> s = group_scores_triton(q, k, kv_lens, reduce="max_logits")  # doctest: +SKIP
     """
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
+    k_scale = _check_k_scale(k, k_scale)
     kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start", k.device)
     out = torch.empty(B, Hkv, L, dtype=torch.float32, device=k.device)
     if B * Hkv * L == 0:
         return out
     _launch_scores(q, k, out, start, kv_lens, start, kv_lens, scale=_default_scale(scale, D), reduce=reduce,
-                   full_row=True, hist=None)
+                   full_row=True, hist=None, k_scale=k_scale)
     return out
 
 
@@ -817,8 +878,10 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
-                      kv_lens: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top].
+    int8 ``k`` (``spade.kernels.quant``) with its ``k_scale`` [B, Hkv, L] reads half
+    the key bytes of bf16.
 
     Keys outside ``[lo, hi)`` are not read (except the ``sum_softmax`` normaliser
     range, see ``_norm_range``).
@@ -827,6 +890,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     """
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
+    k_scale = _check_k_scale(k, k_scale)
     lo = _check_rows(lo, B, "lo", k.device)
     hi = _check_rows(hi, B, "hi", k.device)
     if kv_lens is not None:
@@ -841,6 +905,6 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
     _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
-                   full_row=False, hist=ws if fuse else None)
+                   full_row=False, hist=ws if fuse else None, k_scale=k_scale)
     out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse)
     return out.view(B, Hkv, k_top)

@@ -1,0 +1,109 @@
+"""int8 scoring keys: quantize_keys / quantize_append, Triton vs the torch reference vs the definition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spade import kernels
+from spade.kernels import quant
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 1, 37, 16), (3, 2, 5, 64), (3, 4, 1, 24)]  # (B, H, L, D); D=24 pads the tile
+
+
+def _keys(shape, dtype, g):
+    """Random keys with per-token magnitudes spanning 1e-3..1e2 and one all-zero token."""
+    k = torch.randn(*shape, generator=g) * torch.exp(2.5 * torch.randn(*shape[:3], 1, generator=g))
+    k[:, :, 0] = 0.0
+    return k.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantize_keys_definition_and_triton(shape, dtype, device):
+    g = torch.Generator().manual_seed(1)
+    k = _keys(shape, dtype, g)
+    kq, ks = quant.quantize_keys_ref(k)
+    assert kq.dtype == torch.int8 and ks.dtype == torch.float32 and kq.shape == k.shape and ks.shape == k.shape[:3]
+    kf = k.float()
+    # the definition: scale = amax / 127 (floored), |kq| <= 127, error <= half a step
+    amax = kf.abs().amax(-1)
+    torch.testing.assert_close(ks, amax.clamp_min(quant.SCALE_FLOOR) / 127)
+    assert kq.abs().max() <= 127 and not ks.isnan().any()
+    assert ((kq.float() * ks[..., None] - kf).abs() <= 0.5 * ks[..., None] * (1 + 1e-5) + 1e-12).all()
+    assert (kq[:, :, 0] == 0).all()  # the zero key stays zero, finite scale
+    # the largest element of each nonzero key maps to +-127
+    nz = amax > 0
+    assert (kq.abs().amax(-1)[nz] == 127).all()
+
+    kq_t, ks_t = quant.quantize_keys_triton(k.to(device))
+    torch.testing.assert_close(ks_t.cpu(), ks, rtol=1e-6, atol=0)
+    # the division may round a hair differently: at most one step, and rarely
+    diff = (kq_t.cpu().int() - kq.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 1e-3
+
+
+def test_quantize_keys_strided_input(device):
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 9, 3, 32, generator=g)  # [B, L, H, D]
+    k = base.permute(0, 2, 1, 3).to(device)  # [B, H, L, D], non-contiguous
+    kq_t, ks_t = quant.quantize_keys_triton(k)
+    kq, ks = quant.quantize_keys_ref(k.cpu())
+    torch.testing.assert_close(ks_t.cpu(), ks, rtol=1e-6, atol=0)
+    assert (kq_t.cpu().int() - kq.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("B,H,L,D", [(1, 1, 7, 16), (3, 2, 11, 64), (3, 4, 5, 24)])
+def test_quantize_append_writes_only_pos(impl, B, H, L, D, device):
+    """Slot ``pos[b]`` of row b gets quantize(k_new[b]); every other slot, and rows with
+    pos outside [0, L), are untouched."""
+    g = torch.Generator().manual_seed(3)
+    kq, ks = quant.quantize_keys_ref(torch.randn(B, H, L, D, generator=g))
+    kq, ks = kq.to(device), ks.to(device)
+    k_new = torch.randn(B, H, D, generator=g).to(device)
+    pos = torch.tensor([L - 1, -1, 2][:B] if B > 1 else [3], dtype=torch.int64)
+    if B == 3 and L > 2:
+        pos[2] = L  # past the end: skipped too
+        pos[1] = 0
+    kq0, ks0 = kq.clone(), ks.clone()
+    fn = quant.quantize_append_ref if impl == "ref" else quant.quantize_append_triton
+    fn(kq, ks, k_new, pos.to(device))
+    want_q, want_s = quant.quantize_keys_ref(k_new[:, :, None].cpu())
+    for b in range(B):
+        p = int(pos[b])
+        keep = torch.ones(L, dtype=torch.bool)
+        if 0 <= p < L:
+            keep[p] = False
+            torch.testing.assert_close(ks[b, :, p].cpu(), want_s[b, :, 0], rtol=1e-6, atol=0)
+            assert (kq[b, :, p].cpu().int() - want_q[b, :, 0].int()).abs().max() <= 1
+        assert torch.equal(kq[b, :, keep], kq0[b, :, keep]) and torch.equal(ks[b, :, keep], ks0[b, :, keep])
+
+
+def test_quantize_append_zero_key_and_dispatch(monkeypatch, device):
+    kq = torch.zeros(2, 1, 4, 16, dtype=torch.int8, device=device)
+    ks = torch.ones(2, 1, 4, device=device)
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("SPADE_KERNELS", mode)
+        kernels.quantize_append(kq, ks, torch.zeros(2, 1, 16, device=device), torch.tensor([1, 3], device=device))
+        assert not ks.isnan().any()
+        assert ks[0, 0, 1] < 1e-9 and ks[1, 0, 3] < 1e-9  # the floor, not 0/0
+        assert (kq == 0).all()
+        ks.fill_(1.0)
+    k = torch.randn(1, 1, 3, 16, device=device)
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    a = kernels.quantize_keys(k)
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    b = kernels.quantize_keys(k)
+    torch.testing.assert_close(a[1], b[1])
+
+
+def test_quantize_rejects_bad_inputs():
+    kq, ks = quant.quantize_keys_ref(torch.randn(1, 1, 4, 8))
+    with pytest.raises(ValueError, match="k must be"):
+        quant.quantize_keys_ref(torch.randn(1, 4, 8))
+    with pytest.raises(ValueError, match="pos"):
+        quant.quantize_append_ref(kq, ks, torch.randn(1, 1, 8), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="ks must be"):
+        quant.quantize_append_triton(kq, ks.half(), torch.randn(1, 1, 8), torch.tensor([0]))
