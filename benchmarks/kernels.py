@@ -9,7 +9,11 @@ first). Per shape:
   merge inside the one launch, the default), ``kernel`` (the earlier two-launch
   merge), ``single`` (one split per (b, KV head): no merge at all), ``fused_graph``
   (replayed from a CUDA graph: no host launch gaps), vs ``torch`` (``gather`` +
-  SDPA); floor = the selected K/V bytes;
+  SDPA); floor = the selected K/V bytes. Diagnostic rows: ``fused_sorted``
+  (sorted indices), ``fused_contig`` (one contiguous run: the sequential access
+  the floor assumes), ``torch_contig`` (SDPA over K contiguous tokens): the gap
+  between ``fused`` and ``fused_contig`` is the cost of random rows in DRAM, not
+  of the kernel;
 * ``dense_attn``: the ``indices=None`` path (``fused`` / ``kernel``) vs SDPA; floor
   = the whole cache;
 * ``gather``: ``gather_kv`` vs ``torch.gather``; floor = read + write;
@@ -335,6 +339,17 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
                 rec.add("sparse_attn", f"{name}_graph", kshape, lambda: timer.graph(lambda: attn(mid, combine=name)),
                         sel_bytes, bw)
         rec.add("sparse_attn", "torch", kshape, lambda: timer(lambda: torch_sparse(q, k, v, idx_full)), sel_bytes, bw)
+        # How much is the memory system's, not the kernel's: the same kernel on sorted
+        # middle indices (DRAM locality) and on one contiguous run of them (the
+        # sequential best case the floor assumes), and SDPA over K contiguous tokens.
+        mid_sorted = mid.sort(dim=-1).values
+        c0 = (L - K) // 2
+        mid_contig = torch.arange(c0, c0 + mid.shape[-1], device=device, dtype=torch.int32).expand_as(mid).contiguous()
+        for name, m in (("fused_sorted", mid_sorted), ("fused_contig", mid_contig)):
+            rec.add("sparse_attn", name, kshape, lambda: timer(lambda: attn(m)), sel_bytes, bw)
+        kc, vc = k[:, :, :K], v[:, :, :K]
+        rec.add("sparse_attn", "torch_contig", kshape, lambda: timer(lambda: torch_dense(q, kc, vc)), sel_bytes, bw)
+        del mid_sorted, mid_contig, kc, vc
         if sweep:
             for S in SPLIT_SWEEP:
                 for comb in ("fused", "kernel"):

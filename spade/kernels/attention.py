@@ -417,18 +417,24 @@ def _merge_states_kernel(OA, LA, OB, LB, OUT, LSE,
 _SM_COUNT: dict[int, int] = {}
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per (b, KV head), kept per device: every
-    fused launch leaves them at zero again, so they are allocated once (grown when
-    a larger batch comes; a new allocation inside a CUDA-graph capture would break
-    it, hence the warm-up call before capture)."""
-    buf = _COUNTERS.get(device)
+def _split_counters(n: int, device: torch.device) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters, one per (b, KV head), kept per (device, stream):
+    every fused launch leaves them at zero again, so they are allocated once (grown
+    when a larger batch comes), and launches on one stream never overlap, so they
+    never share a counter. Returns None where a new buffer would have to be made
+    during a CUDA-graph capture (it would live in the graph's private pool and
+    dangle once the graph is freed): the caller then takes the two-launch merge."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[key] = buf
     return buf
 
 
@@ -486,14 +492,14 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     indexed path ``num_splits`` is raised where a split's chunk of indices would
     exceed ``_MAX_CHUNK_BLOCKS`` blocks (the preloaded index tile). No host
     synchronisation: safe to capture in a CUDA graph (after a first warm-up call
-    has compiled the kernels and sized the split counters).
+    has compiled the kernels and made the split counters).
 
     ``combine`` picks how several splits are merged: ``"fused"`` (default) lets the
     last split of each (b, KV head) merge them inside the one launch (an atomic
     counter per pair, reset by that split); ``"kernel"`` is the earlier two-launch
     path (a separate merge kernel), kept for side-by-side benchmarks. The fused
-    counters are shared per device: two of these calls must not run concurrently
-    on different streams of one device with ``combine="fused"``.
+    counters are kept per (device, stream); a capture that is the first call of
+    its stream (or batch size) falls back to the two-launch merge.
     """
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
     if combine not in ("fused", "kernel"):
@@ -543,7 +549,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kv_start_t = kv_start if kv_start is not None else kv_lens
 
     fused = combine == "fused" and splits > 1
-    counter = _split_counters(B * Hkv, q.device) if fused else kv_lens  # never read unless fused
+    counter = _split_counters(B * Hkv, q.device) if fused else None
+    if counter is None:  # not fused, or first seen inside a graph capture (see _split_counters)
+        fused, counter = False, kv_lens  # never read
 
     if B * Hkv > 0:
         _decode_split_kernel[(B * Hkv, splits)](

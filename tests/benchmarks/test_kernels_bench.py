@@ -41,7 +41,8 @@ def test_tiny_rows(tiny_run):
     rows = [r for r in doc["rows"] if "skipped" not in r]
     have = {(r["op"], r["impl"]) for r in rows}
     want = {("dense_attn", i) for i in ("fused", "kernel", "torch")}
-    want |= {("sparse_attn", i) for i in ("fused", "kernel", "single", "torch")}
+    want |= {("sparse_attn", i) for i in ("fused", "kernel", "single", "torch", "fused_sorted", "fused_contig",
+                                          "torch_contig")}
     want |= {("gather", "triton"), ("gather", "torch"), ("quest_scores", "triton"), ("quest_scores", "torch")}
     want |= {("quest_select", i) for i in ("radix", "radix_plan", "rowselect", "torch")}
     assert want <= have, want - have

@@ -409,6 +409,42 @@ def test_gpu_qwen_shape(indices):
     assert (lse - ref_lse).abs().max().item() < LSE_ATOL
 
 
+@pytest.mark.gpu
+def test_gpu_fused_merge_graph_replay():
+    """The fused merge under CUDA-graph replay: captured after a warm-up (counters
+    exist), replayed with new index lists and lengths, exact against the reference
+    each time (a counter left non-zero would skip or double a merge). A first call
+    inside a capture on a fresh stream falls back to the two-launch merge."""
+    dev = torch.device("cuda")
+    B, Hq, Hkv, D, L, KM = 3, 32, 8, 128, 4000, 700
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.bfloat16, dev)
+    kv_lens = torch.tensor([4000, 1234, 3001], device=dev)
+    idx = _middle_indices(kv_lens.cpu(), None, Hkv, KM, 4, 64).to(dev)
+    kw = dict(n_sink=4, n_recent=64, return_lse=True, num_splits=6)
+    A.sparse_decode_attention_triton(q, k, v, kv_lens, idx, **kw)  # warm-up: compile, counters
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens, idx, **kw)
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        idx.copy_(_middle_indices(kv_lens.cpu(), None, Hkv, KM, 4, 64).to(dev))
+        g.replay()
+        ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kv_lens, idx, n_sink=4, n_recent=64, return_lse=True)
+        assert _rel(out, ref.float()) < TOL[torch.bfloat16], step
+        assert (lse - ref_lse).abs().max().item() < LSE_ATOL, step
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g2 = torch.cuda.CUDAGraph()
+        n_before = len(A._COUNTERS)
+        with torch.cuda.graph(g2, stream=side):
+            out2 = A.sparse_decode_attention_triton(q, k, v, kv_lens, idx, **kw)[0]
+        assert len(A._COUNTERS) == n_before  # nothing allocated inside the capture
+    g2.replay()
+    torch.cuda.synchronize()
+    assert _rel(out2, ref.float()) < TOL[torch.bfloat16]
+
+
 # ----------------------------------------------------------------------------- sm_90 build
 _AOT_SCRIPT = r'''
 import json, sys
