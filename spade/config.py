@@ -116,6 +116,11 @@ class AsyncSpadePolicyConfig(_SparseCommon):
     """Ridge λ relative to the mean squared norm of the window's queries."""
     rope_aware: bool = False
     """Regress pre-RoPE queries and rotate the prediction to the next position."""
+    score_keys: Literal["exact", "int8"] = "exact"
+    """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the
+    policy (half the bytes of bf16 to read each step, so the cache rank keeps up with
+    the inference rank); attention still uses the exact keys. Costs a little
+    selection fidelity (see docs/policies.md)."""
 
 
 PolicyConfig = Annotated[

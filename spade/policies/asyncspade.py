@@ -15,6 +15,17 @@ State per layer: ``window`` [B, Hq, W+1, D] float32, the last W+1 queries
 last W+1 queries, ``observe`` pushes the current one. How many are valid is
 derived from the host ``state.seq_len`` (no host counter that a replayed CUDA
 graph would not advance), which assumes ``observe`` runs once per decode step.
+
+Compressed scoring keys (``score_keys="int8"``): scoring reads every cached key
+each step, more bytes than the sparse attention it feeds, so the policy can keep
+a symmetric per-token int8 copy of the keys (``kq`` [B, Hkv, C, D] int8 and
+``ks`` [B, Hkv, C] float32, C >= the cache length) and score that: half the key
+bytes of bf16. ``prefill`` quantises the whole cache; ``observe`` quantises the
+step's newest key into slot ``kv_lens - 1`` of each row (a device-side write, no
+host sync, so it replays in a CUDA graph). When the cache view grows past C the
+copy is rebuilt from the exact keys with doubled capacity (a host decision on
+shapes only; the cache rank's graphs run on a fixed-length view, so it never
+happens there). Attention itself always reads the exact keys.
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ import torch
 
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection
-from spade.policies.common import is_dense, row_start, topk_selection
+from spade import kernels
+from spade.policies.common import is_dense, last_token_keys, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
 
@@ -36,6 +48,10 @@ class AsyncSpadeLayerState:
     """Host ``seq_len`` at the call that last set ``anchor_count`` (prefill or first observe)."""
     anchor_count: int = 0
     """Valid queries in ``window`` right after that call."""
+    kq: torch.Tensor | None = None
+    """``score_keys="int8"``: int8 copy of the keys [B, Hkv, C, D] (C = capacity >= cache length)."""
+    ks: torch.Tensor | None = None
+    """Per-token scales of ``kq`` [B, Hkv, C] float32 (``k ≈ kq * ks``)."""
 
 
 class AsyncSpadePolicy(Policy):
@@ -112,6 +128,34 @@ class AsyncSpadePolicy(Policy):
             return rel[:, None] - back[None, :]
         return rel - back
 
+    def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
+                     kv_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 copy of ``k_cache`` [B, Hkv, L, D] as views (kq [B, Hkv, L, D],
+        ks [B, Hkv, L]), kept in ``st``.
+
+        With ``kv_lens``, the newest key of each row (slot ``kv_lens - 1``) is
+        quantised into the copy (device-side, graph-safe). A missing copy, another
+        layout, or a cache longer than the copy's capacity rebuilds it from the
+        exact keys (capacity doubled, so a growing cache rebuilds O(log L) times).
+        """
+        B, H, L, D = k_cache.shape
+        kq = st.kq
+        same = kq is not None and kq.device == k_cache.device and kq.shape[:2] == (B, H) and kq.shape[3] == D
+        if not same or kq.shape[2] < L:
+            cap = max(L, 2 * kq.shape[2]) if same else L
+            q8, s8 = kernels.quantize_keys(k_cache)  # [B, H, L, D] int8, [B, H, L] fp32
+            if cap > L:
+                st.kq = torch.zeros(B, H, cap, D, dtype=torch.int8, device=k_cache.device)
+                st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=k_cache.device)
+                st.kq[:, :, :L] = q8
+                st.ks[:, :, :L] = s8
+            else:
+                st.kq, st.ks = q8, s8
+        elif kv_lens is not None:
+            kv = kv_lens.to(device=k_cache.device, dtype=torch.int64)
+            kernels.quantize_append(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1)
+        return st.kq[:, :, :L], st.ks[:, :, :L]
+
     # ------------------------------------------------------------------ policy API
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
@@ -129,6 +173,9 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
+        if self.cfg.score_keys == "int8":
+            st.kq = st.ks = None  # a new prompt: quantise the whole cache afresh
+            self.scoring_keys(st, k_cache)
 
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:
@@ -141,6 +188,8 @@ class AsyncSpadePolicy(Policy):
         w[:, :, -1] = qn
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
+        if self.cfg.score_keys == "int8":
+            self.scoring_keys(st, k_cache, kv_lens)
 
     def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """q̂ for the step whose cache length is ``kv_lens`` (post-RoPE when
@@ -162,6 +211,12 @@ class AsyncSpadePolicy(Policy):
         q_hat = self.predict_query(state, layer, kv_lens)
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
-        return topk_selection(q_hat, k_cache, kv_lens, state.kv_start, budget=cfg.budget,
+        k_score, k_scale = k_cache, None
+        if cfg.score_keys == "int8":
+            k_score, k_scale = self.scoring_keys(state.layers[layer], k_cache)
+            if k_cache.dtype in (torch.float16, torch.bfloat16):
+                # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
+                q_hat = q_hat.to(k_cache.dtype)
+        return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce)
+                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale)

@@ -70,7 +70,7 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
 
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
-                   scale: float, reduce: str) -> Selection:
+                   scale: float, reduce: str, k_scale: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -78,6 +78,8 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``asyncspade``); ``k_cache``: [B, Hkv, L, D]. The middle is
     ``[kv_start + n_sink, kv_len - n_recent)``: disjoint from the sinks and the
     recent window by construction, so no position is counted twice.
+    ``k_cache`` may be an int8 scoring copy with its ``k_scale`` [B, Hkv, L]
+    (``spade.kernels.quantize_keys``).
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
@@ -89,7 +91,7 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         # would include garbage positions, so it then spans the middle only.
         norm_lens = kv_lens if kv_start is None else None
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
-                                 kv_lens=norm_lens)
+                                 kv_lens=norm_lens, k_scale=k_scale)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 

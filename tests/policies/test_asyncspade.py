@@ -7,7 +7,7 @@ import torch
 
 from spade.policies.base import RopeSpec
 from spade.policies.predictors import predict, rotate
-from tests.policies.sim import DecodeSim, make_policy, middle_sets
+from tests.policies.sim import DecodeSim, attended_sets, make_policy, middle_sets
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,starts", [(1, 2, 2, None), (3, 4, 2, [0, 6, 3]), (3, 4, 1, [5, 0, 0])])
@@ -195,3 +195,160 @@ def test_predict_shapes_and_partial_windows(kind):
         predict(w, 0, kind)
     with pytest.raises(ValueError):
         predict(w, 6, kind)
+
+
+# ------------------------------------------------------------------ int8 scoring keys
+def _fresh_int8(k: torch.Tensor):
+    from spade.kernels import quant
+
+    return quant.quantize_keys_ref(k)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,starts,dtype,reduce", [
+    (1, 2, 2, None, torch.float32, "sum_logits"),
+    (3, 4, 2, [0, 6, 3], torch.bfloat16, "sum_softmax"),
+    (3, 4, 1, [5, 0, 0], torch.float16, "max_logits"),
+])
+def test_int8_copy_tracks_the_cache_and_selects_on_it(B, Hq, Hkv, starts, dtype, reduce):
+    """After prefill and each observe, the policy's int8 copy equals a fresh quantisation
+    of the valid cache; select scores exactly that copy (= topk_selection over freshly
+    quantised keys with q_{t-1} rounded to the cache dtype); and it stays close to the
+    exact-key selection."""
+    from spade.policies.common import topk_selection
+
+    sim = DecodeSim(B=B, Hq=Hq, Hkv=Hkv, kv_start=starts, prompt_len=43, steps=5, n_layers=2, seed=9, dtype=dtype)
+    common = dict(budget=20, sink_tokens=2, recent_tokens=3, predictor="last", window=3, group_reduce=reduce)
+    pol = make_policy("asyncspade", sim, **common, score_keys="int8")
+    exact = make_policy("asyncspade", sim, **common)
+    assert pol.cfg.score_keys == "int8" and exact.cfg.score_keys == "exact"
+    st_exact = exact.new_state(B, "cpu")
+    checked, overlap, total = 0, 0, 0
+
+    def on_step(rec, state):
+        nonlocal checked, overlap, total
+        st = state.layers[rec.layer]
+        k_live = sim.k_all[rec.layer]  # the valid part of the live cache
+        want_q, want_s = _fresh_int8(k_live)
+        for b in range(B):
+            s, n = (0 if starts is None else starts[b]), int(rec.kv_lens[b])
+            assert torch.equal(st.kq[b, :, s:n], want_q[b, :, s:n]), "int8 copy drifted from the cache"
+            assert torch.equal(st.ks[b, :, s:n], want_s[b, :, s:n])
+        prev_q = sim.q_all[rec.layer, :, :, rec.seq_len - 2].float().to(dtype)  # q_{t-1}
+        want = topk_selection(prev_q, want_q, rec.kv_lens, sim.starts, budget=20, n_sink=2, n_recent=3,
+                              scale=sim.spec.softmax_scale, reduce=reduce, k_scale=want_s)
+        assert middle_sets(rec.sel) == middle_sets(want)
+        # the same step scored with exact keys
+        st_exact.seq_len = state.seq_len
+        st_exact.layers[rec.layer] = st
+        ref = topk_selection(prev_q, k_live, rec.kv_lens, sim.starts, budget=20, n_sink=2, n_recent=3,
+                             scale=sim.spec.softmax_scale, reduce=reduce)
+        for a_row, b_row in zip(middle_sets(rec.sel), middle_sets(ref)):
+            for a, b in zip(a_row, b_row):
+                overlap += len(a & b)
+                total += len(b)
+        checked += 1
+
+    sim.run(pol, on_step=on_step)
+    assert checked == sim.steps * sim.n_layers
+    assert overlap / total >= 0.9, overlap / total
+
+
+def test_int8_copy_grows_with_a_growing_cache_view():
+    """The cache rank without a static length passes views of length seq: the copy is
+    rebuilt with doubled capacity when the view outgrows it, else appended in place."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=10, steps=12, seed=10, extra=0)
+    pol = make_policy("asyncspade", sim, budget=8, sink_tokens=1, recent_tokens=2, predictor="last", window=2,
+                      score_keys="int8")
+    st = pol.new_state(2, "cpu")
+    ks, vs, kv = sim.fresh_cache()
+    T = sim.prompt_len
+    st.seq_len = T
+    pol.prefill(st, 0, sim.q_all[0, :, :, :T], ks[0][:, :, :T], vs[0][:, :, :T], kv)
+    caps = [st.layers[0].kq.shape[2]]
+    for step in range(sim.steps):
+        pos = T + step
+        ks[0][:, :, pos] = sim.k_all[0, :, :, pos]
+        kv = kv + 1
+        st.seq_len = pos + 1
+        view = ks[0][:, :, :pos + 1]
+        sel = pol.select(st, 0, None, view, kv)
+        pol.observe(st, 0, sim.q_all[0, :, :, pos], view, kv)
+        caps.append(st.layers[0].kq.shape[2])
+        want_q, want_s = _fresh_int8(sim.k_all[0, :, :, :pos + 1])
+        lay = st.layers[0]
+        for b, s in enumerate([0, 3]):
+            assert torch.equal(lay.kq[b, :, s:pos + 1], want_q[b, :, s:pos + 1])
+            assert torch.equal(lay.ks[b, :, s:pos + 1], want_s[b, :, s:pos + 1])
+        assert sel is not None and sel.indices.shape[-1] == 5
+    assert caps[0] == T and caps[-1] == 40 and len(set(caps)) == 3  # 10 -> 20 -> 40: rebuilt twice
+
+
+def test_int8_budget_covering_the_context_is_full_attention():
+    """Rows whose context fits the budget attend to all of it (bit-for-bit the dense
+    output), also when another row of the batch is sparse."""
+    sim = DecodeSim(B=3, Hq=4, Hkv=2, kv_start=[0, 14, 20], prompt_len=30, steps=4, seed=11)
+    pol = make_policy("asyncspade", sim, budget=20, sink_tokens=1, recent_tokens=2, predictor="last", window=2,
+                      score_keys="int8")
+    recs = sim.run(pol)
+    for rec in recs:
+        assert rec.sel is not None  # seq_len > budget: the sparse path
+        for b in (1, 2):
+            ctx = int(rec.kv_lens[b]) - sim.kv_start[b]
+            assert ctx <= 20
+            assert all(len(s) == ctx for s in attended_sets(rec.sel, rec.kv_lens)[b])
+            torch.testing.assert_close(rec.out[b], rec.full[b], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_int8_observe_and_select_replay_in_a_cuda_graph():
+    """observe + select with int8 keys captured once and replayed at later steps give the
+    eager selections (no host sync, no host-side data-dependent shapes)."""
+    from spade.policies.base import AttentionSpec
+    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies import build_policy
+
+    dev = torch.device("cuda")
+    B, Hq, Hkv, D, L, T = 2, 8, 2, 64, 512, 300
+    spec = AttentionSpec(n_layers=1, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+    cfg = AsyncSpadePolicyConfig(budget=64, sink_tokens=4, recent_tokens=8, predictor="last", window=2,
+                                 score_keys="int8")
+    pols = [build_policy(cfg, spec) for _ in range(2)]
+    k_all = torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16)
+    q_all = torch.randn(B, Hq, L, D, device=dev, dtype=torch.bfloat16)
+    states, caches = [], []
+    for pol in pols:
+        st = pol.new_state(B, dev)
+        st.seq_len = T
+        k = k_all.clone()
+        pol.prefill(st, 0, q_all[:, :, :T], k, k, torch.full((B,), T, device=dev))
+        states.append(st)
+        caches.append(k)
+    kv = torch.full((B,), T, device=dev)  # the graph's input buffer
+    q_in = torch.zeros(B, Hq, D, device=dev, dtype=torch.bfloat16)
+
+    def step(pol, st, k):
+        pol.observe(st, 0, q_in, k, kv)
+        return pol.select(st, 0, None, k, kv).indices
+
+    pg, sg, kg = pols[1], states[1], caches[1]
+    # warm up (compiles) on a side stream, then capture at step T+3 (window saturated)
+    for t in range(T, T + 3):
+        kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+        step(pg, sg, kg)
+        states[0].seq_len = t + 1
+        pols[0].observe(states[0], 0, q_all[:, :, t], caches[0], torch.full((B,), t + 1, device=dev))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    t = T + 3
+    kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+    with torch.cuda.graph(graph):
+        out = step(pg, sg, kg)
+    for t in range(T + 3, T + 8):
+        kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+        graph.replay()
+        st0 = states[0]
+        st0.seq_len = t + 1
+        kv0 = torch.full((B,), t + 1, device=dev)
+        pols[0].observe(st0, 0, q_all[:, :, t], caches[0], kv0)
+        want = pols[0].select(st0, 0, None, caches[0], kv0).indices
+        assert torch.equal(out.sort(-1).values, want.sort(-1).values)
