@@ -116,3 +116,53 @@ def test_cli_routes_to_this_benchmark(tmp_path):
     out = tmp_path / "c.json"
     assert cli.main(["bench", "kernels", "--tiny", "--budget-s", "0", "--out", str(out), "--no-scoring"]) == 0
     assert json.loads(out.read_text())["tiny"]
+
+
+def _fake_scoring(tmp_path, body: str):
+    """A stand-in ``benchmarks.bench_scoring`` module written to a file (run_scoring
+    reads its source to learn which flags it takes)."""
+    import importlib.util
+
+    src = tmp_path / "fake_scoring.py"
+    src.write_text(body)
+    spec = importlib.util.spec_from_file_location("benchmarks.bench_scoring", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scoring_rows_folded_in(tmp_path, monkeypatch):
+    import benchmarks
+
+    mod = _fake_scoring(tmp_path, '''
+import json
+CALLS = []
+def main(argv):
+    CALLS.append(list(argv))
+    ap_flags = ["--full", "--out", "--budget-s"]  # "--full" "--budget-s"
+    out = argv[argv.index("--out") + 1]
+    json.dump(dict(rows=[dict(op="score_topk", impl="triton", B=8, L=32768, K=2048, ms=0.2, floor_ms=0.1,
+                               x_floor=2.0)]), open(out, "w"))
+    return 0
+''')
+    monkeypatch.setitem(__import__("sys").modules, "benchmarks.bench_scoring", mod)
+    monkeypatch.setattr(benchmarks, "bench_scoring", mod, raising=False)
+    rec = KB.Recorder(tmp_path / "r.json", {}, budget_s=1000)
+    KB.run_scoring(rec, tmp_path, sweep=False)
+    argv = mod.CALLS[0]
+    assert "--full" in argv and "--budget-s" in argv and "--sweep" not in argv
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["rows"][0]["op"] == "scoring:score_topk" and doc["rows"][0]["x_floor"] == 2.0
+    assert doc["scoring_rc"] == 0
+
+
+def test_scoring_failure_is_a_skip_row(tmp_path, monkeypatch):
+    import benchmarks
+
+    mod = _fake_scoring(tmp_path, "def main(argv):\n    raise SystemExit(2)\n")
+    monkeypatch.setitem(__import__("sys").modules, "benchmarks.bench_scoring", mod)
+    monkeypatch.setattr(benchmarks, "bench_scoring", mod, raising=False)
+    rec = KB.Recorder(tmp_path / "r.json", {}, budget_s=1000)
+    KB.run_scoring(rec, tmp_path, sweep=True)
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert len(rows) == 1 and "bench_scoring failed" in rows[0]["skipped"]
