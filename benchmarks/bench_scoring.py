@@ -10,8 +10,14 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
   host launch gaps; shows the op is capturable);
 * ``quest_build``, ``quest_page_scores``, ``quest_select`` (page size 16,
   K / 16 pages) vs torch (two ``matmul`` on the positive / negative query parts);
-* ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
-  sizes, and ``sum_softmax``, at a few shapes;
+* ``score_topk`` over int8 keys (``triton_int8``: the symmetric per-token copy
+  of ``spade.kernels.quant`` that ``asyncspade``'s ``score_keys="int8"`` scores),
+  floor = int8 key bytes + fp32 scale bytes of the candidates; its selection is
+  checked against the naive top-K of the int8 scores, and its overlap with the
+  exact-key selection is recorded (random keys: a pessimistic stand-in);
+* ``score_topk_softmax`` (``sum_softmax``) rows, exact and int8, at every shape;
+* ``variants``: the pass-0 histogram fused into stage 1 or not and stage-2 tile
+  sizes, at a few shapes;
 * ``--sweep``: tile configs of the scoring kernel at B=8, L=32k.
 
 Floors: bytes that must be read (keys of the candidate range once; Quest page
@@ -20,7 +26,13 @@ device-to-device copy (read + write bytes). Times are medians of
 ``triton.testing.do_bench`` (L2 flushed before each call). Every shape also
 checks the fused selection against the naive one through the fp32 scores.
 
-    python -m benchmarks.bench_scoring [--quick] [--sweep] [--out results/bench_scoring.json]
+The JSON is rewritten after every row (a run cut short keeps what it measured);
+``--budget-s`` bounds the wall time (shapes past it are listed as skipped with
+the reason, as are shapes that do not fit in memory); a PNG beside the JSON
+plots x floor per shape for the selection rows.
+
+    python -m benchmarks.bench_scoring [--quick | --full] [--sweep] [--budget-s S] [--out results/bench_scoring.json]
+    python -m benchmarks.bench_scoring --tiny   # seconds on a CPU (Triton interpreter): checks the script
 """
 
 from __future__ import annotations
@@ -45,14 +57,21 @@ DEVICE = "cuda"
 
 # ------------------------------------------------------------------------------------- timing
 def bench(fn: Callable[[], object], *, warmup: int = 10, rep: int = 40) -> float:
-    """Median time of ``fn`` in ms (``triton.testing.do_bench``: L2 flushed per call)."""
+    """Median time of ``fn`` in ms (``triton.testing.do_bench``: L2 flushed per call;
+    the wall clock of one call on a CPU, where only the script is being checked)."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def bench_graph(fn: Callable[[], object], **kw) -> float | None:
-    """Median time of ``fn`` replayed from a CUDA graph (None if capture fails)."""
+    """Median time of ``fn`` replayed from a CUDA graph (None if capture fails or on CPU)."""
+    if DEVICE != "cuda":
+        return None
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -70,7 +89,7 @@ def bench_graph(fn: Callable[[], object], **kw) -> float | None:
 
 def hbm_bandwidth(nbytes: int = 2**30) -> float:
     """Bytes/s of a device-to-device copy, counting read + write."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src), rep=100)
     del src, dst
@@ -131,8 +150,32 @@ def selection_deficit(idx: torch.Tensor, ref_idx: torch.Tensor, scores: torch.Te
 
 # ------------------------------------------------------------------------------------- runner
 class Runner:
-    def __init__(self, bw: float, rows: list):
+    """Collects rows and rewrites the JSON document ``doc`` at ``path`` after every row."""
+
+    def __init__(self, bw: float, rows: list, *, path: Path | None = None, doc: dict | None = None,
+                 budget_s: float | None = None):
         self.bw, self.rows = bw, rows
+        self.path, self.doc = path, doc if doc is not None else {}
+        self.t0 = time.time()
+        self.budget_s = budget_s
+
+    def left_s(self) -> float:
+        return float("inf") if self.budget_s is None else self.budget_s - (time.time() - self.t0)
+
+    def flush(self) -> None:
+        if self.path is None:
+            return
+        self.doc["rows"] = self.rows
+        self.doc["seconds"] = time.time() - self.t0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1))
+        tmp.replace(self.path)  # never a half-written file, even if killed mid-write
+
+    def skip(self, shape: dict, reason: str) -> None:
+        self.doc.setdefault("skipped", []).append(dict(**shape, reason=reason))
+        print(f"skip {' '.join(f'{k}={v}' for k, v in shape.items())}: {reason}", flush=True)
+        self.flush()
 
     def add(self, op: str, impl: str, shape: dict, ms: float | None, floor_bytes: int | None, **extra):
         floor_ms = floor_bytes / self.bw * 1e3 if floor_bytes else None
@@ -145,19 +188,48 @@ class Runner:
         dims = " ".join(f"{k}={v}" for k, v in shape.items())
         more = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
         print(f"{op:18s} {impl:14s} {dims:28s} {t} ms  floor {fl} ms  {xf}  {more}", flush=True)
+        self.flush()
 
 
-def fits(B: int, L: int) -> bool:
-    """Keys + Quest bounds + the naive baseline's temporaries, with headroom."""
+def need_bytes(B: int, L: int) -> int:
+    """Keys (+ their int8 copy and scales) + Quest bounds + the naive baseline's
+    temporaries + the sum_softmax logits, with 1 GiB headroom."""
     keys = B * HKV * L * D * ELT
+    int8 = B * HKV * L * (D + 4)
     bounds = 2 * keys // PAGE
     naive = B * HQ * L * (ELT + 4) + 3 * B * HKV * L * 4
+    softmax = B * HQ * L * 4
+    return keys + int8 + bounds + naive + softmax + 2**30
+
+
+def fits(B: int, L: int) -> tuple[bool, str]:
+    """Whether a shape fits in free device memory, and the reason when not."""
+    if DEVICE != "cuda":
+        return True, ""
     free, _ = torch.cuda.mem_get_info()
-    return keys + bounds + naive + 2**30 < 0.85 * free
+    need = need_bytes(B, L)
+    if need < 0.85 * free:
+        return True, ""
+    return False, f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean fraction of ``b``'s selected positions that ``a`` also selected ([B, H, K] each)."""
+    B, H, K = b.shape
+    hit = 0
+    n = 0
+    a_, b_ = a.cpu(), b.cpu()
+    for i in range(B):
+        for h in range(H):
+            sa = set(a_[i, h].tolist()) - {-1}
+            sb = set(b_[i, h].tolist()) - {-1}
+            hit += len(sa & sb)
+            n += len(sb)
+    return hit / max(n, 1)
 
 
 def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> None:
-    from spade.kernels import quest, scoring
+    from spade.kernels import quant, quest, scoring
 
     dev = DEVICE
     scale = D ** -0.5
@@ -186,7 +258,19 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
 
     truth = scoring.group_scores_triton(q, k, kv_lens)  # fp32 scores for the checks
     pscores = quest.quest_page_scores_triton(q, kmin, kmax, n_pages)
+    # int8 scoring copy (what asyncspade score_keys="int8" reads): 1 byte per element + a fp32 scale per token
+    kq, kscale = quant.quantize_keys_triton(k)
+    r.add("quantize_keys", "triton", shape, bench(lambda: quant.quantize_keys_triton(k)),
+          key_bytes + B * HKV * L * (D + 4))
+    int8_key_bytes = B * HKV * L * (D + 4)
+    int8_mid_bytes = B * HKV * (L - N_SINK - N_RECENT) * (D + 4)
+    r.add("group_scores", "triton_int8", shape,
+          bench(lambda: scoring.group_scores_triton(q, kq, kv_lens, k_scale=kscale)), int8_key_bytes)
+    truth8 = scoring.group_scores_triton(q, kq, kv_lens, k_scale=kscale)
     for K in ks:
+        if r.left_s() <= 0:
+            r.skip(dict(B=B, L=L, K=K), "--budget-s spent")
+            continue
         shp = dict(B=B, L=L, K=K)
         fused = scoring.score_topk_triton(q, k, lo, hi, K)
         naive = naive_topk(q, k, lo, hi, K, scale)
@@ -195,6 +279,19 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
         r.add("score_topk", "triton_graph", shp,
               bench_graph(lambda: scoring.score_topk_triton(q, k, lo, hi, K)), mid_bytes)
         r.add("score_topk", "torch_naive", shp, bench(lambda: naive_topk(q, k, lo, hi, K, scale)), mid_bytes)
+
+        fused8 = scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)
+        naive8 = truth8.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
+        ok = dict(deficit=selection_deficit(fused8, naive8.to(torch.int32), truth8), overlap_exact=overlap(fused8, fused))
+        r.add("score_topk", "triton_int8", shp,
+              bench(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes, **ok)
+        r.add("score_topk", "triton_int8_graph", shp,
+              bench_graph(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes)
+        # sum_softmax: the normaliser spans [0, kv_lens), so the floor reads every key once
+        for impl, kk, ksc, fb in (("triton", k, None, key_bytes), ("triton_int8", kq, kscale, int8_key_bytes)):
+            r.add("score_topk_softmax", impl, shp,
+                  bench(lambda: scoring.score_topk_triton(q, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
+                                                          k_scale=ksc)), fb)
 
         n_sel = K // PAGE
         t_sel = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, PAGE)
@@ -227,11 +324,15 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             finally:
                 scoring.SELECT_CONFIG.clear()
             r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
-        r.add("score_topk_softmax", "triton", shp,
-              bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens)),
-              mid_bytes)
-    del q, k, kmin, kmax, truth, pscores
-    torch.cuda.empty_cache()
+    del q, k, kmin, kmax, truth, pscores, kq, kscale, truth8
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _cand_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
+    """[B, L] bool: lo[b] <= p < hi[b]."""
+    pos = torch.arange(L, device=lo.device)
+    return (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
 
 
 def run_sweep(r: Runner) -> None:
@@ -260,45 +361,127 @@ def run_sweep(r: Runner) -> None:
     scoring.SCORE_CONFIG.clear()
 
 
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """One PNG: x floor (time / byte floor) of each selection variant per shape."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001 - a plot is a convenience, not the result
+        print(f"# no plot: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    series = [("score_topk", "triton"), ("score_topk", "triton_int8"), ("score_topk", "torch_naive"),
+              ("score_topk_softmax", "triton"), ("score_topk_softmax", "triton_int8"), ("group_scores", "triton"),
+              ("group_scores", "triton_int8")]
+    shapes = sorted({(r["B"], r["L"], r["K"]) for r in rows if r.get("op") == "score_topk" and "K" in r})
+    if not shapes:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(shapes) + 3), 4.5))
+    x = list(range(len(shapes)))
+    for op, impl in series:
+        y = []
+        for B, L, K in shapes:
+            hit = [r for r in rows if r.get("op") == op and r.get("impl") == impl and r.get("B") == B
+                   and r.get("L") == L and r.get("K", K) == K and r.get("x_floor")]
+            y.append(hit[0]["x_floor"] if hit else float("nan"))
+        if any(v == v for v in y):
+            ax.plot(x, y, marker="o", label=f"{op} {impl}")
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    def size(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+    ax.set_xticks(x, [f"B{B}\nL{size(L)}\nK{size(K)}" for B, L, K in shapes], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("time / byte floor")
+    ax.set_title("selection kernels vs the bytes they must read")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _set_model(hq: int, hkv: int, d: int) -> None:
+    """Model dimensions of the run (``--tiny`` shrinks them for the interpreter)."""
+    global HQ, HKV, D, G
+    HQ, HKV, D, G = hq, hkv, d, hq // hkv
+
+
 def main(argv: list[str] | None = None) -> int:
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a few shapes only (B in {1, 8}, L in {8k, 32k}, K=2k)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few shapes only (B in {1, 8}, L in {8k, 32k}, K=2k)")
+    mode.add_argument("--full", action="store_true",
+                      help="the full grid: B in {1, 8, 32}, L in {8k, 32k, 128k}, K in {1k, 2k} (the default)")
+    mode.add_argument("--tiny", action="store_true",
+                      help="tiny shapes on the CPU under the Triton interpreter: checks the script in seconds")
     ap.add_argument("--sweep", action="store_true", help="also sweep the scoring kernel's tile configs")
-    ap.add_argument("--out", default="results/bench_scoring.json", help="JSON output path")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget; shapes that would start past it are skipped (recorded)")
+    ap.add_argument("--out", default="results/bench_scoring.json", help="JSON output path (PNG beside it)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_scoring needs a CUDA GPU; nothing to do.", file=sys.stderr)
+    if args.tiny:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            print("--tiny on a CPU needs TRITON_INTERPRET=1 set before triton is imported", file=sys.stderr)
+            return 1
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+        _set_model(8, 2, 32)
+    elif not torch.cuda.is_available():
+        print("bench_scoring needs a CUDA GPU; nothing to do (--tiny checks the script on a CPU).", file=sys.stderr)
         return 1
+    else:
+        DEVICE = "cuda"
+        _set_model(32, 8, 128)
     import triton
 
     t0 = time.time()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bw = hbm_bandwidth()
-    props = torch.cuda.get_device_properties(0)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, HBM copy bandwidth {bw / 1e9:.0f} GB/s "
+    if DEVICE == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        props = torch.cuda.get_device_properties(0)
+        dev_name, sms = props.name, props.multi_processor_count
+    else:
+        dev_name, sms = "cpu (Triton interpreter)", 0
+    bw = hbm_bandwidth(2**30 if DEVICE == "cuda" else 2**24)
+    print(f"# {dev_name}, {sms} SMs, copy bandwidth {bw / 1e9:.0f} GB/s "
           f"(read+write); torch {torch.__version__}, triton {triton.__version__}")
-    print(f"# Qwen3-8B layer: {HQ} q / {HKV} KV heads, d={D}, {DTYPE}; candidates [{N_SINK}, L-{N_RECENT}); "
+    print(f"# layer: {HQ} q / {HKV} KV heads, d={D}, {DTYPE}; candidates [{N_SINK}, L-{N_RECENT}); "
           f"Quest page {PAGE}")
-    rows: list = []
-    r = Runner(bw, rows)
-    Bs, Ls, Ks = ([1, 8], [8192, 32768], [2048]) if args.quick else ([1, 8, 32], [8192, 32768, 131072], [1024, 2048])
-    variant_shapes = {(8, 32768), (1, 131072), (32, 32768)} if not args.quick else {(8, 32768)}
-    skipped = []
-    for B in Bs:
-        for L in Ls:
-            if not fits(B, L):
-                skipped.append(dict(B=B, L=L))
-                print(f"skip B={B} L={L}: does not fit in memory", flush=True)
-                continue
-            run_shape(r, B, L, Ks, variants=(B, L) in variant_shapes)
-    if args.sweep:
-        run_sweep(r)
-    out = dict(device=props.name, sms=props.multi_processor_count, hbm_bytes_per_s=bw, torch=torch.__version__,
-               triton=triton.__version__, model=dict(hq=HQ, hkv=HKV, d=D, dtype=str(DTYPE)), n_sink=N_SINK,
-               n_recent=N_RECENT, page_size=PAGE, skipped=skipped, rows=rows, seconds=time.time() - t0)
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    doc = dict(device=dev_name, sms=sms, hbm_bytes_per_s=bw, torch=torch.__version__, triton=triton.__version__,
+               model=dict(hq=HQ, hkv=HKV, d=D, dtype=str(DTYPE)), n_sink=N_SINK, n_recent=N_RECENT,
+               page_size=PAGE, tiny=args.tiny, budget_s=args.budget_s, skipped=[], rows=[])
+    rows: list = []
+    r = Runner(bw, rows, path=path, doc=doc, budget_s=args.budget_s)
+    r.flush()
+    if args.tiny:
+        Bs, Ls, Ks = [1, 3], [133], [16]
+        variant_shapes: set = set()
+    elif args.quick:
+        Bs, Ls, Ks = [1, 8], [8192, 32768], [2048]
+        variant_shapes = {(8, 32768)}
+    else:
+        Bs, Ls, Ks = [1, 8, 32], [8192, 32768, 131072], [1024, 2048]
+        variant_shapes = {(8, 32768), (1, 131072), (32, 32768)}
+    # the headline shape first, so a short budget still measures it
+    order = sorted(((B, L) for B in Bs for L in Ls), key=lambda s: (s != (8, 32768), s[1], s[0]))
+    for B, L in order:
+        if r.left_s() <= 0:
+            r.skip(dict(B=B, L=L), "--budget-s spent")
+            continue
+        ok, why = fits(B, L)
+        if not ok:
+            r.skip(dict(B=B, L=L), f"does not fit in memory: {why}")
+            continue
+        run_shape(r, B, L, Ks, variants=(B, L) in variant_shapes)
+    if args.sweep and DEVICE == "cuda" and r.left_s() > 0:
+        run_sweep(r)
+    png = plot(rows, path.with_suffix(".png"))
+    doc["plot"] = None if png is None else str(png)
+    r.flush()
     worst = max((x["deficit"] for x in rows if "deficit" in x), default=0.0)
     print(f"# wrote {path} ({len(rows)} rows, {time.time() - t0:.0f} s); worst selection deficit {worst:.2e}")
     return 0 if worst <= 1e-3 else 2  # a NaN deficit fails too

@@ -446,3 +446,47 @@ def test_int8_selection_overlaps_exact_selection(reduce):
                   for b in range(B) for h in range(Hkv)) / (B * Hkv * K)
     print(f"int8 vs exact top-{K} overlap ({reduce}): {overlap:.4f}")
     assert overlap >= 0.9, overlap
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/bench_scoring.py on a CPU (--tiny): the script itself, not the numbers
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bench_scoring_tiny_writes_rows_and_plot(tmp_path):
+    import json
+
+    from benchmarks import bench_scoring
+
+    if not torch.cuda.is_available():
+        assert __import__("os").environ.get("TRITON_INTERPRET") == "1"
+    out = tmp_path / "b.json"
+    assert bench_scoring.main(["--tiny", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tiny"] and doc["skipped"] == []
+    got = {(r["op"], r["impl"], r["B"], r.get("K")) for r in doc["rows"]}
+    for B in (1, 3):
+        for op, impl in [("score_topk", "triton"), ("score_topk", "triton_int8"), ("score_topk_softmax", "triton"),
+                         ("score_topk_softmax", "triton_int8")]:
+            assert (op, impl, B, 16) in got, (op, impl, B)
+        assert ("group_scores", "triton_int8", B, None) in got
+    int8 = [r for r in doc["rows"] if r["op"] == "score_topk" and r["impl"] == "triton_int8"]
+    # floor = int8 keys + fp32 scales of the candidates, less than half the bf16 key bytes + 4 B/token
+    bf16 = {r["B"]: r for r in doc["rows"] if r["op"] == "score_topk" and r["impl"] == "triton"}
+    for r in int8:
+        assert r["deficit"] <= 1e-6 and 0.0 <= r["overlap_exact"] <= 1.0 and r["ms"] > 0
+        D = doc["model"]["d"]
+        assert r["floor_ms"] == pytest.approx(bf16[r["B"]]["floor_ms"] * (D + 4) / (2 * D))
+    assert (tmp_path / "b.png").stat().st_size > 0 and doc["plot"].endswith("b.png")
+
+
+def test_bench_scoring_budget_skips_with_reason(tmp_path):
+    import json
+
+    from benchmarks import bench_scoring
+
+    out = tmp_path / "b.json"
+    assert bench_scoring.main(["--tiny", "--budget-s", "0", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and len(doc["skipped"]) == 2
+    assert all("budget" in s["reason"] for s in doc["skipped"])
