@@ -415,7 +415,7 @@ def _row_tile_keys(srow, l0, lo, hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quest_row_select_kernel(
-    scores_ptr, out_ptr, start_ptr, kv_ptr, P, page_size, n_sel, n_out,
+    scores_ptr, out_ptr, pages_ptr, start_ptr, kv_ptr, P, page_size, n_sel, n_out,
     HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PS_PAD: tl.constexpr,
     HAS_START: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -424,11 +424,12 @@ def _quest_row_select_kernel(
     A row has only P = L / page_size scores (2k at 32k tokens, page 16), so one
     program can run the exact radix select itself: four 8-bit digit passes of
     ``tl.histogram`` over the row (L2-resident after the score kernel wrote it),
-    then one ordered pass that writes the winners' tokens straight into their
-    slots (pages above the threshold key first, then the first ties in position
-    order, so ties are deterministic). No global histograms, workspace memset or
-    atomics, and the expansion to tokens is fused: with the score kernel, Quest
-    select is two launches instead of seven. Slot 0 holds the last page."""
+    then one ordered pass that writes the winners' page numbers to a per-row
+    scratch ``pages_ptr`` [rows, n_sel - 1] (pages above the threshold key first,
+    then the first ties in position order, so ties are deterministic), then their
+    expansion to tokens. No global histograms, workspace memset or atomics, and
+    the expansion is fused: with the score kernel, Quest select is two launches
+    instead of seven. Slot 0 holds the last page."""
     row = tl.program_id(0)
     b = row // HKV
     row64 = row.to(tl.int64)
@@ -477,20 +478,30 @@ def _quest_row_select_kernel(
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     # prefix is now the key of the k_eff-th best page: k_eff - k_rem pages beat it,
     # and the first k_rem pages equal to it fill the remaining slots
-    # (the emission tiles are smaller: each page expands to a [BLOCK_E, PS_PAD] tile of tokens)
+    # Emission in two steps: the winners' page numbers go to this row's scratch in
+    # one more BLOCK-wide pass (slots from running counts), then only those k_eff
+    # pages are expanded to tokens ([BLOCK_E, PS_PAD] tiles), so the expansion's
+    # cost follows the selection size, not the row length.
     n_gt = k_rem * 0
     n_eq = k_eff - k_rem
-    e_start = (page_lo // BLOCK_E) * BLOCK_E
+    prow = pages_ptr + row64 * (n_sel - 1)
     if INTERPRET:
-        l0 = e_start
+        l0 = t_start
         while l0 < t_end:
-            n_gt, n_eq = _emit_pages(srow, orow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, start, page_size,
-                                     offs_j, j_mask, BLOCK_E)
-            l0 += BLOCK_E
+            n_gt, n_eq = _emit_pages(srow, prow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, BLOCK)
+            l0 += BLOCK
     else:
-        for l0 in range(e_start, t_end, BLOCK_E):
-            n_gt, n_eq = _emit_pages(srow, orow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, start, page_size,
-                                     offs_j, j_mask, BLOCK_E)
+        for l0 in range(t_start, t_end, BLOCK):
+            n_gt, n_eq = _emit_pages(srow, prow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, BLOCK)
+    tl.debug_barrier()  # the scratch was written by other threads of this program
+    if INTERPRET:
+        e0 = k_eff * 0
+        while e0 < k_eff:
+            _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E)
+            e0 += BLOCK_E
+    else:
+        for e0 in range(0, k_eff, BLOCK_E):
+            _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E)
     # slots of pages that do not exist (fewer candidates than n_sel - 1): -1
     s0 = (1 + k_eff) * page_size
     if INTERPRET:
@@ -506,10 +517,10 @@ def _quest_row_select_kernel(
 
 
 @triton.jit
-def _emit_pages(srow, orow, l0, lo, hi, thr, n_gt, n_eq, k_eff, start, page_size, offs_j, j_mask,
-                BLOCK: tl.constexpr):
-    """Write the tokens of the winning pages of one tile into slots 1 + rank; returns
-    the running counts of pages above / equal to the threshold key."""
+def _emit_pages(srow, prow, l0, lo, hi, thr, n_gt, n_eq, k_eff, BLOCK: tl.constexpr):
+    """Write the winning page numbers of one tile to their slots of the row's scratch
+    (pages above the threshold key at ``n_gt + rank``, the ties at ``n_eq + rank``
+    while below k_eff); returns the updated running counts."""
     offs, key, valid = _row_tile_keys(srow, l0, lo, hi, BLOCK)
     is_gt = (valid & (key > thr)).to(tl.int32)
     is_eq = (valid & (key == thr)).to(tl.int32)
@@ -517,10 +528,20 @@ def _emit_pages(srow, orow, l0, lo, hi, thr, n_gt, n_eq, k_eff, start, page_size
     s_eq = n_eq + tl.cumsum(is_eq, axis=0) - 1
     slot = tl.where(is_gt != 0, s_gt, s_eq)
     take = ((is_gt != 0) | (is_eq != 0)) & (slot < k_eff)
-    tok = offs[:, None] * page_size + offs_j[None, :]  # [BLOCK, PS_PAD]; candidates end before kv
-    dst = orow + (1 + slot)[:, None].to(tl.int64) * page_size + offs_j[None, :]
-    tl.store(dst, tl.where(tok >= start, tok, -1), mask=take[:, None] & j_mask[None, :])
+    tl.store(prow + slot, offs, mask=take)
     return n_gt + tl.sum(is_gt, axis=0), n_eq + tl.sum(is_eq, axis=0)
+
+
+@triton.jit
+def _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E: tl.constexpr):
+    """Tokens of selected pages ``e0 .. e0 + BLOCK_E`` into output slots 1 + i
+    (``-1`` before kv_start; candidates end before the last page, so before kv)."""
+    sl = e0 + tl.arange(0, BLOCK_E)
+    m = sl < k_eff
+    page = tl.load(prow + sl, mask=m, other=0)
+    tok = page[:, None] * page_size + offs_j[None, :]  # [BLOCK_E, PS_PAD]
+    dst = orow + (1 + sl)[:, None].to(tl.int64) * page_size + offs_j[None, :]
+    tl.store(dst, tl.where(tok >= start, tok, -1), mask=m[:, None] & j_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -696,8 +717,9 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
                                 page_size=page_size)
         cfg = _row_select_config(P, kmin.device)
+        pages = torch.empty(B * Hkv, max(1, n_pages_sel - 1), dtype=torch.int32, device=kmin.device)  # scratch
         _quest_row_select_kernel[(B * Hkv,)](
-            scores, out, start_t, kv_lens, P, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=cfg["BLOCK"],
+            scores, out, pages, start_t, kv_lens, P, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=cfg["BLOCK"],
             BLOCK_E=cfg["BLOCK_E"], PS_PAD=triton.next_power_of_2(page_size), HAS_START=kv_start is not None,
             INTERPRET=_interpret(), num_warps=cfg["num_warps"])
         return out
@@ -726,10 +748,10 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 
 def _row_select_config(P: int, device: torch.device) -> dict:
-    """Tiles of ``_quest_row_select_kernel``: digit passes read BLOCK page scores at a
-    time (a whole row of up to 4k pages in one tile on a GPU, so each pass is one
-    load and one histogram), the emission BLOCK_E pages (each expands to a
-    [BLOCK_E, page_size] token tile). Overridable through ``QUEST_CONFIG``
+    """Tiles of ``_quest_row_select_kernel``: digit and emission passes read BLOCK page
+    scores at a time (a whole row of up to 4k pages in one tile on a GPU, so each
+    pass is one load and one histogram), the expansion BLOCK_E selected pages
+    (each a [BLOCK_E, page_size] token tile). Overridable through ``QUEST_CONFIG``
     (``SEL_BLOCK``, ``SEL_BLOCK_E``, ``SEL_WARPS``)."""
     if _interpret() or device.type != "cuda":
         cfg = dict(BLOCK=min(256, max(16, triton.next_power_of_2(P))), BLOCK_E=64, num_warps=4)

@@ -371,7 +371,8 @@ for from_lens in (True, False):
     ttgir = k.asm["ttgir"]
     out[str(from_lens)] = dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared)
 for has_start in (True, False):
-    sig = dict(scores_ptr="*fp32", out_ptr="*i32", start_ptr="*i32", kv_ptr="*i32", P="i32", page_size="i32",
+    sig = dict(scores_ptr="*fp32", out_ptr="*i32", pages_ptr="*i32", start_ptr="*i32", kv_ptr="*i32", P="i32",
+               page_size="i32",
                n_sel="i32", n_out="i32")
     cons = dict(HKV=HKV, BLOCK=2048, BLOCK_E=128, PS_PAD=16, HAS_START=has_start, INTERPRET=False)
     for n in cons:
