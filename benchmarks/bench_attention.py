@@ -20,6 +20,10 @@ HBM bandwidth is measured in the same run with a large device-to-device copy
 before every call (a 512 MiB memset, which also hides the host's launch time).
 
     python -m benchmarks.bench_attention [--quick] [--out results/bench_attention.json]
+
+``python -m benchmarks.kernels`` runs these kernels over the same grid with their
+variants side by side (fused vs two-launch split merge, single split, CUDA-graph
+replay, sorted / contiguous indices) next to the Quest and scoring kernels.
 """
 
 from __future__ import annotations
