@@ -79,6 +79,7 @@ __all__ = [
     "use_spade_attention",
     "load_pretrained",
     "HFBackend",
+    "HFSnapshot",
 ]
 
 
@@ -419,6 +420,22 @@ def load_pretrained(path_or_name: str | Path, *, device: torch.device | str = "c
 
 
 # --------------------------------------------------------------------------- decode backend
+@dataclass
+class HFSnapshot:
+    """Where an ``HFBackend`` stood after a prefill (or any step): its KV cache
+    object, the sequence length and the next RoPE position per row.
+
+    Decoding only appends to the cache, so restoring crops the same cache back
+    to ``seq_len``: one dense prompt pass can serve many decode runs (one per
+    policy). A later ``prefill`` builds a new cache and leaves this one intact.
+    """
+
+    cache: Any
+    seq_len: int
+    next_pos: torch.Tensor  # [B, 1]
+    last_logits: torch.Tensor  # [B, V]
+
+
 class HFBackend(DecodeBackend):
     """``DecodeBackend`` over a transformers model (any supported family, any device).
 
@@ -534,6 +551,30 @@ class HFBackend(DecodeBackend):
         with torch.no_grad():
             self.last_logits = self.model.lm_head(dec.norm(h)[:, -1]).float()  # [B, V]
         self._next_pos = pos + 1
+
+    def snapshot(self) -> HFSnapshot:
+        """The backend's position now (after ``prefill`` or ``decode``), for :meth:`restore`.
+
+        >>> snap = be.snapshot(); be.decode(tok, ctx); be.restore(snap)   # doctest: +SKIP
+        """
+        if self._cache is None or self._next_pos is None:
+            raise RuntimeError("HFBackend.snapshot before prefill")
+        return HFSnapshot(cache=self._cache, seq_len=self._seq_len, next_pos=self._next_pos.clone(),
+                          last_logits=self.last_logits.clone())
+
+    def restore(self, snap: HFSnapshot) -> None:
+        """Go back to ``snap``: drop the tokens appended since (the cache is cropped
+        in place) and restore the length, next RoPE position and last logits. The
+        policy state is not part of the backend: start a new context for the run."""
+        extra = snap.cache.get_seq_length() - snap.seq_len
+        if extra < 0:
+            raise RuntimeError(f"HFBackend.restore: the cache holds {snap.cache.get_seq_length()} tokens, fewer "
+                               f"than the snapshot's {snap.seq_len} (it was cropped or replaced)")
+        if extra > 0:
+            snap.cache.crop(-extra)  # DynamicCache.crop(-n) drops the last n tokens
+        self._cache, self._seq_len = snap.cache, snap.seq_len
+        self._next_pos = snap.next_pos.clone()
+        self.last_logits = snap.last_logits.clone()
 
     def close(self) -> None:
         self._cache = None

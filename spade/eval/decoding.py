@@ -44,10 +44,12 @@ class Prefilled:
     attention_mask: torch.Tensor  # [B, T]
     logits: torch.Tensor  # [B, V] last prompt position
     recorder: _PrefillRecorder
-    cache: Any
-    seq_len: int
-    next_pos: torch.Tensor
+    snapshot: Any  # spade.hf.HFSnapshot: the backend right after the prompt
     extra: dict = field(default_factory=dict)
+
+    @property
+    def seq_len(self) -> int:
+        return self.snapshot.seq_len
 
 
 def encode_batch(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +77,8 @@ def chat_prompt(tokenizer, text: str) -> str:
 def prefill(backend, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Prefilled:
     rec = _PrefillRecorder()
     logits = backend.prefill(input_ids, attention_mask, rec)
-    # NOTE: HFBackend keeps its cache, length and next RoPE position in these
-    # attributes; a policy run restores them (the cache cropped to the prompt).
     return Prefilled(input_ids=input_ids, attention_mask=attention_mask, logits=logits.clone(), recorder=rec,
-                     cache=backend._cache, seq_len=backend._seq_len, next_pos=backend._next_pos.clone())
+                     snapshot=backend.snapshot())
 
 
 @torch.no_grad()
@@ -87,8 +87,7 @@ def decode(backend, pre: Prefilled, policy, max_new_tokens: int, eos_ids: list[i
     batch. Returns the generated ids of each row (cut before its first EOS) and
     the mean keys attended per (row, KV head, layer, step)."""
     B = pre.input_ids.shape[0]
-    _crop_to(pre.cache, pre.seq_len)
-    backend._cache, backend._seq_len, backend._next_pos = pre.cache, pre.seq_len, pre.next_pos.clone()
+    backend.restore(pre.snapshot)
     state = policy.new_state(B, backend.device)
     ctx = AttentionContext(backend.spec, InlineSelector(policy, state), device=backend.device)
     ctx.kv_start = pre.recorder.kv_start
@@ -112,7 +111,7 @@ def decode(backend, pre: Prefilled, policy, max_new_tokens: int, eos_ids: list[i
         if all(done) or step == max_new_tokens - 1:
             break
         logits = backend.decode(nxt, ctx)
-    _crop_to(pre.cache, pre.seq_len)
+    backend.restore(pre.snapshot)
     return rows, ctx.mean_attended()
 
 

@@ -67,3 +67,46 @@ def test_run_gsm8k_plumbing(smollm2, tmp_path):
     data = json.loads((tmp_path / "gsm8k_smollm2-135m.json").read_text())
     assert len(data["rows"][0]["samples"]) == 2
     assert (tmp_path / "gsm8k_smollm2-135m.png").is_file()
+
+
+def test_backend_snapshot_restore(smollm2):
+    """``HFBackend.snapshot``/``restore``: decoding after a restore repeats the
+    same logits, and a snapshot whose cache was cropped below it is refused."""
+    import pytest
+
+    from spade.attention import AttentionContext, InlineSelector
+    from spade.hf import HFBackend
+    from spade.policies import build_policy
+
+    model, tok = smollm2
+    backend = HFBackend(model, tok)
+    ids = tok(["The sky is", "One, two,"], add_special_tokens=False, return_tensors="pt", padding=True)
+    pol = build_policy(OraclePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2), backend.spec)
+
+    def run(steps: int) -> list[torch.Tensor]:
+        ctx = AttentionContext(backend.spec, InlineSelector(pol, pol.new_state(2, backend.device)), device=backend.device)
+        nxt, out = backend.last_logits.argmax(-1), []
+        for _ in range(steps):
+            out.append(backend.decode(nxt, ctx).clone())
+            nxt = out[-1].argmax(-1)
+        return out
+
+    first = backend.prefill(ids["input_ids"], ids["attention_mask"],
+                            AttentionContext(backend.spec, InlineSelector(pol, pol.new_state(2, backend.device)),
+                                             device=backend.device))
+    snap = backend.snapshot()
+    T = snap.seq_len
+    a = run(3)
+    assert backend.seq_len == T + 3 and snap.cache.get_seq_length() == T + 3
+    backend.restore(snap)
+    assert backend.seq_len == T and snap.cache.get_seq_length() == T
+    assert torch.equal(backend.last_logits, first)
+    b = run(3)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    assert not torch.allclose(a[0], a[2])  # the steps really moved on
+    backend.restore(snap)
+    assert backend.seq_len == T and snap.cache.get_seq_length() == T
+    snap.cache.crop(-1)  # below the snapshot: its tokens are gone
+    with pytest.raises(RuntimeError, match="fewer"):
+        backend.restore(snap)

@@ -44,6 +44,7 @@ def test_run_perplexity(smollm2, tmp_path):
         assert 0.0 < sparse["top1_agreement"] <= 1.0
     data = json.loads((tmp_path / "perplexity_smollm2-135m.json").read_text())
     assert data["tokens_per_text"] == 16 and len(data["rows"]) == 6
+    assert all(r["seconds"] >= 0 for r in data["rows"])
     assert (tmp_path / "perplexity_smollm2-135m.png").is_file()
 
 
@@ -54,3 +55,32 @@ def test_bad_policy_entry_fails_before_work(tmp_path):
     cfg = PerplexityEvalConfig(policies=[{"name": "asyncspade", "predictor": "nope"}])
     with pytest.raises(ConfigError, match="predictor"):
         run_perplexity(cfg, tmp_path, "cpu")
+
+
+def test_prompt_cache_path_equals_teacher(smollm2):
+    """The shared prompt pass + continuation (what run_perplexity uses) gives the
+    NLL, argmax and attended counts of ``spade.teacher`` on the whole text, for
+    policies with per-step state (asyncspade's query window, TOVA's evictions;
+    ``test_run_perplexity`` runs oracle/last/tova through this path too), and the cache is cropped back so the next policy starts from the
+    same prompt (the policies run in a row on one ``PromptPass``)."""
+    from spade.config import FullPolicyConfig
+    from spade.eval.common import policy_config
+    from spade.eval.perplexity import PromptPass, continuation_nll, nll_and_argmax
+
+    model, tok = smollm2
+    ids = essay_token_segments(tok, 43, 1, offset_tokens=300)[0]  # odd length
+    P = 31
+    prompt = PromptPass(model, ids, P)
+    full_nll, _, _ = continuation_nll(prompt, FullPolicyConfig())
+    for entry in ({"name": "asyncspade", "predictor": "assembled", "rope_aware": True,
+                   "group_reduce": "sum_softmax"},
+                  {"name": "tova"}):
+        pc = policy_config(entry, 16, sink_tokens=2, recent_tokens=4)
+        ref_nll, ref_pred, ref_att = nll_and_argmax(model, ids, pc, P)
+        nll, pred, att = continuation_nll(prompt, pc)
+        assert nll == pytest.approx(ref_nll, rel=1e-5, abs=1e-5), entry
+        assert pred.shape == (43 - P,)
+        assert (pred == ref_pred).double().mean() >= 0.95  # near-ties may flip under fp32 reordering
+        assert att == pytest.approx(ref_att)
+        assert prompt.cache.get_seq_length() == P
+        assert nll != pytest.approx(full_nll, rel=1e-6)  # the budget binds: sparse differs from dense
