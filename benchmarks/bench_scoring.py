@@ -282,7 +282,8 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
 
         fused8 = scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)
         naive8 = truth8.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
-        ok = dict(deficit=selection_deficit(fused8, naive8.to(torch.int32), truth8), overlap_exact=overlap(fused8, fused))
+        ok = dict(deficit=selection_deficit(fused8, naive8.to(torch.int32), truth8),
+                  overlap_exact=overlap(fused8, fused))
         r.add("score_topk", "triton_int8", shp,
               bench(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes, **ok)
         r.add("score_topk", "triton_int8_graph", shp,
@@ -336,8 +337,9 @@ def _cand_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def run_sweep(r: Runner) -> None:
-    """Tile configs of the scoring kernel (group_scores and score_topk) at B=8, L=32k."""
-    from spade.kernels import scoring
+    """Tile configs of the scoring kernel (group_scores and score_topk, bf16 and int8
+    keys: int8 tiles are half the bytes, so their best tile may differ) at B=8, L=32k."""
+    from spade.kernels import quant, scoring
 
     B, L, K = 8, 32768, 2048
     q = torch.randn(B, HQ, D, device="cuda", dtype=DTYPE)
@@ -345,6 +347,7 @@ def run_sweep(r: Runner) -> None:
     kv_lens = torch.full((B,), L, device="cuda")
     lo, hi = torch.full_like(kv_lens, N_SINK), kv_lens - N_RECENT
     key_bytes = B * HKV * L * D * ELT
+    kq, kscale = quant.quantize_keys_triton(k)
     configs = [dict(BLOCK_L=bl, num_warps=w, num_stages=st) for bl in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     configs += [dict(PER_SM=n) for n in (4, 8, 32)]  # grid size at the default tiles (16 programs per SM)
     for over in configs:
@@ -354,10 +357,12 @@ def run_sweep(r: Runner) -> None:
         try:
             ms = bench(lambda: scoring.group_scores_triton(q, k, kv_lens))
             ms_topk = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
+            ms_topk8 = bench(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale))
         except Exception as e:  # e.g. out of shared memory
             print(f"  config {cfg} failed: {type(e).__name__}", file=sys.stderr)
-            ms = ms_topk = None
-        r.add("sweep_group_scores", "triton", cfg, ms, key_bytes, topk_ms=ms_topk if ms_topk else -1.0)
+            ms = ms_topk = ms_topk8 = None
+        r.add("sweep_group_scores", "triton", cfg, ms, key_bytes, topk_ms=ms_topk if ms_topk else -1.0,
+              topk_int8_ms=ms_topk8 if ms_topk8 else -1.0)
     scoring.SCORE_CONFIG.clear()
 
 
