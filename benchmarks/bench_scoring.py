@@ -244,6 +244,9 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
     mid_bytes = B * HKV * (L - N_SINK - N_RECENT) * D * ELT
 
     r.add("group_scores", "triton", shape, bench(lambda: scoring.group_scores_triton(q, k, kv_lens)), key_bytes)
+    # sum_softmax scoring alone (stage 1 + finalize, no top-K): isolates what its extra cost comes from
+    r.add("group_scores_softmax", "triton", shape,
+          bench(lambda: scoring.group_scores_triton(q, k, kv_lens, reduce="sum_softmax")), key_bytes)
     r.add("group_scores", "torch", shape, bench(lambda: naive_scores(q, k, torch.zeros_like(lo), kv_lens, scale)),
           key_bytes)
 

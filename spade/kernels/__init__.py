@@ -20,6 +20,8 @@ Shapes and conventions (all ops):
   (Σ_g s_g), ``max_logits`` (max_g s_g), ``sum_softmax`` (Σ_g softmax(s_g) over
   the valid positions), with ``s_g = scale * q_g · k``.
 * Indices are int32; ``-1`` marks an empty slot.
+* Scoring may read an int8 copy of the keys (``quantize_keys``: symmetric, one
+  float32 scale per token) with its ``k_scale`` [B, Hkv, L]; attention never does.
 """
 
 from __future__ import annotations
