@@ -102,9 +102,13 @@ def _quantize_tile(k_ptrs, q_ptrs, s_ptrs, mask_l, mask_d):
     x = tl.load(k_ptrs, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_L]
     s = tl.maximum(amax, 1e-8) / 127.0  # SCALE_FLOOR
-    y = x / s[:, None]
-    # round half away from zero; |y| <= 127 by construction, the clamp guards rounding of the division
-    r = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
+    # IEEE division (the default fp32 ``/`` on a GPU is approximate), then round half to
+    # even: bit-for-bit the torch reference. |y| <= 127 by construction; the clamp is a guard.
+    y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where(tie & odd, r - 1.0, r)
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     tl.store(q_ptrs, r.to(tl.int8), mask=m)
     tl.store(s_ptrs, s, mask=mask_l)
