@@ -31,7 +31,7 @@ Example::
     >>> k = torch.tensor([[[[1.0, -2.0], [0.0, 0.0]]]])  # [1, 1, 2, 2]
     >>> kq, ks = quantize_keys_ref(k)
     >>> kq[0, 0].tolist(), (kq.float() * ks[..., None])[0, 0, 0].tolist()
-    ([[64, -127], [0, 0]], [1.007874011993408, -2.0])
+    ([[64, -127], [0, 0]], [1.0078740119934082, -2.0])
 """
 
 from __future__ import annotations
