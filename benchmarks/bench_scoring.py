@@ -16,8 +16,9 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
   checked against the naive top-K of the int8 scores, and its overlap with the
   exact-key selection is recorded (random keys: a pessimistic stand-in);
 * ``score_topk_softmax`` (``sum_softmax``) rows, exact and int8, at every shape;
-* ``variants``: the pass-0 histogram fused into stage 1 or not and stage-2 tile
-  sizes, at a few shapes;
+* ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
+  sizes, and ``sum_softmax`` with per-element online statistics
+  (``SCORE_CONFIG["LANE_STATS"]``), at a few shapes;
 * ``--sweep``: tile configs of the scoring kernel at B=8, L=32k.
 
 Floors: bytes that must be read (keys of the candidate range once; Quest page
@@ -328,6 +329,15 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             finally:
                 scoring.SELECT_CONFIG.clear()
             r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
+        # sum_softmax with the online statistics per tile element (one reduction per chunk)
+        scoring.SCORE_CONFIG.update(LANE_STATS=True)
+        try:
+            ms_g = bench(lambda: scoring.group_scores_triton(q, k, kv_lens, reduce="sum_softmax"))
+            ms_t = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens))
+        finally:
+            scoring.SCORE_CONFIG.clear()
+        r.add("group_scores_softmax", "lane_stats", shape, ms_g, key_bytes)
+        r.add("score_topk_softmax", "lane_stats", shp, ms_t, key_bytes)
     del q, k, kmin, kmax, truth, pscores, kq, kscale, truth8
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

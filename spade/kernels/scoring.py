@@ -218,7 +218,9 @@ def _select_config(device: torch.device) -> dict:
 
 SCORE_CONFIG: dict = {}
 """Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
-``num_stages``, ``MIN_CHUNK``, ``PER_SM``); empty = the built-in heuristic."""
+``num_stages``, ``MIN_CHUNK``, ``PER_SM``, and ``LANE_STATS``: the ``sum_softmax``
+online statistics per tile element, reduced once per chunk, an experiment against
+the per-tile cross-lane reductions); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
 """Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
@@ -367,9 +369,12 @@ def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, st
                 hist, m_run, s_run,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
-                UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr):
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
-    (hist, m_run, s_run). KINT8: the keys are int8 (half the bytes of bf16),
+    (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
+    per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
+    over L once per chunk, instead of two reductions across the tile's lanes (and, on a
+    GPU, its warps) per tile. KINT8: the keys are int8 (half the bytes of bf16),
     converted in registers to the query's dtype (exact) and the logits scaled per
     token by ``ks``."""
     offs_g = tl.arange(0, G_PAD)
@@ -395,9 +400,14 @@ def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, st
         ptrs = out_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :]
         tl.store(ptrs, s, mask=g_mask[:, None] & valid[None, :])
         sm = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(sm, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
+        if LANE_STATS:
+            m_new = tl.maximum(m_run, sm)  # [G_PAD, BLOCK_L]
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.exp(sm - m_safe)
+        else:
+            m_new = tl.maximum(m_run, tl.max(sm, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
         m_run = m_new
     else:
         if REDUCE == 0:
@@ -424,7 +434,8 @@ def _score_kernel(
     L, CHUNK, N_CHUNKS, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, INTERPRET: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -460,8 +471,12 @@ def _score_kernel(
     row64 = row.to(tl.int64)
 
     hist = tl.zeros([256], dtype=tl.int32)
-    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
-    s_run = tl.zeros([G_PAD], dtype=tl.float32)
+    if LANE_STATS:
+        m_run = tl.full([G_PAD, BLOCK_L], float("-inf"), tl.float32)
+        s_run = tl.zeros([G_PAD, BLOCK_L], dtype=tl.float32)
+    else:
+        m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+        s_run = tl.zeros([G_PAD], dtype=tl.float32)
     if INTERPRET:
         # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
         # kernel keeps the for loop so the software pipeliner can stage the key loads.
@@ -469,14 +484,21 @@ def _score_kernel(
         while l0 < end:
             hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
                                              stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
-                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8)
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
+                                             LANE_STATS)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
                                              stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
-                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8)
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
+                                             LANE_STATS)
     if REDUCE == 2:
+        if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
+            m_lane = m_run
+            m_run = tl.max(m_lane, axis=1)  # [G_PAD]
+            m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+            s_run = tl.sum(tl.where(m_lane == float("-inf"), 0.0, s_run * tl.exp(m_lane - m_safe[:, None])), axis=1)
         st = stats_ptr + ((row64 * G + offs_g) * N_CHUNKS + chunk) * 2
         tl.store(st, m_run, mask=g_mask)
         tl.store(st + 1, s_run, mask=g_mask)
@@ -576,7 +598,8 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     do_hist = hist is not None
     hist_arg = hist if do_hist else out  # never touched when HIST is off
     common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
-                  KINT8=kint8, INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  KINT8=kint8, LANE_STATS=bool(cfg.get("LANE_STATS", False)),
+                  INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
         _score_kernel[grid](

@@ -490,3 +490,20 @@ def test_bench_scoring_budget_skips_with_reason(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and len(doc["skipped"]) == 2
     assert all("budget" in s["reason"] for s in doc["skipped"])
+
+
+@pytest.mark.parametrize("heads,B,L,D", [((4, 4), 1, 37, 16), ((4, 2), 3, 300, 64), ((4, 1), 3, 130, 16)])
+def test_sum_softmax_lane_stats_matches_ref(heads, B, L, D, device):
+    """SCORE_CONFIG["LANE_STATS"]: per-element online statistics reduced once per chunk
+    (several chunks and tiles per row here) give the reference scores and selection."""
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, torch.bfloat16, device, seed=31)
+    scoring.SCORE_CONFIG.update(LANE_STATS=True, MIN_CHUNK=128, BLOCK_L=32)
+    out = scoring.group_scores_triton(q, k, kv_lens, reduce="sum_softmax", kv_start=kv_start)
+    ref = scoring.group_scores_ref(q, k, kv_lens, reduce="sum_softmax", kv_start=kv_start)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-4, atol=1e-5)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 2)
+    true = _scores64(q, k, "sum_softmax", *_norm("sum_softmax", lo.cpu(), hi.cpu(), kv_lens.cpu()))
+    for case in K_CASES:
+        k_top = _k_top(case, L)
+        idx = scoring.score_topk_triton(q, k, lo, hi, k_top, reduce="sum_softmax", kv_lens=kv_lens)
+        _check_topk(idx, true, lo.cpu(), hi.cpu(), k_top, atol=1e-4)
