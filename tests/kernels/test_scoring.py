@@ -470,6 +470,7 @@ def test_bench_scoring_tiny_writes_rows_and_plot(tmp_path):
                          ("score_topk_softmax", "triton_int8")]:
             assert (op, impl, B, 16) in got, (op, impl, B)
         assert ("group_scores", "triton_int8", B, None) in got
+    assert ("score_topk_softmax", "lane_stats", 1, 16) in got and ("score_topk", "separate_hist0", 1, 16) in got
     int8 = [r for r in doc["rows"] if r["op"] == "score_topk" and r["impl"] == "triton_int8"]
     # floor = int8 keys + fp32 scales of the candidates, less than half the bf16 key bytes + 4 B/token
     bf16 = {r["B"]: r for r in doc["rows"] if r["op"] == "score_topk" and r["impl"] == "triton"}
