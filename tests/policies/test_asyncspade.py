@@ -352,3 +352,44 @@ def test_int8_observe_and_select_replay_in_a_cuda_graph():
         pols[0].observe(st0, 0, q_all[:, :, t], caches[0], kv0)
         want = pols[0].select(st0, 0, None, caches[0], kv0).indices
         assert torch.equal(out.sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
+    """score_keys=int8 on the cache rank (its own prefill/observe/select flow: static
+    cache view, copied store, transformers' growing cache) gives the inline tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from spade.hf import HFBackend
+    from spade.models.fast import FastModel
+    from spade.models.presets import preset_config
+    from spade.policies import build_policy
+    from spade.runtime.asyncrt import AsyncRuntime
+    from spade.runtime.inline import InlineRuntime
+    from tests.runtime.conftest import B, NEW, T, config, greedy
+
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    torch.manual_seed(1234)
+    if backend == "fast":
+        be = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.float32, max_batch=B,
+                                   max_seq_len=48)
+    else:
+        be = HFBackend(AutoModelForCausalLM.from_config(preset_config("tiny"), dtype=torch.float32), None, "cpu")
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 500, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    ids[mask == 0] = 0
+    base = config("policy.score_keys=int8")
+    want = InlineRuntime(base, be, build_policy(base.policy, be.spec)).generate(
+        ids, mask, max_new_tokens=NEW, sample_fn=greedy).tokens
+    for topo, mode in (("colocated", "indices"), ("local", "delta")):
+        cfg = config("policy.score_keys=int8", f"runtime.topology={topo}", "runtime.pack_layers=2",
+                     f"runtime.return_mode={mode}")
+        rt = AsyncRuntime(cfg, be, build_policy(cfg.policy, be.spec))
+        try:
+            tr = rt.generate(ids, mask, max_new_tokens=NEW, sample_fn=greedy)
+        finally:
+            rt.close()
+        assert tr.tokens == want and tr.stats["sparse_steps"] > 0
