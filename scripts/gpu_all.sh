@@ -12,7 +12,10 @@
 #   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P swept,
 #              exact and int8 scoring keys, torch.profiler of the async rows
 #   sweep      TPOT over B x L x K (the shapes that fit), fewer methods
-#   transports bandwidth/latency of every transport for the runtime's messages
+#   transports bandwidth/latency of local and nccl (vs raw NCCL) for the runtime's messages
+#   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
+#              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
+#   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
@@ -33,7 +36,7 @@ if [ -d .whl ] && ! python3 -c "import pydantic_settings" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests kernels gputests tpot transports)
+[ ${#stages[@]} -eq 0 ] && stages=(tests kernels gputests tpot transports)  # ~8 min on 2x H200
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -51,35 +54,48 @@ run() {  # run NAME TIMEOUT CMD...
   return 0
 }
 bg_pid=""
+wheels() {  # wheels DIR: install carried wheels (ucx/nixl) into /tmp/site
+  [ -d "$1" ] || { echo "no $1 carried"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+}
 for s in "${stages[@]}"; do
   case $s in
     tests)
       if [ "$NGPU" -ge 2 ]; then  # beside the next stage, on the other GPU
-        ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider --maxfail=10 \
-            --timeout 120 tests/kernels tests/policies > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
+        ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 330 python3 -m pytest -q -p no:cacheprovider -n 4 --maxfail=20 \
+            --timeout 150 tests/kernels tests/policies > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
         bg_pid=$!
         echo "=== tests: in the background on GPU 1 (pid $bg_pid)"
       else
-        run tests 300 python3 -m pytest -q -p no:cacheprovider --maxfail=10 --timeout 120 tests/kernels tests/policies
+        run tests 330 python3 -m pytest -q -p no:cacheprovider -n 4 --maxfail=20 --timeout 150 tests/kernels tests/policies
       fi ;;
     kernels)
-      if [ -f benchmarks/kernels.py ]; then
-        run kernels 200 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.kernels --full --budget-s 180 --out "$OUT/kernels.json"
-      else
-        run bench_scoring 120 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --quick --out "$OUT/bench_scoring.json"
-        run bench_attention 120 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_attention --quick --out "$OUT/bench_attention.json"
-      fi ;;
+      run bench_scoring 130 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 110 \
+        --out "$OUT/bench_scoring.json"
+      run kernels 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.kernels --no-scoring --budget-s 170 \
+        --out "$OUT/kernels.json" ;;
+    kernels_sweep)
+      run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
+        --out "$OUT/kernels_sweep.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
-    tpot) run bench_tpot 260 python3 -m benchmarks.bench_tpot --quick --packs 2,4,6 --score-keys exact,int8 \
-            --profile --budget-s 230 --out "$OUT/bench_tpot.json" ;;
-    sweep) run bench_tpot_sweep 560 python3 -m benchmarks.bench_tpot --batch 1,8,16,32 --context 16384,32768,65536 \
-             --budget 1024,2048 --packs 4 --score-keys exact,int8 --iters 10 \
-             --methods full,quest,asyncspade/inline,asyncspade/local,optimal --budget-s 540 \
+    tpot) run bench_tpot 200 python3 -m benchmarks.bench_tpot --quick --packs 2,4,6 --score-keys exact,int8 \
+            --profile --budget-s 180 --out "$OUT/bench_tpot.json" ;;
+    sweep) run bench_tpot_sweep 540 python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
+             --budget 2048,1024 --packs 4 --score-keys exact,int8 --iters 10 \
+             --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s 510 \
              --out "$OUT/bench_tpot_sweep.json" ;;
     gputests)
       [ -n "$bg_pid" ] && { wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; bg_pid=""; }
       run gputests 240 env NCCL_DEBUG=WARN python3 -m pytest -v -p no:cacheprovider --timeout 90 -m "gpu or multigpu" tests ;;
-    transports) run bench_transports 150 python3 -m benchmarks.bench_transports --budget-s 130 --out "$OUT/bench_transports.json" ;;
+    transports) run bench_transports 100 python3 -m benchmarks.bench_transports --transports local,raw_nccl,nccl \
+                  --budget-s 90 --out "$OUT/bench_transports.json" ;;
+    ucx|nixl)  # carried wheels: .whl_ucx (ucxx-cu13 and its libraries) / .whl_nixl (nixl-cu13), one per call (size)
+      wheels ".whl_$s" || { rc=3; continue; }
+      run "contract_$s" 150 python3 -m pytest -v -p no:cacheprovider --timeout 60 -k "$s" \
+        tests/transports/test_contract.py tests/runtime/test_transports_runtime.py
+      run "bench_transports_$s" 120 python3 -m benchmarks.bench_transports --transports "$s,raw_nccl" --budget-s 110 \
+        --out "$OUT/bench_transports_$s.json" ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
