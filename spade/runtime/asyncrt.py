@@ -65,7 +65,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 import weakref
@@ -271,10 +270,8 @@ class CacheLink:
         self.cache_device = torch.device("cpu")
         self.shared: SharedKV | None = None
         self.cache: CacheRank | None = None
-        self.cache_task: Any = None  # asyncio.Task, or concurrent Future when threaded
+        self.cache_task: asyncio.Task | None = None
         self.cache_transport: Any = None
-        self.cache_loop: asyncio.AbstractEventLoop | None = None  # threaded in-process cache rank
-        self.cache_thread: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -298,24 +295,8 @@ class CacheLink:
             if topology == "colocated":
                 link.shared = SharedKV()
             link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
-            hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
+            await asyncio.gather(t0.connect(hs), t1.connect(Handshake(role="cache", layout={"protocol": PROTOCOL})))
             link.transport, link.cache_transport = t0, t1
-            if cache_thread_enabled(cache_device):
-                # The cache rank's host work (graph replays, transport bookkeeping) runs on
-                # its own thread and loop, beside the inference rank's, instead of taking
-                # turns with it on one thread. The local transport delivers across loops.
-                link.cache_loop, link.cache_thread = _start_loop_thread()
-                fut = asyncio.run_coroutine_threadsafe(t1.connect(hs1), link.cache_loop)
-                try:
-                    await t0.connect(hs)
-                    await asyncio.wrap_future(fut)
-                except BaseException:
-                    fut.cancel()
-                    link._stop_thread()
-                    raise
-                link.cache_task = asyncio.run_coroutine_threadsafe(link.cache.serve(), link.cache_loop)
-                return link
-            await asyncio.gather(t0.connect(hs), t1.connect(hs1))
             link.cache_task = asyncio.get_running_loop().create_task(link.cache.serve())
             return link
         if topology != "multiprocess":
@@ -378,17 +359,7 @@ class CacheLink:
                 await asyncio.wait_for(t.send("ctl", [P.cmd(P.SHUTDOWN)]), 2.0)
             except Exception:
                 pass
-        if self.cache_task is not None and self.cache_thread is not None:
-            fut = asyncio.wrap_future(self.cache_task)
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), 2.0)
-            except BaseException:
-                self.cache_task.cancel()  # thread-safe: cancels the task on the cache loop
-                try:
-                    await asyncio.wait_for(fut, 2.0)
-                except BaseException:
-                    pass
-        elif self.cache_task is not None:
+        if self.cache_task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self.cache_task), 2.0)
             except BaseException:
@@ -402,69 +373,20 @@ class CacheLink:
             while self.proc.poll() is None and time.monotonic() < end:
                 await asyncio.sleep(0.05)
         for tr in (t, self.cache_transport):
-            if tr is None:
-                continue
-            try:
-                if tr is self.cache_transport and self.cache_loop is not None and self.cache_loop.is_running():
-                    fut = asyncio.run_coroutine_threadsafe(tr.close(), self.cache_loop)
-                    await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
-                else:
+            if tr is not None:
+                try:
                     await asyncio.wait_for(tr.close(), timeout_s)
-            except Exception:
-                pass
-        self._stop_thread()
+                except Exception:
+                    pass
         self.kill()
 
-    def _stop_thread(self) -> None:
-        """Stop and join the cache rank's thread (threaded in-process links)."""
-        loop, th = self.cache_loop, self.cache_thread
-        if loop is None or th is None:
-            return
-        if not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:
-                pass
-        th.join(10.0)
-        if not th.is_alive() and not loop.is_closed():
-            loop.close()
-        self.cache_thread = None
-
     def kill(self) -> None:
-        self._stop_thread()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             try:
                 self.proc.wait(5)
             except Exception:
                 pass
-
-
-def cache_thread_enabled(device: torch.device) -> bool:
-    """Whether an in-process cache rank gets its own thread and loop:
-    ``SPADE_CACHE_THREAD`` = ``auto`` (default: on CUDA, where its host work is only
-    launching device work), ``1`` (always), ``0`` (never: it takes turns with the
-    inference rank on one loop, deterministically — the CPU tests rely on that)."""
-    mode = os.environ.get("SPADE_CACHE_THREAD", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return device.type == "cuda"
-
-
-def _start_loop_thread() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    """A new event loop running forever on a daemon thread."""
-    loop = new_event_loop()
-    ready = threading.Event()
-
-    def main() -> None:
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        loop.run_forever()
-
-    th = threading.Thread(target=main, name="spade-cache-rank", daemon=True)
-    th.start()
-    ready.wait(10.0)
-    return loop, th
 
 
 def torchrun_world() -> bool:
@@ -983,7 +905,7 @@ class InferenceSession:
         Launching is host work only (asynchronous on the device)."""
         self._qkv_sent += 1
         cache = self.link.cache if self.link is not None else None
-        if cache is None or self.link.cache_thread is not None:  # a process or its own thread
+        if cache is None:
             return
         for _ in range(32):
             if cache.consumed - self._cache_base >= self._qkv_sent or self.peer_gone is not None:

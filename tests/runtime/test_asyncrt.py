@@ -47,23 +47,6 @@ def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mod
     assert len(tr.step_times_s) == NEW - 1
 
 
-@pytest.mark.parametrize("topology,mode", [("colocated", "indices"), ("local", "delta")])
-def test_cache_rank_on_its_own_thread_matches_inline(model, prompt, inline_tokens, topology, mode, monkeypatch):
-    """The threaded in-process cache rank (the CUDA default, forced here on CPU):
-    same tokens; the cache rank may now be late (it really runs beside the
-    inference rank), which ``wait`` absorbs; its thread is gone after close."""
-    import threading
-
-    monkeypatch.setenv("SPADE_CACHE_THREAD", "1")
-    before = {t.ident for t in threading.enumerate()}
-    tr = generate(model, prompt, f"runtime.topology={topology}", "runtime.pack_layers=2",
-                  f"runtime.return_mode={mode}")
-    assert tr.tokens == inline_tokens
-    assert tr.stats["sparse_steps"] > 0 and tr.stats["cache_rank"]["selections"] > 0
-    leaked = [t for t in threading.enumerate() if t.ident not in before and t.name == "spade-cache-rank"]
-    assert not leaked
-
-
 def test_threshold_inside_the_span_and_reused_runtime(model, prompt):
     """θ above the budget (dense until the cache holds 19 tokens): the same tokens as
     inline selection with that threshold; a second generate on the same runtime
