@@ -101,7 +101,8 @@ def _quantize_tile(k_ptrs, q_ptrs, s_ptrs, mask_l, mask_d):
     m = mask_l[:, None] & mask_d[None, :]
     x = tl.load(k_ptrs, mask=m, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_L]
-    s = tl.maximum(amax, 1e-8) / 127.0  # SCALE_FLOOR
+    # SCALE_FLOOR; an IEEE division (a GPU turns ``/ 127.0`` into a multiply by the reciprocal)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-8), tl.full(amax.shape, 127.0, tl.float32))
     # IEEE division (the default fp32 ``/`` on a GPU is approximate), then round half to
     # even: bit-for-bit the torch reference. |y| <= 127 by construction; the clamp is a guard.
     y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))

@@ -300,9 +300,10 @@ def test_int8_budget_covering_the_context_is_full_attention():
 
 
 @pytest.mark.gpu
-def test_int8_observe_and_select_replay_in_a_cuda_graph():
+def test_int8_observe_and_select_replay_in_a_cuda_graph(monkeypatch):
     """observe + select with int8 keys captured once and replayed at later steps give the
     eager selections (no host sync, no host-side data-dependent shapes)."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")  # the policies' conftest pins the torch refs
     from spade.policies.base import AttentionSpec
     from spade.config import AsyncSpadePolicyConfig
     from spade.policies import build_policy
