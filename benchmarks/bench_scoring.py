@@ -329,6 +329,26 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             finally:
                 scoring.SELECT_CONFIG.clear()
             r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
+        # sum_logits as a GEMV (group collapsed into one query): int8 default vs the
+        # tensor-core tile path, bf16 keys through the GEMV, GEMV tile configs
+        gemv_rows = [("triton_int8_tc", kq, kscale, int8_mid_bytes, dict(use="off")),
+                     ("triton_gemv", k, None, mid_bytes, dict(use="all"))]
+        for bl, nw, ns in ((64, 4, 4), (128, 4, 3), (128, 8, 4), (256, 8, 3), (32, 2, 4)):
+            gemv_rows.append((f"int8_gemv_l{bl}w{nw}s{ns}", kq, kscale, int8_mid_bytes,
+                              dict(BLOCK_L=bl, num_warps=nw, num_stages=ns)))
+        for name, kk, ksc, fb, over in gemv_rows:
+            scoring.GEMV_CONFIG.clear()
+            scoring.GEMV_CONFIG.update(over)
+            try:
+                ms = bench_graph(lambda: scoring.score_topk_triton(q, kk, lo, hi, K, k_scale=ksc))
+                ms_g = bench(lambda: scoring.group_scores_triton(q, kk, kv_lens, k_scale=ksc))
+            except Exception as e:  # a config that does not compile must not lose the others
+                print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            finally:
+                scoring.GEMV_CONFIG.clear()
+            r.add("score_topk_graph", name, shp, ms, fb)
+            r.add("group_scores", name, shape, ms_g, fb)
         # sum_softmax with the online statistics per tile element (one reduction per chunk)
         scoring.SCORE_CONFIG.update(LANE_STATS=True)
         try:

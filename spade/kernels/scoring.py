@@ -577,11 +577,122 @@ def _softmax_finalize_kernel(
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
+@triton.jit
+def _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl, hist,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
+               FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+    offs_l = l0 + tl.arange(0, BLOCK_L)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_l >= lo) & (offs_l < hi)
+    kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+    r = tl.sum(kt * qs[None, :], axis=1)  # [BLOCK_L]
+    if KINT8:
+        r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
+    r = tl.where(valid, r, float("-inf"))
+    if FULL_ROW:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
+    else:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
+    if HIST:
+        digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
+        hist += tl.histogram(digit, 256, mask=valid)
+    return hist
+
+
+@triton.jit
+def _gemv_score_kernel(
+    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``sum_logits`` as one GEMV per (b, KV head): Σ_g scale·q_g·k = (scale·Σ_g q_g)·k, so
+    the group collapses into one fp32 query ``qs`` [B*HKV, D] and each key is read once
+    with D multiply-adds on the CUDA cores (no padded tensor-core tile of G rows): the
+    int8 keys then stream at their own, halved, byte count."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, L)
+    if FULL_ROW:
+        start = c0
+        end = c1
+    else:
+        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
+        end = tl.minimum(c1, hi)
+    row64 = row.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    qs = tl.load(qs_ptr + row64 * D + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] fp32
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    hist = tl.zeros([256], dtype=tl.int32)
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        l0 = start
+        while l0 < end:
+            hist = _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST)
+            l0 += BLOCK_L
+    else:
+        for l0 in range(start, end, BLOCK_L):
+            hist = _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST)
+    if HIST:
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
+
+
+def _gemv_config(k: torch.Tensor) -> dict:
+    if _interpret() or k.device.type != "cuda":
+        cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
+    else:
+        cfg = dict(BLOCK_L=64, num_warps=4, num_stages=4, MIN_CHUNK=512, PER_SM=8)
+    cfg.update(GEMV_CONFIG)
+    return cfg
+
+
+GEMV_CONFIG: dict = {}
+"""Overrides for the ``sum_logits`` GEMV scoring kernel (``BLOCK_L``, ``num_warps``,
+``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
+keys only), ``"all"`` (every key dtype), ``"off"``."""
+
+
+def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
+    mode = GEMV_CONFIG.get("use", "int8")
+    return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype == torch.int8))
+
+
+def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
+                 scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None) -> None:
+    B, Hq, D = q.shape
+    _, Hkv, L, _ = k.shape
+    rows = B * Hkv
+    qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
+    cfg = _gemv_config(k)
+    BLOCK_L = cfg["BLOCK_L"]
+    chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
+    kint8 = k_scale is not None
+    ks_arg = k_scale if kint8 else out
+    ks_strides = k_scale.stride() if kint8 else (0, 0, 0)
+    _gemv_score_kernel[(rows, n_chunks)](
+        qs, k, ks_arg, out, hist if hist is not None else out, lo, hi,
+        k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
+        HKV=Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_L=BLOCK_L, KINT8=kint8,
+        FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
                    hist: torch.Tensor | None, k_scale: torch.Tensor | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``."""
+    if _use_gemv(k, reduce):
+        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale)
+        return
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     G = Hq // Hkv

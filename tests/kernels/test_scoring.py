@@ -508,3 +508,26 @@ def test_sum_softmax_lane_stats_matches_ref(heads, B, L, D, device):
         k_top = _k_top(case, L)
         idx = scoring.score_topk_triton(q, k, lo, hi, k_top, reduce="sum_softmax", kv_lens=kv_lens)
         _check_topk(idx, true, lo.cpu(), hi.cpu(), k_top, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads,dtype,B,L,D", _grid(HEADS, DTYPES))
+def test_gemv_sum_logits_path_for_every_key_dtype(heads, dtype, B, L, D, device, monkeypatch):
+    """The GEMV scoring path (the group collapsed into one query) on float keys too
+    (``GEMV_CONFIG["use"] = "all"``): the reference's scores and selections, NaN keys
+    past kv_lens never read, -inf outside the range."""
+    monkeypatch.setitem(scoring.GEMV_CONFIG, "use", "all")
+    q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=21)
+    ref = scoring.group_scores_ref(q, k, kv_lens, kv_start=kv_start)
+    out = scoring.group_scores_triton(q, k, kv_lens, kv_start=kv_start)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out[fin], ref[fin], rtol=max(rtol, 1e-4), atol=max(atol, 1e-4))
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    for case in K_CASES:
+        k_top = _k_top(case, L)
+        idx = scoring.score_topk_triton(q, k, lo, hi, k_top)
+        _check_topk(idx, true, lo.cpu(), hi.cpu(), k_top, atol=1e-4)
+        want = scoring.score_topk_ref(q, k, lo, hi, k_top)
+        torch.testing.assert_close(_sel_sum(idx, true), _sel_sum(want, true), rtol=1e-5, atol=1e-4)
