@@ -75,15 +75,18 @@ for s in "${stages[@]}"; do
         --out "$OUT/bench_scoring.json"
       run kernels 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.kernels --no-scoring --budget-s 170 \
         --out "$OUT/kernels.json" ;;
+    scoring)  # the scoring kernels alone, quick shapes + variants (GEMV / int8 / select configs)
+      run bench_scoring 130 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --quick --budget-s 110 \
+        --out "$OUT/bench_scoring.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
     tpot) run bench_tpot 200 python3 -m benchmarks.bench_tpot --quick --packs 2,4,6 --score-keys exact,int8 \
             --profile --budget-s 180 --out "$OUT/bench_tpot.json" ;;
-    sweep) run bench_tpot_sweep 540 python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
+    sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
              --budget 2048,1024 --packs 4 --score-keys exact,int8 --iters 10 \
-             --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s 510 \
+             --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
              --out "$OUT/bench_tpot_sweep.json" ;;
     gputests)
       [ -n "$bg_pid" ] && { wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; bg_pid=""; }
