@@ -94,6 +94,9 @@ class PerplexityEvalConfig(_Budgets):
     models: list[str] = Field(default_factory=lambda: ["smollm2-135m"], min_length=1)
     context_tokens: int = Field(512, gt=16)
     n_texts: int = Field(1, gt=0)
+    first_text: int = Field(0, ge=0)
+    """Index of the first essay segment (segments of ``context_tokens`` each, in
+    order): a later run can measure other texts without repeating these."""
     prefill_tokens: int = Field(128, ge=1)
     """Dense prompt; the perplexity is measured on the tokens after it."""
     budgets: list[PosInt] = Field(default_factory=list)

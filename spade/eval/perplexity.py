@@ -183,7 +183,8 @@ def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu"
     results: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "models": {}}
     for name in cfg.models:
         model, tok = load_model(name, device)
-        texts = essay_token_segments(tok, cfg.context_tokens, cfg.n_texts)
+        texts = essay_token_segments(tok, cfg.context_tokens, cfg.n_texts,
+                                     offset_tokens=cfg.first_text * cfg.context_tokens)
         runs = [(lab, b, e) for lab, b in budgets for e in cfg.policies]
         per_run: list[dict[str, list[float]]] = [{"nll": [], "agree": [], "att": [], "sec": []} for _ in runs]
         full_nll: list[float] = []

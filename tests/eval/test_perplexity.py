@@ -84,3 +84,18 @@ def test_prompt_cache_path_equals_teacher(smollm2):
         assert att == pytest.approx(ref_att)
         assert prompt.cache.get_seq_length() == P
         assert nll != pytest.approx(full_nll, rel=1e-6)  # the budget binds: sparse differs from dense
+
+
+def test_first_text_moves_to_the_next_segment(smollm2, tmp_path):
+    """``first_text`` = 1 scores the segment after the first (the same tokens as
+    the second of ``n_texts`` = 2), not the first again."""
+    from spade.eval.perplexity import run_perplexity
+
+    base = dict(context_tokens=36, prefill_tokens=28, budgets=[], context_fractions=[2], sink_tokens=2,
+                recent_tokens=4, policies=[{"name": "oracle"}])
+    two = run_perplexity(PerplexityEvalConfig(n_texts=2, **base), tmp_path / "a", "cpu")["models"]["smollm2-135m"]
+    second = run_perplexity(PerplexityEvalConfig(first_text=1, **base), tmp_path / "b",
+                            "cpu")["models"]["smollm2-135m"]
+    assert second["nll_full_per_text"][0] == pytest.approx(two["nll_full_per_text"][1], rel=1e-5)
+    assert second["nll_full_per_text"][0] != pytest.approx(two["nll_full_per_text"][0], rel=1e-3)
+    assert second["rows"][0]["nll_per_text"][0] == pytest.approx(two["rows"][0]["nll_per_text"][1], rel=1e-5)
