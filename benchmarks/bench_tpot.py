@@ -406,6 +406,8 @@ def plots(result: dict, out_dir: Path) -> list[str]:
         return []
     files = []
     for c in result["configs"]:
+        if "budget" not in c:  # a shape skipped before any budget ran (did not fit)
+            continue
         tag = f"B{c['batch']}_L{c['context']}_K{c['budget']}"
         names = list(c["rows"])
         if names:

@@ -649,7 +649,9 @@ def _gemv_config(k: torch.Tensor) -> dict:
     if _interpret() or k.device.type != "cuda":
         cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
     else:
-        cfg = dict(BLOCK_L=64, num_warps=4, num_stages=4, MIN_CHUNK=512, PER_SM=8)
+        # best of the bench_scoring GEMV variants on an H200 (B=8, L=32k, int8 keys):
+        # 256 x 128 int8 tiles, 8 warps, 3 stages — 0.116 ms scoring, 0.170 ms with the top-K
+        cfg = dict(BLOCK_L=256, num_warps=8, num_stages=3, MIN_CHUNK=512, PER_SM=8)
     cfg.update(GEMV_CONFIG)
     return cfg
 
