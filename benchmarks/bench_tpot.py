@@ -120,10 +120,12 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         return ["policy.name=quest", f"policy.budget={K}", f"policy.page_size={a.page_size}"]
     if name == "tova":
         return ["policy.name=tova", f"policy.budget={K}"]
-    common = [f"policy.budget={K}", f"policy.sink_tokens={a.sink}", f"policy.recent_tokens={a.recent}"]
+    common = [f"policy.budget={K}", f"policy.sink_tokens={a.sink}", f"policy.recent_tokens={a.recent}",
+              f"policy.group_reduce={a.group_reduce}"]
     if name == "oracle":
         return ["policy.name=oracle", *common]
-    out = ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}"]
+    out = ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}",
+           f"policy.rope_aware={str(a.rope_aware).lower()}"]
     if getattr(a, "cur_score_keys", "exact") != "exact":
         out.append(f"policy.score_keys={a.cur_score_keys}")
     return out
@@ -490,6 +492,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--predictor", default="assembled")
+    ap.add_argument("--group-reduce", default="sum_logits", choices=["sum_logits", "max_logits", "sum_softmax"],
+                    help="GQA reduction of oracle/asyncspade (default: the one-pass speed setting, not the "
+                         "fidelity default sum_softmax)")
+    ap.add_argument("--rope-aware", action="store_true", help="asyncspade predicts pre-RoPE queries")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--on-late", default="wait", choices=["wait", "stale", "full"])
     ap.add_argument("--iters", type=int, default=20)
@@ -547,7 +553,8 @@ def run(argv: list[str] | None = None) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus_visible": n_gpu,
         "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "iters": a.iters,
         "warmup": a.warmup, "sink": a.sink, "recent": a.recent, "window": a.window, "predictor": a.predictor,
-        "packs": a.packs, "modes": a.modes}, "configs": []}
+        "packs": a.packs, "modes": a.modes, "group_reduce": a.group_reduce, "rope_aware": a.rope_aware},
+        "configs": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = a.warmup + a.iters + 8

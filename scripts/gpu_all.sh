@@ -78,6 +78,9 @@ for s in "${stages[@]}"; do
     scoring)  # the scoring kernels alone, quick shapes + variants (GEMV / int8 / select configs)
       run bench_scoring 130 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --quick --budget-s 110 \
         --out "$OUT/bench_scoring.json" ;;
+    scoring_full)  # the scoring kernels over the whole B x L x K grid (no variants)
+      run bench_scoring_full 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 170 \
+        --out "$OUT/bench_scoring_full.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
