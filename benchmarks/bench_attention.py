@@ -123,7 +123,7 @@ def torch_dense(q, k, v):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def _try(timer: Timer, fn) -> float | str:

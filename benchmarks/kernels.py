@@ -59,6 +59,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+# the attention benchmark's torch references and input builders (shared, not copied)
+from benchmarks.bench_attention import _empty_cache, _rel, full_index, random_middle, torch_dense, torch_sparse  # noqa: E402,F401
+
 HQ, HKV, D = 32, 8, 128
 N_SINK, N_RECENT = 4, 64
 PAGE = 16
@@ -196,35 +199,7 @@ def _dims(shape: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shape.items())
 
 
-def _empty_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 # ----------------------------------------------------------------------------- torch references
-def torch_sparse(q, k, v, idx_full):
-    """``gather`` of the selected K/V, then SDPA (GQA) over them. q [B, Hq, D]."""
-    import torch
-    import torch.nn.functional as F
-
-    g = idx_full.long()[..., None].expand(-1, -1, -1, k.shape[-1])
-    ks, vs = torch.gather(k, 2, g), torch.gather(v, 2, g)
-    return F.scaled_dot_product_attention(q[:, :, None], ks, vs, enable_gqa=True)[:, :, 0]
-
-
-def torch_dense(q, k, v):
-    import torch.nn.functional as F
-
-    return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-
-
 def torch_page_scores(q, kmin, kmax, scale: float):
     """Quest bounds as two matmuls on the positive / negative query parts, fp32
     group sum: [B, Hkv, P]."""
@@ -250,25 +225,6 @@ def torch_quest_select(q, kmin, kmax, kv_lens, n_sel: int, page: int, scale: flo
     pages = torch.cat([last, top], -1)
     tok = pages[..., None] * page + torch.arange(page, device=s.device)
     return tok.flatten(2).int()
-
-
-# ----------------------------------------------------------------------------- inputs
-def random_middle(B: int, Hkv: int, L: int, k_mid: int, n_sink: int, n_recent: int, device):
-    """[B, Hkv, k_mid] int32: distinct random positions of [n_sink, L - n_recent), unsorted."""
-    import torch
-
-    keys = torch.rand(B, Hkv, L - n_sink - n_recent, device=device)
-    return (keys.topk(k_mid, dim=-1, sorted=False).indices + n_sink).int()
-
-
-def full_index(mid, L: int, n_sink: int, n_recent: int):
-    """sinks ++ middle ++ recent as one explicit index list (for the torch reference)."""
-    import torch
-
-    B, Hkv, _ = mid.shape
-    sinks = torch.arange(n_sink, device=mid.device, dtype=torch.int32).expand(B, Hkv, n_sink)
-    recent = torch.arange(L - n_recent, L, device=mid.device, dtype=torch.int32).expand(B, Hkv, n_recent)
-    return torch.cat([sinks, mid, recent], dim=-1)
 
 
 # ----------------------------------------------------------------------------- one shape
