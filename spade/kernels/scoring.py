@@ -354,6 +354,21 @@ def _f32_key(x):
 
 
 @triton.jit
+def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+    """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
+    ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
+    the valid positions — and add their radix pass-0 digits to ``hist``."""
+    if FULL_ROW:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
+    else:
+        tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
+    if HIST:
+        digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
+        hist += tl.histogram(digit, 256, mask=valid)
+    return hist
+
+
+@triton.jit
 def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """The G query heads of KV head ``h`` as a zero-padded [G_PAD, BLOCK_D] tile."""
@@ -415,13 +430,7 @@ def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, st
         else:
             r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
         r = tl.where(valid, r, float("-inf"))
-        if FULL_ROW:
-            tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
-        else:
-            tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
-        if HIST:
-            digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=valid)
+        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
     return hist, m_run, s_run
 
 
@@ -518,14 +527,7 @@ def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, 
                  mask=(offs_g[:, None] < G) & valid[None, :], other=float("-inf"))  # [G_PAD, BLOCK_L]
     p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
     r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
-    if FULL_ROW:
-        tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
-    else:
-        tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
-    if HIST:
-        digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
-        hist += tl.histogram(digit, 256, mask=valid)
-    return hist
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
 
 
 @triton.jit
@@ -590,14 +592,7 @@ def _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl
     if KINT8:
         r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    if FULL_ROW:
-        tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
-    else:
-        tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
-    if HIST:
-        digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
-        hist += tl.histogram(digit, 256, mask=valid)
-    return hist
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
 
 
 @triton.jit
