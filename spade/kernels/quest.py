@@ -190,6 +190,21 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv
 
 
 @triton.jit
+def _row_pages(kv_ptr, start_ptr, b, page_size, HAS_START: tl.constexpr):
+    """Row ``b``'s pages ``[first, end)`` from its token range ``[start, kv)`` (start 0
+    without HAS_START); an empty row gets the empty range ``[first, first)``.
+    Returns (first, end, kv, start)."""
+    kv = tl.load(kv_ptr + b).to(tl.int32)
+    if HAS_START:
+        start = tl.load(start_ptr + b).to(tl.int32)
+    else:
+        start = 0
+    first = start // page_size
+    end = tl.where(kv > start, (kv + page_size - 1) // page_size, first)
+    return first, end, kv, start
+
+
+@triton.jit
 def _quest_build_kernel(
     k_ptr, kmin_ptr, kmax_ptr, lo_ptr, hi_ptr,
     stride_kb, stride_kh, stride_kl, stride_kd,
@@ -304,14 +319,8 @@ def _quest_scores_kernel(
     b = row // HKV
     h = row % HKV
     if FROM_LENS:
-        kv = tl.load(hi_ptr + b).to(tl.int32)
-        if HAS_LO:
-            start = tl.load(lo_ptr + b).to(tl.int32)
-        else:
-            start = 0
-        lo = start // page_size
         # an empty row gets an empty page range (its bounds are +-inf: no score, no NaN)
-        hi = tl.where(kv > start, (kv + page_size - 1) // page_size, lo)
+        lo, hi, kv, start = _row_pages(hi_ptr, lo_ptr, b, page_size, HAS_LO)
         first = (h == 0) & (pblk == 0)
         tl.store(plan_ptr + b, lo, mask=first)
         tl.store(plan_ptr + B + b, tl.maximum(hi - 1, lo), mask=first)
@@ -433,14 +442,8 @@ def _quest_row_select_kernel(
     row = tl.program_id(0)
     b = row // HKV
     row64 = row.to(tl.int64)
-    kv = tl.load(kv_ptr + b).to(tl.int32)
-    if HAS_START:
-        start = tl.load(start_ptr + b).to(tl.int32)
-    else:
-        start = 0
-    page_lo = start // page_size
+    page_lo, n_pages, kv, start = _row_pages(kv_ptr, start_ptr, b, page_size, HAS_START)
     has = kv > start
-    n_pages = tl.where(has, (kv + page_size - 1) // page_size, page_lo)
     last = tl.where(has, n_pages - 1, -1)
     cand_hi = tl.maximum(n_pages - 1, page_lo)  # candidates: [page_lo, last)
     k_eff = tl.minimum(tl.maximum(cand_hi - page_lo, 0), n_sel - 1)
