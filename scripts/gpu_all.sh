@@ -15,6 +15,7 @@
 #   transports bandwidth/latency of local and nccl (vs raw NCCL) for the runtime's messages
 #   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
+#   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
@@ -81,6 +82,9 @@ for s in "${stages[@]}"; do
     scoring_full)  # the scoring kernels over the whole B x L x K grid (no variants)
       run bench_scoring_full 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 170 \
         --out "$OUT/bench_scoring_full.json" ;;
+    select)  # the fused score + top-K stage by stage (cumulative graphs) and the radix-select launch grid
+      run bench_select 200 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 180 \
+        --out "$OUT/bench_select.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;

@@ -211,7 +211,10 @@ def _select_config(device: torch.device) -> dict:
     if _interpret() or device.type != "cuda":
         cfg = dict(BLOCK=256, num_warps=1, MIN_CHUNK=256)
     else:
-        cfg = dict(BLOCK=1024, num_warps=4, MIN_CHUNK=4096)
+        # best of bench_select's grid on an H200 (select 43 / 108 / 110 us at B=8 L=32k /
+        # B=8 L=128k / B=32 L=32k, K=2048, vs 46 / 131 / 118 us for 1024 x 4 warps, 4 per SM)
+        # (the tie kernel: 7 us with 512-element tiles, 13 us with 2048)
+        cfg = dict(BLOCK=2048, num_warps=4, MIN_CHUNK=1024, PER_SM=8, TIE_BLOCK=512)
     cfg.update(SELECT_CONFIG)
     return cfg
 
@@ -222,7 +225,8 @@ SCORE_CONFIG: dict = {}
 online statistics per tile element, reduced once per chunk, an experiment against
 the per-tile cross-lane reductions); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
-"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``) and
+"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``, ``PER_SM``,
+``TIE_BLOCK``: the tile of the per-row tie kernel) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
 
 
@@ -640,6 +644,95 @@ def _gemv_score_kernel(
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
+@triton.jit
+def _i8dot_score_kernel(
+    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl,
+    L, CHUNK, scale,
+    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
+    conversion of the keys.
+
+    Converting every int8 key element to float runs at a quarter of the FMA rate on
+    Hopper, which caps the float GEMV tile near 2x its byte floor. Here the group's
+    summed query ``qs = scale * Σ_g q_g`` (fp32, computed in the program) is written
+    in fixed point, ``qs ≈ s * (65536*hi + 256*mid + lo)`` with ``s = max|qs| / 8e6``
+    (under 2^23 with a margin for the fp32 division), and split into three int8
+    digits (``mid``, ``lo`` stored offset by -128). One int8 ``tl.dot`` of the key
+    tile [BLOCK_L, D] with the digit matrix [D, 16] — columns (hi, mid - 128,
+    lo - 128, 1, 0...) — gives the four int32 partial dots c0..c3, and
+    ``k·q_int = 65536*c0 + 256*c1 + c2 + 32896*c3`` (the ones column restores the
+    offsets). Rounding the query costs at most ``max|qs| / 1.6e7`` per component
+    (below the fp32 accumulation noise of the float path); each partial dot is exact
+    in int32 (|c| <= 128 * 128 * D)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, L)
+    if FULL_ROW:
+        start = c0
+        end = c1
+    else:
+        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
+        end = tl.minimum(c1, hi)
+    row64 = row.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, G_PAD)
+    qg = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+                 + offs_d[None, :] * stride_qd,
+                 mask=(offs_g[:, None] < G) & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
+    qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32
+    amax = tl.max(tl.abs(qs), axis=0)
+    s = tl.where(amax > 0, amax / 8000000.0, 1.0)  # margin below 2^23: fp32 division may round up
+    qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D], |qi| <= 8e6 < 2^23 (error <= s/2)
+    d_hi = qi >> 16  # arithmetic shift: floor(qi / 65536), in [-128, 127]
+    rem = qi - d_hi * 65536  # [0, 65535]
+    d_mid = (rem >> 8) - 128
+    d_lo = (rem & 255) - 128
+    col = tl.arange(0, 16)[None, :]
+    qm = tl.where(col == 0, d_hi[:, None], tl.where(col == 1, d_mid[:, None], tl.where(
+        col == 2, d_lo[:, None], tl.where(col == 3, 1, 0)))).to(tl.int8)  # [BLOCK_D, 16]
+    w = tl.where(col == 0, 65536.0, tl.where(col == 1, 256.0, tl.where(col == 2, 1.0, tl.where(
+        col == 3, 32896.0, 0.0)))) * s  # [1, 16] fp32
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    hist = tl.zeros([256], dtype=tl.int32)
+    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+        l0 = start
+        while l0 < end:
+            hist = _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                               stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST)
+            l0 += BLOCK_L
+    else:
+        for l0 in range(start, end, BLOCK_L):
+            hist = _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                               stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST)
+    if HIST:
+        tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
+
+
+@triton.jit
+def _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl, hist,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+    offs_l = l0 + tl.arange(0, BLOCK_L)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = (offs_l >= lo) & (offs_l < hi)
+    kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8
+    acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
+    r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
+    r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
+    r = tl.where(valid, r, float("-inf"))
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
+
+
 def _gemv_config(k: torch.Tensor) -> dict:
     if _interpret() or k.device.type != "cuda":
         cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
@@ -654,7 +747,9 @@ def _gemv_config(k: torch.Tensor) -> dict:
 GEMV_CONFIG: dict = {}
 """Overrides for the ``sum_logits`` GEMV scoring kernel (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
-keys only), ``"all"`` (every key dtype), ``"off"``."""
+keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
+int8 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False: the
+float GEMV tile, which converts every key element)."""
 
 
 def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
@@ -667,11 +762,21 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     rows = B * Hkv
-    qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     cfg = _gemv_config(k)
     BLOCK_L = cfg["BLOCK_L"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     kint8 = k_scale is not None
+    if kint8 and cfg.get("int8_dot", True):
+        G = Hq // Hkv
+        _i8dot_score_kernel[(rows, n_chunks)](
+            q, k, k_scale, out, hist if hist is not None else out, lo, hi,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            *k_scale.stride(), L, chunk, scale,
+            HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=max(32, triton.next_power_of_2(D)),
+            BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if kint8 else out
     ks_strides = k_scale.stride() if kint8 else (0, 0, 0)
     _gemv_score_kernel[(rows, n_chunks)](
@@ -982,13 +1087,15 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     cfg = _select_config(scores.device)
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
     meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), num_warps=nw)
-    chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"])
+    chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
+                             per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
         _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta)
     cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
     _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **meta)
+    tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta)
     return out
 
 

@@ -1,0 +1,214 @@
+"""Where the fused score + top-K spends its time, stage by stage, and how the
+radix-select launch config moves it.
+
+Each stage is timed as the difference of cumulative CUDA graphs replayed on the
+GPU (graph 1 = workspace memset + scoring with the pass-0 histogram, graph 2 =
+graph 1 + radix pass 1, graph 3 = + split, graph 4 = + tie select), so launch
+gaps inside a graph are counted where they occur in the runtime (the cache rank
+replays its layer work as a graph too). Then graph 4 is re-timed for a grid of
+``SELECT_CONFIG`` overrides (tile ``BLOCK``, ``num_warps``, ``MIN_CHUNK``,
+programs ``PER_SM``) so that the default can be chosen from measurements.
+
+Every timed configuration is checked against ``torch.topk`` first (sum of the
+selected true scores, like the kernel tests): a wrong selection is reported,
+never timed.
+
+    python -m benchmarks.bench_select [--shapes 8x32768,32x32768] [--budget 2048] [--keys exact,int8]
+                                      [--budget-s 120] [--out results/bench_select.json]
+    python -m benchmarks.bench_select --tiny   # CPU interpreter: checks the script in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+N_SINK, N_RECENT = 4, 64
+
+
+def _graph_ms(fn, *, rep: int) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (wall clock of one call on a CPU)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return float(triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median"))
+
+
+def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
+    """Closures running the first n stages of ``score_topk_triton`` (n = 1..4) on
+    preallocated buffers, and the buffer holding the result of stage 4."""
+    B, Hq, _ = q.shape
+    _, Hkv, L, Dk = k.shape
+    rows = B * Hkv
+    dev = k.device
+    ws = scoring._new_workspace(rows, dev)
+    scores = torch.empty(rows, L, dtype=torch.float32, device=dev)
+    out = torch.empty(rows, K, dtype=torch.int32, device=dev)
+    ties = torch.empty(rows, L, dtype=torch.int32, device=dev)
+    n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
+    scale = scoring._default_scale(None, Dk)
+
+    def run(n: int) -> None:
+        ws.zero_()
+        scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce="sum_logits",
+                               full_row=False, hist=ws, k_scale=ks)
+        if n == 1:
+            return
+        cfg = scoring._select_config(dev)
+        meta = dict(HKV=Hkv, BLOCK=cfg["BLOCK"], INTERPRET=scoring._interpret(), num_warps=cfg["num_warps"])
+        chunk, n_chunks = scoring._split(L, rows, dev, block=cfg["BLOCK"], min_chunk=cfg["MIN_CHUNK"],
+                                         per_sm=cfg.get("PER_SM", 4))
+        grid = (rows, n_chunks)
+        scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
+        if n == 2:
+            return
+        cnt = ws[scoring._NPASS_GLOBAL * rows * scoring._NBINS:]
+        scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
+        if n == 3:
+            return
+        scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K,
+                                            **dict(meta, BLOCK=cfg.get("TIE_BLOCK", cfg["BLOCK"])))
+
+    return run, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="8x32768,32x32768,8x131072", help="BxL,... (Qwen3-8B layer: 32 q / 8 KV heads)")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--keys", default="exact,int8,int8_float",
+                    help="exact (bf16), int8 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
+    ap.add_argument("--out", default="results/bench_select.json")
+    args = ap.parse_args(argv)
+    t_end = time.monotonic() + args.budget_s
+    cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from spade.kernels import quant, scoring  # after TRITON_INTERPRET
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    K = args.budget
+    hq, hkv, d = HQ, HKV, D
+    rep = 50
+    grid_cfg = [dict(BLOCK=b, num_warps=w, MIN_CHUNK=m, PER_SM=p)
+                for b, w, m, p in itertools.product((512, 1024, 2048), (4, 8), (1024, 4096), (4, 8))]
+    if args.tiny:
+        shapes, K, hq, hkv, d, rep = [(2, 300)], 17, 4, 2, 16, 1
+        grid_cfg = [dict(BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2), dict(BLOCK=128, num_warps=1, MIN_CHUNK=128)]
+    rows_out: list[dict] = []
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict) -> None:
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+        out_path.write_text(json.dumps({"rows": rows_out}, indent=1))
+
+    print(f"# device {torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}; q {hq} / kv {hkv} heads, d={d}",
+          flush=True)
+    for (B, L), keys in itertools.product(shapes, args.keys.split(",")):
+        if time.monotonic() > t_end:
+            print(f"# budget spent: skip B={B} L={L} {keys}", flush=True)
+            continue
+        g = torch.Generator(device="cpu").manual_seed(B * 7 + L)
+        q = torch.randn(B, hq, d, generator=g).to(dev, dtype)
+        k = torch.randn(B, hkv, L, d, generator=g).to(dev, dtype)
+        lo = torch.full((B,), N_SINK, dtype=torch.int32, device=dev)
+        hi = torch.full((B,), L - N_RECENT, dtype=torch.int32, device=dev)
+        ks = None
+        kk = k
+        scoring.GEMV_CONFIG.clear()
+        if keys == "int8_float":  # int8 keys through the float GEMV tile (the int8 tensor-core tile off)
+            scoring.GEMV_CONFIG.update(int8_dot=False)
+        if keys.startswith("int8"):
+            kk, ks = quant.quantize_keys_triton(k) if cuda else quant.quantize_keys_ref(k)
+        truth = scoring.group_scores_ref(q, kk, torch.full((B,), L, device=dev), k_scale=ks)  # [B, Hkv, L]
+        pos = torch.arange(L, device=dev)
+        truth = truth.masked_fill(~((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :], float("-inf"))
+        best = truth.topk(K, dim=-1).values.sum(-1)  # [B, Hkv]
+
+        def check(out: torch.Tensor) -> float:
+            got = torch.gather(truth, -1, out.view(B, hkv, K).long().clamp(min=0)).sum(-1)
+            return float(((best - got).abs() / best.abs().clamp(min=1e-6)).max())
+
+        def timed_stages(cfg: dict) -> dict | None:
+            scoring.SELECT_CONFIG.clear()
+            scoring.SELECT_CONFIG.update(cfg)
+            try:
+                run, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                run(4)
+                err = check(out)
+                if err > 1e-4:
+                    return dict(error=f"selection deficit {err:.2e}")
+                ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in (1, 2, 3, 4)]
+            finally:
+                scoring.SELECT_CONFIG.clear()
+            return dict(score_ms=ms[0], pass1_ms=ms[1] - ms[0], split_ms=ms[2] - ms[1], tie_ms=ms[3] - ms[2],
+                        total_ms=ms[3], select_ms=ms[3] - ms[0], deficit=err)
+
+        base = timed_stages({})
+        record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
+        if keys == "int8" and cuda:  # launch configs of the int8 scoring tile (scoring stage alone)
+            for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
+                scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)
+                try:
+                    run, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                    run(4)
+                    err = check(out)
+                    res = dict(error=f"selection deficit {err:.2e}") if err > 1e-4 else \
+                        dict(score_ms=_graph_ms(lambda: run(1), rep=rep), deficit=err)
+                except Exception as e:
+                    res = dict(error=f"{type(e).__name__}: {e}"[:200])
+                record(dict(B=B, L=L, K=K, keys=keys, config=dict(score_tile=[bl, nw, ns]), **res))
+            scoring.GEMV_CONFIG.clear()
+        if keys == "int8_float":
+            scoring.GEMV_CONFIG.clear()
+            continue
+        for cfg in grid_cfg:
+            if time.monotonic() > t_end:
+                break
+            try:
+                res = timed_stages(cfg)
+            except Exception as e:  # a config the compiler refuses: report it
+                res = dict(error=f"{type(e).__name__}: {e}"[:200])
+            record(dict(B=B, L=L, K=K, keys=keys, config=cfg, **(res or {})))
+    scoring.GEMV_CONFIG.clear()
+    ok = [r for r in rows_out if "total_ms" in r]
+    if ok:
+        for (B, L, keys), grp in itertools.groupby(sorted(ok, key=lambda r: (r["B"], r["L"], r["keys"])),
+                                                   key=lambda r: (r["B"], r["L"], r["keys"])):
+            grp = list(grp)
+            best_r = min(grp, key=lambda r: r["select_ms"])
+            dflt = next((r for r in grp if r["config"] == "default"), None)
+            print(f"# B={B} L={L} {keys}: default select {dflt['select_ms'] if dflt else float('nan'):.4f} ms, "
+                  f"best {best_r['select_ms']:.4f} ms with {best_r['config']}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
