@@ -22,6 +22,10 @@ Shapes and conventions (all ops):
 * Indices are int32; ``-1`` marks an empty slot.
 * Scoring may read an int8 copy of the keys (``quantize_keys``: symmetric, one
   float32 scale per token) with its ``k_scale`` [B, Hkv, L]; attention never does.
+* ... or a packed int4 copy (``quantize_keys_int4``: uint8 [B, Hkv, L, D/2], low
+  nibble channel ``i``, high nibble ``i + D/2``, offset 8) with its ``k_scale``;
+  the keys are smoothed per channel (``fit_smoothing``) and the scoring query must
+  carry that smoothing (``fold_smoothing(q, smooth)``), see ``spade.kernels.quant``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ __all__ = [
     "ridge_predict",
     "quantize_keys",
     "quantize_append",
+    "quantize_keys_int4",
+    "quantize_append_int4",
+    "fit_smoothing",
+    "fold_smoothing",
 ]
 
 
@@ -185,3 +193,39 @@ def quantize_append(kq, ks, k_new, pos):
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
     return fn(kq, ks, k_new, pos)
+
+
+def quantize_keys_int4(k, smooth=None):
+    """Packed int4 copy of the keys for scoring: ``k`` [B, H, L, D] float (D even),
+    optional per-channel ``smooth`` [B, H, D] float32 (``fit_smoothing``) ->
+    (kq uint8 [B, H, L, D/2], ks float32 [B, H, L]) with
+    ``k ≈ unpack_int4(kq) * ks[..., None] * smooth[:, :, None]``."""
+    from spade.kernels import quant
+
+    fn = quant.quantize_keys_int4_triton if use_triton(k) else quant.quantize_keys_int4_ref
+    return fn(k, smooth)
+
+
+def quantize_append_int4(kq, ks, k_new, pos, smooth=None):
+    """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
+    ``pos[b]`` of the packed ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` skipped."""
+    from spade.kernels import quant
+
+    fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref
+    return fn(kq, ks, k_new, pos, smooth)
+
+
+def fit_smoothing(k, kv_lens=None, kv_start=None):
+    """Per-channel smoothing scales of an int4 copy: [B, H, D] float32, the channel
+    amax of ``k`` over ``[kv_start, kv_lens)`` (floored). Plain torch on any device."""
+    from spade.kernels import quant
+
+    return quant.fit_smoothing(k, kv_lens, kv_start)
+
+
+def fold_smoothing(q, smooth):
+    """The query an int4 copy is scored with: ``q`` [B, Hq, D] times its KV head's
+    ``smooth`` [B, Hkv, D], in q's dtype (``None``: ``q``)."""
+    from spade.kernels import quant
+
+    return quant.fold_smoothing(q, smooth)

@@ -25,6 +25,29 @@ Two ops, each with a torch reference and a Triton kernel:
   (no host sync), so the op can be replayed in a CUDA graph; rows with ``pos``
   outside ``[0, L)`` are left untouched.
 
+int4 keys (a quarter of bf16's bytes)
+------------------------------------
+Per-token symmetric int4 alone ranks badly: keys have a few outlier channels
+whose magnitude sets every token's scale, leaving the other channels 1-2 levels
+(on SmolLM2-135M the overlap with the exact top-K drops to 0.79, docs/policies.md).
+So the int4 copy is *smoothed* first: a per-(row, KV head, channel) scale ``s_c``
+(``fit_smoothing``: the channel's amax over the keys present when the copy is
+built, e.g. the prompt) divides the keys before per-token quantisation and is
+folded into the query instead (``fold_smoothing``), so the store stays plain
+int4 plus one scale per token::
+
+    x = k / s[..., None, :]                                   (s: [B, H, D])
+    ks = max(amax_d |x|, SCALE_FLOOR) / 7;  kq = round(x / ks) in [-7, 7]
+    q · k ≈ Σ_d (q_d s_d) · kq_d · ks = fold_smoothing(q, s) · kq · ks
+
+Later tokens are not clamped: their own per-token scale absorbs a channel that
+outgrew its fitted ``s_c`` (they only lose resolution in the other channels).
+
+Packing: uint8 [B, H, L, D/2]; byte ``i`` holds channel ``i`` in its low nibble
+and channel ``i + D/2`` in its high nibble, each stored as ``kq + 8`` (1..15), so
+a kernel unpacks a tile into two contiguous half-vectors (``(x & 15) - 8``,
+``(x >> 4) - 8``) that dot with the two halves of the query: no interleaving.
+
 Example::
 
     >>> import torch
@@ -40,11 +63,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SCALE_FLOOR", "quantize_keys_ref", "quantize_keys_triton", "quantize_append_ref",
-           "quantize_append_triton"]
+__all__ = ["SCALE_FLOOR", "INT4_MAX", "SMOOTH_FLOOR", "quantize_keys_ref", "quantize_keys_triton",
+           "quantize_append_ref", "quantize_append_triton", "fit_smoothing", "fold_smoothing", "pack_int4",
+           "unpack_int4", "quantize_keys_int4_ref", "quantize_keys_int4_triton", "quantize_append_int4_ref",
+           "quantize_append_int4_triton"]
 
 SCALE_FLOOR = 1e-8
 """Smallest ``amax`` used for a scale: an all-zero key gets a tiny finite scale (no NaN)."""
+INT4_MAX = 7
+"""Symmetric int4 range [-7, 7] (stored with an offset of 8: nibbles 1..15)."""
+SMOOTH_FLOOR = 1e-2
+"""``fit_smoothing`` floors each channel's scale at this fraction of the head's
+largest channel scale: a channel silent in the prompt must not blow up (divide
+by ~0) a later key that uses it."""
 
 
 def _check_k(k: torch.Tensor) -> None:
@@ -185,3 +216,242 @@ def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tens
     _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, *k_new.stride(), *kq.stride(), *ks.stride(),
                                   H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
                                   num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# int4 (smoothed, packed)
+# ----------------------------------------------------------------------------------------------
+
+
+def fit_smoothing(k: torch.Tensor, kv_lens: torch.Tensor | None = None,
+                  kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-(row, head, channel) smoothing scales of the int4 copy: ``k`` [B, H, L, D]
+    -> float32 [B, H, D], the channel's amax over positions ``[kv_start, kv_lens)``
+    (default: all of L), floored at ``SMOOTH_FLOOR`` x the head's largest (and at
+    ``SCALE_FLOOR``). Plain torch: it runs once when the copy is built."""
+    _check_k(k)
+    B, H, L, D = k.shape
+    a = k.float().abs()  # [B, H, L, D]
+    if kv_lens is not None or kv_start is not None:
+        pos = torch.arange(L, device=k.device)
+        hi = torch.full((B,), L, device=k.device) if kv_lens is None else kv_lens.to(k.device)
+        lo = torch.zeros(B, dtype=torch.int64, device=k.device) if kv_start is None else kv_start.to(k.device)
+        ok = (pos[None, :] >= lo.long()[:, None]) & (pos[None, :] < hi.long()[:, None])  # [B, L]
+        a = torch.where(ok[:, None, :, None], a, torch.zeros((), device=k.device))
+    s = a.amax(2) if L > 0 else torch.zeros(B, H, D, device=k.device)  # [B, H, D]
+    floor = (s.amax(-1, keepdim=True) * SMOOTH_FLOOR).clamp_min(SCALE_FLOOR)  # [B, H, 1]
+    return torch.maximum(s, floor).contiguous()
+
+
+def fold_smoothing(q: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """The query an int4 copy is scored with: ``q`` [B, Hq, D] times its KV head's
+    ``smooth`` [B, Hkv, D] (GQA: head ``h`` uses ``h // (Hq // Hkv)``), rounded back
+    to q's dtype (the scoring kernels' product dtype). ``None``: ``q`` unchanged."""
+    if smooth is None:
+        return q
+    B, Hq, D = q.shape
+    Hkv = smooth.shape[1]
+    if smooth.shape != (B, Hkv, D) or Hq % Hkv:
+        raise ValueError(f"smooth must be [{B}, Hkv, {D}] with Hkv dividing {Hq}, got {tuple(smooth.shape)}")
+    qf = q.float().view(B, Hkv, Hq // Hkv, D) * smooth.to(q.device).float()[:, :, None, :]
+    return qf.view(B, Hq, D).to(q.dtype)
+
+
+def pack_int4(v: torch.Tensor) -> torch.Tensor:
+    """int values in [-8, 7] [..., D] (D even) -> uint8 [..., D/2]: channel ``i`` in
+    the low nibble, ``i + D/2`` in the high one, each offset by 8."""
+    D = v.shape[-1]
+    if D % 2:
+        raise ValueError(f"int4 packing needs an even last dim, got {D}")
+    u = (v.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., : D // 2] | (u[..., D // 2:] << 4)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: uint8 [..., D/2] -> int8 [..., D]."""
+    lo = (p & 15).to(torch.int8) - 8
+    hi = (p >> 4).to(torch.int8) - 8
+    return torch.cat([lo, hi], dim=-1)
+
+
+def _check_smooth(smooth: torch.Tensor | None, B: int, H: int, D: int, device: torch.device) -> None:
+    if smooth is not None and (smooth.shape != (B, H, D) or smooth.dtype != torch.float32
+                               or smooth.device != device):
+        raise ValueError(f"smooth must be float32 [{B}, {H}, {D}] on {device}, got "
+                         f"{tuple(smooth.shape)} {smooth.dtype} on {smooth.device}")
+
+
+def _check_append4(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                   smooth: torch.Tensor | None) -> None:
+    if kq.dim() != 4 or kq.dtype != torch.uint8:
+        raise ValueError(f"kq must be packed int4 (uint8) [B, H, L, D/2], got {tuple(kq.shape)} {kq.dtype}")
+    B, H, L, D2 = kq.shape
+    if ks.shape != (B, H, L) or ks.dtype != torch.float32:
+        raise ValueError(f"ks must be float32 [{B}, {H}, {L}], got {tuple(ks.shape)} {ks.dtype}")
+    if k_new.shape != (B, H, 2 * D2) or not k_new.dtype.is_floating_point:
+        raise ValueError(f"k_new must be float [{B}, {H}, {2 * D2}], got {tuple(k_new.shape)} {k_new.dtype}")
+    if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
+        raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
+    _check_smooth(smooth, B, H, 2 * D2, kq.device)
+
+
+def _quantize_rows4_ref(k: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smooth and quantise the last dim of ``k`` [B, H, *, D] (``smooth`` [B, H, D]):
+    (packed uint8 [B, H, *, D/2], float32 [B, H, *])."""
+    x = k.float()
+    if smooth is not None:
+        x = x / smooth.float().view(*smooth.shape[:2], *([1] * (k.dim() - 3)), smooth.shape[-1])
+    ks = x.abs().amax(-1).clamp_min(SCALE_FLOOR) / float(INT4_MAX)  # [...]
+    v = torch.round(x / ks[..., None]).clamp(-INT4_MAX, INT4_MAX)
+    return pack_int4(v), ks
+
+
+def quantize_keys_int4_ref(k: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference int4 copy: ``k`` [B, H, L, D] (D even), optional ``smooth`` [B, H, D]
+    -> (kq uint8 [B, H, L, D/2], ks float32 [B, H, L]) with
+    ``k ≈ unpack_int4(kq) * ks[..., None] * smooth[:, :, None]``."""
+    _check_k(k)
+    B, H, L, D = k.shape
+    if D % 2:
+        raise ValueError(f"int4 keys need an even head_dim, got {D}")
+    _check_smooth(smooth, B, H, D, k.device)
+    return _quantize_rows4_ref(k, smooth)
+
+
+def quantize_append_int4_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                             smooth: torch.Tensor | None = None) -> None:
+    """Reference ``quantize_append_int4`` (in place): ``k_new`` [B, H, D] into slot
+    ``pos[b]``; rows with ``pos`` outside ``[0, L)`` untouched (a device-side scatter)."""
+    _check_append4(kq, ks, k_new, pos, smooth)
+    B, H, L, D2 = kq.shape
+    p = pos.to(device=kq.device, dtype=torch.int64)  # [B]
+    ok = (p >= 0) & (p < L)
+    p_safe = torch.where(ok, p, torch.zeros_like(p))
+    q_new, s_new = _quantize_rows4_ref(k_new.to(kq.device), smooth)  # [B, H, D/2], [B, H]
+    idx_s = p_safe.view(B, 1, 1).expand(B, H, 1)
+    ks.scatter_(2, idx_s, torch.where(ok.view(B, 1, 1), s_new[..., None], ks.gather(2, idx_s)))
+    idx_q = p_safe.view(B, 1, 1, 1).expand(B, H, 1, D2)
+    kq.scatter_(2, idx_q, torch.where(ok.view(B, 1, 1, 1), q_new[:, :, None], kq.gather(2, idx_q)))
+
+
+@triton.jit
+def _round_even(y):
+    """Round half to even (torch.round), for |y| well inside the fp32 integers."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize4_tile(k_lo_ptrs, k_hi_ptrs, sm_lo_ptrs, sm_hi_ptrs, sm_mask, q_ptrs, s_ptrs, mask_l, mask_d,
+                    SMOOTH: tl.constexpr):
+    """Quantise a tile of keys held as its two channel halves [BLOCK_L, BLOCK_DH] into
+    packed bytes (low nibble: first half) and per-row scales; bit-for-bit the reference
+    (IEEE divisions in the reference's order, round half to even). The smoothing
+    pointers broadcast against the tile: [1, BLOCK_DH] (one head) or [BLOCK_L, BLOCK_DH]
+    (the append kernel, whose rows are heads)."""
+    m = mask_l[:, None] & mask_d[None, :]
+    x_lo = tl.load(k_lo_ptrs, mask=m, other=0.0).to(tl.float32)
+    x_hi = tl.load(k_hi_ptrs, mask=m, other=0.0).to(tl.float32)
+    if SMOOTH:
+        s_lo = tl.broadcast_to(tl.load(sm_lo_ptrs, mask=sm_mask, other=1.0), x_lo.shape)
+        s_hi = tl.broadcast_to(tl.load(sm_hi_ptrs, mask=sm_mask, other=1.0), x_hi.shape)
+        x_lo = tl.math.div_rn(x_lo, s_lo)
+        x_hi = tl.math.div_rn(x_hi, s_hi)
+    amax = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))  # [BLOCK_L]
+    s = tl.math.div_rn(tl.maximum(amax, 1e-8), tl.full(amax.shape, 7.0, tl.float32))  # SCALE_FLOOR / INT4_MAX
+    sb = tl.broadcast_to(s[:, None], x_lo.shape)
+    v_lo = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x_lo, sb)), -7.0), 7.0)
+    v_hi = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x_hi, sb)), -7.0), 7.0)
+    packed = (v_lo.to(tl.int32) + 8) | ((v_hi.to(tl.int32) + 8) << 4)  # [BLOCK_L, BLOCK_DH] in [0, 255]
+    tl.store(q_ptrs, packed.to(tl.uint8), mask=m)
+    tl.store(s_ptrs, s, mask=mask_l)
+
+
+@triton.jit
+def _quantize4_keys_kernel(K, SM, KQ, KS, L,
+                           stride_kb, stride_kh, stride_kl, stride_kd,
+                           stride_mb, stride_mh, stride_md,
+                           stride_qb, stride_qh, stride_ql, stride_qd,
+                           stride_sb, stride_sh, stride_sl,
+                           H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_L: tl.constexpr,
+                           SMOOTH: tl.constexpr):
+    """Grid (B * H, cdiv(L, BLOCK_L)): one tile of tokens of one (b, head) row."""
+    row = tl.program_id(0)
+    b = (row // H).to(tl.int64)
+    h = (row % H).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_d = tl.arange(0, BLOCK_DH)
+    l64 = offs_l.to(tl.int64)
+    k_lo = K + b * stride_kb + h * stride_kh + l64[:, None] * stride_kl + offs_d[None, :] * stride_kd
+    sm_lo = SM + b * stride_mb + h * stride_mh + offs_d[None, :] * stride_md  # [1, BLOCK_DH]
+    q_ptrs = KQ + b * stride_qb + h * stride_qh + l64[:, None] * stride_ql + offs_d[None, :] * stride_qd
+    s_ptrs = KS + b * stride_sb + h * stride_sh + l64 * stride_sl
+    _quantize4_tile(k_lo, k_lo + DH * stride_kd, sm_lo, sm_lo + DH * stride_md, offs_d[None, :] < DH,
+                    q_ptrs, s_ptrs, offs_l < L, offs_d < DH, SMOOTH)
+
+
+@triton.jit
+def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L,
+                             stride_nb, stride_nh, stride_nd,
+                             stride_mb, stride_mh, stride_md,
+                             stride_qb, stride_qh, stride_ql, stride_qd,
+                             stride_sb, stride_sh, stride_sl,
+                             H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_H: tl.constexpr,
+                             SMOOTH: tl.constexpr):
+    """Grid (B,): the H new keys of row b go to slot ``POS[b]`` (skipped outside [0, L));
+    the tile's rows are the H heads (each with its own smoothing vector)."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.load(POS + b).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_DH)
+    ok = (p >= 0) & (p < L)
+    mask_h = (offs_h < H) & ok
+    p = tl.where(ok, p, 0)
+    h64 = offs_h.to(tl.int64)
+    k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + offs_d[None, :] * stride_nd
+    sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
+    q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
+    s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
+    sm_mask = (offs_h[:, None] < H) & (offs_d[None, :] < DH)
+    _quantize4_tile(k_lo, k_lo + DH * stride_nd, sm_lo, sm_lo + DH * stride_md, sm_mask, q_ptrs, s_ptrs,
+                    mask_h, offs_d < DH, SMOOTH)
+
+
+def quantize_keys_int4_triton(k: torch.Tensor,
+                              smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``quantize_keys_int4``: one pass over ``k``, packed int4 + fp32 scales out."""
+    _check_k(k)
+    B, H, L, D = k.shape
+    if D % 2:
+        raise ValueError(f"int4 keys need an even head_dim, got {D}")
+    _check_smooth(smooth, B, H, D, k.device)
+    kq = torch.empty(B, H, L, D // 2, dtype=torch.uint8, device=k.device)
+    ks = torch.empty(B, H, L, dtype=torch.float32, device=k.device)
+    if B * H * L * D == 0:
+        return kq, ks
+    BLOCK_DH = _block_d(D // 2)
+    BLOCK_L = max(1, min(64, 4096 // BLOCK_DH))
+    sm = smooth if smooth is not None else ks  # never read without SMOOTH
+    sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
+    grid = (B * H, triton.cdiv(L, BLOCK_L))
+    _quantize4_keys_kernel[grid](k, sm, kq, ks, L, *k.stride(), *sm_strides, *kq.stride(), *ks.stride(),
+                                 H=H, DH=D // 2, BLOCK_DH=BLOCK_DH, BLOCK_L=BLOCK_L, SMOOTH=smooth is not None,
+                                 num_warps=4)
+    return kq, ks
+
+
+def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                                smooth: torch.Tensor | None = None) -> None:
+    """Triton ``quantize_append_int4`` (in place, one program per batch row, no host sync)."""
+    _check_append4(kq, ks, k_new, pos, smooth)
+    B, H, L, D2 = kq.shape
+    if B * H * D2 == 0:
+        return
+    pos = pos.to(kq.device)
+    sm = smooth if smooth is not None else ks
+    sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
+    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, *k_new.stride(), *sm_strides, *kq.stride(),
+                                   *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
+                                   BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4)
