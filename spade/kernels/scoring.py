@@ -65,6 +65,14 @@ The kernels load int8 (half the bytes of bf16, plus 4 bytes of scale per token)
 and convert in registers to the query's dtype, exact for |kq| <= 127; the query
 keeps its own dtype (the caller rounds it, e.g. to the cache's bf16, to keep the
 tensor-core path). Only selection reads this copy; attention uses exact keys.
+
+Packed int4 ``k`` (uint8 [B, Hkv, L, D/2], ``quant.quantize_keys_int4``: byte ``i``
+holds channel ``i`` in its low nibble and ``i + D/2`` in its high one, offset by
+8) scores the same way, a quarter of bf16's key bytes: a tile unpacks into its
+two channel halves ``(x & 15) - 8`` and ``(x >> 4) - 8`` (exact in any float
+dtype), which dot with the two halves of the query and add. The per-channel
+smoothing of the int4 copy lives in the query (``quant.fold_smoothing``, applied
+by the caller): to these kernels an int4 copy is plain symmetric int4.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from spade.kernels.quant import unpack_int4
 
 __all__ = [
     "REDUCES",
@@ -113,6 +123,8 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
         raise ValueError(f"expected q [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, D = q.shape
     Bk, Hkv, L, Dk = k.shape
+    if k.dtype == torch.uint8:  # packed int4: two channels per byte
+        Dk *= 2
     if B != Bk or D != Dk:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
     if Hkv == 0 or Hq % Hkv != 0:
@@ -136,10 +148,14 @@ def _default_scale(scale: float | None, D: int) -> float:
     return float(D) ** -0.5 if scale is None else float(scale)
 
 
+_QUANT_KEYS = (torch.int8, torch.uint8)
+"""Key dtypes of the compressed scoring copies: int8, and packed int4 as uint8."""
+
+
 def _score_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
-    """The dtype of the scoring products: the keys' dtype, or the query's own for int8
-    keys (int8 values are exact in every float dtype, so the keys convert losslessly)."""
-    return q.dtype if k.dtype == torch.int8 else k.dtype
+    """The dtype of the scoring products: the keys' dtype, or the query's own for int8 /
+    int4 keys (their values are exact in every float dtype, so they convert losslessly)."""
+    return q.dtype if k.dtype in _QUANT_KEYS else k.dtype
 
 
 def _round_q(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -149,20 +165,21 @@ def _round_q(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _check_k_scale(k: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor | None:
-    """int8 keys need their per-token scales [B, Hkv, L] (float32, on k's device);
-    float keys take none."""
-    if k.dtype == torch.int8:
+    """int8 and packed int4 (uint8) keys need their per-token scales [B, Hkv, L]
+    (float32, on k's device); float keys take none."""
+    if k.dtype in _QUANT_KEYS:
         if k_scale is None:
-            raise ValueError("int8 keys need k_scale [B, Hkv, L] (the scales from quantize_keys)")
+            raise ValueError(f"{'int8' if k.dtype == torch.int8 else 'int4 (uint8)'} keys need k_scale "
+                             "[B, Hkv, L] (the scales from quantize_keys / quantize_keys_int4)")
         if k_scale.shape != k.shape[:3]:
             raise ValueError(f"k_scale must have shape {tuple(k.shape[:3])}, got {tuple(k_scale.shape)}")
         if k_scale.device != k.device:
             raise ValueError(f"k_scale on {k_scale.device} but k on {k.device}")
         return k_scale.float()
     if k_scale is not None:
-        raise ValueError(f"k_scale is only for int8 keys, got {k.dtype} keys")
+        raise ValueError(f"k_scale is only for int8 / int4 keys, got {k.dtype} keys")
     if not k.dtype.is_floating_point:
-        raise ValueError(f"keys must be a float dtype or int8, got {k.dtype}")
+        raise ValueError(f"keys must be a float dtype, int8 or packed int4 (uint8), got {k.dtype}")
     return None
 
 
@@ -252,11 +269,12 @@ def _dot_flags_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, bool]:
 def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
                       k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head logits [B, Hkv, G, L] float32 (fp32 products, q rounded to k's dtype;
-    int8 keys: ``scale * (q · kq) * k_scale``)."""
+    int8 / packed int4 keys: ``scale * (q · kq) * k_scale``)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = _round_q(q, k).float().reshape(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    logits = torch.einsum("bhgd,bhld->bhgl", qg, k.float()) * scale
+    kf = unpack_int4(k).float() if k.dtype == torch.uint8 else k.float()  # [B, Hkv, L, D]
+    logits = torch.einsum("bhgd,bhld->bhgl", qg, kf) * scale
     if k_scale is not None:
         logits = logits * k_scale.float()[:, :, None, :]  # [B, Hkv, 1, L]
     return logits
@@ -297,14 +315,20 @@ def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *,
     return _reduce_ref(logits, valid, valid, reduce)
 
 
-def _norm_range(lo: torch.Tensor, hi: torch.Tensor, kv_lens: torch.Tensor | None,
-                reduce: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``sum_softmax`` normaliser range of ``score_topk``: ``[0, max(kv_lens, hi))``
-    with ``kv_lens`` (the hull guarantees it covers the candidates), else ``[lo, hi)``."""
+def _norm_range(lo: torch.Tensor, hi: torch.Tensor, kv_lens: torch.Tensor | None, reduce: str,
+                kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``sum_softmax`` normaliser range of ``score_topk``: the row's own valid range
+    ``[kv_start, kv_lens)`` (``kv_start`` = 0 when None) with ``kv_lens``, widened to
+    the hull with ``[lo, hi)`` so it always covers the candidates; else ``[lo, hi)``.
+
+    Starting at ``kv_start`` rather than 0 keeps left padding (garbage keys before
+    ``kv_start``) out of the normaliser, so a padded row scores exactly as the same
+    row alone."""
     if reduce != "sum_softmax" or kv_lens is None:
         return lo, hi
     kv = kv_lens.to(device=hi.device, dtype=hi.dtype)
-    return torch.zeros_like(lo), torch.maximum(kv, hi)
+    start = torch.zeros_like(lo) if kv_start is None else kv_start.to(device=lo.device, dtype=lo.dtype)
+    return torch.minimum(start, lo), torch.maximum(kv, hi)
 
 
 def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
@@ -325,7 +349,8 @@ def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
 
 def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                    scale: float | None = None, reduce: str = "sum_logits",
-                   kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                   kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline)."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
@@ -335,7 +360,9 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     lo, hi = lo.to(k.device), hi.to(k.device)
-    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
+    if kv_start is not None:
+        kv_start = _check_rows(kv_start, B, "kv_start", k.device)
+    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
@@ -384,18 +411,21 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
 
 
 @triton.jit
-def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd, stride_sl,
-                hist, m_run, s_run,
+def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd,
+                stride_sl, hist, m_run, s_run,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
-                UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr):
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
+                KINT4: tl.constexpr):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
     over L once per chunk, instead of two reductions across the tile's lanes (and, on a
     GPU, its warps) per tile. KINT8: the keys are int8 (half the bytes of bf16),
     converted in registers to the query's dtype (exact) and the logits scaled per
-    token by ``ks``."""
+    token by ``ks``. KINT4: packed int4 keys (D and BLOCK_D are then the *half* head
+    dim: the bytes of a row); ``q`` / ``q2`` are the query's first / second channel
+    halves, dotted with the low / high nibbles (unused ``q2`` otherwise)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
@@ -403,16 +433,25 @@ def _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, st
     valid = (offs_l >= lo) & (offs_l < hi)
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
-    if KINT8:
-        kt = kt.to(q.dtype)  # q is already fp32 under UPCAST
-    elif UPCAST:
-        kt = kt.to(tl.float32)
-    if IEEE:
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+    if KINT4:
+        kb = kt.to(tl.int32)
+        k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D) of the head; padding bytes 0 -> -8, q is 0 there
+        k_hi = ((kb >> 4) - 8).to(q.dtype)  # channels [D, 2D)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k_lo), input_precision="ieee") + tl.dot(q2, tl.trans(k_hi), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k_lo)) + tl.dot(q2, tl.trans(k_hi))
     else:
-        s = tl.dot(q, tl.trans(kt))
+        if KINT8:
+            kt = kt.to(q.dtype)  # q is already fp32 under UPCAST
+        elif UPCAST:
+            kt = kt.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt))
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
-    if KINT8:
+    if KINT8 or KINT4:
         ksv = tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)  # [BLOCK_L] fp32
         s = s * ksv[None, :]
     if REDUCE == 2:
@@ -448,7 +487,7 @@ def _score_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, KINT4: tl.constexpr,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -476,7 +515,14 @@ def _score_kernel(
 
     offs_g = tl.arange(0, G_PAD)
     g_mask = offs_g < G
-    q = _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
+    if KINT4:  # the query's two channel halves (D = half the head dim), see _score_tile
+        q = _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
+        q2 = _load_group_q(q_ptr + D * stride_qd, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)
+        if UPCAST:
+            q2 = q2.to(tl.float32)
+    else:
+        q = _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
+        q2 = q  # unused
     if UPCAST:
         q = q.to(tl.float32)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
@@ -495,17 +541,17 @@ def _score_kernel(
         # kernel keeps the for loop so the software pipeliner can stage the key loads.
         l0 = start
         while l0 < end:
-            hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+            hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
                                              stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
                                              BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
-                                             LANE_STATS)
+                                             LANE_STATS, KINT4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist, m_run, s_run = _score_tile(q, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+            hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
                                              stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
                                              BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
-                                             LANE_STATS)
+                                             LANE_STATS, KINT4)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
             m_lane = m_run
@@ -584,16 +630,23 @@ def _softmax_finalize_kernel(
 
 
 @triton.jit
-def _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl, hist,
-               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-               FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
+               hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
+               FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr):
+    """One tile of ``_gemv_score_kernel``. KINT4: D / BLOCK_D are the packed row's bytes
+    (half the head dim); ``qs`` / ``qs2`` the summed query's channel halves."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=valid[:, None] & (offs_d[None, :] < D), other=0).to(tl.float32)  # [BLOCK_L, BLOCK_D]
-    r = tl.sum(kt * qs[None, :], axis=1)  # [BLOCK_L]
-    if KINT8:
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    if KINT4:
+        kb = kt.to(tl.int32)
+        r = tl.sum(((kb & 15) - 8).to(tl.float32) * qs[None, :] + ((kb >> 4) - 8).to(tl.float32) * qs2[None, :],
+                   axis=1)  # [BLOCK_L]
+    else:
+        r = tl.sum(kt.to(tl.float32) * qs[None, :], axis=1)  # [BLOCK_L]
+    if KINT8 or KINT4:
         r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
     return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
@@ -604,12 +657,13 @@ def _gemv_score_kernel(
     qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr,
 ):
     """``sum_logits`` as one GEMV per (b, KV head): Σ_g scale·q_g·k = (scale·Σ_g q_g)·k, so
     the group collapses into one fp32 query ``qs`` [B*HKV, D] and each key is read once
     with D multiply-adds on the CUDA cores (no padded tensor-core tile of G rows): the
-    int8 keys then stream at their own, halved, byte count."""
+    int8 keys then stream at their own, halved, byte count (int4: a quarter; D is then
+    half the head dim, the row's bytes, and ``qs`` holds 2D channels per row)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -626,20 +680,25 @@ def _gemv_score_kernel(
         end = tl.minimum(c1, hi)
     row64 = row.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    qs = tl.load(qs_ptr + row64 * D + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] fp32
+    if KINT4:
+        qs = tl.load(qs_ptr + row64 * (2 * D) + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] first half
+        qs2 = tl.load(qs_ptr + row64 * (2 * D) + D + offs_d, mask=offs_d < D, other=0.0)  # second half
+    else:
+        qs = tl.load(qs_ptr + row64 * D + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] fp32
+        qs2 = qs  # unused
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     hist = tl.zeros([256], dtype=tl.int32)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            hist = _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST)
+            hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist = _gemv_tile(qs, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST)
+            hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -747,14 +806,14 @@ def _gemv_config(k: torch.Tensor) -> dict:
 GEMV_CONFIG: dict = {}
 """Overrides for the ``sum_logits`` GEMV scoring kernel (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
-keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
+and int4 keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
 int8 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False: the
 float GEMV tile, which converts every key element)."""
 
 
 def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     mode = GEMV_CONFIG.get("use", "int8")
-    return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype == torch.int8))
+    return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
@@ -765,7 +824,8 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     cfg = _gemv_config(k)
     BLOCK_L = cfg["BLOCK_L"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
-    kint8 = k_scale is not None
+    kint4 = k.dtype == torch.uint8
+    kint8 = k.dtype == torch.int8
     if kint8 and cfg.get("int8_dot", True):
         G = Hq // Hkv
         _i8dot_score_kernel[(rows, n_chunks)](
@@ -777,13 +837,14 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
-    ks_arg = k_scale if kint8 else out
-    ks_strides = k_scale.stride() if kint8 else (0, 0, 0)
+    ks_arg = k_scale if k_scale is not None else out
+    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
+    Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
     _gemv_score_kernel[(rows, n_chunks)](
         qs, k, ks_arg, out, hist if hist is not None else out, lo, hi,
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
-        HKV=Hkv, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_L=BLOCK_L, KINT8=kint8,
-        FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
+        HKV=Hkv, D=Dk, BLOCK_D=max(16, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, KINT8=kint8,
+        KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -800,18 +861,20 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     G = Hq // Hkv
     G_PAD = max(16, triton.next_power_of_2(G))
     rows = B * Hkv
-    cfg = _score_config(D, k.device)
+    kint4 = k.dtype == torch.uint8
+    Dk = D // 2 if kint4 else D  # int4: the kernels see the packed row (half the head dim)
+    cfg = _score_config(Dk, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     upcast, ieee = _dot_flags_qk(q, k)
     qr = _round_q(q, k)
-    kint8 = k_scale is not None
-    ks_arg = k_scale if kint8 else out  # never read when KINT8 is off
-    ks_strides = k_scale.stride() if kint8 else (0, 0, 0)
+    kint8 = k.dtype == torch.int8
+    ks_arg = k_scale if k_scale is not None else out  # never read for float keys
+    ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
     do_hist = hist is not None
     hist_arg = hist if do_hist else out  # never touched when HIST is off
-    common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
-                  KINT8=kint8, LANE_STATS=bool(cfg.get("LANE_STATS", False)),
+    common = dict(HKV=Hkv, G=G, G_PAD=G_PAD, D=Dk, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, UPCAST=upcast, IEEE=ieee,
+                  KINT8=kint8, KINT4=kint4, LANE_STATS=bool(cfg.get("LANE_STATS", False)),
                   INTERPRET=_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
@@ -1116,7 +1179,8 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
-                      kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top].
     int8 ``k`` (``spade.kernels.quant``) with its ``k_scale`` [B, Hkv, L] reads half
     the key bytes of bf16.
@@ -1133,12 +1197,14 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     hi = _check_rows(hi, B, "hi", k.device)
     if kv_lens is not None:
         kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
+    if kv_start is not None:
+        kv_start = _check_rows(kv_start, B, "kv_start", k.device)
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     if k_top == 0 or B * Hkv == 0:
         return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
     rows = B * Hkv
-    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce)
+    n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
     fuse = SELECT_CONFIG.get("fuse_hist", True)
     ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
