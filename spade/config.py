@@ -116,11 +116,13 @@ class AsyncSpadePolicyConfig(_SparseCommon):
     """Ridge λ relative to the mean squared norm of the window's queries."""
     rope_aware: bool = False
     """Regress pre-RoPE queries and rotate the prediction to the next position."""
-    score_keys: Literal["exact", "int8"] = "exact"
+    score_keys: Literal["exact", "int8", "int4"] = "exact"
     """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the
     policy (half the bytes of bf16 to read each step, so the cache rank keeps up with
-    the inference rank); attention still uses the exact keys. Costs a little
-    selection fidelity (see docs/policies.md)."""
+    the inference rank); attention still uses the exact keys. ``int4``: a packed
+    4-bit copy (a quarter of bf16's bytes), smoothed per channel by scales fitted on
+    the prompt's keys and folded into the query. Both cost a little selection
+    fidelity, int4 more (see docs/policies.md)."""
 
 
 PolicyConfig = Annotated[

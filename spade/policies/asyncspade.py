@@ -26,6 +26,13 @@ host sync, so it replays in a CUDA graph). When the cache view grows past C the
 copy is rebuilt from the exact keys with doubled capacity (a host decision on
 shapes only; the cache rank's graphs run on a fixed-length view, so it never
 happens there). Attention itself always reads the exact keys.
+
+``score_keys="int4"`` keeps a packed int4 copy the same way (``kq`` uint8
+[B, Hkv, C, D/2], a quarter of bf16's bytes), smoothed per channel:
+``k_smooth`` [B, Hkv, D] is fitted on the prompt's keys at ``prefill`` (kept
+through capacity rebuilds) and folded into q̂ before scoring
+(``spade.kernels.quant``: plain per-token int4 ranks badly on real keys'
+outlier channels).
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ class AsyncSpadeLayerState:
     """``score_keys="int8"``: int8 copy of the keys [B, Hkv, C, D] (C = capacity >= cache length)."""
     ks: torch.Tensor | None = None
     """Per-token scales of ``kq`` [B, Hkv, C] float32 (``k ≈ kq * ks``)."""
+    k_smooth: torch.Tensor | None = None
+    """``score_keys="int4"``: per-channel smoothing of the int4 copy [B, Hkv, D] float32
+    (``k ≈ unpack(kq) * ks * k_smooth``), fitted on the prompt's keys."""
 
 
 class AsyncSpadePolicy(Policy):
@@ -129,23 +139,37 @@ class AsyncSpadePolicy(Policy):
         return rel - back
 
     def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
-                     kv_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 copy of ``k_cache`` [B, Hkv, L, D] as views (kq [B, Hkv, L, D],
-        ks [B, Hkv, L]), kept in ``st``.
+                     kv_lens: torch.Tensor | None = None, *,
+                     fit: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 (or packed int4) copy of ``k_cache`` [B, Hkv, L, D] as views
+        (kq [B, Hkv, L, D] int8 / [B, Hkv, L, D/2] uint8, ks [B, Hkv, L]), kept in ``st``.
 
         With ``kv_lens``, the newest key of each row (slot ``kv_lens - 1``) is
         quantised into the copy (device-side, graph-safe). A missing copy, another
         layout, or a cache longer than the copy's capacity rebuilds it from the
         exact keys (capacity doubled, so a growing cache rebuilds O(log L) times).
+        int4: a missing ``st.k_smooth`` is fitted on the keys of ``fit`` =
+        (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``, else of
+        the whole view; rebuilds keep it, so the copy's scale never shifts mid-sequence.
         """
         B, H, L, D = k_cache.shape
+        int4 = self.cfg.score_keys == "int4"
+        dt, Dq = (torch.uint8, D // 2) if int4 else (torch.int8, D)
         kq = st.kq
-        same = kq is not None and kq.device == k_cache.device and kq.shape[:2] == (B, H) and kq.shape[3] == D
+        same = (kq is not None and kq.device == k_cache.device and kq.dtype == dt and kq.shape[:2] == (B, H)
+                and kq.shape[3] == Dq)
+        if int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D) or st.k_smooth.device != k_cache.device):
+            f_lens, f_start = fit if fit is not None else (kv_lens, None)
+            st.k_smooth = kernels.fit_smoothing(k_cache, f_lens, f_start)  # [B, H, D] fp32
+            same = False  # a copy made under another smoothing is void
         if not same or kq.shape[2] < L:
             cap = max(L, 2 * kq.shape[2]) if same else L
-            q8, s8 = kernels.quantize_keys(k_cache)  # [B, H, L, D] int8, [B, H, L] fp32
+            if int4:
+                q8, s8 = kernels.quantize_keys_int4(k_cache, st.k_smooth)  # [B, H, L, D/2] uint8, [B, H, L]
+            else:
+                q8, s8 = kernels.quantize_keys(k_cache)  # [B, H, L, D] int8, [B, H, L] fp32
             if cap > L:
-                st.kq = torch.zeros(B, H, cap, D, dtype=torch.int8, device=k_cache.device)
+                st.kq = torch.zeros(B, H, cap, Dq, dtype=dt, device=k_cache.device)
                 st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=k_cache.device)
                 st.kq[:, :, :L] = q8
                 st.ks[:, :, :L] = s8
@@ -153,7 +177,10 @@ class AsyncSpadePolicy(Policy):
                 st.kq, st.ks = q8, s8
         elif kv_lens is not None:
             kv = kv_lens.to(device=k_cache.device, dtype=torch.int64)
-            kernels.quantize_append(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1)
+            if int4:
+                kernels.quantize_append_int4(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1, st.k_smooth)
+            else:
+                kernels.quantize_append(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1)
         return st.kq[:, :, :L], st.ks[:, :, :L]
 
     # ------------------------------------------------------------------ policy API
@@ -173,9 +200,9 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
-        if self.cfg.score_keys == "int8":
-            st.kq = st.ks = None  # a new prompt: quantise the whole cache afresh
-            self.scoring_keys(st, k_cache)
+        if self.cfg.score_keys != "exact":
+            st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
+            self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
 
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:
@@ -188,7 +215,7 @@ class AsyncSpadePolicy(Policy):
         w[:, :, -1] = qn
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
-        if self.cfg.score_keys == "int8":
+        if self.cfg.score_keys != "exact":
             self.scoring_keys(st, k_cache, kv_lens)
 
     def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:
@@ -212,8 +239,10 @@ class AsyncSpadePolicy(Policy):
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
         k_score, k_scale = k_cache, None
-        if cfg.score_keys == "int8":
-            k_score, k_scale = self.scoring_keys(state.layers[layer], k_cache)
+        if cfg.score_keys != "exact":
+            st = state.layers[layer]
+            k_score, k_scale = self.scoring_keys(st, k_cache)
+            q_hat = kernels.fold_smoothing(q_hat, st.k_smooth)  # int4: the copy's smoothing (fp32)
             if k_cache.dtype in (torch.float16, torch.bfloat16):
                 # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
                 q_hat = q_hat.to(k_cache.dtype)

@@ -282,3 +282,93 @@ def test_smoothing_rescues_an_outlier_channel(reduce):
                                                     kv_lens=hi, k_scale=ks))
     print(f"int4 top-{K} overlap with exact ({reduce}): plain {plain:.3f}, smoothed {smooth:.3f}")
     assert plain < 0.5 and smooth >= 0.8, (plain, smooth)
+
+
+# ------------------------------------------------------------------------------------------------
+# asyncspade with score_keys="int4"
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,starts,dtype,reduce", [
+    (1, 2, 2, None, torch.float32, "sum_logits"),
+    (3, 4, 2, [0, 6, 3], torch.bfloat16, "max_logits"),
+    (3, 4, 1, [5, 0, 0], torch.float16, "sum_logits"),
+])
+def test_policy_int4_copy_and_selection(B, Hq, Hkv, starts, dtype, reduce, monkeypatch):
+    """asyncspade with int4 keys, on the Triton kernels: the smoothing equals
+    ``fit_smoothing`` of the prompt's valid keys (garbage after kv_lens and in the left
+    padding ignored); after every observe the copy equals a fresh quantisation of the
+    valid cache under it; each selection equals the torch-reference path's
+    (``topk_selection`` of the folded q_{t-1} over those keys); the whole run gives the
+    selections of the same policy on the torch references."""
+    from spade.policies.common import topk_selection
+    from tests.policies.sim import DecodeSim, make_policy, middle_sets
+
+    sim = DecodeSim(B=B, Hq=Hq, Hkv=Hkv, kv_start=starts, prompt_len=41, steps=3, seed=9, dtype=dtype)
+    common = dict(budget=20, sink_tokens=2, recent_tokens=3, predictor="last", window=3, group_reduce=reduce,
+                  score_keys="int4", rope_aware=False)
+    T = sim.prompt_len
+    sm_want = quant.fit_smoothing(sim.k_all[0], torch.full((B,), T), sim.starts)
+    runs = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("SPADE_KERNELS", mode)
+        pol = make_policy("asyncspade", sim, **common)
+        sels = []
+
+        def on_step(rec, state):
+            st = state.layers[rec.layer]
+            assert st.kq.dtype == torch.uint8 and torch.equal(st.k_smooth, sm_want)
+            want_q, want_s = quant.quantize_keys_int4_ref(sim.k_all[rec.layer], sm_want)
+            for b in range(B):
+                s, n = (0 if starts is None else starts[b]), int(rec.kv_lens[b])
+                assert torch.equal(st.kq[b, :, s:n], want_q[b, :, s:n]), "int4 copy drifted from the cache"
+                assert torch.equal(st.ks[b, :, s:n], want_s[b, :, s:n])
+            prev_q = quant.fold_smoothing(sim.q_all[rec.layer, :, :, rec.seq_len - 2].float(), sm_want).to(dtype)
+            monkeypatch.setenv("SPADE_KERNELS", "torch")
+            want = topk_selection(prev_q, st.kq, rec.kv_lens, sim.starts, budget=20, n_sink=2, n_recent=3,
+                                  scale=sim.spec.softmax_scale, reduce=reduce, k_scale=st.ks)
+            monkeypatch.setenv("SPADE_KERNELS", mode)
+            assert middle_sets(rec.sel) == middle_sets(want)
+            sels.append(middle_sets(rec.sel))
+
+        sim.run(pol, on_step=on_step)
+        runs[mode] = sels
+    assert len(runs["triton"]) == sim.steps and runs["triton"] == runs["torch"]
+
+
+def test_policy_int4_config_and_growing_view(monkeypatch):
+    """``score_keys`` accepts int4; a growing cache view rebuilds the copy with doubled
+    capacity but keeps the prompt's smoothing (the copy's scale is fixed per sequence)."""
+    from spade.config import AsyncSpadePolicyConfig
+    from tests.policies.sim import DecodeSim, make_policy
+
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    with pytest.raises(ValueError):
+        AsyncSpadePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2, score_keys="int2")
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=10, steps=12, seed=10, extra=0)
+    pol = make_policy("asyncspade", sim, budget=8, sink_tokens=1, recent_tokens=2, predictor="last", window=2,
+                      score_keys="int4", rope_aware=False)
+    st = pol.new_state(2, "cpu")
+    ks, vs, kv = sim.fresh_cache()
+    T = sim.prompt_len
+    st.seq_len = T
+    pol.prefill(st, 0, sim.q_all[0, :, :, :T], ks[0][:, :, :T], vs[0][:, :, :T], kv)
+    sm = st.layers[0].k_smooth
+    caps = [st.layers[0].kq.shape[2]]
+    for step in range(sim.steps):
+        pos = T + step
+        ks[0][:, :, pos] = sim.k_all[0, :, :, pos]
+        kv = kv + 1
+        st.seq_len = pos + 1
+        view = ks[0][:, :, :pos + 1]
+        sel = pol.select(st, 0, None, view, kv)
+        pol.observe(st, 0, sim.q_all[0, :, :, pos], view, kv)
+        lay = st.layers[0]
+        caps.append(lay.kq.shape[2])
+        assert lay.k_smooth is sm
+        want_q, want_s = quant.quantize_keys_int4_ref(sim.k_all[0, :, :, :pos + 1], sm)
+        for b, s in enumerate([0, 3]):
+            assert torch.equal(lay.kq[b, :, s:pos + 1], want_q[b, :, s:pos + 1])
+            assert torch.equal(lay.ks[b, :, s:pos + 1], want_s[b, :, s:pos + 1])
+        assert sel is not None and sel.indices.shape[-1] == 5
+    assert caps[0] == T and caps[-1] == 40 and len(set(caps)) == 3
