@@ -68,9 +68,26 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
     return torch.empty(batch, n_kv_heads, 0, dtype=torch.int32, device=device)
 
 
+def _score_topk(q, k, lo, hi, k_top, *, scale, reduce, kv_lens, kv_start, k_scale):
+    """``kernels.score_topk`` with the row starts for the ``sum_softmax`` normaliser.
+
+    NOTE: ``kernels.score_topk`` does not forward ``kv_start`` yet, so left-padded
+    ``sum_softmax`` calls go to the scoring module directly with the same dispatch
+    (``kernels.use_triton``); once the dispatcher forwards it, this is one call."""
+    if kv_start is None or reduce != "sum_softmax":
+        return kernels.score_topk(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens,
+                                  k_scale=k_scale)
+    from spade.kernels import scoring
+
+    fn = scoring.score_topk_triton if kernels.use_triton(q) else scoring.score_topk_ref
+    return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
+              k_scale=k_scale)
+
+
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
-                   scale: float, reduce: str, k_scale: torch.Tensor | None = None) -> Selection:
+                   scale: float, reduce: str, k_scale: torch.Tensor | None = None,
+                   norm_lens: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -80,6 +97,10 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     recent window by construction, so no position is counted twice.
     ``k_cache`` may be an int8 scoring copy with its ``k_scale`` [B, Hkv, L]
     (``spade.kernels.quantize_keys``).
+
+    ``sum_softmax`` normalises each head over the row's own ``[kv_start, norm_lens)``
+    (``norm_lens`` defaults to ``kv_lens``): a selection made one step ahead passes
+    ``kv_lens - 1``, since the newest key does not exist yet where it is computed.
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
@@ -87,11 +108,11 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         idx = empty_indices(B, Hkv, k_cache.device)
     else:
         lo, hi = middle_bounds(kv_lens, kv_start, n_sink, n_recent)
-        # The sum_softmax normaliser runs over [0, kv_len); with left padding that
-        # would include garbage positions, so it then spans the middle only.
-        norm_lens = kv_lens if kv_start is None else None
-        idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
-                                 kv_lens=norm_lens, k_scale=k_scale)
+        # The sum_softmax normaliser runs over the row's own [kv_start, kv_len): a
+        # left-padded row selects exactly what it selects alone.
+        idx = _score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
+                          kv_lens=kv_lens if norm_lens is None else norm_lens,
+                          kv_start=kv_start, k_scale=k_scale)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 
