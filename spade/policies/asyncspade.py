@@ -37,6 +37,7 @@ outlier channels).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,33 @@ from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
 from spade.policies.common import is_dense, last_token_keys, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
+
+log = logging.getLogger(__name__)
+
+
+_AUTO_LOGGED: set[bool] = set()
+
+
+def resolve_rope_aware(setting: bool | str, spec) -> bool:
+    """``rope_aware`` as a bool for a model of ``spec``.
+
+    ``auto`` is on exactly when ``spec.rope`` is set (plain, unscaled RoPE; model
+    loaders leave it None for scaled variants they cannot rotate exactly), so the
+    default never raises; each outcome is logged once per process at INFO. An
+    explicit ``True`` on a model without ``spec.rope`` is a ConfigError: the user
+    asked for something the model cannot give.
+    """
+    if setting == "auto":
+        on = spec.rope is not None
+        if on not in _AUTO_LOGGED:
+            _AUTO_LOGGED.add(on)
+            log.info("asyncspade: rope_aware=auto -> %s (%s)", on,
+                     "the model has plain RoPE" if on else "spec.rope is None: no RoPE, or a scaled variant")
+        return on
+    if setting and spec.rope is None:
+        raise ConfigError("policy.rope_aware=true needs a model with plain rotary embeddings (spec.rope is None: "
+                          "no RoPE, or a scaled variant such as llama3/yarn); set policy.rope_aware=auto or false")
+    return bool(setting)
 
 
 @dataclass
@@ -87,9 +115,8 @@ class AsyncSpadePolicy(Policy):
 
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
-        if cfg.rope_aware and spec.rope is None:
-            raise ConfigError("policy.rope_aware needs a model with rotary embeddings (spec.rope is None); "
-                              "set policy.rope_aware=false")
+        self.rope_aware = resolve_rope_aware(cfg.rope_aware, spec)
+        """The resolved ``cfg.rope_aware`` (``auto`` -> whether ``spec.rope`` is set)."""
 
     @property
     def rows(self) -> int:
@@ -194,7 +221,7 @@ class AsyncSpadePolicy(Policy):
         qs = q[:, :, T - n:].float()  # [B, Hq, n, D]
         offset = torch.arange(n, 0, -1, device=q.device)  # column j sits at kv_len - (n - j)
         pos = self._positions(state, kv_lens.to(q.device), offset)  # [B, n]
-        if self.cfg.rope_aware:
+        if self.rope_aware:
             qs = rotate(qs, pos, self.spec.rope, inverse=True)
         qs = qs * (pos >= 0)[:, None, :, None]  # padding queries carry no signal
         st.window.zero_()
@@ -208,7 +235,7 @@ class AsyncSpadePolicy(Policy):
                 kv_lens: torch.Tensor) -> None:
         st = self._layer(state, layer, q)
         qn = q.float()  # [B, Hq, D]
-        if self.cfg.rope_aware:
+        if self.rope_aware:
             qn = rotate(qn, self._positions(state, kv_lens.to(q.device)), self.spec.rope, inverse=True)
         w = st.window
         w[:, :, :-1] = w[:, :, 1:].clone()  # shift out the oldest (tiny: W+1 rows)
@@ -226,7 +253,7 @@ class AsyncSpadePolicy(Policy):
             return None
         st = state.layers[layer]
         q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
-        if self.cfg.rope_aware:
+        if self.rope_aware:
             q_hat = rotate(q_hat, self._positions(state, kv_lens.to(q_hat.device)), self.spec.rope)
         return q_hat
 
@@ -246,6 +273,9 @@ class AsyncSpadePolicy(Policy):
             if k_cache.dtype in (torch.float16, torch.bfloat16):
                 # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
                 q_hat = q_hat.to(k_cache.dtype)
+        # sum_softmax normaliser without the newest token: a cache rank selecting ahead has
+        # not received its key yet, so every path leaves it out and all give one selection
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale)
+                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
+                              norm_lens=kv_lens - 1)
