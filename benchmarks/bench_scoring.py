@@ -15,7 +15,10 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
   floor = int8 key bytes + fp32 scale bytes of the candidates; its selection is
   checked against the naive top-K of the int8 scores, and its overlap with the
   exact-key selection is recorded (random keys: a pessimistic stand-in);
-* ``score_topk_softmax`` (``sum_softmax``) rows, exact and int8, at every shape;
+* the same over packed int4 keys (``triton_int4``: ``score_keys="int4"``'s copy,
+  smoothed per channel with the smoothing folded into the query), floor = D/2
+  bytes + a fp32 scale per token;
+* ``score_topk_softmax`` (``sum_softmax``) rows, exact, int8 and int4, at every shape;
 * ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
   sizes, and ``sum_softmax`` with per-element online statistics
   (``SCORE_CONFIG["LANE_STATS"]``), at a few shapes;
@@ -193,10 +196,10 @@ class Runner:
 
 
 def need_bytes(B: int, L: int) -> int:
-    """Keys (+ their int8 copy and scales) + Quest bounds + the naive baseline's
+    """Keys (+ their int8 / int4 copies and scales) + Quest bounds + the naive baseline's
     temporaries + the sum_softmax logits, with 1 GiB headroom."""
     keys = B * HKV * L * D * ELT
-    int8 = B * HKV * L * (D + 4)
+    int8 = B * HKV * L * (D + 4) + B * HKV * L * (D // 2 + 4)
     bounds = 2 * keys // PAGE
     naive = B * HQ * L * (ELT + 4) + 3 * B * HKV * L * 4
     softmax = B * HQ * L * 4
@@ -271,6 +274,18 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
     r.add("group_scores", "triton_int8", shape,
           bench(lambda: scoring.group_scores_triton(q, kq, kv_lens, k_scale=kscale)), int8_key_bytes)
     truth8 = scoring.group_scores_triton(q, kq, kv_lens, k_scale=kscale)
+    # int4 scoring copy (score_keys="int4"): D/2 bytes per token + a fp32 scale; smoothed per
+    # channel, the smoothing folded into the query (once per step: [B, HQ, D], not timed)
+    smooth = quant.fit_smoothing(k)
+    kq4, kscale4 = quant.quantize_keys_int4_triton(k, smooth)
+    q4 = quant.fold_smoothing(q, smooth)
+    int4_key_bytes = B * HKV * L * (D // 2 + 4)
+    int4_mid_bytes = B * HKV * (L - N_SINK - N_RECENT) * (D // 2 + 4)
+    r.add("quantize_keys", "triton_int4", shape, bench(lambda: quant.quantize_keys_int4_triton(k, smooth)),
+          key_bytes + int4_key_bytes)
+    r.add("group_scores", "triton_int4", shape,
+          bench(lambda: scoring.group_scores_triton(q4, kq4, kv_lens, k_scale=kscale4)), int4_key_bytes)
+    truth4 = scoring.group_scores_triton(q4, kq4, kv_lens, k_scale=kscale4)
     for K in ks:
         if r.left_s() <= 0:
             r.skip(dict(B=B, L=L, K=K), "--budget-s spent")
@@ -292,10 +307,20 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
               bench(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes, **ok)
         r.add("score_topk", "triton_int8_graph", shp,
               bench_graph(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes)
+
+        fused4 = scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)
+        naive4 = truth4.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
+        ok = dict(deficit=selection_deficit(fused4, naive4.to(torch.int32), truth4),
+                  overlap_exact=overlap(fused4, fused))
+        r.add("score_topk", "triton_int4", shp,
+              bench(lambda: scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)), int4_mid_bytes, **ok)
+        r.add("score_topk", "triton_int4_graph", shp,
+              bench_graph(lambda: scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)), int4_mid_bytes)
         # sum_softmax: the normaliser spans [0, kv_lens), so the floor reads every key once
-        for impl, kk, ksc, fb in (("triton", k, None, key_bytes), ("triton_int8", kq, kscale, int8_key_bytes)):
+        for impl, qq, kk, ksc, fb in (("triton", q, k, None, key_bytes), ("triton_int8", q, kq, kscale, int8_key_bytes),
+                                      ("triton_int4", q4, kq4, kscale4, int4_key_bytes)):
             r.add("score_topk_softmax", impl, shp,
-                  bench(lambda: scoring.score_topk_triton(q, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
+                  bench(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
                                                           k_scale=ksc)), fb)
 
         n_sel = K // PAGE
@@ -331,17 +356,23 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
         # sum_logits as a GEMV (group collapsed into one query): int8 default vs the
         # tensor-core tile path, bf16 keys through the GEMV, GEMV tile configs
-        gemv_rows = [("triton_int8_tc", kq, kscale, int8_mid_bytes, dict(use="off")),
-                     ("triton_gemv", k, None, mid_bytes, dict(use="all"))]
+        gemv_rows = [("triton_int8_tc", q, kq, kscale, int8_mid_bytes, dict(use="off")),
+                     ("triton_gemv", q, k, None, mid_bytes, dict(use="all")),
+                     # int4: the GEMV (default for sum_logits) vs the tensor-core tile
+                     ("triton_int4_gemv", q4, kq4, kscale4, int4_mid_bytes, {}),
+                     ("triton_int4_tc", q4, kq4, kscale4, int4_mid_bytes, dict(use="off"))]
         for bl, nw, ns in ((64, 4, 4), (128, 4, 3), (128, 8, 4), (256, 8, 3), (32, 2, 4)):
-            gemv_rows.append((f"int8_gemv_l{bl}w{nw}s{ns}", kq, kscale, int8_mid_bytes,
+            gemv_rows.append((f"int8_gemv_l{bl}w{nw}s{ns}", q, kq, kscale, int8_mid_bytes,
                               dict(BLOCK_L=bl, num_warps=nw, num_stages=ns)))
-        for name, kk, ksc, fb, over in gemv_rows:
+        for bl, nw, ns in ((128, 4, 3), (256, 8, 3), (512, 8, 3)):
+            gemv_rows.append((f"int4_gemv_l{bl}w{nw}s{ns}", q4, kq4, kscale4, int4_mid_bytes,
+                              dict(BLOCK_L=bl, num_warps=nw, num_stages=ns)))
+        for name, qq, kk, ksc, fb, over in gemv_rows:
             scoring.GEMV_CONFIG.clear()
             scoring.GEMV_CONFIG.update(over)
             try:
-                ms = bench_graph(lambda: scoring.score_topk_triton(q, kk, lo, hi, K, k_scale=ksc))
-                ms_g = bench(lambda: scoring.group_scores_triton(q, kk, kv_lens, k_scale=ksc))
+                ms = bench_graph(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, k_scale=ksc))
+                ms_g = bench(lambda: scoring.group_scores_triton(qq, kk, kv_lens, k_scale=ksc))
             except Exception as e:  # a config that does not compile must not lose the others
                 print(f"  {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
@@ -358,7 +389,7 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             scoring.SCORE_CONFIG.clear()
         r.add("group_scores_softmax", "lane_stats", shape, ms_g, key_bytes)
         r.add("score_topk_softmax", "lane_stats", shp, ms_t, key_bytes)
-    del q, k, kmin, kmax, truth, pscores, kq, kscale, truth8
+    del q, k, kmin, kmax, truth, pscores, kq, kscale, truth8, kq4, kscale4, q4, truth4
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
@@ -409,9 +440,10 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     except Exception as e:  # noqa: BLE001 - a plot is a convenience, not the result
         print(f"# no plot: {type(e).__name__}: {e}", file=sys.stderr)
         return None
-    series = [("score_topk", "triton"), ("score_topk", "triton_int8"), ("score_topk", "torch_naive"),
-              ("score_topk_softmax", "triton"), ("score_topk_softmax", "triton_int8"), ("group_scores", "triton"),
-              ("group_scores", "triton_int8")]
+    series = [("score_topk", "triton"), ("score_topk", "triton_int8"), ("score_topk", "triton_int4"),
+              ("score_topk", "torch_naive"), ("score_topk_softmax", "triton"), ("score_topk_softmax", "triton_int8"),
+              ("score_topk_softmax", "triton_int4"), ("group_scores", "triton"), ("group_scores", "triton_int8"),
+              ("group_scores", "triton_int4")]
     shapes = sorted({(r["B"], r["L"], r["K"]) for r in rows if r.get("op") == "score_topk" and "K" in r})
     if not shapes:
         return None
