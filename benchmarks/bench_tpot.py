@@ -237,6 +237,25 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
     return row
 
 
+def profile_work(work: Callable[[], Any], device: torch.device, out_dir: Path, name: str, reps: int = 10) -> None:
+    """Kernel by kernel, one layer of the cache rank's work (``observe`` + ``select``),
+    run eagerly ``reps`` times under ``torch.profiler`` (device times per kernel are
+    those of the graph replay; the graph only removes the launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            work()
+        _sync(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    (out_dir / f"{name}.txt").write_text(f"{reps} calls of one layer's observe + select\n{table}\n")
+    print(f"  profile of one cache-rank layer -> {out_dir / name}.txt", flush=True)
+
+
 async def profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = 4) -> None:
     """``torch.profiler`` over a few steady-state steps: a table of the top CUDA
     kernels per device and a Chrome trace (where the time of an asynchronous step goes)."""
@@ -333,6 +352,9 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
         out[f"select_{name}_ms"] = statistics.median(time_calls(work, **it))  # eager: launches included
         if name.startswith("asyncspade"):  # the cache rank replays its pack work as a CUDA graph
             out[f"select_{name}_graph_ms"] = statistics.median(time_graph(work, **it))
+            if a.profile and not getattr(a, f"_profiled_layer_{name}", False):
+                setattr(a, f"_profiled_layer_{name}", True)  # the first shape only
+                profile_work(work, dev, Path(a.out).parent, f"profile_cache_layer_{name}_B{B}_L{L}_K{K}")
     free_memory()
     return out
 
@@ -502,7 +524,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--port", type=int, default=29611, help="master port of the multiprocess link (and port + 1)")
     ap.add_argument("--score-keys", default="exact",
-                    help="scoring-key variants of the asyncspade rows (exact,int8): policy.score_keys")
+                    help="scoring-key variants of the asyncspade rows, comma-separated from exact,int8,int4 "
+                         "(policy.score_keys); each non-exact one adds asyncspade_<keys> rows")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="wall-clock budget: no new row starts after it (0: none); what finished is written")
     ap.add_argument("--profile", action="store_true",
@@ -519,6 +542,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.methods = [m for m in a.methods.split(",") if m]
     a.modes = [m for m in a.modes.split(",") if m]
     a.score_keys = [m for m in a.score_keys.split(",") if m]
+    bad = [m for m in a.score_keys if m not in ("exact", "int8", "int4")]
+    if bad:
+        ap.error(f"--score-keys: unknown {bad} (choose from exact,int8,int4)")
     a.cur_score_keys = "exact"
     return a
 
