@@ -710,6 +710,7 @@ def _i8dot_score_kernel(
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
+    KINT4: tl.constexpr,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys.
@@ -725,7 +726,11 @@ def _i8dot_score_kernel(
     ``k·q_int = 65536*c0 + 256*c1 + c2 + 32896*c3`` (the ones column restores the
     offsets). Rounding the query costs at most ``max|qs| / 1.6e7`` per component
     (below the fp32 accumulation noise of the float path); each partial dot is exact
-    in int32 (|c| <= 128 * 128 * D)."""
+    in int32 (|c| <= 128 * 128 * D).
+
+    KINT4: packed int4 keys (D, BLOCK_D: the packed row's bytes, half the head dim).
+    The two halves of ``qs`` get their own digit matrices under one shared ``s``, and
+    a tile's nibbles unpack to two int8 tiles (integer ops only) that dot with them."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -743,20 +748,21 @@ def _i8dot_score_kernel(
     row64 = row.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, G_PAD)
-    qg = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh
-                 + offs_d[None, :] * stride_qd,
-                 mask=(offs_g[:, None] < G) & (offs_d[None, :] < D), other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
-    qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+    qg = tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
+    qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32 (KINT4: the first channel half)
     amax = tl.max(tl.abs(qs), axis=0)
+    if KINT4:
+        qs2 = tl.sum(tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32), axis=0) * scale
+        amax = tl.maximum(amax, tl.max(tl.abs(qs2), axis=0))
     s = tl.where(amax > 0, amax / 8000000.0, 1.0)  # margin below 2^23: fp32 division may round up
-    qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D], |qi| <= 8e6 < 2^23 (error <= s/2)
-    d_hi = qi >> 16  # arithmetic shift: floor(qi / 65536), in [-128, 127]
-    rem = qi - d_hi * 65536  # [0, 65535]
-    d_mid = (rem >> 8) - 128
-    d_lo = (rem & 255) - 128
+    qm = _q_digits(qs, s)  # [BLOCK_D, 16] int8
+    if KINT4:
+        qm2 = _q_digits(qs2, s)
+    else:
+        qm2 = qm  # unused
     col = tl.arange(0, 16)[None, :]
-    qm = tl.where(col == 0, d_hi[:, None], tl.where(col == 1, d_mid[:, None], tl.where(
-        col == 2, d_lo[:, None], tl.where(col == 3, 1, 0)))).to(tl.int8)  # [BLOCK_D, 16]
     w = tl.where(col == 0, 65536.0, tl.where(col == 1, 256.0, tl.where(col == 2, 1.0, tl.where(
         col == 3, 32896.0, 0.0)))) * s  # [1, 16] fp32
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
@@ -765,27 +771,48 @@ def _i8dot_score_kernel(
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            hist = _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                               stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST)
+            hist = _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl,
+                               stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist = _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                               stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST)
+            hist = _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl,
+                               stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
-def _i8dot_tile(qm, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl, hist,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+def _q_digits(qs, s):
+    """The digit matrix of ``_i8dot_score_kernel``: ``qs`` [BLOCK_D] fp32 in fixed point
+    ``round(qs / s)`` split into int8 columns (hi, mid - 128, lo - 128, 1, 0...) [BLOCK_D, 16]."""
+    qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D], |qi| <= 8e6 < 2^23 (error <= s/2)
+    d_hi = qi >> 16  # arithmetic shift: floor(qi / 65536), in [-128, 127]
+    rem = qi - d_hi * 65536  # [0, 65535]
+    d_mid = (rem >> 8) - 128
+    d_lo = (rem & 255) - 128
+    col = tl.arange(0, 16)[None, :]
+    return tl.where(col == 0, d_hi[:, None], tl.where(col == 1, d_mid[:, None], tl.where(
+        col == 2, d_lo[:, None], tl.where(col == 3, 1, 0)))).to(tl.int8)  # [BLOCK_D, 16]
+
+
+@triton.jit
+def _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
+                hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8
-    acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
+    if KINT4:
+        # padding channels: nibble 0 -> -8, but their digit rows (hi, mid, lo, 1) = (0, -128, -128, 1)
+        # weigh to 256 * -128 - 128 + 32896 = 0, so they add nothing
+        k_lo = (kt & 15).to(tl.int8) - 8  # [BLOCK_L, BLOCK_D] channels [0, D)
+        k_hi = (kt >> 4).to(tl.int8) - 8  # channels [D, 2D)
+        acc = tl.dot(k_lo, qm, out_dtype=tl.int32) + tl.dot(k_hi, qm2, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
     r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
@@ -807,8 +834,8 @@ GEMV_CONFIG: dict = {}
 """Overrides for the ``sum_logits`` GEMV scoring kernel (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
 and int4 keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
-int8 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False: the
-float GEMV tile, which converts every key element)."""
+int8 and int4 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False:
+the float GEMV tile, which converts every key element)."""
 
 
 def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
@@ -826,14 +853,15 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     kint4 = k.dtype == torch.uint8
     kint8 = k.dtype == torch.int8
-    if kint8 and cfg.get("int8_dot", True):
+    if (kint8 or kint4) and cfg.get("int8_dot", True):
         G = Hq // Hkv
+        Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
         _i8dot_score_kernel[(rows, n_chunks)](
             q, k, k_scale, out, hist if hist is not None else out, lo, hi,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *k_scale.stride(), L, chunk, scale,
-            HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=max(32, triton.next_power_of_2(D)),
-            BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
+            HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
+            BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
