@@ -70,7 +70,8 @@ def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=Non
     """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
     outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction.
     int8 ``k`` (from ``quantize_keys``) needs ``k_scale`` [B, Hkv, L]: logits are
-    ``scale * (q · kq) * k_scale``."""
+    ``scale * (q · kq) * k_scale``; so does packed int4 ``k`` (uint8 [B, Hkv, L, D/2]
+    from ``quantize_keys_int4``; q then carries the copy's smoothing: ``fold_smoothing``)."""
     from spade.kernels import scoring
 
     fn = scoring.group_scores_triton if use_triton(q) else scoring.group_scores_ref
@@ -82,8 +83,8 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` (optional) is
     only needed for ``sum_softmax`` (its normaliser runs over ``[lo', kv_lens)``,
-    ``lo'`` = 0); without it the normaliser spans ``[lo, hi)``. int8 ``k`` needs
-    ``k_scale`` as in ``group_scores``."""
+    ``lo'`` = 0); without it the normaliser spans ``[lo, hi)``. int8 / packed int4
+    ``k`` needs ``k_scale`` as in ``group_scores``."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
