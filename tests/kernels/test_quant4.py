@@ -375,3 +375,100 @@ def test_policy_int4_config_and_growing_view(monkeypatch):
             assert torch.equal(lay.ks[b, :, s:pos + 1], want_s[b, :, s:pos + 1])
         assert sel is not None and sel.indices.shape[-1] == 5
     assert caps[0] == T and caps[-1] == 40 and len(set(caps)) == 3
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_int4_through_the_async_runtime_matches_inline(backend, monkeypatch):
+    """score_keys=int4 on the cache rank (its own prefill / observe / select on a static
+    cache view or transformers' growing cache; the smoothing fitted there from its own
+    copy of the prompt's keys) gives the inline runtime's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from spade.hf import HFBackend
+    from spade.models.fast import FastModel
+    from spade.models.presets import preset_config
+    from spade.policies import build_policy
+    from spade.runtime.asyncrt import AsyncRuntime
+    from spade.runtime.inline import InlineRuntime
+    from tests.runtime.conftest import B, NEW, T, config, greedy
+
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    torch.manual_seed(1234)
+    if backend == "fast":
+        be = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.float32, max_batch=B,
+                                   max_seq_len=48)
+    else:
+        be = HFBackend(AutoModelForCausalLM.from_config(preset_config("tiny"), dtype=torch.float32), None, "cpu")
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 500, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    ids[mask == 0] = 0
+    base = config("policy.score_keys=int4")
+    want = InlineRuntime(base, be, build_policy(base.policy, be.spec)).generate(
+        ids, mask, max_new_tokens=NEW, sample_fn=greedy).tokens
+    cfg = config("policy.score_keys=int4", "runtime.topology=local", "runtime.pack_layers=2",
+                 "runtime.return_mode=delta")
+    rt = AsyncRuntime(cfg, be, build_policy(cfg.policy, be.spec))
+    try:
+        tr = rt.generate(ids, mask, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
+    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+
+
+@pytest.mark.gpu
+def test_int4_observe_and_select_replay_in_a_cuda_graph(monkeypatch):
+    """observe + select with int4 keys (append + folded query + int4 score_topk) captured
+    once and replayed at later steps give the eager selections."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies import build_policy
+    from spade.policies.base import AttentionSpec
+
+    dev = torch.device("cuda")
+    B, Hq, Hkv, D, L, T = 2, 8, 2, 64, 512, 300
+    spec = AttentionSpec(n_layers=1, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+    for reduce in ("sum_logits", "sum_softmax"):
+        cfg = AsyncSpadePolicyConfig(budget=64, sink_tokens=4, recent_tokens=8, predictor="last", window=2,
+                                     score_keys="int4", group_reduce=reduce, rope_aware=False)
+        pols = [build_policy(cfg, spec) for _ in range(2)]
+        k_all = torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16)
+        q_all = torch.randn(B, Hq, L, D, device=dev, dtype=torch.bfloat16)
+        states, caches = [], []
+        for pol in pols:
+            st = pol.new_state(B, dev)
+            st.seq_len = T
+            k = k_all.clone()
+            pol.prefill(st, 0, q_all[:, :, :T], k, k, torch.full((B,), T, device=dev))
+            states.append(st)
+            caches.append(k)
+        kv = torch.full((B,), T, device=dev)
+        q_in = torch.zeros(B, Hq, D, device=dev, dtype=torch.bfloat16)
+
+        def step(pol, st, k):
+            pol.observe(st, 0, q_in, k, kv)
+            return pol.select(st, 0, None, k, kv).indices
+
+        pg, sg, kg = pols[1], states[1], caches[1]
+        for t in range(T, T + 3):
+            kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+            step(pg, sg, kg)
+            states[0].seq_len = t + 1
+            pols[0].observe(states[0], 0, q_all[:, :, t], caches[0], torch.full((B,), t + 1, device=dev))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        t = T + 3
+        kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+        with torch.cuda.graph(graph):
+            out = step(pg, sg, kg)
+        for t in range(T + 3, T + 8):
+            kv.fill_(t + 1); q_in.copy_(q_all[:, :, t]); sg.seq_len = t + 1
+            graph.replay()
+            st0 = states[0]
+            st0.seq_len = t + 1
+            kv0 = torch.full((B,), t + 1, device=dev)
+            pols[0].observe(st0, 0, q_all[:, :, t], caches[0], kv0)
+            want = pols[0].select(st0, 0, None, caches[0], kv0).indices
+            assert torch.equal(out.sort(-1).values, want.sort(-1).values)
