@@ -2,12 +2,14 @@
 radix-select launch config moves it.
 
 Each stage is timed as the difference of cumulative CUDA graphs replayed on the
-GPU (graph 1 = workspace memset + scoring with the pass-0 histogram, graph 2 =
-graph 1 + radix pass 1, graph 3 = + split, graph 4 = + tie select), so launch
+GPU (graph 1 = workspace memset + scoring with the pass-0 histogram; then, for
+the ``compact`` select, + the scan that writes the 8-bit winners and lists the
+candidates, + the per-row candidate select; for ``radix``, + pass 1, + split,
++ tie select), so launch
 gaps inside a graph are counted where they occur in the runtime (the cache rank
 replays its layer work as a graph too). Then graph 4 is re-timed for a grid of
-``SELECT_CONFIG`` overrides (tile ``BLOCK``, ``num_warps``, ``MIN_CHUNK``,
-programs ``PER_SM``) so that the default can be chosen from measurements.
+``SELECT_CONFIG`` overrides (``impl``, tile ``BLOCK``, ``num_warps``, programs
+``PER_SM``, per-row tile ``TIE_BLOCK``) so that the default can be chosen from measurements.
 
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
@@ -54,8 +56,9 @@ def _graph_ms(fn, *, rep: int) -> float:
 
 
 def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
-    """Closures running the first n stages of ``score_topk_triton`` (n = 1..4) on
-    preallocated buffers, and the buffer holding the result of stage 4."""
+    """Closures running the first n stages of ``score_topk_triton`` on preallocated
+    buffers (n = 1 .. number of stages of ``SELECT_CONFIG["impl"]``), the stage
+    names, and the buffer holding the result."""
     B, Hq, _ = q.shape
     _, Hkv, L, Dk = k.shape
     rows = B * Hkv
@@ -66,29 +69,35 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
     ties = torch.empty(rows, L, dtype=torch.int32, device=dev)
     n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
     scale = scoring._default_scale(None, Dk)
+    cfg = scoring._select_config(dev)
+    compact = cfg.get("impl", "compact") == "compact"
+    names = ["score", "compact", "cand_select"] if compact else ["score", "pass1", "split", "tie"]
 
     def run(n: int) -> None:
         ws.zero_()
         scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce="sum_logits",
                                full_row=False, hist=ws, k_scale=ks)
-        if n == 1:
-            return
-        cfg = scoring._select_config(dev)
-        meta = dict(HKV=Hkv, BLOCK=cfg["BLOCK"], INTERPRET=scoring._interpret(), num_warps=cfg["num_warps"])
-        chunk, n_chunks = scoring._split(L, rows, dev, block=cfg["BLOCK"], min_chunk=cfg["MIN_CHUNK"],
-                                         per_sm=cfg.get("PER_SM", 4))
+        c = scoring._select_config(dev)
+        meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=scoring._interpret(), num_warps=c["num_warps"])
+        tie_meta = dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"]))
+        chunk, n_chunks = scoring._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
+                                         per_sm=c.get("PER_SM", 4))
         grid = (rows, n_chunks)
-        scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
-        if n == 2:
-            return
         cnt = ws[scoring._NPASS_GLOBAL * rows * scoring._NBINS:]
-        scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
-        if n == 3:
+        if compact:
+            if n >= 2:
+                scoring._compact_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
+            if n >= 3:
+                scoring._cand_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K, **tie_meta)
             return
-        scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K,
-                                            **dict(meta, BLOCK=cfg.get("TIE_BLOCK", cfg["BLOCK"])))
+        if n >= 2:
+            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
+        if n >= 3:
+            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
+        if n >= 4:
+            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K, **tie_meta)
 
-    return run, out
+    return run, names, out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     K = args.budget
     hq, hkv, d = HQ, HKV, D
     rep = 50
-    grid_cfg = [dict(BLOCK=b, num_warps=w, MIN_CHUNK=m, PER_SM=p)
-                for b, w, m, p in itertools.product((512, 1024, 2048), (4, 8), (1024, 4096), (4, 8))]
+    grid_cfg = [dict(impl="radix")] + [
+        dict(impl="compact", BLOCK=b, num_warps=w, PER_SM=p, TIE_BLOCK=t)
+        for b, w, p, t in itertools.product((1024, 2048, 4096), (4, 8), (8,), (256, 512, 1024))]
     if args.tiny:
         shapes, K, hq, hkv, d, rep = [(2, 300)], 17, 4, 2, 16, 1
-        grid_cfg = [dict(BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2), dict(BLOCK=128, num_warps=1, MIN_CHUNK=128)]
+        grid_cfg = [dict(impl="radix"), dict(impl="radix", BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2),
+                    dict(impl="compact", BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2, TIE_BLOCK=32)]
     rows_out: list[dict] = []
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,16 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             scoring.SELECT_CONFIG.clear()
             scoring.SELECT_CONFIG.update(cfg)
             try:
-                run, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
-                run(4)
+                run, names, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                run(len(names))
                 err = check(out)
                 if err > 1e-4:
                     return dict(error=f"selection deficit {err:.2e}")
-                ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in (1, 2, 3, 4)]
+                ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in range(1, len(names) + 1)]
             finally:
                 scoring.SELECT_CONFIG.clear()
-            return dict(score_ms=ms[0], pass1_ms=ms[1] - ms[0], split_ms=ms[2] - ms[1], tie_ms=ms[3] - ms[2],
-                        total_ms=ms[3], select_ms=ms[3] - ms[0], deficit=err)
+            stages = {f"{name}_ms": ms[0] if i == 0 else ms[i] - ms[i - 1] for i, name in enumerate(names)}
+            return dict(stages, total_ms=ms[-1], select_ms=ms[-1] - ms[0], deficit=err)
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
@@ -177,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
                 scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)
                 try:
-                    run, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
-                    run(4)
+                    run, names, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                    run(len(names))
                     err = check(out)
                     res = dict(error=f"selection deficit {err:.2e}") if err > 1e-4 else \
                         dict(score_ms=_graph_ms(lambda: run(1), rep=rep), deficit=err)
