@@ -94,8 +94,10 @@ class AttentionContext:
     """Per-generation attention context: the selector, the step's bookkeeping and
     device-side statistics (no host sync inside a step).
 
-    ``attended_sum``: [n_layers] float64 device tensor, sum over steps of the mean
-    number of tokens attended per (row, KV head); ``steps`` counts decode steps.
+    ``stats``: [n_layers, 2] int64 device tensor, per layer the tokens attended
+    summed over decode steps and (row, KV head), and the decode calls; counted
+    inside the attention kernel's launch (no kernels of their own on the decode
+    path). ``mean_attended`` reads them after decoding.
     """
 
     def __init__(self, spec: AttentionSpec, selector: Selector, *, kv_start: torch.Tensor | None = None,
@@ -105,8 +107,8 @@ class AttentionContext:
         self.kv_start = kv_start
         self.seq_len = 0
         self.track_stats = track_stats
-        self.attended_sum = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
-        self.decode_calls = torch.zeros(spec.n_layers, dtype=torch.float64, device=device)
+        self.stats = torch.zeros(spec.n_layers, 2, dtype=torch.int64, device=device)
+        self.stat_rows = 0  # B * Hkv of the decode calls counted (one batch per context)
 
     def begin_step(self, seq_len: int) -> None:
         """Called by the backend before each prefill/decode step with the cache
@@ -123,25 +125,29 @@ class AttentionContext:
                kv_lens: torch.Tensor) -> torch.Tensor:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
+        stats = self.layer_stats(layer, q, k_cache)
         if sel is None:
             out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None,
-                                                  scale=self.spec.softmax_scale, kv_start=self.kv_start)
+                                                  scale=self.spec.softmax_scale, kv_start=self.kv_start,
+                                                  stats=stats)
         else:
             out = kernels.sparse_decode_attention(
                 q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent,
                 scale=self.spec.softmax_scale,
-                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start,
+                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats,
             )
-        if self.track_stats:
-            if sel is None:
-                start = self.kv_start if self.kv_start is not None else 0
-                n = (kv_lens.to(torch.float64) - start).mean()
-            else:
-                n = sel.attended(kv_lens).to(torch.float64).mean()
-            self.attended_sum[layer] += n
-            self.decode_calls[layer] += 1
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
+
+    def layer_stats(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+        """The [2] int64 statistics row the attention kernel adds layer ``layer``'s
+        counts into (None with ``track_stats`` off)."""
+        if not self.track_stats:
+            return None
+        if self.stats.device != q.device:  # the context was built before the model moved
+            self.stats = self.stats.to(q.device)
+        self.stat_rows = q.shape[0] * k_cache.shape[1]
+        return self.stats[layer]
 
     def graph_key(self) -> tuple:
         """See ``Policy.graph_key``; selectors without a policy return ()."""
@@ -151,5 +157,5 @@ class AttentionContext:
 
     def mean_attended(self) -> float:
         """Mean tokens attended per (row, KV head, layer, step). Syncs: call after decoding."""
-        calls = self.decode_calls.sum().item()
-        return float(self.attended_sum.sum().item() / calls) if calls else 0.0
+        tokens, calls = (int(x) for x in self.stats.sum(0).tolist())
+        return tokens / (calls * self.stat_rows) if calls and self.stat_rows else 0.0

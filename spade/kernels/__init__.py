@@ -142,18 +142,21 @@ def gather_kv(k, v, indices):
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
-                            kv_start=None, return_lse=False):
+                            kv_start=None, return_lse=False, stats=None, count_call=True):
     """Decode attention over a subset of the cache, read in place (no gathered copy).
 
     Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
     ``indices=None`` it is dense ``[kv_start, kv_lens)``. Returns ``out`` [B, Hq, D]
     in q's dtype (and ``lse`` [B, Hq] float32, natural log, if ``return_lse``).
+    ``stats`` (int64 [2] on q's device): ``[0] +=`` tokens attended summed over
+    (b, KV head), ``[1] += 1`` if ``count_call`` — counted inside the attention
+    launch, so statistics cost no kernels on the decode path.
     """
     from spade.kernels import attention
 
     fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
     return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
-              kv_start=kv_start, return_lse=return_lse)
+              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -121,18 +121,35 @@ def attended_mask(L: int, kv_lens: torch.Tensor, indices: torch.Tensor | None, H
     return mask | mid[..., :L]
 
 
+def _check_stats(stats: torch.Tensor | None, device: torch.device) -> None:
+    if stats is not None and (stats.dtype != torch.int64 or stats.shape != (2,) or stats.device != device
+                              or not stats.is_contiguous()):
+        raise ValueError(f"stats must be a contiguous int64 tensor of shape (2,) on {device} "
+                         f"([tokens attended, calls]); got {stats.dtype} {tuple(stats.shape)} on {stats.device}")
+
+
 def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 kv_lens: torch.Tensor, indices: torch.Tensor | None = None, *,
                                 n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
-                                kv_start: torch.Tensor | None = None, return_lse: bool = False):
+                                kv_start: torch.Tensor | None = None, return_lse: bool = False,
+                                stats: torch.Tensor | None = None, count_call: bool = True):
     """Plain-torch decode attention over the attended set, in float32 (materialises
     [B, Hq, L] scores: for tests and small shapes). An empty set gives out = 0 and
-    lse = -inf."""
+    lse = -inf.
+
+    ``stats`` (int64 [2], optional): ``stats[0] +=`` the tokens attended, summed over
+    (b, KV head); ``stats[1] += 1`` when ``count_call`` (the Triton kernel does the
+    same inside the attention launch)."""
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    _check_stats(stats, q.device)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mask = attended_mask(L, kv_lens.to(q.device), indices, Hkv, n_sink=n_sink, n_recent=n_recent,
                          kv_start=kv_start)  # [B, Hkv, L]
+    if stats is not None:
+        stats[0] += mask.sum()
+        if count_call:
+            stats[1] += 1
     qf = q.float().view(B, Hkv, G, D)
     s = torch.einsum("bhgd,bhld->bhgl", qf, k.float()) * scale  # [B, Hkv, G, L]
     s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
@@ -237,6 +254,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
     HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
+    STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -294,6 +312,7 @@ def _decode_split_kernel(
                                  MAX_BLOCKS, BLOCK_N)
     else:
         pos2d = 0
+    n_att = tl.zeros([], tl.int32)  # tokens this program attends (HAS_STATS)
     if INTERPRET:
         # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
         # kernel keeps the for loop, which the software pipeliner can stage.
@@ -303,6 +322,8 @@ def _decode_split_kernel(
                                      HAS_INDICES)
             m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
                                          stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
+            if HAS_STATS:
+                n_att += tl.sum(valid.to(tl.int32), axis=0)
             j0 += BLOCK_N
     else:
         for j0 in range(start, end, BLOCK_N):
@@ -310,6 +331,13 @@ def _decode_split_kernel(
                                      HAS_INDICES)
             m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
                                          stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
+            if HAS_STATS:
+                n_att += tl.sum(valid.to(tl.int32), axis=0)
+    if HAS_STATS:  # attention statistics with no launch of their own: [tokens, calls] int64
+        tl.atomic_add(STATS, n_att.to(tl.int64), sem="relaxed")  # a counter: no ordering needed
+        if COUNT_CALL:
+            if (pid_bh == 0) & (split == 0):
+                tl.atomic_add(STATS + 1, tl.full([], 1, tl.int64), sem="relaxed")
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -484,7 +512,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    kv_start: torch.Tensor | None = None, return_lse: bool = False,
                                    num_splits: int | None = None, block_n: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
-                                   combine: str = "fused"):
+                                   combine: str = "fused", stats: torch.Tensor | None = None,
+                                   count_call: bool = True):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
@@ -500,8 +529,13 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     path (a separate merge kernel), kept for side-by-side benchmarks. The fused
     counters are kept per (device, stream); a capture that is the first call of
     its stream (or batch size) falls back to the two-launch merge.
+
+    ``stats`` (int64 [2]): attention statistics kept inside the launch (one atomic
+    per program, no kernel of their own): tokens attended summed over (b, KV head),
+    and one call when ``count_call``.
     """
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    _check_stats(stats, q.device)
     if combine not in ("fused", "kernel"):
         raise ValueError(f"combine must be 'fused' or 'kernel', got {combine!r}")
     G = Hq // Hkv
@@ -553,6 +587,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if counter is None:  # not fused, or first seen inside a graph capture (see _split_counters)
         fused, counter = False, kv_lens  # never read
 
+    if B * Hkv == 0 and stats is not None and count_call:
+        stats[1] += 1
     if B * Hkv > 0:
         _decode_split_kernel[(B * Hkv, splits)](
             q, k, v, kv_lens, kv_start_t, idx_t,
@@ -563,6 +599,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             DIRECT=splits == 1,
             HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
+            STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
             num_warps=num_warps, num_stages=num_stages,
         )
         if splits > 1 and not fused:

@@ -244,16 +244,14 @@ class AsyncAttentionContext(AttentionContext):
         idx = s.idx[layer]  # [B, Hkv, K]
         slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
         scale = self.spec.softmax_scale
+        stats = self.layer_stats(layer, q, k_cache)  # the two launches add their tokens; one counts the call
         out_a, lse_a = kernels.sparse_decode_attention(q, s.k_sel[layer], s.v_sel[layer], s.g_lens, slots,
-                                                       scale=scale, return_lse=True)
+                                                       scale=scale, return_lse=True, stats=stats, count_call=False)
         kv_start = sel.kv_start if sel.kv_start is not None else self.kv_start
         out_b, lse_b = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, s.no_idx, n_sink=sel.n_sink,
                                                        n_recent=sel.n_recent, scale=scale, kv_start=kv_start,
-                                                       return_lse=True)
+                                                       return_lse=True, stats=stats)
         out, _ = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b)
-        if self.track_stats:
-            self.attended_sum[layer] += sel.attended(kv_lens).to(torch.float64).mean()
-            self.decode_calls[layer] += 1
         s.after(layer, q, k_cache, v_cache, kv_lens)
         return out
 

@@ -175,6 +175,37 @@ def test_sparse_matches_float64(B, heads, D, dtype, device):
     _check(ref, ref_lse, exp_out, exp_lse, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dense", [False, True])
+def test_stats_count_attended_tokens_and_calls(dense, num_splits, device):
+    """``stats`` counts, inside the attention launch, the tokens attended (summed over
+    (b, KV head), as the mask of the reference attends them) and the calls."""
+    B, Hq, Hkv, D, L = 3, 4, 2, 16, 130
+    n_sink, n_recent, k_mid = 3, 5, 21
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([130, 47, 9])
+    kv_start = torch.tensor([0, 2, 5])
+    idx = None if dense else _middle_indices(kv_lens, kv_start, Hkv, k_mid, n_sink, n_recent).to(device)
+    mask = A.attended_mask(L, kv_lens, None if idx is None else idx.cpu(), Hkv, n_sink=n_sink,
+                           n_recent=n_recent, kv_start=kv_start)
+    want = int(mask.sum())
+    assert 0 < want < B * Hkv * L
+    kw = dict(n_sink=n_sink, n_recent=n_recent, kv_start=kv_start.to(device))
+    st_t = torch.zeros(2, dtype=torch.int64, device=device)
+    st_r = torch.zeros(2, dtype=torch.int64, device=device)
+    for count_call in (True, True, False):
+        out = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx, num_splits=num_splits,
+                                               stats=st_t, count_call=count_call, **kw)
+        ref = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, stats=st_r,
+                                            count_call=count_call, **kw)
+    assert st_t.tolist() == [3 * want, 2] and st_r.tolist() == [3 * want, 2]
+    # the statistics change nothing else
+    torch.testing.assert_close(out, A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx, **kw))
+    torch.testing.assert_close(ref, A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, **kw))
+    with pytest.raises(ValueError, match="stats must be"):
+        A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, stats=st_r.float(), **kw)
+
+
 @pytest.mark.parametrize("n_sink,n_recent", [(0, 0), (4, 8), (3, 40), (50, 50)])
 def test_all_middle_indices_equal_dense(n_sink, n_recent, device):
     """Sinks + every middle position + recent is the whole context: dense attention.
@@ -491,12 +522,12 @@ for dt, has_idx, direct, fused in [("bf16", True, False, True), ("bf16", False, 
                 stride_qb=Hkv * G * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * L * D, stride_kh=L * D,
                 stride_kl=D, stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
-                N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"))
+                N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"), STATS=("ptr", "i64"))
     bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2)
     out[f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel")] = build(A._decode_split_kernel, args, dict(
         G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=8, DIRECT=direct, HAS_INDICES=has_idx, HAS_START=True,
         UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERPRET=False,
-        FUSED_COMBINE=fused), nw, ns)
+        FUSED_COMBINE=fused, HAS_STATS=fused, COUNT_CALL=True), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),

@@ -197,7 +197,7 @@ def test_decode_stages_yield_per_pack_and_match_decode(pack_layers):
         yielded = list(b.decode_stages(tok, cb, pack_layers))
         assert yielded == list(range(math.ceil(n / pack_layers)))
         torch.testing.assert_close(b.last_logits, la, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ca.attended_sum, cb.attended_sum)
+    torch.testing.assert_close(ca.stats, cb.stats)
 
 
 def test_chunked_prefill_matches_one_chunk():
@@ -426,5 +426,5 @@ def test_cuda_bf16_matches_transformers_and_graphs_match_eager():
         lg = graphs.last_logits
         torch.testing.assert_close(lg, le, rtol=1e-3, atol=1e-3, msg=f"step {step}")
     assert len(graphs._graphs) == 1 and len(next(iter(graphs._graphs.values()))) == 2
-    torch.testing.assert_close(cg.attended_sum, ce.attended_sum)
+    torch.testing.assert_close(cg.stats, ce.stats)
     torch.testing.assert_close(graphs.k_cache[2], eager.k_cache[2], rtol=1e-3, atol=1e-3)

@@ -166,7 +166,7 @@ def test_every_layer_goes_through_ctx_attend():
     ctx = new_ctx(OraclePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2), be, 2)
     ids = torch.randint(0, 97, (2, 12))
     greedy(be, ids, torch.ones_like(ids), ctx, 6)
-    assert ctx.decode_calls.tolist() == [5.0] * 3  # 5 decode steps, every layer each step
+    assert ctx.stats[:, 1].tolist() == [5] * 3  # 5 decode steps, every layer each step
     # 12..16 tokens in context, budget 8: every step sparse, exactly 8 attended
     assert ctx.mean_attended() == pytest.approx(8.0)
 
@@ -181,7 +181,7 @@ def test_decode_stages_yield_per_pack():
         be.prefill(ids, torch.ones_like(ids), ctx)
         seen = []
         for pack in be.decode_stages(torch.tensor([5]), ctx, pack_layers=pack_layers):
-            seen.append((pack, ctx.decode_calls.tolist()))
+            seen.append((pack, ctx.stats[:, 1].tolist()))
         assert [p for p, _ in seen] == packs
         # pack p yields right after its layers attended, before the next pack ran
         for p, calls in seen:
@@ -254,7 +254,7 @@ def test_model_generate_under_apply_equals_backend(pi):
     out = m.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(out[:, 22:], ref)
     ctx = H.last_context(m)
-    assert ctx is not None and ctx.decode_calls.tolist() == [9.0] * 3
+    assert ctx is not None and ctx.stats[:, 1].tolist() == [9] * 3
     # a second generate starts from a fresh policy state: same result
     out2 = m.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(out2, out) and H.last_context(m) is not ctx
