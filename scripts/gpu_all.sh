@@ -9,8 +9,8 @@
 #   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
 #   decode     whole-model decode: spade fast path vs HF (one GPU)
-#   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P swept,
-#              exact and int8 scoring keys, torch.profiler of the async rows
+#   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {4, 2},
+#              exact / int8 / int4 scoring keys, torch.profiler of the async rows and of one cache-rank layer
 #   sweep      TPOT over B x L x K (the shapes that fit), fewer methods
 #   transports bandwidth/latency of local and nccl (vs raw NCCL) for the runtime's messages
 #   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
@@ -89,8 +89,8 @@ for s in "${stages[@]}"; do
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
-    tpot) run bench_tpot 200 python3 -m benchmarks.bench_tpot --quick --packs 2,4,6 --score-keys exact,int8 \
-            --profile --budget-s 180 --out "$OUT/bench_tpot.json" ;;
+    tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --packs 4,2 --score-keys exact,int8,int4 \
+            --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
     sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
              --budget 2048,1024 --packs 4 --score-keys exact,int8 --iters 10 \
              --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
