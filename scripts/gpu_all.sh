@@ -83,7 +83,7 @@ for s in "${stages[@]}"; do
       run bench_scoring_full 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 170 \
         --out "$OUT/bench_scoring_full.json" ;;
     select)  # the fused score + top-K stage by stage (cumulative graphs) and the radix-select launch grid
-      run bench_select 200 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 180 \
+      run bench_select 140 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 120 \
         --out "$OUT/bench_select.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
