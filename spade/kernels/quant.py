@@ -72,10 +72,12 @@ SCALE_FLOOR = 1e-8
 """Smallest ``amax`` used for a scale: an all-zero key gets a tiny finite scale (no NaN)."""
 INT4_MAX = 7
 """Symmetric int4 range [-7, 7] (stored with an offset of 8: nibbles 1..15)."""
-SMOOTH_FLOOR = 1e-2
+SMOOTH_FLOOR = 0.1
 """``fit_smoothing`` floors each channel's scale at this fraction of the head's
-largest channel scale: a channel silent in the prompt must not blow up (divide
-by ~0) a later key that uses it."""
+largest channel scale: a channel quiet in the prompt must not blow up (divide by
+~0) a later key that uses it. On SmolLM2-135M keys, 0.1 rather than 0.01 ranks
+the same with a 512-token fit and better with short ones (top-64 overlap with the
+exact keys 0.79 vs 0.76 fitted on 16 tokens, 0.75 vs 0.55 on 4)."""
 
 
 def _check_k(k: torch.Tensor) -> None:

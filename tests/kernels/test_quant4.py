@@ -44,8 +44,9 @@ def test_fit_smoothing_masks_range_and_floors():
     k[1, 0, 0, 1] = 100.0  # row 1: a large value in left padding
     s = quant.fit_smoothing(k, kv_lens=torch.tensor([3, 5]), kv_start=torch.tensor([0, 1]))
     assert s.shape == (2, 1, 4) and s.dtype == torch.float32
-    assert s[0, 0].tolist() == pytest.approx([3.0, 0.5, 0.03, 0.03])  # channels 2-3 floored at 1 % of 3
-    assert s[1, 0].tolist() == pytest.approx([9.0, 0.5, 0.09, 0.09])  # padding at 0 ignored
+    assert quant.SMOOTH_FLOOR == 0.1
+    assert s[0, 0].tolist() == pytest.approx([3.0, 0.5, 0.3, 0.3])  # channels 2-3 floored at 10 % of 3
+    assert s[1, 0].tolist() == pytest.approx([9.0, 0.9, 0.9, 0.9])  # padding at 0 ignored; 0.5 < 10 % of 9
     assert quant.fit_smoothing(torch.zeros(1, 1, 3, 2)).min() > 0  # never zero
 
 
