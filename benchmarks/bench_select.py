@@ -2,14 +2,19 @@
 radix-select launch config moves it.
 
 Each stage is timed as the difference of cumulative CUDA graphs replayed on the
-GPU (graph 1 = workspace memset + scoring with the pass-0 histogram; then, for
-the ``compact`` select, + the scan that writes the 8-bit winners and lists the
-candidates, + the per-row candidate select; for ``radix``, + pass 1, + split,
-+ tie select), so launch
+GPU (graph 1 = workspace memset + scoring with the pass-0 histogram, graph 2 =
+graph 1 + radix pass 1, graph 3 = + split, graph 4 = + tie select), so launch
 gaps inside a graph are counted where they occur in the runtime (the cache rank
 replays its layer work as a graph too). Then graph 4 is re-timed for a grid of
-``SELECT_CONFIG`` overrides (``impl``, tile ``BLOCK``, ``num_warps``, programs
-``PER_SM``, per-row tile ``TIE_BLOCK``) so that the default can be chosen from measurements.
+``SELECT_CONFIG`` overrides (tile ``BLOCK``, ``num_warps``, ``MIN_CHUNK``, programs
+``PER_SM``; per-row tie tile ``TIE_BLOCK``) so that the default can be chosen from measurements.
+
+(A "compact" variant — one scan writing the 8-bit winners and listing the 8-bit
+ties, then one program per row over that list — was built and measured here on an
+H200 and removed: 62 vs 37 us at B=8 L=32k, 224 vs 103 us at B=8 L=128k, 152 vs
+104 us at B=32 L=32k. Compacting the 8-bit ties (a sixth of the row or more)
+costs more than the second full scan it saves, and the per-row program is
+latency-bound on long lists.)
 
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
@@ -57,8 +62,8 @@ def _graph_ms(fn, *, rep: int) -> float:
 
 def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
     """Closures running the first n stages of ``score_topk_triton`` on preallocated
-    buffers (n = 1 .. number of stages of ``SELECT_CONFIG["impl"]``), the stage
-    names, and the buffer holding the result."""
+    buffers (n = 1..4: scoring with the pass-0 histogram, radix pass 1, split, ties),
+    the stage names, and the buffer holding the result."""
     B, Hq, _ = q.shape
     _, Hkv, L, Dk = k.shape
     rows = B * Hkv
@@ -69,9 +74,7 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
     ties = torch.empty(rows, L, dtype=torch.int32, device=dev)
     n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
     scale = scoring._default_scale(None, Dk)
-    cfg = scoring._select_config(dev)
-    compact = cfg.get("impl", "compact") == "compact"
-    names = ["score", "compact", "cand_select"] if compact else ["score", "pass1", "split", "tie"]
+    names = ["score", "pass1", "split", "tie"]
 
     def run(n: int) -> None:
         ws.zero_()
@@ -79,23 +82,17 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
                                full_row=False, hist=ws, k_scale=ks)
         c = scoring._select_config(dev)
         meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=scoring._interpret(), num_warps=c["num_warps"])
-        tie_meta = dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"]))
         chunk, n_chunks = scoring._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
                                          per_sm=c.get("PER_SM", 4))
         grid = (rows, n_chunks)
         cnt = ws[scoring._NPASS_GLOBAL * rows * scoring._NBINS:]
-        if compact:
-            if n >= 2:
-                scoring._compact_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
-            if n >= 3:
-                scoring._cand_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K, **tie_meta)
-            return
         if n >= 2:
             scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
         if n >= 3:
             scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
         if n >= 4:
-            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K, **tie_meta)
+            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K,
+                                                **dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"])))
 
     return run, names, out
 
@@ -124,13 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     K = args.budget
     hq, hkv, d = HQ, HKV, D
     rep = 50
-    grid_cfg = [dict(impl="radix")] + [
-        dict(impl="compact", BLOCK=b, num_warps=w, PER_SM=p, TIE_BLOCK=t)
-        for b, w, p, t in itertools.product((1024, 2048, 4096), (4, 8), (8,), (256, 512, 1024))]
+    grid_cfg = [dict(BLOCK=b, num_warps=w, MIN_CHUNK=m, PER_SM=p, TIE_BLOCK=512)
+                for b, w, m, p in itertools.product((512, 1024, 2048), (4, 8), (1024, 4096), (4, 8))]
     if args.tiny:
         shapes, K, hq, hkv, d, rep = [(2, 300)], 17, 4, 2, 16, 1
-        grid_cfg = [dict(impl="radix"), dict(impl="radix", BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2),
-                    dict(impl="compact", BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2, TIE_BLOCK=32)]
+        grid_cfg = [dict(BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2, TIE_BLOCK=32),
+                    dict(BLOCK=128, num_warps=1, MIN_CHUNK=128)]
     rows_out: list[dict] = []
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -243,10 +243,7 @@ online statistics per tile element, reduced once per chunk, an experiment agains
 the per-tile cross-lane reductions); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
 """Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``, ``PER_SM``,
-``TIE_BLOCK``: the tile of the per-row kernel), ``impl`` (``"compact"``, default: one
-scan of the scores writes the 8-bit winners and lists the 8-bit ties, one program
-per row finishes on that list; ``"radix"``: pass-1 histogram, split and tie kernels,
-two full scans) and
+``TIE_BLOCK``: the tile of the per-row tie kernel) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
 
 
@@ -1116,17 +1113,22 @@ def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, 
 
 
 @triton.jit
-def _tie_finish(row_ptr, out_row, tie_row, row64, n_rows, hist_ptr, k_eff, k_top,
-                BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """After passes 0-1 (the 16-bit prefix of the K-th largest is known, the sure
-    winners written and the 16-bit ties listed in ``tie_row``): passes 2-3 over the
-    ties only, then the exact threshold T: ties with key > T, then the first ones
-    equal to T, fill the slots after the sure winners; -1 padding after k_eff."""
+def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
+                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per row: passes 2-3 over the 16-bit ties only, then the exact
+    threshold T: ties with key > T, then the first ones equal to T, fill the slots
+    after the sure winners; -1 padding after k_eff."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
     prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
-    n_gt16 = k_eff - k_rem  # sure winners already written
+    n_gt16 = k_eff - k_rem  # sure winners already written by _radix_split_kernel
     d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
     n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1)  # elements tied on 16 bits
     n_tie = tl.where(k_eff > 0, n_tie, 0)
+    row_ptr = scores_ptr + row64 * L
+    tie_row = tie_ptr + row64 * L
+    out_row = out_ptr + row64 * k_top
     for p in tl.static_range(2, 4):
         acc = tl.zeros([256], dtype=tl.int32)
         if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
@@ -1156,118 +1158,6 @@ def _tie_finish(row_ptr, out_row, tie_row, row64, n_rows, hist_ptr, k_eff, k_top
     _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
 
 
-@triton.jit
-def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program per row: ``_tie_finish`` over the row's 16-bit tie buffer."""
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    _tie_finish(scores_ptr + row64 * L, out_ptr + row64 * k_top, tie_ptr + row64 * L, row64, n_rows, hist_ptr,
-                k_eff, k_top, BLOCK, INTERPRET)
-
-
-# "compact" select: two launches after the scoring kernel instead of three ------------------
-@triton.jit
-def _compact_tile(row_ptr, out_row, cand_row, cnt_row, l0, lo, hi, top8, BLOCK: tl.constexpr):
-    """One tile of ``_compact_kernel``: keys whose top 8 bits beat ``top8`` go to the
-    output, those equal to it to the candidate list; returns the histogram of the
-    candidates' second digit."""
-    offs = l0 + tl.arange(0, BLOCK)
-    valid = (offs >= lo) & (offs < hi)
-    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-    k8 = key >> 24
-    is_gt = (valid & (k8 > top8)).to(tl.int32)
-    is_c = (valid & (k8 == top8)).to(tl.int32)
-    base_gt = tl.atomic_add(cnt_row, tl.sum(is_gt, axis=0))
-    base_c = tl.atomic_add(cnt_row + 1, tl.sum(is_c, axis=0))
-    tl.store(out_row + base_gt + tl.cumsum(is_gt, axis=0) - 1, offs, mask=is_gt != 0)
-    tl.store(cand_row + base_c + tl.cumsum(is_c, axis=0) - 1, offs, mask=is_c != 0)
-    return tl.histogram(((key >> 16) & 0xFF).to(tl.int32), 256, mask=is_c != 0)
-
-
-@triton.jit
-def _compact_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, cand_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                    HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """After pass 0 (the top 8 key bits of the K-th largest are known): one read of
-    every score writes the sure winners (top 8 bits larger) to the output, lists the
-    8-bit ties (the candidates) and histograms their second digit (pass 1) — the
-    radix pass-1 and split scans of the ``radix`` select in one."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 1)
-    top8 = prefix >> 24
-    c0 = chunk * CHUNK
-    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where(k_eff > 0, end, start)
-    row_ptr = scores_ptr + row64 * L
-    out_row = out_ptr + row64 * k_top
-    cand_row = cand_ptr + row64 * L
-    cnt_row = cnt_ptr + row64 * 2
-    acc = tl.zeros([256], dtype=tl.int32)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            acc += _compact_tile(row_ptr, out_row, cand_row, cnt_row, l0, lo, hi, top8, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(start, end, BLOCK):
-            acc += _compact_tile(row_ptr, out_row, cand_row, cnt_row, l0, lo, hi, top8, BLOCK)
-    tl.atomic_add(hist_ptr + (n_rows + row64) * 256 + tl.arange(0, 256), acc, mask=acc > 0)
-
-
-@triton.jit
-def _cand_split_tile(row_ptr, out_row, cand_row, t0, n_cand, top16, n_gt, n_tie, BLOCK: tl.constexpr):
-    """One tile of the candidate list: keys whose top 16 bits beat ``top16`` go to the
-    output after the ``n_gt`` written so far, the 16-bit ties are compacted to the front
-    of the candidate list itself (write index <= read index: the tile is loaded first)."""
-    offs = t0 + tl.arange(0, BLOCK)
-    m = offs < n_cand
-    pos = tl.load(cand_row + offs, mask=m, other=0)
-    key16 = _f32_key(tl.load(row_ptr + pos, mask=m, other=0.0)) >> 16
-    is_gt = (m & (key16 > top16)).to(tl.int32)
-    is_tie = (m & (key16 == top16)).to(tl.int32)
-    tl.store(out_row + n_gt + tl.cumsum(is_gt, axis=0) - 1, pos, mask=is_gt != 0)
-    tl.store(cand_row + n_tie + tl.cumsum(is_tie, axis=0) - 1, pos, mask=is_tie != 0)
-    return tl.sum(is_gt, axis=0), tl.sum(is_tie, axis=0)
-
-
-@triton.jit
-def _cand_select_kernel(scores_ptr, hist_ptr, out_ptr, cand_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program per row, over its candidate list only: the 16-bit winners to the
-    output, the 16-bit ties to the front of the list, then ``_tie_finish``."""
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    p1, k_rem1 = _radix_state(hist_ptr, row64, n_rows, k_eff, 1)
-    p2, k_rem2 = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
-    top16 = p2 >> 16
-    n_cand = tl.load(hist_ptr + row64 * 256 + (p1 >> 24).to(tl.int32))  # pass-0 count of the 8-bit ties
-    n_cand = tl.where(k_eff > 0, n_cand, 0)
-    row_ptr = scores_ptr + row64 * L
-    out_row = out_ptr + row64 * k_top
-    cand_row = cand_ptr + row64 * L
-    n_gt = k_eff - k_rem1  # written by _compact_kernel
-    n_tie = n_cand * 0
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        t0 = n_cand * 0
-        while t0 < n_cand:
-            c_gt, c_tie = _cand_split_tile(row_ptr, out_row, cand_row, t0, n_cand, top16, n_gt, n_tie, BLOCK)
-            n_gt += c_gt
-            n_tie += c_tie
-            t0 += BLOCK
-    else:
-        for t0 in range(0, n_cand, BLOCK):
-            c_gt, c_tie = _cand_split_tile(row_ptr, out_row, cand_row, t0, n_cand, top16, n_gt, n_tie, BLOCK)
-            n_gt += c_gt
-            n_tie += c_tie
-    _tie_finish(row_ptr, out_row, cand_row, row64, n_rows, hist_ptr, k_eff, k_top, BLOCK, INTERPRET)
-
-
 _NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
 
 
@@ -1291,17 +1181,11 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
-    cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short lists
-    if cfg.get("impl", "compact") == "compact":
-        if not hist0_done:
-            _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=0, **meta)
-        _compact_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
-        _cand_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta)
-        return out
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
         _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta)
+    cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
     _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
+    tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
     _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta)
     return out
 

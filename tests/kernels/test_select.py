@@ -1,8 +1,7 @@
 """The radix top-K over precomputed scores, with tiles small enough that every row spans
-many tiles and chunks (the default interpreter config fits a test row in one tile), for
-both select implementations: ``compact`` (one scan + one per-row program) and ``radix``
-(pass-1 histogram, split, ties). Heavy ties (scores rounded to quarters) exercise the
-16-bit tie lists and the exact threshold."""
+many tiles and chunks (the default interpreter config fits a test row in one tile):
+pass-1 histogram, split and tie kernels across chunk boundaries. Heavy ties (scores
+rounded to quarters) exercise the 16-bit tie lists and the exact threshold."""
 
 from __future__ import annotations
 
@@ -22,15 +21,14 @@ CASES = [  # (B, H, N, K, ties)
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    def use(impl: str) -> None:
-        monkeypatch.setattr(scoring, "SELECT_CONFIG",
-                            dict(BLOCK=16, MIN_CHUNK=16, PER_SM=4, TIE_BLOCK=16, impl=impl))
+    def use(tie_block: int) -> None:
+        monkeypatch.setattr(scoring, "SELECT_CONFIG", dict(BLOCK=16, MIN_CHUNK=16, PER_SM=4, TIE_BLOCK=tie_block))
     return use
 
 
-@pytest.mark.parametrize("impl", ["compact", "radix"])
+@pytest.mark.parametrize("tie_block", [16, 64])
 @pytest.mark.parametrize("B,H,N,K,ties", CASES)
-def test_topk_from_scores_many_tiles(small_tiles, impl, B, H, N, K, ties):
+def test_topk_from_scores_many_tiles(small_tiles, tie_block, B, H, N, K, ties):
     g = torch.Generator().manual_seed(B * 1000 + N + K)
     s = torch.randn(B, H, N, generator=g)
     if ties:
@@ -38,7 +36,7 @@ def test_topk_from_scores_many_tiles(small_tiles, impl, B, H, N, K, ties):
     s[0, 0, 5] = float("-inf")  # a masked score inside the range still ranks last
     lo = torch.tensor([3 + b for b in range(B)])
     hi = torch.tensor([N - 2 * b for b in range(B)])
-    small_tiles(impl)
+    small_tiles(tie_block)
     out = scoring.topk_from_scores_triton(s, lo, hi, K)  # [B, H, K]
     ref = scoring.topk_from_scores_ref(s, lo, hi, K)
     assert out.shape == (B, H, K) and out.dtype == torch.int32
