@@ -46,6 +46,7 @@ __all__ = [
     "sparse_decode_attention",
     "merge_attention_states",
     "ridge_predict",
+    "window_push",
     "quantize_keys",
     "quantize_append",
     "quantize_keys_int4",
@@ -179,6 +180,16 @@ def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2):
 
     fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_torch
     return fn(window, n_valid, mode=mode, eps=eps)
+
+
+def window_push(window, q):
+    """Push ``q`` [B, H, D] (any float dtype) into the query window [B, H, R, D]
+    float32 (oldest first), in place: rows move one towards the oldest, ``q``
+    becomes the newest. One launch on the GPU (graph-safe, no host sync)."""
+    from spade.kernels import ridge
+
+    fn = ridge.window_push_triton if use_triton(window) else ridge.window_push_ref
+    fn(window, q)
 
 
 def quantize_keys(k):

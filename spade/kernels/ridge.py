@@ -252,3 +252,55 @@ def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "ass
     _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
                         D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps)
     return out
+
+
+# ----------------------------------------------------------------------------- window push
+def _check_push(window: torch.Tensor, q: torch.Tensor) -> None:
+    if window.dim() != 4 or window.dtype != torch.float32 or not window.is_contiguous():
+        raise ValueError(f"window must be a contiguous float32 [B, H, R, D] tensor, got {window.dtype} "
+                         f"{tuple(window.shape)} (contiguous={window.is_contiguous()})")
+    B, H, R, D = window.shape
+    if q.shape != (B, H, D) or q.device != window.device or not q.is_floating_point():
+        raise ValueError(f"q must be a float [B, H, D] = {(B, H, D)} tensor on {window.device} to push into "
+                         f"window {tuple(window.shape)}, got {q.dtype} {tuple(q.shape)} on {q.device}")
+
+
+def window_push_ref(window: torch.Tensor, q: torch.Tensor) -> None:
+    """Shift the query window one row towards the oldest and write ``q`` as the
+    newest row, in place: ``window`` [B, H, R, D] float32 (oldest first), ``q``
+    [B, H, D] any float dtype (converted to float32)."""
+    _check_push(window, q)
+    window[:, :, :-1] = window[:, :, 1:].clone()
+    window[:, :, -1] = q.float()
+
+
+@triton.jit
+def _window_push_kernel(W, Q, stride_qb, stride_qh, stride_qd, H, R,
+                        D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per (b, head): its R rows are loaded whole, then stored one row up
+    with q in the last row — in place, since no other program touches these rows."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    offs_r = tl.arange(0, R_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < D
+    base = W + pid.to(tl.int64) * R * D
+    src = tl.load(base + (offs_r[:, None] + 1) * D + offs_d[None, :],
+                  mask=(offs_r[:, None] + 1 < R) & d_mask[None, :], other=0.0)  # rows 1..R-1 -> 0..R-2
+    qv = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_d * stride_qd,
+                 mask=d_mask, other=0.0).to(tl.float32)
+    new = tl.where((offs_r == R - 1)[:, None], qv[None, :], src)
+    tl.debug_barrier()  # every thread's loads land before any store overwrites them
+    tl.store(base + offs_r[:, None] * D + offs_d[None, :], new, mask=(offs_r[:, None] < R) & d_mask[None, :])
+
+
+def window_push_triton(window: torch.Tensor, q: torch.Tensor) -> None:
+    """Triton ``window_push`` (one launch in place of a float copy, a clone and two
+    strided copies): same contract as ``window_push_ref``."""
+    _check_push(window, q)
+    B, H, R, D = window.shape
+    if B * H == 0:
+        return
+    _window_push_kernel[(B * H,)](window, q, *q.stride(), H, R, D=D, R_PAD=triton.next_power_of_2(R),
+                                  D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4)

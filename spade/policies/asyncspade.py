@@ -234,12 +234,10 @@ class AsyncSpadePolicy(Policy):
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:
         st = self._layer(state, layer, q)
-        qn = q.float()  # [B, Hq, D]
+        qn = q  # [B, Hq, D]
         if self.rope_aware:
-            qn = rotate(qn, self._positions(state, kv_lens.to(q.device)), self.spec.rope, inverse=True)
-        w = st.window
-        w[:, :, :-1] = w[:, :, 1:].clone()  # shift out the oldest (tiny: W+1 rows)
-        w[:, :, -1] = qn
+            qn = rotate(q.float(), self._positions(state, kv_lens.to(q.device)), self.spec.rope, inverse=True)
+        kernels.window_push(st.window, qn)  # shift out the oldest, qn (as fp32) the newest: one launch
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
         if self.cfg.score_keys != "exact":

@@ -542,6 +542,8 @@ for M, mode in [(16, 3), (64, 1)]:
     out[f"ridge_{M}_{mode}"] = build(Rg._ridge_kernel, dict(W=("ptr", "bf16"), OUT=("ptr", "fp32"),
                                      stride_n=17 * D, stride_r=D, stride_d=1, R=17, m=M - 1, eps=("fp32", 0.01)),
                                      dict(D=D, D_PAD=D, M=M, MODE=mode), max(1, min(16, M * D // (2048 if M <= 16 else 1024))))
+out["window_push"] = build(Rg._window_push_kernel, dict(W=("ptr", "fp32"), Q=("ptr", "bf16"), stride_qb=40 * D,
+                          stride_qh=D, stride_qd=1, H=32, R=17), dict(D=D, R_PAD=32, D_PAD=D), 4)
 print(json.dumps(out))
 '''
 
