@@ -203,7 +203,9 @@ def quantize_keys(k):
 
 def quantize_append(kq, ks, k_new, pos):
     """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b]`` ([B] int device
-    tensor, no host sync) of ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` are skipped."""
+    tensor, no host sync) of ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` are skipped.
+    ``k_new`` may be the cache itself [B, H, L', D]: its row ``pos[b]`` is read in the
+    same launch (no gather of the newest keys first)."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
@@ -223,7 +225,8 @@ def quantize_keys_int4(k, smooth=None):
 
 def quantize_append_int4(kq, ks, k_new, pos, smooth=None):
     """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
-    ``pos[b]`` of the packed ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` skipped."""
+    ``pos[b]`` of the packed ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` skipped.
+    ``k_new`` may be the cache [B, H, L', D], read at row ``pos[b]``."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref

@@ -80,6 +80,32 @@ the same with a 512-token fit and better with short ones (top-64 overlap with th
 exact keys 0.79 vs 0.76 fitted on 16 tokens, 0.75 vs 0.55 on 4)."""
 
 
+def _new_rows(k_new: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The keys an append writes: ``k_new`` [B, H, D] itself, or — ``k_new`` being the
+    cache [B, H, L', D] — its rows at ``pos`` (clamped into ``[0, L')``; rows whose
+    ``pos`` is outside the copy are not written anyway). [B, H, D]."""
+    if k_new.dim() == 3:
+        return k_new
+    B, H, Lc, D = k_new.shape
+    p = pos.to(device=k_new.device, dtype=torch.int64).clamp(0, max(Lc - 1, 0))
+    return k_new.gather(2, p.view(B, 1, 1, 1).expand(B, H, 1, D)).squeeze(2)
+
+
+def _new_strides(k_new: torch.Tensor) -> tuple[int, int, int, int]:
+    """(b, h, l, d) strides of ``k_new`` for the append kernels (l = 0 for [B, H, D])."""
+    if k_new.dim() == 3:
+        sb, sh, sd = k_new.stride()
+        return sb, sh, 0, sd
+    return tuple(k_new.stride())
+
+
+def _check_new(k_new: torch.Tensor, B: int, H: int, D: int) -> None:
+    if not k_new.dtype.is_floating_point or not (
+            k_new.shape == (B, H, D) or (k_new.dim() == 4 and k_new.shape[:2] == (B, H) and k_new.shape[3] == D)):
+        raise ValueError(f"k_new must be float [{B}, {H}, {D}] (the new keys) or [{B}, {H}, L, {D}] (the cache, "
+                         f"read at pos), got {tuple(k_new.shape)} {k_new.dtype}")
+
+
 def _check_k(k: torch.Tensor) -> None:
     if k.dim() != 4 or not k.dtype.is_floating_point:
         raise ValueError(f"k must be a float [B, H, L, D] tensor, got {tuple(k.shape)} {k.dtype}")
@@ -91,8 +117,7 @@ def _check_append(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: 
     B, H, L, D = kq.shape
     if ks.shape != (B, H, L) or ks.dtype != torch.float32:
         raise ValueError(f"ks must be float32 [{B}, {H}, {L}], got {tuple(ks.shape)} {ks.dtype}")
-    if k_new.shape != (B, H, D) or not k_new.dtype.is_floating_point:
-        raise ValueError(f"k_new must be float [{B}, {H}, {D}], got {tuple(k_new.shape)} {k_new.dtype}")
+    _check_new(k_new, B, H, D)
     if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
         raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
 
@@ -119,7 +144,7 @@ def quantize_append_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor,
     p = pos.to(device=kq.device, dtype=torch.int64)  # [B]
     ok = (p >= 0) & (p < L)  # [B]
     p_safe = torch.where(ok, p, torch.zeros_like(p))
-    q_new, s_new = _quantize_rows_ref(k_new.to(kq.device))  # [B, H, D], [B, H]
+    q_new, s_new = _quantize_rows_ref(_new_rows(k_new, p).to(kq.device))  # [B, H, D], [B, H]
     idx_s = p_safe.view(B, 1, 1).expand(B, H, 1)
     old_s = ks.gather(2, idx_s)  # [B, H, 1]
     ks.scatter_(2, idx_s, torch.where(ok.view(B, 1, 1), s_new[..., None], old_s))
@@ -169,7 +194,7 @@ def _quantize_keys_kernel(K, KQ, KS, L,
 
 @triton.jit
 def _quantize_append_kernel(KN, KQ, KS, POS, L,
-                            stride_nb, stride_nh, stride_nd,
+                            stride_nb, stride_nh, stride_nl, stride_nd,
                             stride_qb, stride_qh, stride_ql, stride_qd,
                             stride_sb, stride_sh, stride_sl,
                             H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -182,7 +207,8 @@ def _quantize_append_kernel(KN, KQ, KS, POS, L,
     mask_h = (offs_h < H) & ok
     p = tl.where(ok, p, 0)
     h64 = offs_h.to(tl.int64)
-    k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + offs_d[None, :] * stride_nd
+    # stride_nl = 0 for new keys [B, H, D]; the cache's row stride reads its row ``p``
+    k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
     s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
     _quantize_tile(k_ptrs, q_ptrs, s_ptrs, mask_h, offs_d < D)
@@ -215,7 +241,7 @@ def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tens
     if B * H * D == 0:
         return
     pos = pos.to(kq.device)
-    _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, *k_new.stride(), *kq.stride(), *ks.stride(),
+    _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, *_new_strides(k_new), *kq.stride(), *ks.stride(),
                                   H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
                                   num_warps=4)
 
@@ -290,8 +316,7 @@ def _check_append4(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos:
     B, H, L, D2 = kq.shape
     if ks.shape != (B, H, L) or ks.dtype != torch.float32:
         raise ValueError(f"ks must be float32 [{B}, {H}, {L}], got {tuple(ks.shape)} {ks.dtype}")
-    if k_new.shape != (B, H, 2 * D2) or not k_new.dtype.is_floating_point:
-        raise ValueError(f"k_new must be float [{B}, {H}, {2 * D2}], got {tuple(k_new.shape)} {k_new.dtype}")
+    _check_new(k_new, B, H, 2 * D2)
     if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
         raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
     _check_smooth(smooth, B, H, 2 * D2, kq.device)
@@ -329,7 +354,7 @@ def quantize_append_int4_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Te
     p = pos.to(device=kq.device, dtype=torch.int64)  # [B]
     ok = (p >= 0) & (p < L)
     p_safe = torch.where(ok, p, torch.zeros_like(p))
-    q_new, s_new = _quantize_rows4_ref(k_new.to(kq.device), smooth)  # [B, H, D/2], [B, H]
+    q_new, s_new = _quantize_rows4_ref(_new_rows(k_new, p).to(kq.device), smooth)  # [B, H, D/2], [B, H]
     idx_s = p_safe.view(B, 1, 1).expand(B, H, 1)
     ks.scatter_(2, idx_s, torch.where(ok.view(B, 1, 1), s_new[..., None], ks.gather(2, idx_s)))
     idx_q = p_safe.view(B, 1, 1, 1).expand(B, H, 1, D2)
@@ -396,7 +421,7 @@ def _quantize4_keys_kernel(K, SM, KQ, KS, L,
 
 @triton.jit
 def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L,
-                             stride_nb, stride_nh, stride_nd,
+                             stride_nb, stride_nh, stride_nl, stride_nd,
                              stride_mb, stride_mh, stride_md,
                              stride_qb, stride_qh, stride_ql, stride_qd,
                              stride_sb, stride_sh, stride_sl,
@@ -412,7 +437,7 @@ def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L,
     mask_h = (offs_h < H) & ok
     p = tl.where(ok, p, 0)
     h64 = offs_h.to(tl.int64)
-    k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + offs_d[None, :] * stride_nd
+    k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
     q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
     s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
@@ -454,6 +479,6 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     pos = pos.to(kq.device)
     sm = smooth if smooth is not None else ks
     sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
-    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, *k_new.stride(), *sm_strides, *kq.stride(),
+    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, *_new_strides(k_new), *sm_strides, *kq.stride(),
                                    *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4)

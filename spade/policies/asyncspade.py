@@ -45,7 +45,7 @@ import torch
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
-from spade.policies.common import is_dense, last_token_keys, row_start, topk_selection
+from spade.policies.common import is_dense, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -205,9 +205,9 @@ class AsyncSpadePolicy(Policy):
         elif kv_lens is not None:
             kv = kv_lens.to(device=k_cache.device, dtype=torch.int64)
             if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1, st.k_smooth)
+                kernels.quantize_append_int4(st.kq, st.ks, k_cache, kv - 1, st.k_smooth)  # reads row kv - 1
             else:
-                kernels.quantize_append(st.kq, st.ks, last_token_keys(k_cache, kv), kv - 1)
+                kernels.quantize_append(st.kq, st.ks, k_cache, kv - 1)  # reads the cache's row kv - 1
         return st.kq[:, :, :L], st.ks[:, :, :L]
 
     # ------------------------------------------------------------------ policy API

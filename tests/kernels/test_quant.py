@@ -113,3 +113,30 @@ def test_quantize_rejects_bad_inputs():
         quant.quantize_append_ref(kq, ks, torch.randn(1, 1, 8), torch.tensor([0.0]))
     with pytest.raises(ValueError, match="ks must be"):
         quant.quantize_append_triton(kq, ks.half(), torch.randn(1, 1, 8), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_quantize_append_reads_the_cache_row(bits, impl, device):
+    """``k_new`` given as the cache [B, H, L', D] (strided: a view of a longer buffer):
+    slot ``pos[b]`` gets the cache's row ``pos[b]``, exactly as appending the gathered
+    row; rows with ``pos`` outside the copy are untouched."""
+    B, H, L, D = 3, 2, 9, 16
+    g = torch.Generator().manual_seed(7)
+    buf = torch.randn(B, H, L + 4, D, generator=g)
+    cache = buf[:, :, :L]  # [B, H, L, D], row stride of the longer buffer
+    pos = torch.tensor([L - 1, 4, -1])
+    smooth = quant.fit_smoothing(cache) if bits == 4 else None
+    quant_keys = (lambda k: quant.quantize_keys_int4_ref(k, smooth)) if bits == 4 else quant.quantize_keys_ref
+    kq0, ks0 = quant_keys(torch.randn(B, H, L, D, generator=g))
+    names = {8: ("quantize_append_ref", "quantize_append_triton"),
+             4: ("quantize_append_int4_ref", "quantize_append_int4_triton")}[bits]
+    fn = getattr(quant, names[0] if impl == "ref" else names[1])
+    extra = (smooth.to(device),) if bits == 4 else ()
+    got_q, got_s = kq0.clone().to(device), ks0.clone().to(device)
+    fn(got_q, got_s, cache.to(device), pos.to(device), *extra)
+    rows = torch.stack([cache[b, :, max(int(pos[b]), 0)] for b in range(B)])  # [B, H, D]
+    want_q, want_s = kq0.clone(), ks0.clone()
+    getattr(quant, names[0])(want_q, want_s, rows, pos, *(smooth,) if bits == 4 else ())
+    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(want_q[2], kq0[2]) and not torch.equal(want_q[0], kq0[0])
