@@ -276,4 +276,4 @@ class AsyncSpadePolicy(Policy):
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=kv_lens - 1)
+                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None)

@@ -58,7 +58,10 @@ def middle_bounds(kv_lens: torch.Tensor, kv_start: torch.Tensor | None, n_sink: 
     Returns two [B] int64 tensors.
     """
     kv = kv_lens.to(torch.int64)
-    lo = torch.minimum(row_start(kv_start, kv_lens) + n_sink, kv)
+    if kv_start is None:  # the common case in one launch fewer (this runs per layer per step)
+        lo = kv.clamp(max=n_sink)
+    else:
+        lo = torch.minimum(row_start(kv_start, kv_lens) + n_sink, kv)
     hi = torch.maximum(kv - n_recent, lo)
     return lo, hi
 
