@@ -90,6 +90,13 @@ class AsyncSpadeLayerState:
     k_smooth: torch.Tensor | None = None
     """``score_keys="int4"``: per-channel smoothing of the int4 copy [B, Hkv, D] float32
     (``k ≈ unpack(kq) * ks * k_smooth``), fitted on the prompt's keys."""
+    all_windows: torch.Tensor | None = None
+    """[n_layers, B, Hq, R, D]: the tensor ``window`` is a view of (``predict_layers``
+    predicts a run of layers in one launch), or None for a window of its own."""
+    q_pred: torch.Tensor | None = None
+    """[B, Hq, D] float32 prediction made ahead by ``predict_layers`` (pre-RoPE when
+    ``rope_aware``), for the ``select`` at host ``seq_len == q_pred_seq``."""
+    q_pred_seq: int = -1
 
 
 class AsyncSpadePolicy(Policy):
@@ -126,11 +133,10 @@ class AsyncSpadePolicy(Policy):
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         state = super().new_state(batch_size, device)
         s = self.spec
-        state.layers = [
-            AsyncSpadeLayerState(window=torch.zeros(batch_size, s.n_q_heads, self.rows, s.head_dim,
-                                                    dtype=torch.float32, device=device))
-            for _ in range(s.n_layers)
-        ]
+        # one tensor for every layer's window: a run of layers is predicted in one launch
+        windows = torch.zeros(s.n_layers, batch_size, s.n_q_heads, self.rows, s.head_dim, dtype=torch.float32,
+                              device=device)
+        state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows) for i in range(s.n_layers)]
         return state
 
     # ------------------------------------------------------------------ bookkeeping
@@ -243,6 +249,30 @@ class AsyncSpadePolicy(Policy):
         if self.cfg.score_keys != "exact":
             self.scoring_keys(st, k_cache, kv_lens)
 
+    def predict_layers(self, state: PolicyState, layers: range) -> None:
+        """Predict the next query of every layer in ``layers`` (consecutive) with one
+        predictor launch instead of one per layer — what a cache rank does for a pack
+        before selecting its layers (the solves are tiny and latency-bound, so a
+        launch per layer costs its whole latency each time). ``select`` then uses
+        the prediction made here at this ``seq_len``; without this call it predicts
+        per layer, with the same result."""
+        if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
+            return
+        if not kernels.use_triton(state.layers[layers[0]].window):
+            return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
+        sts = [state.layers[i] for i in layers]
+        base = sts[0].all_windows if sts[0] is not None else None
+        n = self.n_valid(state, layers[0])
+        if base is None or n < 2 or any(
+                st is None or st.all_windows is not base or self.n_valid(state, i) != n for i, st in zip(layers, sts)):
+            return  # windows of their own (rebuilt for another batch) or uneven history: per layer
+        w = base[layers[0]:layers[-1] + 1]  # [P, B, Hq, R, D], contiguous
+        P, B, H, R, D = w.shape
+        q = kernels.ridge_predict(w.reshape(P * B * H, R, D), n, mode=self.cfg.predictor,
+                                  eps=self.cfg.ridge_eps).view(P, B, H, D)
+        for j, st in enumerate(sts):
+            st.q_pred, st.q_pred_seq = q[j], state.seq_len
+
     def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """q̂ for the step whose cache length is ``kv_lens`` (post-RoPE when
         ``rope_aware``): [B, Hq, D] float32, or None before any query was seen."""
@@ -250,7 +280,10 @@ class AsyncSpadePolicy(Policy):
         if n == 0:
             return None
         st = state.layers[layer]
-        q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
+        if st.q_pred is not None and st.q_pred_seq == state.seq_len:  # made ahead by predict_layers
+            q_hat, st.q_pred, st.q_pred_seq = st.q_pred, None, -1
+        else:
+            q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
         if self.rope_aware:
             q_hat = rotate(q_hat, self._positions(state, kv_lens.to(q_hat.device)), self.spec.rope)
         return q_hat

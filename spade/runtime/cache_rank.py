@@ -263,6 +263,9 @@ class CacheRank:
             l0, l1 = packs[p]
             state.seq_len = seq
             sels = []
+            predict_layers = getattr(policy, "predict_layers", None)
+            if predict_layers is not None:  # the pack's predictions in one launch (asyncspade)
+                predict_layers(state, range(l0, l1))
             for layer in range(l0, l1):
                 k, _ = view(layer, seq)
                 sels.append(policy.select(state, layer, None, k, kv_sel))

@@ -432,3 +432,31 @@ def test_rope_aware_true_refuses_a_model_without_rope():
     sim = DecodeSim(B=1, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=14)  # spec.rope is None
     with pytest.raises(ConfigError, match="rope_aware=true"):
         make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, rope_aware=True)
+
+
+@pytest.mark.parametrize("predictor", ["assembled", "ridge"])
+def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
+    """``predict_layers`` (one predictor launch for a run of layers, what the cache rank
+    does per pack) leaves every layer's selection exactly as predicting per layer does;
+    each prediction made ahead serves one select only."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")  # the batched path is the kernel's (interpreter here)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3)
+    pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4,
+                      predictor=predictor, group_reduce="sum_logits", rope_aware=False)
+    ks, vs, kv = sim.fresh_cache()
+    states = []
+    for _ in range(2):
+        st = pol.new_state(2, "cpu")
+        st.seq_len = 20
+        for layer in range(3):
+            pol.prefill(st, layer, sim.q_all[layer, :, :, :20], ks[layer], vs[layer], kv)
+        st.seq_len = 21
+        states.append(st)
+    kv1 = kv + 1
+    pol.predict_layers(states[0], range(0, 3))
+    assert all(s.q_pred is not None for s in states[0].layers)
+    for layer in range(3):
+        a = pol.select(states[0], layer, None, ks[layer], kv1)  # uses the batched prediction
+        b = pol.select(states[1], layer, None, ks[layer], kv1)  # predicts on its own
+        assert torch.equal(a.indices, b.indices)
+        assert states[0].layers[layer].q_pred is None  # consumed
