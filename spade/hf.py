@@ -120,8 +120,8 @@ def attention_spec(model_or_config) -> AttentionSpec:
     RoPE: ``theta`` from ``config.rope_parameters["rope_theta"]`` (transformers 5)
     or ``config.rope_theta``; ``dim`` = ``head_dim`` times the partial rotary
     factor. Scaled RoPE variants (llama3, yarn, ...) change the frequencies in
-    ways ``RopeSpec`` does not model: ``rope`` is then None (policies that need
-    it, e.g. ``asyncspade`` with ``rope_aware``, refuse with a clear error).
+    ways ``RopeSpec`` does not model: ``rope`` is then None (``asyncspade`` with
+    ``rope_aware: true`` refuses with a clear error; the default ``auto`` turns it off).
     The softmax scale is the attention modules' own ``scaling`` when a model is
     given (``head_dim ** -0.5`` for the supported families).
     """

@@ -71,22 +71,6 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
     return torch.empty(batch, n_kv_heads, 0, dtype=torch.int32, device=device)
 
 
-def _score_topk(q, k, lo, hi, k_top, *, scale, reduce, kv_lens, kv_start, k_scale):
-    """``kernels.score_topk`` with the row starts for the ``sum_softmax`` normaliser.
-
-    NOTE: ``kernels.score_topk`` does not forward ``kv_start`` yet, so left-padded
-    ``sum_softmax`` calls go to the scoring module directly with the same dispatch
-    (``kernels.use_triton``); once the dispatcher forwards it, this is one call."""
-    if kv_start is None or reduce != "sum_softmax":
-        return kernels.score_topk(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens,
-                                  k_scale=k_scale)
-    from spade.kernels import scoring
-
-    fn = scoring.score_topk_triton if kernels.use_triton(q) else scoring.score_topk_ref
-    return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale)
-
-
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
@@ -113,9 +97,9 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         lo, hi = middle_bounds(kv_lens, kv_start, n_sink, n_recent)
         # The sum_softmax normaliser runs over the row's own [kv_start, kv_len): a
         # left-padded row selects exactly what it selects alone.
-        idx = _score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
-                          kv_lens=kv_lens if norm_lens is None else norm_lens,
-                          kv_start=kv_start, k_scale=k_scale)
+        idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
+                                 kv_lens=kv_lens if norm_lens is None else norm_lens,
+                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 
