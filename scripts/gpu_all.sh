@@ -4,12 +4,12 @@
 #   bash scripts/gpu_all.sh [STAGE ...]
 #
 # STAGE (default: all but sweep):
-#   tests      kernel + policy suites on the GPU (on GPU 1 when two are visible,
+#   tests      kernel + policy suites on the GPU (TESTS=paths to narrow; on GPU 1 when two are visible,
 #              in the background, so that `kernels` runs beside it on GPU 0)
 #   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
 #   decode     whole-model decode: spade fast path vs HF (one GPU)
-#   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {4, 2},
+#   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {2, 4} (TPOT_ITERS steps per row),
 #              exact / int8 / int4 scoring keys, torch.profiler of the async rows and of one cache-rank layer
 #   sweep      TPOT over B x L x K (the shapes that fit), fewer methods
 #   transports bandwidth/latency of local and nccl (vs raw NCCL) for the runtime's messages
@@ -65,11 +65,11 @@ for s in "${stages[@]}"; do
     tests)
       if [ "$NGPU" -ge 2 ]; then  # beside the next stage, on the other GPU
         ( CUDA_VISIBLE_DEVICES=1 timeout -k 10 330 python3 -m pytest -q -p no:cacheprovider -n 4 --maxfail=20 \
-            --timeout 150 tests/kernels tests/policies > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
+            --timeout 150 ${TESTS:-tests/kernels tests/policies} > "$OUT/tests.log" 2>&1; echo "rc=$?" >> "$OUT/tests.log" ) &
         bg_pid=$!
         echo "=== tests: in the background on GPU 1 (pid $bg_pid)"
       else
-        run tests 330 python3 -m pytest -q -p no:cacheprovider -n 4 --maxfail=20 --timeout 150 tests/kernels tests/policies
+        run tests 330 python3 -m pytest -q -p no:cacheprovider -n 4 --maxfail=20 --timeout 150 ${TESTS:-tests/kernels tests/policies}
       fi ;;
     kernels)
       run bench_scoring 130 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 110 \
@@ -89,7 +89,7 @@ for s in "${stages[@]}"; do
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
-    tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --packs 4,2 --score-keys exact,int8,int4 \
+    tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
     sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
              --budget 2048,1024 --packs 4 --score-keys exact,int8 --iters 10 \
