@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import INTERPRET
+
 from spade import kernels
 from spade.kernels import quant, scoring
 
@@ -105,12 +107,16 @@ def test_quantize_append_int4_writes_only_pos(impl, smooth, B, H, L, D, device):
     fn = quant.quantize_append_int4_ref if impl == "ref" else quant.quantize_append_int4_triton
     fn(kq, ks, k_new, pos.to(device), None if sm is None else sm.to(device))
     want_q, want_s = quant.quantize_keys_int4_ref(k_new[:, :, None].cpu(), sm)
+    # the Triton kernel is bit-for-bit the CPU reference; torch on CUDA may round the
+    # smoothed division one ulp apart (the codes still agree)
+    s_tol = dict(rtol=1e-6, atol=0) if impl == "ref" and device.type == "cuda" else dict(rtol=0, atol=0)
     for b in range(B):
         p = int(pos[b])
         keep = torch.ones(L, dtype=torch.bool)
         if 0 <= p < L:
             keep[p] = False
-            assert torch.equal(ks[b, :, p].cpu(), want_s[b, :, 0]) and torch.equal(kq[b, :, p].cpu(), want_q[b, :, 0])
+            torch.testing.assert_close(ks[b, :, p].cpu(), want_s[b, :, 0], **s_tol)
+            assert torch.equal(kq[b, :, p].cpu(), want_q[b, :, 0])
         assert torch.equal(kq[b, :, keep], kq0[b, :, keep]) and torch.equal(ks[b, :, keep], ks0[b, :, keep])
 
 
@@ -125,7 +131,9 @@ def test_int4_dispatch_and_bad_inputs(monkeypatch, device):
         got[mode] = (kq.cpu(), ks.cpu())
         assert (quant.unpack_int4(kq[0, :, 1]) == 0).all() and (quant.unpack_int4(kq[1, :, 2]) == 0).all()
         assert ks[0, 0, 1] < 1e-8 and ks[1, 0, 2] < 1e-8  # zero key: the floor scale, no NaN
-    assert torch.equal(got["torch"][0], got["triton"][0]) and torch.equal(got["torch"][1], got["triton"][1])
+    assert torch.equal(got["torch"][0], got["triton"][0])
+    # torch on CUDA may round the smoothed scales one ulp apart from the kernel (bit-exact on CPU)
+    torch.testing.assert_close(got["torch"][1], got["triton"][1], rtol=1e-6 if device.type == "cuda" else 0, atol=0)
     kq, ks = quant.quantize_keys_int4_ref(torch.randn(1, 1, 4, 8))
     with pytest.raises(ValueError, match="even"):
         quant.quantize_keys_int4_ref(torch.randn(1, 1, 4, 7))
@@ -298,6 +306,7 @@ def test_smoothing_rescues_an_outlier_channel(reduce):
     (3, 4, 2, [0, 6, 3], torch.bfloat16, "max_logits"),
     (3, 4, 1, [5, 0, 0], torch.float16, "sum_logits"),
 ])
+@pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on the simulator's CPU tensors needs the interpreter")
 def test_policy_int4_copy_and_selection(B, Hq, Hkv, starts, dtype, reduce, monkeypatch):
     """asyncspade with int4 keys, on the Triton kernels: the smoothing equals
     ``fit_smoothing`` of the prompt's valid keys (garbage after kv_lens and in the left

@@ -28,7 +28,7 @@ def small_tiles(monkeypatch):
 
 @pytest.mark.parametrize("tie_block", [16, 64])
 @pytest.mark.parametrize("B,H,N,K,ties", CASES)
-def test_topk_from_scores_many_tiles(small_tiles, tie_block, B, H, N, K, ties):
+def test_topk_from_scores_many_tiles(small_tiles, tie_block, B, H, N, K, ties, device):
     g = torch.Generator().manual_seed(B * 1000 + N + K)
     s = torch.randn(B, H, N, generator=g)
     if ties:
@@ -37,7 +37,7 @@ def test_topk_from_scores_many_tiles(small_tiles, tie_block, B, H, N, K, ties):
     lo = torch.tensor([3 + b for b in range(B)])
     hi = torch.tensor([N - 2 * b for b in range(B)])
     small_tiles(tie_block)
-    out = scoring.topk_from_scores_triton(s, lo, hi, K)  # [B, H, K]
+    out = scoring.topk_from_scores_triton(s.to(device), lo.to(device), hi.to(device), K).cpu()  # [B, H, K]
     ref = scoring.topk_from_scores_ref(s, lo, hi, K)
     assert out.shape == (B, H, K) and out.dtype == torch.int32
     for b in range(B):

@@ -7,6 +7,7 @@ import torch
 
 from spade.policies.base import RopeSpec
 from spade.policies.predictors import predict, rotate
+from tests.conftest import INTERPRET
 from tests.policies.sim import DecodeSim, attended_sets, make_policy, middle_sets
 
 
@@ -434,6 +435,7 @@ def test_rope_aware_true_refuses_a_model_without_rope():
         make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, rope_aware=True)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
 @pytest.mark.parametrize("predictor", ["assembled", "ridge"])
 def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
     """``predict_layers`` (one predictor launch for a run of layers, what the cache rank

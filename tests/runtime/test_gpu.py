@@ -29,29 +29,98 @@ def gpu_model():
                                  max_seq_len=64)
 
 
-def _run(model, prompt, *over, hooks=None):
+class _Recorder:
+    """Greedy sampling that keeps each step's logits [B, V] (float32, CPU)."""
+
+    def __init__(self):
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self.logits.append(logits.float().cpu())
+        return greedy(logits)
+
+
+def _run(model, prompt, *over, hooks=None, recorder=None):
     cfg = config(*over)
     rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec), hooks=hooks)
     try:
-        return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=recorder or greedy)
     finally:
         rt.close()
 
 
 @pytest.fixture(scope="module")
-def gpu_inline(gpu_model, prompt):
+def gpu_inline_run(gpu_model, prompt):
     cfg = config()
-    return InlineRuntime(cfg, gpu_model, build_policy(cfg.policy, gpu_model.spec)).generate(
+    rec = _Recorder()
+    tokens = InlineRuntime(cfg, gpu_model, build_policy(cfg.policy, gpu_model.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=rec).tokens
+    return tokens, rec.logits
+
+
+@pytest.fixture(scope="module")
+def gpu_inline(gpu_inline_run):
+    return gpu_inline_run[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_model32():
+    """The same tiny model in fp32 (the kv return mode's exact-token check)."""
+    from spade.models.fast import FastModel
+    from spade.models.presets import preset_config
+
+    torch.manual_seed(1234)
+    return FastModel.from_config(preset_config("tiny"), device="cuda:0", dtype=torch.float32, max_batch=B,
+                                 max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def gpu_inline32(gpu_model32, prompt):
+    cfg = config()
+    return InlineRuntime(cfg, gpu_model32, build_policy(cfg.policy, gpu_model32.spec)).generate(
         *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+
+
+# The kv return mode attends the gathered middle and the local sinks + recent window
+# separately and merges the two exactly (log-sum-exp), which in bf16 rounds the
+# logits ~0.005-0.01 away from the one-pass attention of inline selection (measured
+# on an H200: indices/delta are bit-identical, kv is not). Tokens then agree until a
+# step whose greedy choice is a near-tie; beyond it the sequences may diverge.
+KV_LOGIT_TOL = 0.05
+
+
+def _assert_kv_matches_inline(tr_tokens, rec: _Recorder, inline_run) -> None:
+    """bf16: equal tokens up to the first step where some row's inline top-2 logit gap
+    is within KV_LOGIT_TOL, logits within KV_LOGIT_TOL of inline's up to there (the
+    exact check of the kv mode runs in fp32: ``test_kv_mode_fp32_matches_inline``)."""
+    tokens, logits = inline_run
+    gaps = [(lg.topk(2, dim=-1).values[:, 0] - lg.topk(2, dim=-1).values[:, 1]).min() for lg in logits]
+    stop = next((s for s, gap in enumerate(gaps) if gap <= KV_LOGIT_TOL), NEW)
+    for s in range(stop):
+        assert [r[s] for r in tr_tokens] == [r[s] for r in tokens], f"step {s}"
+        torch.testing.assert_close(rec.logits[s], logits[s], rtol=0, atol=KV_LOGIT_TOL)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pack,mode", [(1, "indices"), (2, "kv"), (2, "delta")])
-def test_colocated_side_stream_matches_inline(gpu_model, prompt, gpu_inline, pack, mode):
+def test_colocated_side_stream_matches_inline(gpu_model, prompt, gpu_inline_run, pack, mode):
     assert gpu_model.use_cuda_graphs
+    rec = _Recorder()
     tr = _run(gpu_model, prompt, "runtime.topology=colocated", f"runtime.pack_layers={pack}",
-              f"runtime.return_mode={mode}")
-    assert tr.tokens == gpu_inline
+              f"runtime.return_mode={mode}", recorder=rec)
+    if mode == "kv":
+        _assert_kv_matches_inline(tr.tokens, rec, gpu_inline_run)
+    else:
+        assert tr.tokens == gpu_inline_run[0]
+    assert tr.stats["sparse_steps"] > 0
+
+
+@pytest.mark.gpu
+def test_kv_mode_fp32_matches_inline(gpu_model32, prompt, gpu_inline32):
+    """In fp32 the kv mode's merged attention is within rounding of the one-pass
+    attention, far below any greedy margin: the tokens are inline's exactly."""
+    tr = _run(gpu_model32, prompt, "runtime.topology=colocated", "runtime.pack_layers=2", "runtime.return_mode=kv")
+    assert tr.tokens == gpu_inline32
     assert tr.stats["sparse_steps"] > 0
 
 
@@ -65,11 +134,15 @@ def test_stale_with_graphs_counts_late_packs(gpu_model, prompt):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("mode", ["indices", "kv"])
-def test_local_second_gpu_matches_inline(gpu_model, prompt, gpu_inline, mode):
+def test_local_second_gpu_matches_inline(gpu_model, prompt, gpu_inline_run, mode):
+    rec = _Recorder()
     tr = _run(gpu_model, prompt, "runtime.topology=local", "runtime.cache_device=cuda:1", "runtime.pack_layers=2",
-              f"runtime.return_mode={mode}")
+              f"runtime.return_mode={mode}", recorder=rec)
     assert tr.stats["cache_device"] == "cuda:1"
-    assert tr.tokens == gpu_inline
+    if mode == "kv":
+        _assert_kv_matches_inline(tr.tokens, rec, gpu_inline_run)
+    else:
+        assert tr.tokens == gpu_inline_run[0]
 
 
 @pytest.mark.multigpu
