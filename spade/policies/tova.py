@@ -73,7 +73,7 @@ class TovaPolicy(Policy):
         """Keep the ``budget - 1`` prompt tokens the last prompt query attends most
         (all of them when the prompt is shorter)."""
         slots = self._slots(state, layer, k_cache)
-        B, L = k_cache.shape[0], k_cache.shape[2]
+        L = k_cache.shape[2]
         keep = self.cfg.budget - 1
         # Σ over every query head of its softmax over [kv_start, kv_len): [B, Hkv, L] -> [B, L]
         w = kernels.group_scores(q[:, :, -1], k_cache, kv_lens, scale=self.spec.softmax_scale,

@@ -77,7 +77,7 @@ from spade import kernels
 from spade.attention import AttentionContext, InlineSelector, ThresholdSelector  # noqa: F401
 from spade.errors import ConfigError, PeerGone, PeerTimeout, TransportError
 from spade.kernels.stage import stage_qkv
-from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.base import Policy, Selection
 from spade.policies.common import last_token_keys
 from spade.runtime import protocol as P
 from spade.runtime.base import GenerationTrace, Runtime, _sync
@@ -788,7 +788,6 @@ class InferenceSession:
     def _apply(self, meta: list[list[int]], msg: list[torch.Tensor]) -> None:
         s = self.sel
         p = meta[0][P.META_PACK]
-        step = meta[0][P.META_STEP]
         l0, _ = self.packs[p]
         mode = self.rt.return_mode
         dev = self.be.device

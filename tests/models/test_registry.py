@@ -2,7 +2,6 @@
 
 import dataclasses
 import hashlib
-import sys
 
 import pytest
 
