@@ -193,6 +193,16 @@ def _quantize_keys_kernel(K, KQ, KS, L,
 
 
 @triton.jit
+def _append_slot(POS, b, L, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Slot ``POS[b]`` of an append (0 when outside [0, L), then no head row is written),
+    the head rows (int64 [BLOCK_H]) and their write mask."""
+    p = tl.load(POS + b).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    ok = (p >= 0) & (p < L)
+    return tl.where(ok, p, 0), offs_h.to(tl.int64), (offs_h < H) & ok
+
+
+@triton.jit
 def _quantize_append_kernel(KN, KQ, KS, POS, L,
                             stride_nb, stride_nh, stride_nl, stride_nd,
                             stride_qb, stride_qh, stride_ql, stride_qd,
@@ -200,13 +210,8 @@ def _quantize_append_kernel(KN, KQ, KS, POS, L,
                             H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Grid (B,): the H new keys of row b go to slot ``POS[b]`` (skipped outside [0, L))."""
     b = tl.program_id(0).to(tl.int64)
-    p = tl.load(POS + b).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    p, h64, mask_h = _append_slot(POS, b, L, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    ok = (p >= 0) & (p < L)
-    mask_h = (offs_h < H) & ok
-    p = tl.where(ok, p, 0)
-    h64 = offs_h.to(tl.int64)
     # stride_nl = 0 for new keys [B, H, D]; the cache's row stride reads its row ``p``
     k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
@@ -430,18 +435,13 @@ def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L,
     """Grid (B,): the H new keys of row b go to slot ``POS[b]`` (skipped outside [0, L));
     the tile's rows are the H heads (each with its own smoothing vector)."""
     b = tl.program_id(0).to(tl.int64)
-    p = tl.load(POS + b).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    p, h64, mask_h = _append_slot(POS, b, L, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DH)
-    ok = (p >= 0) & (p < L)
-    mask_h = (offs_h < H) & ok
-    p = tl.where(ok, p, 0)
-    h64 = offs_h.to(tl.int64)
     k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
     q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
     s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
-    sm_mask = (offs_h[:, None] < H) & (offs_d[None, :] < DH)
+    sm_mask = (h64[:, None] < H) & (offs_d[None, :] < DH)
     _quantize4_tile(k_lo, k_lo + DH * stride_nd, sm_lo, sm_lo + DH * stride_md, sm_mask, q_ptrs, s_ptrs,
                     mask_h, offs_d < DH, SMOOTH)
 

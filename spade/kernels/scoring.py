@@ -385,6 +385,24 @@ def _f32_key(x):
 
 
 @triton.jit
+def _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr):
+    """The candidate range ``[lo, hi)`` of batch row ``b``, the end ``c1`` of chunk
+    ``chunk`` and the tiles ``[start, end)`` a scoring program walks: the whole chunk
+    with FULL_ROW, else only the tiles meeting ``[lo, hi)`` (keys outside are never read)."""
+    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
+    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
+    c0 = chunk * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, L)
+    if FULL_ROW:
+        start = c0
+        end = c1
+    else:
+        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
+        end = tl.minimum(c1, hi)
+    return lo, hi, c1, start, end
+
+
+@triton.jit
 def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW: tl.constexpr, HIST: tl.constexpr):
     """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
     ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
@@ -502,16 +520,7 @@ def _score_kernel(
     chunk = tl.program_id(1)
     b = row // HKV
     h = row % HKV
-    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
-    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
-    c0 = chunk * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, L)
-    if FULL_ROW:
-        start = c0
-        end = c1
-    else:  # only the tiles meeting [lo, hi): keys outside are never read
-        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
-        end = tl.minimum(c1, hi)
+    lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
 
     offs_g = tl.arange(0, G_PAD)
     g_mask = offs_g < G
@@ -592,16 +601,7 @@ def _softmax_finalize_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
-    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
-    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
-    c0 = chunk * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, L)
-    if FULL_ROW:
-        start = c0
-        end = c1
-    else:
-        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
-        end = tl.minimum(c1, hi)
+    lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
@@ -668,16 +668,7 @@ def _gemv_score_kernel(
     chunk = tl.program_id(1)
     b = row // HKV
     h = row % HKV
-    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
-    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
-    c0 = chunk * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, L)
-    if FULL_ROW:
-        start = c0
-        end = c1
-    else:
-        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
-        end = tl.minimum(c1, hi)
+    lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     if KINT4:
@@ -735,16 +726,7 @@ def _i8dot_score_kernel(
     chunk = tl.program_id(1)
     b = row // HKV
     h = row % HKV
-    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
-    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
-    c0 = chunk * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, L)
-    if FULL_ROW:
-        start = c0
-        end = c1
-    else:
-        start = tl.maximum(c0, (lo // BLOCK_L) * BLOCK_L)
-        end = tl.minimum(c1, hi)
+    lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, G_PAD)

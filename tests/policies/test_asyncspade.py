@@ -305,9 +305,12 @@ def test_int8_budget_covering_the_context_is_full_attention():
 
 
 @pytest.mark.gpu
-def test_int8_observe_and_select_replay_in_a_cuda_graph(monkeypatch):
-    """observe + select with int8 keys captured once and replayed at later steps give the
-    eager selections (no host sync, no host-side data-dependent shapes)."""
+@pytest.mark.parametrize("score_keys,reduce", [("int8", "sum_softmax"), ("int8", "sum_logits"),
+                                               ("int4", "sum_logits"), ("int4", "sum_softmax")])
+def test_compressed_keys_observe_and_select_replay_in_a_cuda_graph(score_keys, reduce, monkeypatch):
+    """observe + select with int8 / int4 keys (append, folded query for int4, compressed
+    score_topk) captured once and replayed at later steps give the eager selections (no
+    host sync, no host-side data-dependent shapes)."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the policies' conftest pins the torch refs
     from spade.policies.base import AttentionSpec
     from spade.config import AsyncSpadePolicyConfig
@@ -317,7 +320,7 @@ def test_int8_observe_and_select_replay_in_a_cuda_graph(monkeypatch):
     B, Hq, Hkv, D, L, T = 2, 8, 2, 64, 512, 300
     spec = AttentionSpec(n_layers=1, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D)
     cfg = AsyncSpadePolicyConfig(budget=64, sink_tokens=4, recent_tokens=8, predictor="last", window=2,
-                                 score_keys="int8")
+                                 score_keys=score_keys, group_reduce=reduce, rope_aware=False)
     pols = [build_policy(cfg, spec) for _ in range(2)]
     k_all = torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16)
     q_all = torch.randn(B, Hq, L, D, device=dev, dtype=torch.bfloat16)
