@@ -299,23 +299,15 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
               bench_graph(lambda: scoring.score_topk_triton(q, k, lo, hi, K)), mid_bytes)
         r.add("score_topk", "torch_naive", shp, bench(lambda: naive_topk(q, k, lo, hi, K, scale)), mid_bytes)
 
-        fused8 = scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)
-        naive8 = truth8.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
-        ok = dict(deficit=selection_deficit(fused8, naive8.to(torch.int32), truth8),
-                  overlap_exact=overlap(fused8, fused))
-        r.add("score_topk", "triton_int8", shp,
-              bench(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes, **ok)
-        r.add("score_topk", "triton_int8_graph", shp,
-              bench_graph(lambda: scoring.score_topk_triton(q, kq, lo, hi, K, k_scale=kscale)), int8_mid_bytes)
-
-        fused4 = scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)
-        naive4 = truth4.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
-        ok = dict(deficit=selection_deficit(fused4, naive4.to(torch.int32), truth4),
-                  overlap_exact=overlap(fused4, fused))
-        r.add("score_topk", "triton_int4", shp,
-              bench(lambda: scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)), int4_mid_bytes, **ok)
-        r.add("score_topk", "triton_int4_graph", shp,
-              bench_graph(lambda: scoring.score_topk_triton(q4, kq4, lo, hi, K, k_scale=kscale4)), int4_mid_bytes)
+        for impl, qq, kk, ksc, tr, fb in (("triton_int8", q, kq, kscale, truth8, int8_mid_bytes),
+                                          ("triton_int4", q4, kq4, kscale4, truth4, int4_mid_bytes)):
+            got = scoring.score_topk_triton(qq, kk, lo, hi, K, k_scale=ksc)
+            want = tr.masked_fill(~_cand_mask(lo, hi, L)[:, None, :], float("-inf")).topk(K, dim=-1).indices
+            ok = dict(deficit=selection_deficit(got, want.to(torch.int32), tr), overlap_exact=overlap(got, fused))
+            r.add("score_topk", impl, shp,
+                  bench(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, k_scale=ksc)), fb, **ok)
+            r.add("score_topk", f"{impl}_graph", shp,
+                  bench_graph(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, k_scale=ksc)), fb)
         # sum_softmax: the normaliser spans [0, kv_lens), so the floor reads every key once
         for impl, qq, kk, ksc, fb in (("triton", q, k, None, key_bytes), ("triton_int8", q, kq, kscale, int8_key_bytes),
                                       ("triton_int4", q4, kq4, kscale4, int4_key_bytes)):
