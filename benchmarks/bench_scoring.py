@@ -353,6 +353,7 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
                      # int4: the int8-tensor-core GEMV (default for sum_logits), the float GEMV
                      # (converts every nibble) and the bf16 tensor-core tile
                      ("triton_int4_gemv", q4, kq4, kscale4, int4_mid_bytes, {}),
+                     ("triton_int4_gemv_noasm", q4, kq4, kscale4, int4_mid_bytes, dict(int4_asm=False)),
                      ("triton_int4_fgemv", q4, kq4, kscale4, int4_mid_bytes, dict(int8_dot=False)),
                      ("triton_int4_tc", q4, kq4, kscale4, int4_mid_bytes, dict(use="off"))]
         for bl, nw, ns in ((64, 4, 4), (128, 4, 3), (128, 8, 4), (256, 8, 3), (32, 2, 4)):

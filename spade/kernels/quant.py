@@ -43,10 +43,14 @@ int4 plus one scale per token::
 Later tokens are not clamped: their own per-token scale absorbs a channel that
 outgrew its fitted ``s_c`` (they only lose resolution in the other channels).
 
-Packing: uint8 [B, H, L, D/2]; byte ``i`` holds channel ``i`` in its low nibble
-and channel ``i + D/2`` in its high nibble, each stored as ``kq + 8`` (1..15), so
-a kernel unpacks a tile into two contiguous half-vectors (``(x & 15) - 8``,
-``(x >> 4) - 8``) that dot with the two halves of the query: no interleaving.
+Packing: uint8 [B, H, L, D/2]; byte ``i`` holds channel ``i`` in its low nibble,
+offset by 8 (``kq + 8``: 1..15), and channel ``i + D/2`` in its high nibble as a
+signed two's-complement nibble, so the byte read as int8 is ``p = lo + 8 + 16 * hi``.
+A kernel gets the two contiguous half-vectors back as ``(p & 15) - 8`` and
+``p >> 4`` (arithmetic shift), no interleaving; the tensor-core scorer needs only
+the shift: ``q_lo · (p - 8) + (q_hi - 16 q_lo) · (p >> 4) = q_lo · lo + q_hi · hi``,
+so the raw bytes feed one int8 dot and one shift feeds the other
+(``spade.kernels.scoring._i8dot_score_kernel``).
 
 Example::
 
@@ -292,19 +296,19 @@ def fold_smoothing(q: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor
 
 def pack_int4(v: torch.Tensor) -> torch.Tensor:
     """int values in [-8, 7] [..., D] (D even) -> uint8 [..., D/2]: channel ``i`` in
-    the low nibble, ``i + D/2`` in the high one, each offset by 8."""
+    the low nibble offset by 8, ``i + D/2`` in the high one as a signed nibble (the
+    byte as int8 is ``v_i + 8 + 16 * v_{i+D/2}``)."""
     D = v.shape[-1]
     if D % 2:
         raise ValueError(f"int4 packing needs an even last dim, got {D}")
-    u = (v.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., : D // 2] | (u[..., D // 2:] << 4)
+    w = v.to(torch.int16)
+    return ((w[..., : D // 2] + 8) | ((w[..., D // 2:] & 15) << 4)).to(torch.uint8)
 
 
 def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_int4``: uint8 [..., D/2] -> int8 [..., D]."""
-    lo = (p & 15).to(torch.int8) - 8
-    hi = (p >> 4).to(torch.int8) - 8
-    return torch.cat([lo, hi], dim=-1)
+    s = p.view(torch.int8)
+    return torch.cat([(s & 15) - 8, s >> 4], dim=-1)
 
 
 def _check_smooth(smooth: torch.Tensor | None, B: int, H: int, D: int, device: torch.device) -> None:
@@ -396,7 +400,7 @@ def _quantize4_tile(k_lo_ptrs, k_hi_ptrs, sm_lo_ptrs, sm_hi_ptrs, sm_mask, q_ptr
     sb = tl.broadcast_to(s[:, None], x_lo.shape)
     v_lo = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x_lo, sb)), -7.0), 7.0)
     v_hi = tl.minimum(tl.maximum(_round_even(tl.math.div_rn(x_hi, sb)), -7.0), 7.0)
-    packed = (v_lo.to(tl.int32) + 8) | ((v_hi.to(tl.int32) + 8) << 4)  # [BLOCK_L, BLOCK_DH] in [0, 255]
+    packed = (v_lo.to(tl.int32) + 8) | ((v_hi.to(tl.int32) & 15) << 4)  # [BLOCK_L, BLOCK_DH] in [0, 255]
     tl.store(q_ptrs, packed.to(tl.uint8), mask=m)
     tl.store(s_ptrs, s, mask=mask_l)
 

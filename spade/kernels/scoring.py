@@ -67,10 +67,11 @@ keeps its own dtype (the caller rounds it, e.g. to the cache's bf16, to keep the
 tensor-core path). Only selection reads this copy; attention uses exact keys.
 
 Packed int4 ``k`` (uint8 [B, Hkv, L, D/2], ``quant.quantize_keys_int4``: byte ``i``
-holds channel ``i`` in its low nibble and ``i + D/2`` in its high one, offset by
-8) scores the same way, a quarter of bf16's key bytes: a tile unpacks into its
-two channel halves ``(x & 15) - 8`` and ``(x >> 4) - 8`` (exact in any float
-dtype), which dot with the two halves of the query and add. The per-channel
+read as int8 is ``p = lo + 8 + 16 * hi`` for channels ``i`` and ``i + D/2``)
+scores the same way, a quarter of bf16's key bytes: a float tile unpacks into
+its two channel halves ``(p & 15) - 8`` and ``p >> 4`` (exact in any float
+dtype), which dot with the two halves of the query and add; the int8
+tensor-core tile dots the raw bytes and their shift (``_i8dot_score_kernel``). The per-channel
 smoothing of the int4 copy lives in the query (``quant.fold_smoothing``, applied
 by the caller): to these kernels an int4 copy is plain symmetric int4.
 """
@@ -452,9 +453,9 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     if KINT4:
-        kb = kt.to(tl.int32)
+        kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi
         k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D) of the head; padding bytes 0 -> -8, q is 0 there
-        k_hi = ((kb >> 4) - 8).to(q.dtype)  # channels [D, 2D)
+        k_hi = (kb >> 4).to(q.dtype)  # channels [D, 2D) (arithmetic shift: the signed high nibble)
         if IEEE:
             s = tl.dot(q, tl.trans(k_lo), input_precision="ieee") + tl.dot(q2, tl.trans(k_hi), input_precision="ieee")
         else:
@@ -641,8 +642,8 @@ def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stri
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     if KINT4:
-        kb = kt.to(tl.int32)
-        r = tl.sum(((kb & 15) - 8).to(tl.float32) * qs[None, :] + ((kb >> 4) - 8).to(tl.float32) * qs2[None, :],
+        kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi
+        r = tl.sum(((kb & 15) - 8).to(tl.float32) * qs[None, :] + (kb >> 4).to(tl.float32) * qs2[None, :],
                    axis=1)  # [BLOCK_L]
     else:
         r = tl.sum(kt.to(tl.float32) * qs[None, :], axis=1)  # [BLOCK_L]
@@ -701,7 +702,7 @@ def _i8dot_score_kernel(
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
-    KINT4: tl.constexpr,
+    KINT4: tl.constexpr, ASM4: tl.constexpr,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys.
@@ -709,19 +710,21 @@ def _i8dot_score_kernel(
     Converting every int8 key element to float runs at a quarter of the FMA rate on
     Hopper, which caps the float GEMV tile near 2x its byte floor. Here the group's
     summed query ``qs = scale * Σ_g q_g`` (fp32, computed in the program) is written
-    in fixed point, ``qs ≈ s * (65536*hi + 256*mid + lo)`` with ``s = max|qs| / 8e6``
-    (under 2^23 with a margin for the fp32 division), and split into three int8
-    digits (``mid``, ``lo`` stored offset by -128). One int8 ``tl.dot`` of the key
-    tile [BLOCK_L, D] with the digit matrix [D, 16] — columns (hi, mid - 128,
-    lo - 128, 1, 0...) — gives the four int32 partial dots c0..c3, and
-    ``k·q_int = 65536*c0 + 256*c1 + c2 + 32896*c3`` (the ones column restores the
-    offsets). Rounding the query costs at most ``max|qs| / 1.6e7`` per component
-    (below the fp32 accumulation noise of the float path); each partial dot is exact
-    in int32 (|c| <= 128 * 128 * D).
+    in fixed point, ``qs ≈ s * qi`` with ``s = max|qs| / 1e9`` (``qi`` int32 holds
+    every bit fp32 has of ``qs``), and split into four balanced int8 digits
+    ``qi = d0 + 256 d1 + 65536 d2 + 2^24 d3`` (``_q_digits``). One int8 ``tl.dot`` of
+    the key tile [BLOCK_L, D] with the digit matrix [D, 16] (columns d0..d3, zeros
+    after: 16 is the smallest MMA width) gives four int32 partial dots c0..c3, each
+    exact (|c| <= 128 * 128 * D), and ``k·q ≈ s * (c0 + 256 c1 + 65536 c2 + 2^24 c3)``
+    combined in fp32: the only rounding is fp32's own, on the query and on the sum.
 
-    KINT4: packed int4 keys (D, BLOCK_D: the packed row's bytes, half the head dim).
-    The two halves of ``qs`` get their own digit matrices under one shared ``s``, and
-    a tile's nibbles unpack to two int8 tiles (integer ops only) that dot with them."""
+    KINT4: packed int4 keys (D, BLOCK_D: the packed row's bytes, half the head dim),
+    each byte read as int8 ``p = lo + 8 + 16 * hi`` (``quant.pack_int4``). With ``x``
+    / ``y`` the two channel halves of ``qs``: ``x · p + (y - 16 x) · (p >> 4)
+    = x · lo + y · hi + 8 Σx``, so the raw byte tile feeds one int8 dot (digits of
+    ``x``) and its arithmetic shift — the only per-element op — the other (digits of
+    ``z = y - 16 x̂`` under a scale of its own, ``x̂`` the fixed-point ``x`` already
+    used), and ``8 Σx̂`` is subtracted per tile. No nibble masks, no offsets."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -735,67 +738,98 @@ def _i8dot_score_kernel(
     qg = tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
     qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32 (KINT4: the first channel half)
     amax = tl.max(tl.abs(qs), axis=0)
+    s = tl.where(amax > 0, amax / 1.0e9, 1.0)  # |qi| <= ~1e9 < 2^30 (fp32 division may round up a little)
+    qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D]: qs in fixed point, as exact as fp32 holds it
+    qm = _q_digits(qi)  # [BLOCK_D, 16] int8
     if KINT4:
         qs2 = tl.sum(tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32), axis=0) * scale
-        amax = tl.maximum(amax, tl.max(tl.abs(qs2), axis=0))
-    s = tl.where(amax > 0, amax / 8000000.0, 1.0)  # margin below 2^23: fp32 division may round up
-    qm = _q_digits(qs, s)  # [BLOCK_D, 16] int8
-    if KINT4:
-        qm2 = _q_digits(qs2, s)
+        z = qs2 - 16.0 * (qi.to(tl.float32) * s)  # [BLOCK_D]: y - 16 x̂
+        zmax = tl.max(tl.abs(z), axis=0)
+        s2 = tl.where(zmax > 0, zmax / 1.0e9, 1.0)
+        qm2 = _q_digits(tl.floor(z / s2 + 0.5).to(tl.int32))
+        c_off = 8.0 * s * tl.sum(qi.to(tl.float32), axis=0)  # the low nibbles' offset, times x̂
     else:
+        s2 = s
         qm2 = qm  # unused
+        c_off = 0.0
     col = tl.arange(0, 16)[None, :]
-    w = tl.where(col == 0, 65536.0, tl.where(col == 1, 256.0, tl.where(col == 2, 1.0, tl.where(
-        col == 3, 32896.0, 0.0)))) * s  # [1, 16] fp32
+    w = tl.where(col == 0, 1.0, tl.where(col == 1, 256.0, tl.where(col == 2, 65536.0, tl.where(
+        col == 3, 16777216.0, 0.0))))  # [1, 16] fp32: the digits' weights
+    w2 = w * s2
+    w = w * s
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     hist = tl.zeros([256], dtype=tl.int32)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            hist = _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl,
-                               stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4)
+            hist = _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist = _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl,
-                               stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4)
+            hist = _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
-def _q_digits(qs, s):
-    """The digit matrix of ``_i8dot_score_kernel``: ``qs`` [BLOCK_D] fp32 in fixed point
-    ``round(qs / s)`` split into int8 columns (hi, mid - 128, lo - 128, 1, 0...) [BLOCK_D, 16]."""
-    qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D], |qi| <= 8e6 < 2^23 (error <= s/2)
-    d_hi = qi >> 16  # arithmetic shift: floor(qi / 65536), in [-128, 127]
-    rem = qi - d_hi * 65536  # [0, 65535]
-    d_mid = (rem >> 8) - 128
-    d_lo = (rem & 255) - 128
+def _q_digits(qi):
+    """The digit matrix of ``_i8dot_score_kernel``: the fixed-point query ``qi``
+    [BLOCK_D] int32 (|qi| <= ~1e9) as four balanced int8 digits, least significant
+    first, ``qi = d0 + 256 d1 + 65536 d2 + 2^24 d3`` (d0..d2 in [-128, 127], |d3| <= 64),
+    in columns 0..3 of a [BLOCK_D, 16] int8 matrix (zeros after)."""
+    d0 = ((qi + 128) & 255) - 128
+    r = (qi - d0) >> 8  # exact: qi - d0 is a multiple of 256
+    d1 = ((r + 128) & 255) - 128
+    r = (r - d1) >> 8
+    d2 = ((r + 128) & 255) - 128
+    d3 = (r - d2) >> 8
     col = tl.arange(0, 16)[None, :]
-    return tl.where(col == 0, d_hi[:, None], tl.where(col == 1, d_mid[:, None], tl.where(
-        col == 2, d_lo[:, None], tl.where(col == 3, 1, 0)))).to(tl.int8)  # [BLOCK_D, 16]
+    return tl.where(col == 0, d0[:, None], tl.where(col == 1, d1[:, None], tl.where(
+        col == 2, d2[:, None], tl.where(col == 3, d3[:, None], 0)))).to(tl.int8)  # [BLOCK_D, 16]
 
 
 @triton.jit
-def _i8dot_tile(qm, qm2, w, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
-                hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr):
+def _high_nibbles(p, ASM: tl.constexpr):
+    """``p >> 4`` (arithmetic) of an int8 tile: the signed high nibbles of packed int4.
+    ASM (GPU only): on four bytes per 32-bit register at once — shift the word, mask
+    the nibbles, sign-extend each through its bit 3 (``(t & 0x08..) * 30`` puts 0xF0
+    in exactly the negative bytes: no carries cross a byte) — five instructions per
+    four bytes instead of an unpack, 16-bit shift and repack per byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, m;
+            shr.b32 t, $1, 4;
+            and.b32 t, t, 0x0F0F0F0F;
+            and.b32 m, t, 0x08080808;
+            mul.lo.u32 m, m, 30;
+            or.b32 $0, t, m;
+            }""",
+            constraints="=r,r", args=[p], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (p >> 4).to(tl.int8)
+
+
+@triton.jit
+def _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                stride_sl, hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
     kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
     if KINT4:
-        # padding channels: nibble 0 -> -8, but their digit rows (hi, mid, lo, 1) = (0, -128, -128, 1)
-        # weigh to 256 * -128 - 128 + 32896 = 0, so they add nothing
-        k_lo = (kt & 15).to(tl.int8) - 8  # [BLOCK_L, BLOCK_D] channels [0, D)
-        k_hi = (kt >> 4).to(tl.int8) - 8  # channels [D, 2D)
-        acc = tl.dot(k_lo, qm, out_dtype=tl.int32) + tl.dot(k_hi, qm2, out_dtype=tl.int32)
+        p = kt.to(tl.int8, bitcast=True)  # lo + 8 + 16 * hi; padding bytes are 0 and add nothing
+        acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, 16]: x̂ · p in digits
+        acc2 = tl.dot(_high_nibbles(p, ASM4), qm2, out_dtype=tl.int32)  # (y - 16 x̂) · hi in digits
+        r = tl.sum(acc.to(tl.float32) * w + acc2.to(tl.float32) * w2, axis=1) - c_off  # [BLOCK_L]
     else:
         acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
-    r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
+        r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
     return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
@@ -817,7 +851,8 @@ GEMV_CONFIG: dict = {}
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
 and int4 keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
 int8 and int4 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False:
-the float GEMV tile, which converts every key element)."""
+the float GEMV tile, which converts every key element), and ``int4_asm`` (default True on a
+GPU: the int4 high nibbles by four bytes per register, ``_high_nibbles``; False: per byte)."""
 
 
 def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
@@ -844,6 +879,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             *k_scale.stride(), L, chunk, scale,
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
+            ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]

@@ -28,10 +28,12 @@ def _keys(shape, dtype, g, *, outlier: float = 0.0):
 
 
 def test_pack_layout_and_round_trip():
-    """Byte i = (v_i + 8) | (v_{i+D/2} + 8) << 4; unpack inverts pack on [-8, 7]."""
+    """Byte i = (v_i + 8) | (v_{i+D/2} & 15) << 4 (as int8: v_i + 8 + 16 v_{i+D/2});
+    unpack inverts pack on [-8, 7]."""
     v = torch.tensor([[-7, 0, 7, -8, 3, -1]])  # D = 6
     p = quant.pack_int4(v)
-    assert p.dtype == torch.uint8 and p.tolist() == [[1 | (0 << 4), 8 | (11 << 4), 15 | (7 << 4)]]
+    assert p.dtype == torch.uint8 and p.tolist() == [[1 | (8 << 4), 8 | (3 << 4), 15 | (15 << 4)]]
+    assert p.view(torch.int8).tolist() == [[1 - 128, 8 + 48, 15 - 16]]
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-8, 8, (3, 2, 5, 10), generator=g)
     assert torch.equal(quant.unpack_int4(quant.pack_int4(w)), w.to(torch.int8))
@@ -66,7 +68,7 @@ def test_quantize_int4_definition_and_triton(shape, dtype, smooth, device):
     x = k.float() / (sm[:, :, None] if smooth else 1.0)
     amax = x.abs().amax(-1)
     torch.testing.assert_close(ks, amax.clamp_min(quant.SCALE_FLOOR) / 7)
-    assert v.abs().max() <= 7 and (kq & 15).min() >= 1 and (kq >> 4).min() >= 1  # never the -8 code
+    assert v.abs().max() <= 7 and (kq & 15).min() >= 1 and ((kq >> 4) != 8).all()  # never the -8 code
     assert ((v * ks[..., None] - x).abs() <= 0.5 * ks[..., None] * (1 + 1e-5) + 1e-12).all()  # half a step
     assert (v.abs().amax(-1)[amax > 0] == 7).all() and (v[:, :, 0] == 0).all()
     kq_t, ks_t = quant.quantize_keys_int4_triton(k.to(device), None if sm is None else sm.to(device))
