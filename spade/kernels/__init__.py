@@ -23,7 +23,7 @@ Shapes and conventions (all ops):
 * Scoring may read an int8 copy of the keys (``quantize_keys``: symmetric, one
   float32 scale per token) with its ``k_scale`` [B, Hkv, L]; attention never does.
 * ... or a packed int4 copy (``quantize_keys_int4``: uint8 [B, Hkv, L, D/2], low
-  nibble channel ``i``, high nibble ``i + D/2``, offset 8) with its ``k_scale``;
+  nibble channel ``i`` offset by 8, high nibble ``i + D/2`` signed) with its ``k_scale``;
   the keys are smoothed per channel (``fit_smoothing``) and the scoring query must
   carry that smoothing (``fold_smoothing(q, smooth)``), see ``spade.kernels.quant``.
 """
