@@ -11,7 +11,8 @@
 #   decode     whole-model decode: spade fast path vs HF (one GPU)
 #   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {2, 4} (TPOT_ITERS steps per row),
 #              exact / int8 / int4 scoring keys, torch.profiler of the async rows and of one cache-rank layer
-#   sweep      TPOT over B x L x K (the shapes that fit), fewer methods
+#   sweep      TPOT over B x L x K (the shapes that fit), fewer methods (SWEEP_KEYS scoring keys, default int8,int4;
+#              SWEEP_B, SWEEP_L: batch sizes and contexts, default 8,1,16,32 and 32768,16384,65536)
 #   transports bandwidth/latency of local and nccl (vs raw NCCL) for the runtime's messages
 #   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
@@ -91,8 +92,8 @@ for s in "${stages[@]}"; do
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
-    sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch 8,1,16,32 --context 32768,16384,65536 \
-             --budget 2048,1024 --packs 4 --score-keys exact,int8 --iters 10 \
+    sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch ${SWEEP_B:-8,1,16,32} --context ${SWEEP_L:-32768,16384,65536} \
+             --budget 2048,1024 --packs 4 --score-keys ${SWEEP_KEYS:-int8,int4} --iters 10 \
              --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
              --out "$OUT/bench_tpot_sweep.json" ;;
     gputests)
