@@ -232,6 +232,10 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         loop.run_until_complete(rt.aclose())
     row = summary(ms)
     row.update({k: stats.get(k) for k in ("late_packs", "stale_packs", "waited_packs", "wait_s", "sparse_steps")})
+    # host time per step inside step() (launches, transport, waits for late packs; the device
+    # runs behind it): near the TPOT means the host, not the device, sets the pace
+    if stats.get("host_steps"):
+        row["host_ms_per_step"] = 1e3 * stats["host_step_s"] / stats["host_steps"]
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
     return row
@@ -659,6 +663,8 @@ def run(argv: list[str] | None = None) -> dict:
                         conf["rows"][name] = fn()
                         r = conf["rows"][name]
                         extra = f"  late={r['late_packs']}" if r.get("late_packs") else ""
+                        if r.get("host_ms_per_step") is not None:
+                            extra += f"  host={r['host_ms_per_step']:.2f} ms/step"
                         print(f"  {name:<28} {r['tpot_ms']:8.3f} ms  (p90 {r['p90_ms']:.3f}; "
                               f"{time.time() - t0:.1f}s){extra}", flush=True)
                     except Exception as e:  # one failing row must not lose the others

@@ -723,8 +723,9 @@ def _i8dot_score_kernel(
     / ``y`` the two channel halves of ``qs``: ``x · p + (y - 16 x) · (p >> 4)
     = x · lo + y · hi + 8 Σx``, so the raw byte tile feeds one int8 dot (digits of
     ``x``) and its arithmetic shift — the only per-element op — the other (digits of
-    ``z = y - 16 x̂`` under a scale of its own, ``x̂`` the fixed-point ``x`` already
-    used), and ``8 Σx̂`` is subtracted per tile. No nibble masks, no offsets."""
+    ``z = y - 16 x̂``, ``x̂`` the fixed-point ``x`` already used, under the same scale),
+    both into one int32 accumulator (one epilogue), and ``8 Σx̂`` is subtracted per
+    tile. No nibble masks, no offsets."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -738,37 +739,36 @@ def _i8dot_score_kernel(
     qg = tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
     qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32 (KINT4: the first channel half)
     amax = tl.max(tl.abs(qs), axis=0)
+    if KINT4:
+        qs2 = tl.sum(tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32), axis=0) * scale
+        # one scale for x and z = y - 16 x̂ (|z| <= max|y| + 17 max|x|), so both dots add
+        # into one int32 accumulator; 30 bits leave x's step far below fp32's own rounding
+        amax = tl.max(tl.abs(qs2), axis=0) + 17.0 * amax
     s = tl.where(amax > 0, amax / 1.0e9, 1.0)  # |qi| <= ~1e9 < 2^30 (fp32 division may round up a little)
     qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D]: qs in fixed point, as exact as fp32 holds it
     qm = _q_digits(qi)  # [BLOCK_D, 16] int8
     if KINT4:
-        qs2 = tl.sum(tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32), axis=0) * scale
         z = qs2 - 16.0 * (qi.to(tl.float32) * s)  # [BLOCK_D]: y - 16 x̂
-        zmax = tl.max(tl.abs(z), axis=0)
-        s2 = tl.where(zmax > 0, zmax / 1.0e9, 1.0)
-        qm2 = _q_digits(tl.floor(z / s2 + 0.5).to(tl.int32))
+        qm2 = _q_digits(tl.floor(z / s + 0.5).to(tl.int32))
         c_off = 8.0 * s * tl.sum(qi.to(tl.float32), axis=0)  # the low nibbles' offset, times x̂
     else:
-        s2 = s
         qm2 = qm  # unused
         c_off = 0.0
     col = tl.arange(0, 16)[None, :]
     w = tl.where(col == 0, 1.0, tl.where(col == 1, 256.0, tl.where(col == 2, 65536.0, tl.where(
-        col == 3, 16777216.0, 0.0))))  # [1, 16] fp32: the digits' weights
-    w2 = w * s2
-    w = w * s
+        col == 3, 16777216.0, 0.0)))) * s  # [1, 16] fp32: the digits' weights
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     hist = tl.zeros([256], dtype=tl.int32)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            hist = _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+            hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
                                stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist = _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+            hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
                                stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
@@ -814,7 +814,7 @@ def _high_nibbles(p, ASM: tl.constexpr):
 
 
 @triton.jit
-def _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
                 stride_sl, hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                 FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -825,8 +825,8 @@ def _i8dot_tile(qm, qm2, w, w2, c_off, k_base, ks_base, out_ptr, row64, l0, lo, 
     if KINT4:
         p = kt.to(tl.int8, bitcast=True)  # lo + 8 + 16 * hi; padding bytes are 0 and add nothing
         acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, 16]: x̂ · p in digits
-        acc2 = tl.dot(_high_nibbles(p, ASM4), qm2, out_dtype=tl.int32)  # (y - 16 x̂) · hi in digits
-        r = tl.sum(acc.to(tl.float32) * w + acc2.to(tl.float32) * w2, axis=1) - c_off  # [BLOCK_L]
+        acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)  # + (y - 16 x̂) · hi
+        r = tl.sum(acc.to(tl.float32) * w, axis=1) - c_off  # [BLOCK_L]
     else:
         acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
         r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int

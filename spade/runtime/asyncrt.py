@@ -565,7 +565,7 @@ class InferenceSession:
             "topology": rt.topology, "return_mode": rt.return_mode, "on_late": rt.on_late,
             "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
-            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0,
+            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0, "host_step_s": 0.0, "host_steps": 0,
         }
         self.arrived = [0] * len(self.packs)  # newest step whose selection reached this host, per pack
         self.ever = [False] * len(self.packs)
@@ -916,6 +916,7 @@ class InferenceSession:
         be, ctx = self.be, self.ctx
         if self.rt.sync_policy:
             return be.decode(tokens, ctx)
+        t_host = time.perf_counter()  # host time of the step (it does not wait for the device)
         seq = be.seq_len + 1
         st = self.step_state
         st.index += 1
@@ -940,6 +941,8 @@ class InferenceSession:
             await self._yield_to_cache()
         for _ in gen:  # exhaust (graph capture happens here on a new key)
             raise RuntimeError("backend yielded more packs than expected")
+        self.stats["host_step_s"] += time.perf_counter() - t_host
+        self.stats["host_steps"] += 1
         return be.last_logits
 
     async def token_loop(self, first_logits: torch.Tensor, *, max_new_tokens: int, sample_fn,
