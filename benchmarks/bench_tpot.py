@@ -222,9 +222,10 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                                     f"profile_{topology}_P{P}_B{B}_L{L}_K{K}")
         finally:
             await sess.end()
-        return ms, sess.trace([[]], []).stats
+        host = list(sess.host_step_ms)[-a.iters:]  # the timed steps (not warm-up or graph capture)
+        return ms, sess.trace([[]], []).stats, host
 
-    ms, stats = loop.run_until_complete(go())
+    ms, stats, host = loop.run_until_complete(go())
     if topology == "multiprocess":
         if link is None:  # this runtime opened the cache process: keep it for the next rows
             shared["multiprocess"], shared["owner"] = rt._link, rt
@@ -234,8 +235,8 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
     row.update({k: stats.get(k) for k in ("late_packs", "stale_packs", "waited_packs", "wait_s", "sparse_steps")})
     # host time per step inside step() (launches, transport, waits for late packs; the device
     # runs behind it): near the TPOT means the host, not the device, sets the pace
-    if stats.get("host_steps"):
-        row["host_ms_per_step"] = 1e3 * stats["host_step_s"] / stats["host_steps"]
+    if host:
+        row["host_ms_per_step"] = float(statistics.median(host))
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
     return row

@@ -61,6 +61,7 @@ densely (``stats["peer_gone"]``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import subprocess
@@ -565,8 +566,11 @@ class InferenceSession:
             "topology": rt.topology, "return_mode": rt.return_mode, "on_late": rt.on_late,
             "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
-            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0, "host_step_s": 0.0, "host_steps": 0,
+            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0,
         }
+        self.host_step_ms: collections.deque[float] = collections.deque(maxlen=4096)
+        """Host time inside each ``step()`` (launches, transport, waits for late packs; the
+        device runs behind it), newest last: near the TPOT means the host sets the pace."""
         self.arrived = [0] * len(self.packs)  # newest step whose selection reached this host, per pack
         self.ever = [False] * len(self.packs)
         # Selections that arrived but are not applied yet, per pack, in arrival order:
@@ -941,8 +945,7 @@ class InferenceSession:
             await self._yield_to_cache()
         for _ in gen:  # exhaust (graph capture happens here on a new key)
             raise RuntimeError("backend yielded more packs than expected")
-        self.stats["host_step_s"] += time.perf_counter() - t_host
-        self.stats["host_steps"] += 1
+        self.host_step_ms.append(1e3 * (time.perf_counter() - t_host))
         return be.last_logits
 
     async def token_loop(self, first_logits: torch.Tensor, *, max_new_tokens: int, sample_fn,
