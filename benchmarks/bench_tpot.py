@@ -19,8 +19,11 @@ prefill would. Rows, per (batch B, context L, budget K):
 * ``optimal``: the selection given for free (one fixed ``Selection``): the floor
   any selection method can reach at budget K.
 
-TPOT is the median over ``--iters`` steps after ``--warmup`` (CUDA events, a
-synchronisation after every step, as an engine sampling on the host does).
+TPOT is the median over ``--iters`` steps after ``--warmup``, every row timed the
+same way: host wall clock from a synced device to the device synced again after
+the step, as an engine sampling on the host pays it (``time_steps`` /
+``time_async``; until session 4 the synchronous rows were timed by CUDA events
+around the step, which left their host launch latency out).
 
 Breakdown (Fig. 2): per step, ``attention`` = n_layers x one layer's attention
 kernel at that method's token count, ``selection`` = n_layers x one layer's
@@ -82,6 +85,26 @@ def time_calls(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def time_steps(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
+    """TPOT of a synchronous decode step: host wall clock from a synced device to the
+    device synced again — exactly how ``time_async`` times the asynchronous rows, so
+    every row of a TPOT table pays the same launch latency (a serving loop, which reads
+    each sampled token on the host, pays it too). Device events around the call
+    (``time_calls``, for kernel-level timings) would leave the host's launch time out
+    of the inline rows only."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 
@@ -176,7 +199,7 @@ def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
     ctx = AttentionContext(model.spec, sel, device=model.device, track_stats=False)
     fake_prompt(model, ctx, B, L, a.window + 1)
     tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
-    ms = time_calls(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
+    ms = time_steps(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
     if a.profile and method in ("optimal", "full") and not getattr(a, f"_profiled_{method}", False):
         setattr(a, f"_profiled_{method}", True)
 
