@@ -28,7 +28,7 @@ selected true scores, like the kernel tests): a wrong selection is reported,
 never timed.
 
     python -m benchmarks.bench_select [--shapes 8x32768,32x32768] [--budget 2048] [--keys exact,int8]
-                                      [--budget-s 120] [--no-grid] [--out results/bench_select.json]
+                                      [--budget-s 120] [--out results/bench_select.json]
     python -m benchmarks.bench_select --tiny   # CPU interpreter: checks the script in seconds
 """
 
@@ -141,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="exact (bf16), int8 / int4 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
-    ap.add_argument("--no-grid", action="store_true", help="default config and hint path only (no config sweeps)")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -220,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
         record(dict(B=B, L=L, K=K, keys=keys, config="hint", **_hint_rows(scoring, q, kk, ks, lo, hi, K, check, rep)))
-        if args.no_grid:
-            scoring.GEMV_CONFIG.clear()
-            continue
         if keys == "int8" and cuda:  # launch configs of the int8 scoring tile (scoring stage alone)
             for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
                 scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)

@@ -17,7 +17,6 @@
 #   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
-#   select_hint  the same per stage, default config only, beside the hint path (exact / int8 / int4 keys)
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
@@ -87,9 +86,6 @@ for s in "${stages[@]}"; do
     select)  # the fused score + top-K stage by stage (cumulative graphs) and the radix-select launch grid
       run bench_select 140 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 120 \
         --out "$OUT/bench_select.json" ;;
-    select_hint)  # the default select vs the hint path (steady / forced fallback), no config grids
-      run bench_select_hint 100 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --no-grid \
-        --keys exact,int8,int4 --budget-s 80 --out "$OUT/bench_select_hint.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
