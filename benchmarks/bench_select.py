@@ -16,13 +16,6 @@ H200 and removed: 62 vs 37 us at B=8 L=32k, 224 vs 103 us at B=8 L=128k, 152 vs
 costs more than the second full scan it saves, and the per-row program is
 latency-bound on long lists.)
 
-The hint path (``score_topk(hint=)``, the cache rank's default: stage 1 lists the
-positions scoring at least the previous call's threshold and one program per row
-finishes them) is timed beside the default: ``hint_ms`` in steady state (the graph
-replays one query, so every call after the first finds its list: the best case),
-``hint_fallback_ms`` with the hint reset to +inf before each call (every row falls
-back to the radix passes: the worst case).
-
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
 never timed.
@@ -88,57 +81,28 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
         scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce="sum_logits",
                                full_row=False, hist=ws, k_scale=ks)
         c = scoring._select_config(dev)
-        meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=scoring._interpret(), num_warps=c["num_warps"], CAP=0)
+        meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=scoring._interpret(), num_warps=c["num_warps"])
         chunk, n_chunks = scoring._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
                                          per_sm=c.get("PER_SM", 4))
         grid = (rows, n_chunks)
         cnt = ws[scoring._NPASS_GLOBAL * rows * scoring._NBINS:]
         if n >= 2:
-            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, cnt, 0, PASS=1, **meta)
+            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
         if n >= 3:
-            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, cnt, 0, **meta)
+            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
         if n >= 4:
-            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K, cnt, 0,
+            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K,
                                                 **dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"])))
 
     return run, names, out
-
-
-def _hint_rows(scoring, q, k, ks, lo, hi, K: int, check, rep: int) -> dict:
-    """The hint path: steady state (one query replayed: every call after the first
-    takes the candidate list) and forced fallback (hint reset to +inf before each call)."""
-    B, hkv = k.shape[0], k.shape[1]
-    hint = torch.full((B, hkv), float("-inf"), device=k.device)
-    counts = torch.zeros(B, hkv, dtype=torch.int32, device=k.device)
-    out = scoring.score_topk_triton(q, k, lo, hi, K, k_scale=ks, hint=hint)  # aims the hint
-    out = scoring.score_topk_triton(q, k, lo, hi, K, k_scale=ks, hint=hint, hint_counts=counts)
-    err = check(out)
-    if err > 1e-4:
-        return dict(error=f"hint path: selection deficit {err:.2e}")
-    R, cap = scoring._hint_sizes(K)
-    fast = float(((counts >= K) & (counts <= cap)).float().mean())
-
-    def fallback():
-        hint.fill_(float("inf"))
-        return scoring.score_topk_triton(q, k, lo, hi, K, k_scale=ks, hint=hint)
-
-    err_fb = check(fallback())
-    if err_fb > 1e-4:
-        return dict(error=f"hint fallback: selection deficit {err_fb:.2e}")
-    ms_fb = _graph_ms(fallback, rep=rep)
-    hint.fill_(float("-inf"))
-    scoring.score_topk_triton(q, k, lo, hi, K, k_scale=ks, hint=hint)  # re-aim
-    ms = _graph_ms(lambda: scoring.score_topk_triton(q, k, lo, hi, K, k_scale=ks, hint=hint), rep=rep)
-    return dict(hint_ms=ms, hint_fallback_ms=ms_fb, fast_rows=fast, list_R=R, list_cap=cap,
-                mean_list=float(counts.float().mean()))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,32x32768,8x131072", help="BxL,... (Qwen3-8B layer: 32 q / 8 KV heads)")
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--keys", default="exact,int8,int4,int8_float",
-                    help="exact (bf16), int8 / int4 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
+    ap.add_argument("--keys", default="exact,int8,int8_float",
+                    help="exact (bf16), int8 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--out", default="results/bench_select.json")
@@ -190,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             scoring.GEMV_CONFIG.update(int8_dot=False)
         if keys.startswith("int8"):
             kk, ks = quant.quantize_keys_triton(k) if cuda else quant.quantize_keys_ref(k)
-        elif keys == "int4":
-            kk, ks = quant.quantize_keys_int4_triton(k) if cuda else quant.quantize_keys_int4_ref(k)
         truth = scoring.group_scores_ref(q, kk, torch.full((B,), L, device=dev), k_scale=ks)  # [B, Hkv, L]
         pos = torch.arange(L, device=dev)
         truth = truth.masked_fill(~((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :], float("-inf"))
@@ -218,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
-        record(dict(B=B, L=L, K=K, keys=keys, config="hint", **_hint_rows(scoring, q, kk, ks, lo, hi, K, check, rep)))
         if keys == "int8" and cuda:  # launch configs of the int8 scoring tile (scoring stage alone)
             for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
                 scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)

@@ -44,17 +44,6 @@ chunk, so the design is a *radix select on the score bits*:
    ``T``, the first ``r`` equal to it (ties broken by arrival order), then
    ``-1`` padding.
 
-3. With a threshold ``hint`` per row carried from the previous call of the same
-   rows (the cache rank keeps one per layer: the K-th score moves little from one
-   decode step to the next), stage 1 also lists the positions scoring at least the
-   hint (one atomic per tile), and one program per row finishes the top-K from
-   that list in registers (``_cand_select_kernel``: the list is ~1.25 K long, so
-   its four radix passes cost what one pass over a 32k row would) and re-aims the
-   hint at the 1.25 K-th score. A row whose list does not hold its top-K (fewer
-   than K entries, or more than the list's capacity) takes the radix passes above
-   for the top 1.25 K, in the same launches (rows that need none exit at once):
-   the result is the exact top-K whatever the hint holds.
-
 The 8-bit histograms cost instructions (``tl.histogram`` works by warp ballots
 per bin bit), so only one pass besides the fused one touches every score;
 everything after stage 1 reads fp32 scores, 4 bytes per token and KV head, from
@@ -90,7 +79,6 @@ by the caller): to these kernels an int4 copy is plain symmetric int4.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -360,48 +348,11 @@ def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
     return out
 
 
-def _f32_key_ref(x: torch.Tensor) -> torch.Tensor:
-    """``_f32_key`` in torch, as int64 in [0, 2^32)."""
-    b = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(b >= 2**31, b ^ 0xFFFFFFFF, b | 0x80000000)
-
-
-def _key_to_f32_ref(key: torch.Tensor) -> torch.Tensor:
-    bits = torch.where(key >= 2**31, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return (bits - (bits >= 2**31).to(torch.int64) * 2**32).to(torch.int32).view(torch.float32)
-
-
-def update_hint_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int,
-                    hint: torch.Tensor) -> torch.Tensor:
-    """The hint path's next hint (``_cand_select_kernel``): ``scores`` [B, H, N] fp32,
-    ``hint`` [B, H] fp32 (the one the call used) -> the next [B, H]. The row's list is
-    every valid position scoring >= the hint when it holds the top-K and fits CAP,
-    else the top R; with n list entries the next hint is the floor of the R-th largest
-    score's 16-bit key bucket if n >= R, -inf if the row has at most R valid
-    positions, else the old hint."""
-    sizes = _hint_sizes(k_top)
-    if sizes is None:
-        return hint.clone()
-    R, cap = sizes
-    B, H, N = scores.shape
-    valid = _range_mask(lo.to(scores.device), hi.to(scores.device), N)[:, None, :].expand(B, H, N)
-    n_valid = valid.sum(-1)  # [B, H]
-    cnt = (valid & (scores >= hint[..., None])).sum(-1)
-    fast = (cnt >= n_valid.clamp(max=k_top)) & (cnt <= cap)
-    n = torch.where(fast, cnt, n_valid.clamp(max=R))
-    s = torch.where(valid, scores, torch.tensor(float("-inf"), device=scores.device))
-    rth = s.topk(min(R, N), dim=-1).values[..., -1] if N else torch.full_like(hint, float("-inf"))
-    floor16 = _key_to_f32_ref(_f32_key_ref(rth) & 0xFFFF0000)
-    return torch.where(n >= R, floor16, torch.where(n_valid <= R, torch.full_like(hint, float("-inf")), hint))
-
-
 def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                    scale: float | None = None, reduce: str = "sum_logits",
                    kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                   kv_start: torch.Tensor | None = None, hint: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline).
-    ``hint`` is updated in place as the Triton hint path updates it (``update_hint_ref``);
-    the selection does not depend on it."""
+                   kv_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline)."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
     k_scale = _check_k_scale(k, k_scale)
@@ -416,9 +367,6 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
-    if hint is not None and k_top > 0:
-        _check_hint(hint, B, Hkv, k.device)
-        hint.copy_(update_hint_ref(scores, lo, hi, k_top, hint))
     return topk_from_scores_ref(scores, lo, hi, k_top)
 
 
@@ -456,14 +404,10 @@ def _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L: tl.constexpr, FULL_
 
 
 @triton.jit
-def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_row, thr,
-                  FULL_ROW: tl.constexpr, HIST: tl.constexpr, CAP: tl.constexpr):
+def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW: tl.constexpr, HIST: tl.constexpr):
     """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
     ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
-    the valid positions — and add their radix pass-0 digits to ``hist``. CAP > 0 (a
-    threshold hint, ``score_topk_triton(hint=)``): the valid positions scoring
-    ``>= thr`` are also appended to the row's candidate list ``cand_row`` [CAP] (slot
-    from the row's counter ``cnt_row``, which keeps counting past CAP)."""
+    the valid positions — and add their radix pass-0 digits to ``hist``."""
     if FULL_ROW:
         tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
     else:
@@ -471,23 +415,7 @@ def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_r
     if HIST:
         digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
         hist += tl.histogram(digit, 256, mask=valid)
-    if CAP > 0:
-        is_c = (valid & (r >= thr)).to(tl.int32)
-        n_c = tl.sum(is_c, axis=0)
-        base = tl.atomic_add(cnt_row, n_c, mask=n_c > 0)  # masked: no slots taken, base unused
-        slot = base + tl.cumsum(is_c, axis=0) - 1
-        tl.store(cand_row + slot, offs_l, mask=(is_c != 0) & (slot < CAP))
     return hist
-
-
-@triton.jit
-def _cand_args(cand_ptr, cnt_ptr, hint_ptr, row64, CAP: tl.constexpr):
-    """Row ``row64``'s candidate list, counter and threshold (unused when CAP == 0)."""
-    if CAP > 0:
-        thr = tl.load(hint_ptr + row64)
-    else:
-        thr = 0.0
-    return cand_ptr + row64 * CAP, cnt_ptr + row64, thr
 
 
 @triton.jit
@@ -503,11 +431,11 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
 
 @triton.jit
 def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd,
-                stride_sl, hist, cand_row, cnt_row, thr, m_run, s_run,
+                stride_sl, hist, m_run, s_run,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-                KINT4: tl.constexpr, CAP: tl.constexpr):
+                KINT4: tl.constexpr):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
@@ -564,13 +492,13 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         else:
             r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
         r = tl.where(valid, r, float("-inf"))
-        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_row, thr, FULL_ROW, HIST, CAP)
+        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
     return hist, m_run, s_run
 
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, cand_ptr, cnt_ptr, hint_ptr, lo_ptr, hi_ptr,
+    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_sb, stride_sh, stride_sl,
@@ -578,7 +506,7 @@ def _score_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-    INTERPRET: tl.constexpr, KINT4: tl.constexpr, CAP: tl.constexpr,
+    INTERPRET: tl.constexpr, KINT4: tl.constexpr,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -610,7 +538,6 @@ def _score_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
     row64 = row.to(tl.int64)
-    cand_row, cnt_row, thr = _cand_args(cand_ptr, cnt_ptr, hint_ptr, row64, CAP)
 
     hist = tl.zeros([256], dtype=tl.int32)
     if LANE_STATS:
@@ -625,16 +552,16 @@ def _score_kernel(
         l0 = start
         while l0 < end:
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, cand_row, cnt_row, thr,
-                                             m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST,
-                                             UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CAP)
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
+                                             LANE_STATS, KINT4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, cand_row, cnt_row, thr,
-                                             m_run, s_run, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST,
-                                             UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CAP)
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
+                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
+                                             LANE_STATS, KINT4)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
             m_lane = m_run
@@ -649,9 +576,9 @@ def _score_kernel(
 
 
 @triton.jit
-def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, cand_row, cnt_row, thr,
+def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr,
-                   HIST: tl.constexpr, CAP: tl.constexpr):
+                   HIST: tl.constexpr):
     """One tile of ``_softmax_finalize_kernel``; returns the carried histogram."""
     offs_g = tl.arange(0, G_PAD)
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -660,15 +587,15 @@ def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, 
                  mask=(offs_g[:, None] < G) & valid[None, :], other=float("-inf"))  # [G_PAD, BLOCK_L]
     p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
     r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_row, thr, FULL_ROW, HIST, CAP)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
 
 
 @triton.jit
 def _softmax_finalize_kernel(
-    logit_ptr, stats_ptr, out_ptr, hist_ptr, cand_ptr, cnt_ptr, hint_ptr, lo_ptr, hi_ptr,
+    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     L, CHUNK, N_STATS,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, CAP: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """sum_softmax stage 2: merge the per-chunk (max, sum-exp) of each head into its
     normaliser, then score = Σ_g exp(logit_g - M_g) / Z_g over ``[lo, hi)``."""
@@ -677,7 +604,6 @@ def _softmax_finalize_kernel(
     b = row // HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    cand_row, cnt_row, thr = _cand_args(cand_ptr, cnt_ptr, hint_ptr, row64, CAP)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
     smask = (offs_g[:, None] < G) & (offs_c[None, :] < N_STATS)
@@ -694,21 +620,20 @@ def _softmax_finalize_kernel(
         l0 = start
         while l0 < end:
             hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
-                                  cand_row, cnt_row, thr, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CAP)
+                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
-                                  cand_row, cnt_row, thr, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CAP)
+                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
 @triton.jit
 def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
-               hist, cand_row, cnt_row, thr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-               KINT8: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr,
-               CAP: tl.constexpr):
+               hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
+               FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr):
     """One tile of ``_gemv_score_kernel``. KINT4: D / BLOCK_D are the packed row's bytes
     (half the head dim); ``qs`` / ``qs2`` the summed query's channel halves."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -725,15 +650,15 @@ def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stri
     if KINT8 or KINT4:
         r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_row, thr, FULL_ROW, HIST, CAP)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
 
 
 @triton.jit
 def _gemv_score_kernel(
-    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, cand_ptr, cnt_ptr, hint_ptr, lo_ptr, hi_ptr,
+    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, CAP: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr,
 ):
     """``sum_logits`` as one GEMV per (b, KV head): Σ_g scale·q_g·k = (scale·Σ_g q_g)·k, so
     the group collapses into one fp32 query ``qs`` [B*HKV, D] and each key is read once
@@ -746,7 +671,6 @@ def _gemv_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    cand_row, cnt_row, thr = _cand_args(cand_ptr, cnt_ptr, hint_ptr, row64, CAP)
     offs_d = tl.arange(0, BLOCK_D)
     if KINT4:
         qs = tl.load(qs_ptr + row64 * (2 * D) + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] first half
@@ -761,26 +685,24 @@ def _gemv_score_kernel(
         l0 = start
         while l0 < end:
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, cand_row, cnt_row, thr, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
-                              KINT4, CAP)
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, cand_row, cnt_row, thr, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
-                              KINT4, CAP)
+                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
 def _i8dot_score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, cand_ptr, cnt_ptr, hint_ptr, lo_ptr, hi_ptr,
+    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl,
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
-    KINT4: tl.constexpr, ASM4: tl.constexpr, CAP: tl.constexpr,
+    KINT4: tl.constexpr, ASM4: tl.constexpr,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys.
@@ -810,7 +732,6 @@ def _i8dot_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    cand_row, cnt_row, thr = _cand_args(cand_ptr, cnt_ptr, hint_ptr, row64, CAP)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, G_PAD)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -843,14 +764,12 @@ def _i8dot_score_kernel(
         l0 = start
         while l0 < end:
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, cand_row, cnt_row, thr, D, BLOCK_D, BLOCK_L,
-                               FULL_ROW, HIST, KINT4, ASM4, CAP)
+                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, cand_row, cnt_row, thr, D, BLOCK_D, BLOCK_L,
-                               FULL_ROW, HIST, KINT4, ASM4, CAP)
+                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -896,9 +815,8 @@ def _high_nibbles(p, ASM: tl.constexpr):
 
 @triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                stride_sl, hist, cand_row, cnt_row, thr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr,
-                ASM4: tl.constexpr, CAP: tl.constexpr):
+                stride_sl, hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
@@ -914,7 +832,7 @@ def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, 
         r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, cand_row, cnt_row, thr, FULL_ROW, HIST, CAP)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
 
 
 def _gemv_config(k: torch.Tensor) -> dict:
@@ -942,19 +860,8 @@ def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
-def _cand_launch_args(cand: tuple | None, out: torch.Tensor) -> tuple:
-    """(cand_ptr, cnt_ptr, hint_ptr, CAP) for a scoring launch: ``cand`` = (list [rows, CAP]
-    int32, counters [rows] int32, hint [rows] fp32) or None (off: CAP 0, pointers unused)."""
-    if cand is None:
-        return out, out, out, 0
-    c, n, h = cand
-    return c, n, h, c.shape[1]
-
-
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
-                 scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None,
-                 cand: tuple | None = None) -> None:
-    c_ptr, n_ptr, h_ptr, CAP = _cand_launch_args(cand, out)
+                 scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None) -> None:
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     rows = B * Hkv
@@ -967,12 +874,12 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
         G = Hq // Hkv
         Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
         _i8dot_score_kernel[(rows, n_chunks)](
-            q, k, k_scale, out, hist if hist is not None else out, c_ptr, n_ptr, h_ptr, lo, hi,
+            q, k, k_scale, out, hist if hist is not None else out, lo, hi,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *k_scale.stride(), L, chunk, scale,
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
-            ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CAP=CAP,
+            ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
@@ -980,24 +887,21 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
     Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
     _gemv_score_kernel[(rows, n_chunks)](
-        qs, k, ks_arg, out, hist if hist is not None else out, c_ptr, n_ptr, h_ptr, lo, hi,
+        qs, k, ks_arg, out, hist if hist is not None else out, lo, hi,
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
         HKV=Hkv, D=Dk, BLOCK_D=max(16, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, KINT8=kint8,
-        KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), CAP=CAP,
+        KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
-                   hist: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                   cand: tuple | None = None) -> None:
+                   hist: torch.Tensor | None, k_scale: torch.Tensor | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
-    ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist`` and
-    list the positions scoring at least the row's hint (``cand``, see ``_cand_launch_args``)."""
+    ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``."""
     if _use_gemv(k, reduce):
-        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, cand=cand)
+        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale)
         return
-    c_ptr, n_ptr, h_ptr, CAP = _cand_launch_args(cand, out)
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     G = Hq // Hkv
@@ -1021,22 +925,22 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
         _score_kernel[grid](
-            qr, k, ks_arg, out, out, hist_arg, c_ptr, n_ptr, h_ptr, lo, hi,
+            qr, k, ks_arg, out, out, hist_arg, lo, hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
-            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, CAP=CAP, **common)
+            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
     _score_kernel[grid](
-        qr, k, ks_arg, logits, stats, out, out, out, out, norm_lo, norm_hi,
+        qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         *ks_strides, L, chunk, n_chunks, scale,
-        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, CAP=0, **common)
+        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common)
     _softmax_finalize_kernel[grid](
-        logits, stats, out, hist_arg, c_ptr, n_ptr, h_ptr, lo, hi, L, chunk, n_chunks,
+        logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CAP=CAP, num_warps=cfg["num_warps"])
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"])
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -1126,17 +1030,8 @@ def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def _cand_ok(cnt_ptr, row64, lo, hi, k_need, CAP: tl.constexpr):
-    """Hint path: row ``row64``'s candidate list holds its top ``k_need`` (at least that
-    many valid positions scored >= the hint, and no more than fit the list)."""
-    cnt = tl.load(cnt_ptr + row64)
-    return (cnt >= tl.minimum(tl.maximum(hi - lo, 0), k_need)) & (cnt <= CAP)
-
-
-@triton.jit
-def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK, cnt_ptr, k_need,
-                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                       CAP: tl.constexpr):
+def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
+                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass PASS (0 or 1) over one chunk of a row: histogram of digit PASS of the
     keys tied with the prefix so far, added into hist[PASS, row]."""
     row = tl.program_id(0)
@@ -1148,8 +1043,6 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, C
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
-    if CAP > 0:  # hint path: only the rows whose candidate list missed
-        end = tl.where(_cand_ok(cnt_ptr, row64, lo, hi, k_need, CAP), start, end)
     row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
@@ -1181,8 +1074,7 @@ def _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK: tl
 
 @triton.jit
 def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                        ccnt_ptr, k_need, HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                        CAP: tl.constexpr):
+                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """After passes 0-1 (the top 16 key bits of the K-th largest are known): write the
     sure winners (top 16 bits larger) to the output and the 16-bit ties to a per-row
     buffer, whose length the pass-1 histogram already gives (typically a few dozen)."""
@@ -1196,8 +1088,6 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
-    if CAP > 0:  # hint path: only the rows whose candidate list missed
-        end = tl.where(_cand_ok(ccnt_ptr, row64, lo, hi, k_need, CAP), start, end)
     row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
     tie_row = tie_ptr + row64 * L
@@ -1241,8 +1131,8 @@ def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, 
 
 
 @triton.jit
-def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, ccnt_ptr, k_need,
-                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, CAP: tl.constexpr):
+def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
+                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per row: passes 2-3 over the 16-bit ties only, then the exact
     threshold T: ties with key > T, then the first ones equal to T, fill the slots
     after the sure winners; -1 padding after k_eff."""
@@ -1254,8 +1144,6 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L
     d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
     n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1)  # elements tied on 16 bits
     n_tie = tl.where(k_eff > 0, n_tie, 0)
-    if CAP > 0:  # hint path: a row whose candidate list holds its top-K has nothing to do here
-        n_tie = tl.where(_cand_ok(ccnt_ptr, row64, lo, hi, k_need, CAP), 0, n_tie)
     row_ptr = scores_ptr + row64 * L
     tie_row = tie_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
@@ -1291,86 +1179,17 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L
 _NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
 
 
-@triton.jit
-def _key_to_f32(key):
-    """Inverse of ``_f32_key``."""
-    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _cand_select_kernel(scores_ptr, cand_ptr, cnt_ptr, fb_ptr, hint_ptr, out_ptr, lo_ptr, hi_ptr, L, k_top, R,
-                        HKV: tl.constexpr, CAP: tl.constexpr, PAD_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Hint path, one program per row: the exact top-``k_top`` of the row's candidates —
-    its list from stage 1 (every position scoring >= the hint) when that list holds the
-    top-K, else the radix fallback's top-R — by a 4 x 8-bit radix select on the
-    ``_f32_key`` bits of the CAP-wide candidate tile in registers; then the row's hint
-    becomes the 16-bit bucket floor of the R-th largest score (so the next call's list
-    is ~R long), or -inf when the row has at most R valid positions, or stays put when
-    the list was shorter than R (it cannot move down without seeing more scores)."""
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    n_valid = tl.maximum(hi - lo, 0)
-    cnt = tl.load(cnt_ptr + row64)
-    fast = (cnt >= k_eff) & (cnt <= CAP)
-    n = tl.where(fast, cnt, tl.minimum(n_valid, R))
-    offs = tl.arange(0, CAP)
-    m = offs < n
-    pos_l = tl.load(cand_ptr + row64 * CAP + offs, mask=m & fast, other=0)
-    pos_f = tl.load(fb_ptr + row64 * R + offs, mask=m & (offs < R) & (fast == 0), other=0)
-    pos = tl.where(fast, pos_l, pos_f)  # [CAP] int32
-    key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
-    counts0 = tl.histogram(((key >> 24) & 0xFF).to(tl.int32), 256, mask=m)
-    d, k_rem = _pick_digit(counts0, k_eff)
-    prefix = d.to(tl.uint32) << 24
-    for p in tl.static_range(1, 4):
-        mm = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-        counts = tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=mm)
-        d, k_rem = _pick_digit(counts, k_rem)
-        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-    is_gt = (m & (key > prefix)).to(tl.int32)
-    is_eq = (m & (key == prefix)).to(tl.int32)
-    s_gt = tl.cumsum(is_gt, axis=0) - 1
-    s_eq = tl.sum(is_gt, axis=0) + tl.cumsum(is_eq, axis=0) - 1
-    out_row = out_ptr + row64 * k_top
-    tl.store(out_row + s_gt, pos, mask=is_gt != 0)
-    tl.store(out_row + s_eq, pos, mask=(is_eq != 0) & (s_eq < k_eff))
-    _pad_tail(out_row, k_eff, k_top, PAD_BLOCK, INTERPRET)
-    # the next hint: the R-th largest candidate's 16-bit bucket floor (pass 0 is shared)
-    e0, r1 = _pick_digit(counts0, R)
-    c1 = tl.histogram(((key >> 16) & 0xFF).to(tl.int32), 256, mask=m & ((key >> 24) == e0.to(tl.uint32)))
-    e1, _ = _pick_digit(c1, r1)
-    floor16 = _key_to_f32((e0.to(tl.uint32) << 24) | (e1.to(tl.uint32) << 16))
-    old = tl.load(hint_ptr + row64)
-    new = tl.where(n >= R, floor16, tl.where(n_valid <= R, float("-inf"), old))
-    tl.store(hint_ptr + row64, new)
-
-
-def _hint_sizes(k_top: int) -> tuple[int, int] | None:
-    """(R, CAP) of the hint path for ``k_top``: the hint aims the candidate list at
-    R = ceil(hint_margin * K) positions, kept in a CAP-wide list (the next power of two
-    >= hint_slack * R: room for the scores to drift between calls); None when the list
-    would not fit one program's registers (``hint_cap``, 16384 by default)."""
-    cfg = SELECT_CONFIG
-    R = max(k_top, math.ceil(cfg.get("hint_margin", 1.25) * k_top))
-    cap = triton.next_power_of_2(max(16, math.ceil(cfg.get("hint_slack", 1.5) * R)))
-    return None if cap > cfg.get("hint_cap", 16384) else (R, cap)
-
-
-def _new_workspace(rows: int, device: torch.device, *, hint: bool = False) -> torch.Tensor:
-    """Zeroed radix workspace: [2, rows, 256] histograms + [rows, 2] slot counters (+ [rows]
-    candidate-list counters with a hint), in one allocation so one memset clears it."""
-    return torch.zeros(_NPASS_GLOBAL * rows * _NBINS + (3 if hint else 2) * rows, dtype=torch.int32, device=device)
+def _new_workspace(rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed radix workspace: [2, rows, 256] histograms + [rows, 2] slot counters, in one
+    allocation so one memset clears it."""
+    return torch.zeros(_NPASS_GLOBAL * rows * _NBINS + 2 * rows, dtype=torch.int32, device=device)
 
 
 def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
-                        ws: torch.Tensor, *, hist0_done: bool, skip: tuple | None = None) -> torch.Tensor:
+                        ws: torch.Tensor, *, hist0_done: bool) -> torch.Tensor:
     """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
     row). ``ws`` is the zeroed workspace of ``_new_workspace``, with the pass-0
-    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top].
-    ``skip`` = (candidate counters [rows], K, CAP): rows whose hint-path candidate
-    list holds their top-K are skipped (their output rows are left as -1 / garbage)."""
+    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]."""
     rows, N = scores.shape
     out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
     ties = torch.empty(rows, N, dtype=torch.int32, device=scores.device)  # [rows, N] positions, prefix used
@@ -1380,14 +1199,12 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
-    ccnt, k_need, cap = skip if skip is not None else (out, 0, 0)
-    meta["CAP"] = cap
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, ccnt, k_need, PASS=p, **meta)
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta)
     cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, ccnt, k_need, **meta)
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
     tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, ccnt, k_need, **tie_meta)
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta)
     return out
 
 
@@ -1409,24 +1226,13 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      kv_start: torch.Tensor | None = None, hint: torch.Tensor | None = None,
-                      hint_counts: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top].
     int8 ``k`` (``spade.kernels.quant``) with its ``k_scale`` [B, Hkv, L] reads half
     the key bytes of bf16.
 
     Keys outside ``[lo, hi)`` are not read (except the ``sum_softmax`` normaliser
     range, see ``_norm_range``).
-
-    ``hint`` (float32 [B, Hkv], updated in place; start it at -inf): a per-row score
-    threshold carried from the previous call of the same (layer, rows). Stage 1 then
-    also lists the positions scoring >= the hint; a row whose list holds its top-K
-    (the K-th largest score moved little since the last call) is finished by one
-    candidate-select program instead of the whole-row radix passes, which run only
-    for the rows whose list missed (and re-aim their hint). The result is the same
-    exact top-K whatever the hint holds (``_cand_select_kernel``, ``_hint_sizes``).
-    ``hint_counts`` (int32 [B, Hkv], optional) receives each row's list length: a row
-    took the fast path when it is between min(K, valid positions) and CAP.
 
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
@@ -1446,33 +1252,9 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
     fuse = SELECT_CONFIG.get("fuse_hist", True)
-    sizes = _hint_sizes(k_top) if hint is not None else None
-    if hint is not None:
-        _check_hint(hint, B, Hkv, k.device)
-    ws = _new_workspace(rows, k.device, hint=sizes is not None)
+    ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
-    if sizes is None:
-        _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
-                       full_row=False, hist=ws if fuse else None, k_scale=k_scale)
-        out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse)
-        return out.view(B, Hkv, k_top)
-    R, cap = sizes
-    ccnt = ws[_NPASS_GLOBAL * rows * _NBINS + 2 * rows:]  # [rows] candidate-list lengths
-    cand = torch.empty(rows, cap, dtype=torch.int32, device=k.device)
-    hint_rows = hint.view(rows)
     _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
-                   full_row=False, hist=ws if fuse else None, k_scale=k_scale, cand=(cand, ccnt, hint_rows))
-    fb = _select_from_scores(scores, lo, hi, R, Hkv, ws, hist0_done=fuse, skip=(ccnt, k_top, cap))  # [rows, R]
-    out = torch.empty(rows, k_top, dtype=torch.int32, device=k.device)
-    _cand_select_kernel[(rows,)](scores, cand, ccnt, fb, hint_rows, out, lo, hi, L, k_top, R,
-                                 HKV=Hkv, CAP=cap, PAD_BLOCK=min(1024, triton.next_power_of_2(k_top)),
-                                 INTERPRET=_interpret(), num_warps=4 if cap <= 2048 else (8 if cap <= 8192 else 16))
-    if hint_counts is not None:
-        hint_counts.view(rows).copy_(ccnt)
+                   full_row=False, hist=ws if fuse else None, k_scale=k_scale)
+    out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse)
     return out.view(B, Hkv, k_top)
-
-
-def _check_hint(hint: torch.Tensor, B: int, Hkv: int, device: torch.device) -> None:
-    if hint.shape != (B, Hkv) or hint.dtype != torch.float32 or hint.device != device or not hint.is_contiguous():
-        raise ValueError(f"hint must be a contiguous float32 [{B}, {Hkv}] tensor on {device} (one score "
-                         f"threshold per row, start it at -inf), got {tuple(hint.shape)} {hint.dtype} on {hint.device}")

@@ -97,9 +97,6 @@ class AsyncSpadeLayerState:
     """[B, Hq, D] float32 prediction made ahead by ``predict_layers`` (pre-RoPE when
     ``rope_aware``), for the ``select`` at host ``seq_len == q_pred_seq``."""
     q_pred_seq: int = -1
-    sel_hint: torch.Tensor | None = None
-    """[B, Hkv] float32 score threshold carried from this layer's previous selection
-    (``kernels.score_topk(hint=)``: a faster exact top-K when the K-th score moves little)."""
 
 
 class AsyncSpadePolicy(Policy):
@@ -236,7 +233,6 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
-        st.sel_hint = None  # a new prompt: the scores start afresh
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
@@ -301,11 +297,8 @@ class AsyncSpadePolicy(Policy):
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
         k_score, k_scale = k_cache, None
-        st = state.layers[layer]
-        B, Hkv = k_cache.shape[0], k_cache.shape[1]
-        if st.sel_hint is None or st.sel_hint.shape != (B, Hkv) or st.sel_hint.device != k_cache.device:
-            st.sel_hint = torch.full((B, Hkv), float("-inf"), dtype=torch.float32, device=k_cache.device)
         if cfg.score_keys != "exact":
+            st = state.layers[layer]
             k_score, k_scale = self.scoring_keys(st, k_cache)
             q_hat = kernels.fold_smoothing(q_hat, st.k_smooth)  # int4: the copy's smoothing (fp32)
             if k_cache.dtype in (torch.float16, torch.bfloat16):
@@ -316,5 +309,4 @@ class AsyncSpadePolicy(Policy):
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None,
-                              hint=st.sel_hint)
+                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None)

@@ -74,7 +74,7 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
-                   norm_lens: torch.Tensor | None = None, hint: torch.Tensor | None = None) -> Selection:
+                   norm_lens: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -88,7 +88,6 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``sum_softmax`` normalises each head over the row's own ``[kv_start, norm_lens)``
     (``norm_lens`` defaults to ``kv_lens``): a selection made one step ahead passes
     ``kv_lens - 1``, since the newest key does not exist yet where it is computed.
-    ``hint``: the caller's per-row threshold state for ``kernels.score_topk`` (speed only).
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
@@ -100,8 +99,7 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         # left-padded row selects exactly what it selects alone.
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
-                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
-                                 hint=hint)
+                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 
