@@ -16,12 +16,25 @@ H200 and removed: 62 vs 37 us at B=8 L=32k, 224 vs 103 us at B=8 L=128k, 152 vs
 costs more than the second full scan it saves, and the per-row program is
 latency-bound on long lists.)
 
+(A "hint" path — a per-row threshold carried from the previous call of the same
+rows; stage 1 appends the positions scoring above it to a list, one program per
+row finishes the exact top-K from that ~1.25 K list with four 8-bit radix passes
+in registers and re-aims the threshold, the radix kernels run only for rows whose
+list missed — was built, tested exact against a torch reference, and measured
+here on an H200 (run19) in its best case, every row taking its list: slower than
+the default at every shape: 0.253 vs 0.192 ms (exact keys), 0.172 vs 0.134 (int8),
+0.152 vs 0.106 (int4) at B=8 L=32k K=2048; 0.423 vs 0.318 (int4) at B=32 L=32k;
+0.379 vs 0.312 (int4) at B=8 L=128k. One program per row running six
+``tl.histogram`` passes over a 4096-wide list is latency-bound, on top of the
+list appends in stage 1 and three launches that exit at once; the default's three
+whole-row launches (37 us) spread the same histograms over ~1000 programs. Removed.)
+
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
 never timed.
 
     python -m benchmarks.bench_select [--shapes 8x32768,32x32768] [--budget 2048] [--keys exact,int8]
-                                      [--budget-s 120] [--out results/bench_select.json]
+                                      [--budget-s 120] [--no-grid] [--out results/bench_select.json]
     python -m benchmarks.bench_select --tiny   # CPU interpreter: checks the script in seconds
 """
 
@@ -101,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,32x32768,8x131072", help="BxL,... (Qwen3-8B layer: 32 q / 8 KV heads)")
     ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--keys", default="exact,int8,int8_float",
-                    help="exact (bf16), int8 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
+    ap.add_argument("--keys", default="exact,int8,int4,int8_float",
+                    help="exact (bf16), int8 / int4 (int8 tensor-core tile), int8_float (int8 keys, float GEMV tile)")
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
+    ap.add_argument("--no-grid", action="store_true", help="the default config only (no config sweeps)")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -154,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             scoring.GEMV_CONFIG.update(int8_dot=False)
         if keys.startswith("int8"):
             kk, ks = quant.quantize_keys_triton(k) if cuda else quant.quantize_keys_ref(k)
+        elif keys == "int4":
+            kk, ks = quant.quantize_keys_int4_triton(k) if cuda else quant.quantize_keys_int4_ref(k)
         truth = scoring.group_scores_ref(q, kk, torch.full((B,), L, device=dev), k_scale=ks)  # [B, Hkv, L]
         pos = torch.arange(L, device=dev)
         truth = truth.masked_fill(~((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :], float("-inf"))
@@ -180,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
+        if args.no_grid:
+            scoring.GEMV_CONFIG.clear()
+            continue
         if keys == "int8" and cuda:  # launch configs of the int8 scoring tile (scoring stage alone)
             for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
                 scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)
