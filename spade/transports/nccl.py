@@ -28,7 +28,9 @@ queue on the receiver (an ordered per-tag sequence): messages of one tag
 arrive in send order, different tags are independent.
 
 ``send`` clones its tensors (CUDA ones on the current stream, so later writes by
-the caller are ordered after the clone), posts non-blocking sends and returns;
+the caller are ordered after the clone), posts non-blocking sends and returns
+(small host tensors, up to ``_INLINE_MAX`` bytes, go inline after the header on
+the socket instead of through gloo);
 at most ``max_inflight`` messages stay unfinished. The receiving pump (an
 asyncio task reading the socket) posts payload receives as soon as a header
 arrives — into the buffers of a ``recv`` already waiting for that tag, else
@@ -49,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import math
 import socket
 import time
 import zlib
@@ -76,8 +79,12 @@ _FIXED = 6  # magic, kind, tag id, seq, n tensors, extra bytes (handshake body l
 _PER_TENSOR = 10  # wire, dtype, ndim, came-from-cuda flag, 6 dims
 _MAX_DIMS = 6
 _MAX_TENSORS = (_HDR - _FIXED) // _PER_TENSOR
-_WIRE_CPU, _WIRE_NCCL = 0, 1
+_WIRE_CPU, _WIRE_NCCL, _WIRE_INLINE = 0, 1, 2
 _GLOO_TAG = 12
+_INLINE_MAX = 64 << 10
+"""Host tensors up to this many bytes travel inline: their bytes follow the header on
+the socket (the runtime's per-step control and per-pack metadata messages), with no
+gloo send / receive and no thread hand-off on either side."""
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -493,8 +500,9 @@ class NcclTransport(Transport):
             self._prune()
 
     def _post_sends(self, tag: str, tensors: list[torch.Tensor], hdr: torch.Tensor):
-        """Stage and post the payload sends of one message; fill its header."""
-        gloo_works, nccl_works, keep = [], [], []
+        """Stage and post the payload sends of one message; fill its header. Returns the
+        works, the staged tensors to keep until they complete, and the inline bytes."""
+        gloo_works, nccl_works, keep, inline = [], [], [], []
         for i, t in enumerate(tensors):
             if t.dim() > _MAX_DIMS:
                 raise TransportError(f"nccl transport: tensors of at most {_MAX_DIMS} dims; {tag!r}[{i}] "
@@ -502,18 +510,23 @@ class NcclTransport(Transport):
             if t.dtype not in _DTYPE_CODE:
                 raise TransportError(f"nccl transport: dtype {t.dtype} is not supported ({tag!r}[{i}])")
             wire = _WIRE_NCCL if (t.is_cuda and self._send_group is not None) else _WIRE_CPU
-            if wire == _WIRE_NCCL:
+            if wire == _WIRE_CPU and not t.is_cuda and t.numel() * t.element_size() <= _INLINE_MAX:
+                wire = _WIRE_INLINE
+                inline.append(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            elif wire == _WIRE_NCCL:
                 s = t.detach().contiguous().clone()  # on the current stream: the caller may reuse t
                 nccl_works.append(self._send_group.send([s], self.peer_rank, 0))
+                keep.append(s)
             else:
                 s = t.detach().to("cpu", copy=True).contiguous()
                 gloo_works.append(self._cpu_group.send([s], self.peer_rank, _GLOO_TAG))
-            keep.append(s)
+                keep.append(s)
             o = _FIXED + i * _PER_TENSOR
             hdr[o], hdr[o + 1], hdr[o + 2], hdr[o + 3] = wire, _DTYPE_CODE[t.dtype], t.dim(), int(t.is_cuda)
             for j, d in enumerate(t.shape):
                 hdr[o + 4 + j] = d
-        return gloo_works, nccl_works, keep
+        hdr[5] = sum(len(b) for b in inline)
+        return gloo_works, nccl_works, keep, b"".join(inline)
 
     async def send(self, tag: str, tensors: Sequence[torch.Tensor]) -> None:
         self._check_usable()
@@ -525,12 +538,12 @@ class NcclTransport(Transport):
             hdr = torch.zeros(_HDR, dtype=torch.int64)
             hdr[0], hdr[1], hdr[2], hdr[3], hdr[4] = _MAGIC, _KIND_DATA, _tag_id(tag), self._seq_out, len(tensors)
             try:
-                gloo_works, nccl_works, keep = self._post_sends(tag, tensors, hdr)
+                gloo_works, nccl_works, keep, inline = self._post_sends(tag, tensors, hdr)
             except TransportError:
                 raise
             except Exception as e:  # the backend refuses to send: the peer is gone
                 raise PeerGone(f"nccl transport: cannot send {tag!r} to rank {self.peer_rank}: {e}") from None
-            self._writer.write(hdr.numpy().tobytes())
+            self._writer.write(hdr.numpy().tobytes() + inline)
             try:
                 await asyncio.wait_for(self._writer.drain(), self.timeout_s)
             except asyncio.TimeoutError:
@@ -590,10 +603,22 @@ class NcclTransport(Transport):
         into = waiter.into if waiter is not None else None
         direct = into is not None and len(into) == n and all(
             t.shape == shape and t.dtype == dt and t.is_contiguous()
-            and ((wire == _WIRE_NCCL and t.is_cuda and t.device == self.device) or (wire == _WIRE_CPU and not t.is_cuda))
+            and ((wire == _WIRE_NCCL and t.is_cuda and t.device == self.device) or (wire != _WIRE_NCCL and not t.is_cuda))
             for t, (wire, dt, shape, _) in zip(into, specs))
+        raw = await self._read_exact(h[5]) if h[5] > 0 else b""  # the inline tensors' bytes, in order
+        at = 0
         tensors, gloo_works, nccl_works = [], [], []
         for i, (wire, dt, shape, _) in enumerate(specs):
+            if wire == _WIRE_INLINE:
+                nbytes = math.prod(shape) * dt.itemsize
+                t = (torch.frombuffer(bytearray(raw[at:at + nbytes]), dtype=torch.uint8).view(dt).view(shape)
+                     if nbytes else torch.empty(shape, dtype=dt))
+                at += nbytes
+                if direct:
+                    into[i].copy_(t)
+                    t = into[i]
+                tensors.append(t)
+                continue
             if direct:
                 buf = into[i]
             elif wire == _WIRE_NCCL:
