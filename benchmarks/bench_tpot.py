@@ -235,7 +235,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
 
     async def go():
         sess = await rt.session()
-        steps = a.warmup + a.iters
+        steps = a.warmup + a.iters + 4 + 20  # + the torch.profiler and cProfile steps, when asked
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
@@ -243,6 +243,10 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                 shared["profiled_" + topology] = True
                 await profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
                                     f"profile_{topology}_P{P}_B{B}_L{L}_K{K}")
+            tag = f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
+            if a.host_profile and tag in a.host_profile.split(","):
+                await host_profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
+                                         f"host_profile_{tag}_B{B}_L{L}_K{K}")
         finally:
             await sess.end()
         host = list(sess.host_step_ms)[-a.iters:]  # the timed steps (not warm-up or graph capture)
@@ -306,6 +310,29 @@ async def profile_steps(step, device: torch.device, out_dir: Path, name: str, st
     except Exception as e:  # pragma: no cover
         print(f"chrome trace not written: {e}", file=sys.stderr)
     print(f"  profile of {steps} steps -> {out_dir / name}.txt", flush=True)
+
+
+async def host_profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = 20) -> None:
+    """cProfile of the host over a few steps (the device synced after each, as in
+    ``time_async``): where an asynchronous step's host time goes, function by function."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        _sync(device)
+        prof.enable()
+        await step()
+        prof.disable()
+        _sync(device)
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumtime").print_stats(45)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.txt").write_text(f"{steps} steps, host only (cProfile)\n{buf.getvalue()}")
+    print(f"  host profile of {steps} steps -> {out_dir / name}.txt", flush=True)
 
 
 def time_graph(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
@@ -601,6 +628,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(policy.score_keys); each non-exact one adds asyncspade_<keys> rows")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="wall-clock budget: no new row starts after it (0: none); what finished is written")
+    ap.add_argument("--host-profile", default="",
+                    help="cProfile the host over 20 steps of these async rows (topology_P<P>_<keys>, e.g. "
+                         "local_P4_int4,multiprocess_P4_int4)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over a few steps of the first row of each asynchronous topology")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
@@ -656,7 +686,7 @@ def run(argv: list[str] | None = None) -> dict:
         "configs": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    steps = a.warmup + a.iters + 8
+    steps = a.warmup + a.iters + 8 + 24  # + the torch.profiler (4) and cProfile (20) steps of an async row
     for B in a.batch:
         for L in a.context:
             model = None
