@@ -27,6 +27,8 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"model.device: {name!r} requested but no CUDA GPU is visible; use 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # explicit index: cheap stream lookups
     return dev
 
 

@@ -427,6 +427,12 @@ class FastModel(DecodeBackend):
             raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.hf_config = hf_config
         self.arch = arch
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # an explicit index: torch.cuda.current_stream / stream(...) resolve an index-less
+            # device through an availability check each call (~20 us of host time, dozens of
+            # calls per asynchronous decode step: measured with bench_tpot --host-profile)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.dtype = dtype
         self.layers = layers
