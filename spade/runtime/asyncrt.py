@@ -83,6 +83,7 @@ from spade.policies.common import last_token_keys
 from spade.runtime import protocol as P
 from spade.runtime.base import GenerationTrace, Runtime, _sync
 from spade.runtime.cache_rank import CacheRank, SharedKV, delta_apply
+from spade.streams import stream_scope
 from spade.transports.base import Handshake
 
 log = logging.getLogger(__name__)
@@ -747,7 +748,7 @@ class InferenceSession:
                     # cache rank could produce this message (it waited on that pack's q/k/v),
                     # so only the pack that uses it waits, on the event (no copy on the
                     # compute stream).
-                    with torch.cuda.device(self.be.device), torch.cuda.stream(self._land_stream):
+                    with torch.cuda.device(self.be.device), stream_scope(self._land_stream):
                         self._apply(meta, msg)
                         ev = torch.cuda.Event()
                         ev.record(self._land_stream)

@@ -42,6 +42,7 @@ from spade import kernels
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
 from spade.runtime import protocol as P
+from spade.streams import stream_scope
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class CacheRank:
             if self.device.type == "cuda":
                 st.enter_context(torch.cuda.device(self.device))
                 if self.stream is not None:
-                    st.enter_context(torch.cuda.stream(self.stream))
+                    st.enter_context(stream_scope(self.stream))
             yield
 
     async def serve(self) -> None:

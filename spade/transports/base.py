@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from spade.errors import TransportError
+from spade.streams import stream_scope
 
 #: Wire-format version. Bump when the framing or handshake changes.
 #: 1: initial (tagged tensor lists, JSON handshake).
@@ -105,7 +106,7 @@ class Transport(ABC):
         import contextlib
 
         if self.recv_stream is not None and self.device.type == "cuda":
-            return torch.cuda.stream(self.recv_stream)
+            return stream_scope(self.recv_stream)
         return contextlib.nullcontext()
 
     # -- capability -------------------------------------------------------

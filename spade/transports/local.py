@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from spade.errors import PeerGone, PeerTimeout, TransportError
+from spade.streams import stream_scope
 from spade.transports.base import Handshake, Transport
 
 
@@ -178,7 +179,7 @@ class LocalTransport(Transport):
         if not t.is_cuda:
             return t.detach().clone()
         src_stream = self._stream_for(t.device)
-        with torch.cuda.device(t.device), torch.cuda.stream(src_stream):
+        with torch.cuda.device(t.device), stream_scope(src_stream):
             local = t.detach().clone()
             if dst == t.device:
                 ev = torch.cuda.Event()
@@ -191,12 +192,12 @@ class LocalTransport(Transport):
         comm.wait_event(ready)
         local.record_stream(comm)
         if dst.type == "cuda":
-            with torch.cuda.device(t.device), torch.cuda.stream(comm), torch.cuda.stream(self._recv_stream(dst)):
+            with torch.cuda.device(t.device), stream_scope(comm), stream_scope(self._recv_stream(dst)):
                 out = local.to(dst, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(comm)
         else:  # a CPU receiver: the copy must be complete before the host reads it
-            with torch.cuda.device(t.device), torch.cuda.stream(comm):
+            with torch.cuda.device(t.device), stream_scope(comm):
                 out = local.to("cpu")
             ev = None
         if ev is not None:
@@ -299,7 +300,7 @@ class LocalTransport(Transport):
                                      f"message is {tuple(t.shape)} {t.dtype}")
             if d.is_cuda:
                 land = self._land_stream() if d.device == self.device else self._stream_for(d.device)
-                with torch.cuda.device(d.device), torch.cuda.stream(land):
+                with torch.cuda.device(d.device), stream_scope(land):
                     d.copy_(t, non_blocking=True)
             else:
                 d.copy_(t)
