@@ -630,7 +630,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wall-clock budget: no new row starts after it (0: none); what finished is written")
     ap.add_argument("--host-profile", default="",
                     help="cProfile the host over 20 steps of these async rows (topology_P<P>_<keys>, e.g. "
-                         "local_P4_int4,multiprocess_P4_int4)")
+                         "local_P4_int4,multiprocess_P4_int4); with a multiprocess row, also the cache "
+                         "process over its whole life (host_profile_cache_process.txt)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over a few steps of the first row of each asynchronous topology")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
@@ -672,6 +673,10 @@ def run(argv: list[str] | None = None) -> dict:
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU visible: use --device cpu --preset tiny for a smoke run")
+    if any(r.startswith("multiprocess") for r in a.host_profile.split(",")):
+        import os  # the cache process (spawned by the first multiprocess row) profiles itself
+
+        os.environ["SPADE_HOST_PROFILE"] = str(Path(a.out).parent / "host_profile_cache_process.txt")
     dtype = getattr(torch, a.dtype)
     n_gpu = torch.cuda.device_count() if device.type == "cuda" else 0
     two = device.type == "cpu" or n_gpu >= 2  # local/multiprocess rows (CPU: same device, gloo)

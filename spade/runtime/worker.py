@@ -95,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         from spade.runtime.asyncrt import new_event_loop
 
         loop = new_event_loop()
+        prof = _host_profiler()
         try:
             loop.run_until_complete(serve(tcfg, device, parent_pid=args.parent_pid, init_method=init_method))
         finally:
             loop.close()
+            if prof is not None:
+                _write_host_profile(prof)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the inference rank gets the reason over the link ("err"); say it here too
@@ -109,6 +112,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spade worker: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _host_profiler():
+    """``SPADE_HOST_PROFILE=<file>``: cProfile this cache process's host for its whole
+    life (the inference process is profiled by ``bench_tpot --host-profile``); the
+    table goes to ``<file>`` when it exits."""
+    if not os.environ.get("SPADE_HOST_PROFILE"):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _write_host_profile(prof) -> None:
+    import io
+    import pstats
+
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(50)
+    st.sort_stats("cumtime").print_stats(50)
+    path = os.environ["SPADE_HOST_PROFILE"]
+    try:
+        with open(path, "w") as f:
+            f.write(f"cache process {os.getpid()}, host only (cProfile), its whole life\n{buf.getvalue()}")
+    except OSError as e:
+        print(f"spade worker: host profile not written to {path}: {e}", file=sys.stderr)
 
 
 def maybe_serve() -> None:
