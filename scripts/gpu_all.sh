@@ -92,7 +92,8 @@ for s in "${stages[@]}"; do
     decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
-    sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot --batch ${SWEEP_B:-8,1,16,32} --context ${SWEEP_L:-32768,16384,65536} \
+    sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot \
+             --batch ${SWEEP_B:-8,1,16,32} --context ${SWEEP_L:-32768,16384,65536} \
              --budget 2048,1024 --packs 4 --score-keys ${SWEEP_KEYS:-int8,int4} --iters 10 \
              --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
              --out "$OUT/bench_tpot_sweep.json" ;;

@@ -612,7 +612,8 @@ class NcclTransport(Transport):
         into = waiter.into if waiter is not None else None
         direct = into is not None and len(into) == n and all(
             t.shape == shape and t.dtype == dt and t.is_contiguous()
-            and ((wire == _WIRE_NCCL and t.is_cuda and t.device == self.device) or (wire != _WIRE_NCCL and not t.is_cuda))
+            and ((wire == _WIRE_NCCL and t.is_cuda and t.device == self.device)
+                 or (wire != _WIRE_NCCL and not t.is_cuda))
             for t, (wire, dt, shape, _) in zip(into, specs))
         raw = await self._read_exact(h[5]) if h[5] > 0 else b""  # the inline tensors' bytes, in order
         at = 0
