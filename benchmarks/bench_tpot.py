@@ -67,6 +67,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PROFILE_STEPS = 4  # torch.profiler steps of --profile
+HOST_PROFILE_STEPS = 20  # cProfile steps of --host-profile
+
+
 def time_calls(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
     """Milliseconds per call of ``fn`` after ``warmup`` calls (CUDA events + sync)."""
     for _ in range(warmup):
@@ -235,7 +239,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
 
     async def go():
         sess = await rt.session()
-        steps = a.warmup + a.iters + 4 + 20  # + the torch.profiler and cProfile steps, when asked
+        steps = a.warmup + a.iters + PROFILE_STEPS + HOST_PROFILE_STEPS  # + the profiled steps, when asked
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
@@ -288,7 +292,7 @@ def profile_work(work: Callable[[], Any], device: torch.device, out_dir: Path, n
     print(f"  profile of one cache-rank layer -> {out_dir / name}.txt", flush=True)
 
 
-async def profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = 4) -> None:
+async def profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = PROFILE_STEPS) -> None:
     """``torch.profiler`` over a few steady-state steps: a table of the top CUDA
     kernels per device and a Chrome trace (where the time of an asynchronous step goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -312,12 +316,13 @@ async def profile_steps(step, device: torch.device, out_dir: Path, name: str, st
     print(f"  profile of {steps} steps -> {out_dir / name}.txt", flush=True)
 
 
-async def host_profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = 20) -> None:
+async def host_profile_steps(step, device: torch.device, out_dir: Path, name: str,
+                             steps: int = HOST_PROFILE_STEPS) -> None:
     """cProfile of the host over a few steps (the device synced after each, as in
     ``time_async``): where an asynchronous step's host time goes, function by function."""
     import cProfile
-    import io
-    import pstats
+
+    from spade.runtime.worker import profile_table
 
     prof = cProfile.Profile()
     for _ in range(steps):
@@ -326,12 +331,8 @@ async def host_profile_steps(step, device: torch.device, out_dir: Path, name: st
         await step()
         prof.disable()
         _sync(device)
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(45)
-    st.sort_stats("cumtime").print_stats(45)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.txt").write_text(f"{steps} steps, host only (cProfile)\n{buf.getvalue()}")
+    (out_dir / f"{name}.txt").write_text(f"{steps} steps, host only (cProfile)\n{profile_table(prof, 45)}")
     print(f"  host profile of {steps} steps -> {out_dir / name}.txt", flush=True)
 
 
@@ -691,7 +692,7 @@ def run(argv: list[str] | None = None) -> dict:
         "configs": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    steps = a.warmup + a.iters + 8 + 24  # + the torch.profiler (4) and cProfile (20) steps of an async row
+    steps = a.warmup + a.iters + 8 + PROFILE_STEPS + HOST_PROFILE_STEPS  # + an async row's profiled steps
     for B in a.batch:
         for L in a.context:
             model = None

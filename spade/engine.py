@@ -17,6 +17,7 @@ import torch
 
 from spade.config import PromptConfig, SpadeConfig
 from spade.errors import ConfigError, ModelError, SpadeError
+from spade.streams import indexed_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,9 +28,7 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"model.device: {name!r} requested but no CUDA GPU is visible; use 'cpu' or 'auto'")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())  # explicit index: cheap stream lookups
-    return dev
+    return indexed_device(dev)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

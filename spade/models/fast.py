@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from spade.errors import ConfigError, ModelError
 from spade.models.base import DecodeBackend
 from spade.policies.base import AttentionSpec, RopeSpec
+from spade.streams import indexed_device
 
 log = logging.getLogger(__name__)
 
@@ -427,13 +428,7 @@ class FastModel(DecodeBackend):
             raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.hf_config = hf_config
         self.arch = arch
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            # an explicit index: torch.cuda.current_stream / stream(...) resolve an index-less
-            # device through an availability check each call (~20 us of host time, dozens of
-            # calls per asynchronous decode step: measured with bench_tpot --host-profile)
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = indexed_device(device)
         self.dtype = dtype
         self.layers = layers
         self.embed = embed  # [V, H]

@@ -42,7 +42,7 @@ from spade import kernels
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
 from spade.runtime import protocol as P
-from spade.streams import stream_scope
+from spade.streams import indexed_device, stream_scope
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,7 @@ class CacheRank:
     def __init__(self, transport: Any, device: torch.device | str, *, policy: Policy | None = None,
                  shared: SharedKV | None = None, in_process: bool = True):
         self.t = transport
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = indexed_device(device)
         self.policy = policy
         self.shared = shared
         self.in_process = in_process

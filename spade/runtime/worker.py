@@ -127,19 +127,24 @@ def _host_profiler():
     return prof
 
 
-def _write_host_profile(prof) -> None:
+def profile_table(prof, rows: int = 50) -> str:
+    """A cProfile's top ``rows`` functions by own time, then by cumulative time."""
     import io
     import pstats
 
-    prof.disable()
     buf = io.StringIO()
     st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(50)
-    st.sort_stats("cumtime").print_stats(50)
+    st.sort_stats("tottime").print_stats(rows)
+    st.sort_stats("cumtime").print_stats(rows)
+    return buf.getvalue()
+
+
+def _write_host_profile(prof) -> None:
+    prof.disable()
     path = os.environ["SPADE_HOST_PROFILE"]
     try:
         with open(path, "w") as f:
-            f.write(f"cache process {os.getpid()}, host only (cProfile), its whole life\n{buf.getvalue()}")
+            f.write(f"cache process {os.getpid()}, host only (cProfile), its whole life\n{profile_table(prof)}")
     except OSError as e:
         print(f"spade worker: host profile not written to {path}: {e}", file=sys.stderr)
 

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from spade.errors import TransportError
-from spade.streams import stream_scope
+from spade.streams import indexed_device, stream_scope
 
 #: Wire-format version. Bump when the framing or handshake changes.
 #: 1: initial (tagged tensor lists, JSON handshake).
@@ -94,7 +94,7 @@ class Transport(ABC):
         self.cfg = cfg
         self.rank = rank
         self.world = world
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.peer_handshake: Handshake | None = None
         self._registered: dict[str, list[torch.Tensor]] = {}
         self.recv_stream: Any = None

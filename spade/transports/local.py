@@ -63,8 +63,6 @@ class LocalTransport(Transport):
     def __init__(self, cfg: Any = None, *, rank: int, world: int = 2, device: str | torch.device = "cpu",
                  channel: str = "default", connect_timeout_s: float = 60.0):
         super().__init__(cfg, rank=rank, world=world, device=device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         if world != 2:
             raise TransportError(f"local transport links exactly two ranks (world=2); got world={world}")
         self.channel = channel

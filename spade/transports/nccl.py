@@ -188,8 +188,6 @@ class NcclTransport(Transport):
             raise TransportError(f"nccl transport links exactly two ranks (world=2); got world={world}")
         if rank not in (0, 1):
             raise TransportError(f"nccl transport: rank must be 0 or 1; got {rank}")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.peer_rank = 1 - rank
         self.init_method = init_method or f"tcp://{cfg.master_addr}:{cfg.master_port}"
         self.timeout_s = float(cfg.timeout_s)
