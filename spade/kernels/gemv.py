@@ -133,28 +133,30 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, 
     shape, else the heuristic (a pure function of the shape: no device query, no sync).
 
     Heuristic (memory-bound): 16-byte loads along K (``BLOCK_K`` = 256 elements of
-    bf16/fp16, 128 of fp32), ``BLOCK_N`` as large as keeps about two programs per SM
-    (large tiles keep more bytes in flight per program), then split K until the grid
-    covers the SMs about twice, keeping at least 1024 elements of K per split.
-    ``"fma"`` (CUDA cores) for M <= 2, ``"dot"`` otherwise."""
+    bf16/fp16, 128 of fp32); ``"fma"`` (CUDA cores) for M <= 2 with ``BLOCK_N`` sized to
+    64 accumulator registers per thread, ``"dot"`` with 64-row weight tiles otherwise;
+    then split K until the grid covers the SMs about twice, keeping at least 1024
+    elements of K per split."""
     for key in ((N, K, M), (N, K)):
         if key in GEMV_OVERRIDES:
             return _as_config(GEMV_OVERRIDES[key])
     elt = torch.empty((), dtype=dtype).element_size()
     block_k = 256 if elt <= 2 else 128
     target = 2 * sms
-    block_n = 128
-    while block_n > 16 and triton.cdiv(N, block_n) < target:
-        block_n //= 2
+    if M <= 2:
+        # CUDA cores, deferred reduction: the fp32 accumulator is BLOCK_N * M_pad * BLOCK_K / (32 * warps)
+        # registers per thread; keep it at 64
+        variant, warps, stages = "fma", 4, 3
+        block_n = 64 * 32 * warps // (block_k * triton.next_power_of_2(M))
+    else:
+        # tensor cores, swap AB: a 64-row weight tile keeps the padded x tile (16 or 32 rows) small
+        # next to it; stages within the 227 KiB of shared memory
+        variant, warps, stages = "dot", 4, 3
+        block_n = 64
     n_blocks = triton.cdiv(N, block_n)
     split = 1
     while split < 8 and n_blocks * split < target and K // (2 * split) >= 1024:
         split *= 2
-    if M <= 2:
-        variant, warps, stages = "fma", 4, 3
-        block_n = min(block_n, 32)
-    else:
-        variant, warps, stages = "dot", 4, 4
     return GemvConfig(block_n, block_k, split, warps, stages, variant)
 
 
