@@ -21,7 +21,7 @@ memory or registers are pruned), two passes or until ``--budget-s``, and prints
 the best per shape as a dict literal to paste into ``gemv.GEMV_OVERRIDES``.
 The JSON (``--out``) is rewritten after every row.
 
-    python -m benchmarks.bench_gemv [--quick] [--grid] [--grid-m 1,8,32] [--budget-s S] [--out results/bench_gemv.json]
+    python -m benchmarks.bench_gemv [--quick] [--grid] [--grid-m 1,8,16,32] [--budget-s S] [--out results/bench_gemv.json]
     TRITON_INTERPRET=1 python -m benchmarks.bench_gemv --device cpu [--grid]   # tiny shapes: checks the script
 """
 
@@ -142,7 +142,7 @@ def run_shape(r: Runner, name: str, N: int, K: int, Ms, bw: float, rows: list) -
     from spade.kernels.gemv import gemv_config
 
     ws, nbytes = make_weights(N, K, r.device)
-    floor = nbytes / (bw / 2) if bw else float("nan")  # copy bw counts read + write
+    floor = nbytes / bw if bw else float("nan")  # bw: read + write bytes of a copy
     for M in Ms:
         x = torch.randn(M, K, device=r.device, dtype=DTYPE)
         t_cublas = r.time_calls(lambda i: F.linear(x, ws[i % len(ws)]), len(ws))
@@ -170,7 +170,7 @@ def _valid(c: dict, M: int) -> bool:
     if c["variant"] == "dot":
         if c["BLOCK_N"] < 16 or c["BLOCK_K"] < 16:
             return False
-        smem = (c["num_stages"] - 1) * (c["BLOCK_N"] + bm) * c["BLOCK_K"] * 2
+        smem = c["num_stages"] * (c["BLOCK_N"] + bm) * c["BLOCK_K"] * 2
         return smem <= SMEM_MAX and c["BLOCK_N"] * c["BLOCK_K"] // threads <= 256
     # CUDA cores: the [BLOCK_N, M_pad, BLOCK_K] products / accumulator live in registers
     per_thread = c["BLOCK_N"] * bm * c["BLOCK_K"] // threads
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="M in {1, 8} only, fewer replays: about a minute")
     ap.add_argument("--grid", action="store_true", help="search launch configs per (shape, M) and print overrides")
-    ap.add_argument("--grid-m", default="1,8,32", help="batch sizes the grid searches (default 1,8,32)")
+    ap.add_argument("--grid-m", default="1,8,16,32", help="batch sizes the grid searches")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     ap.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
     ap.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the --grid search")

@@ -43,9 +43,9 @@ Design
   streams of one device (they would share counters); decode runs one stream.
 * Launch config: ``gemv_config(M, N, K, dtype)`` returns a ``GemvConfig``
   (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, variant). ``GEMV_OVERRIDES``
-  maps ``(N, K)`` or ``(N, K, M)`` to a config (a GPU sweep, ``benchmarks/bench_gemv.py
-  --grid``, prints one to paste) and wins over the heuristic, which otherwise
-  picks the split so that ``n_blocks * SPLIT_K`` covers the SMs a few times over.
+  maps ``(N, K, M)`` (a tuned batch; other batches take the nearest tuned one at or
+  above them) or ``(N, K)`` to a config and wins over the heuristic; a GPU sweep
+  (``benchmarks/bench_gemv.py --grid``) prints the table to paste.
 
 Interpreter (CPU) notes: bf16 ``tl.dot`` is wrong there, so operands are upcast
 to fp32 behind ``UPCAST``; everything else is the compiled code path.
@@ -54,7 +54,7 @@ to fp32 behind ``UPCAST``; everything else is the compiled code path.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,7 @@ __all__ = [
     "GEMV_OVERRIDES",
     "GemvConfig",
     "MAX_M",
+    "SMEM_BYTES",
     "VARIANTS",
     "gemv_config",
     "linear",
@@ -108,11 +109,31 @@ class GemvConfig:
         return (self.BLOCK_N, self.BLOCK_K, self.SPLIT_K, self.num_warps, self.num_stages, self.variant)
 
 
-GEMV_OVERRIDES: dict = {}
-"""Launch configs that win over ``gemv_config``'s heuristic, keyed by ``(N, K, M)``
-(exact batch) or ``(N, K)`` (any batch); values are ``GemvConfig``, a dict of its
-fields, or the tuple ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, variant)``.
-``python -m benchmarks.bench_gemv --grid`` prints a table to paste here."""
+GEMV_OVERRIDES: dict = {
+    # Best configs of ``python -m benchmarks.bench_gemv --grid`` on one H200 (triton 3.6.0,
+    # torch 2.11.0+cu130, bf16, CUDA-graph replay, L2-cold weights); comment: kernel us vs F.linear us.
+    (6144, 4096, 1): (32, 256, 1, 2, 4, "dot"),  # qkv   15.0 vs 16.4
+    (6144, 4096, 16): (64, 128, 1, 4, 5, "dot"),  # qkv   14.9 vs 15.6 (M=8), 15.1 vs 15.8 (M=16)
+    (6144, 4096, 32): (64, 64, 4, 2, 4, "dot"),  # qkv   18.2 vs 16.2: cuBLAS wins at M=32
+    (4096, 4096, 16): (64, 128, 4, 4, 3, "dot"),  # o     11.9 vs 13.1-13.5 (M=1..16)
+    (4096, 4096, 32): (32, 128, 4, 2, 3, "dot"),  # o     12.9 vs 13.6
+    (24576, 4096, 32): (64, 128, 1, 4, 3, "dot"),  # gate_up 48.7-50.1 vs 50.3-55.0 (M=1..32)
+    (4096, 12288, 1): (128, 256, 4, 4, 3, "dot"),  # down  28.3 vs 30.8
+    (4096, 12288, 16): (32, 64, 8, 2, 3, "dot"),  # down  29.1 vs 30.8 (M=8), 29.2 vs 29.3 (M=16)
+    (4096, 12288, 32): (64, 64, 8, 2, 3, "dot"),  # down  31.2 vs 30.3: cuBLAS wins at M=32
+    (151936, 4096, 16): (128, 256, 1, 4, 3, "dot"),  # lm_head 279-286 vs 299-304 (M=1..16)
+    (151936, 4096, 32): (64, 128, 1, 4, 3, "dot"),  # lm_head 290.3 vs 307.7
+}
+"""Launch configs that win over ``gemv_config``'s heuristic, keyed by ``(N, K, M)`` (a tuned
+batch: batches without an entry take the nearest tuned batch at or above them, else the
+largest) or ``(N, K)`` (any batch); values are ``GemvConfig``, a dict of its fields, or the
+tuple ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, variant)``.
+``python -m benchmarks.bench_gemv --grid`` prints a table to paste here. The entries above
+are Qwen3-8B's projections (qkv, o, gate_up, down, lm_head) measured on an H200."""
+
+SMEM_BYTES = 232448
+"""Shared memory a block may use on sm_90 (227 KiB): the heuristic keeps
+``num_stages * (BLOCK_N + BLOCK_M) * BLOCK_K * elt`` under it."""
 
 
 def _interpret() -> bool:
@@ -128,36 +149,52 @@ def _as_config(c) -> GemvConfig:
     return GemvConfig(*c)
 
 
+def _override(M: int, N: int, K: int):
+    """``GEMV_OVERRIDES`` entry for the shape: exact ``(N, K, M)``, else the tuned batch of
+    ``(N, K)`` nearest at or above ``M`` (the largest tuned one past them), else ``(N, K)``."""
+    if (N, K, M) in GEMV_OVERRIDES:
+        return GEMV_OVERRIDES[(N, K, M)]
+    tuned = sorted(k[2] for k in GEMV_OVERRIDES if len(k) == 3 and k[0] == N and k[1] == K)
+    if tuned:
+        return GEMV_OVERRIDES[(N, K, next((m for m in tuned if m >= M), tuned[-1]))]
+    return GEMV_OVERRIDES.get((N, K))
+
+
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int = H200_SMS) -> GemvConfig:
     """Launch config for ``x`` [M, K] @ ``w`` [N, K].T: ``GEMV_OVERRIDES`` if it has the
-    shape, else the heuristic (a pure function of the shape: no device query, no sync).
+    shape (``_override``), else the heuristic (a pure function of the shape: no device
+    query, no sync).
 
-    Heuristic (memory-bound): 16-byte loads along K (``BLOCK_K`` = 256 elements of
-    bf16/fp16, 128 of fp32); ``"fma"`` (CUDA cores) for M <= 2 with ``BLOCK_N`` sized to
-    64 accumulator registers per thread, ``"dot"`` with 64-row weight tiles otherwise;
-    then split K until the grid covers the SMs about twice, keeping at least 1024
-    elements of K per split."""
-    for key in ((N, K, M), (N, K)):
-        if key in GEMV_OVERRIDES:
-            return _as_config(GEMV_OVERRIDES[key])
+    Heuristic, from the H200 sweep of the Qwen3-8B shapes (``"dot"`` won every shape and
+    batch, M=1 included): 64 x 128 weight tiles (128 x 256 when the grid is many waves
+    deep, as for lm_head), 4 warps, 3 stages; split K only when the N blocks fill under
+    half the SMs, into slices of about 1536 elements (o_proj 4096x4096: 4 splits; down
+    4096x12288: 8; qkv 6144x4096 with 96 blocks ran fastest unsplit). Either way
+    ``BLOCK_K`` is halved while the pipeline stages would overflow shared memory."""
     elt = torch.empty((), dtype=dtype).element_size()
-    block_k = 256 if elt <= 2 else 128
-    target = 2 * sms
-    if M <= 2:
-        # CUDA cores, deferred reduction: the fp32 accumulator is BLOCK_N * M_pad * BLOCK_K / (32 * warps)
-        # registers per thread; keep it at 64
-        variant, warps, stages = "fma", 4, 3
-        block_n = 64 * 32 * warps // (block_k * triton.next_power_of_2(M))
-    else:
-        # tensor cores, swap AB: a 64-row weight tile keeps the padded x tile (16 or 32 rows) small
-        # next to it; stages within the 227 KiB of shared memory
-        variant, warps, stages = "dot", 4, 3
-        block_n = 64
+    found = _override(M, N, K)
+    if found is not None:
+        return _fit_smem(_as_config(found), M, elt)
+    block_n, block_k = 64, 128 * 2 // max(elt, 2)
+    if M <= 16 and triton.cdiv(N, block_n) >= 8 * sms:
+        block_n, block_k = 128, 256 * 2 // max(elt, 2)
     n_blocks = triton.cdiv(N, block_n)
     split = 1
-    while split < 8 and n_blocks * split < target and K // (2 * split) >= 1024:
-        split *= 2
-    return GemvConfig(block_n, block_k, split, warps, stages, variant)
+    if 2 * n_blocks < sms:
+        split = min(8, triton.next_power_of_2(triton.cdiv(K, 1536)))
+    variant, warps, stages = "dot", 4, 3
+    return _fit_smem(GemvConfig(block_n, block_k, split, warps, stages, variant), M, elt)
+
+
+def _fit_smem(cfg: GemvConfig, M: int, elt: int) -> GemvConfig:
+    """Halve ``BLOCK_K`` until the ``"dot"`` pipeline's stages fit in shared memory (a table
+    tuned in bf16 applied to fp32 weights, a 32-row x tile)."""
+    if cfg.variant != "dot":
+        return cfg
+    block_k = cfg.BLOCK_K
+    while cfg.num_stages * (cfg.BLOCK_N + _block_m(M, "dot")) * block_k * elt > SMEM_BYTES and block_k > 16:
+        block_k //= 2
+    return cfg if block_k == cfg.BLOCK_K else replace(cfg, BLOCK_K=block_k)
 
 
 # ----------------------------------------------------------------------------------------------

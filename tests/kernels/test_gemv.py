@@ -142,20 +142,48 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_heuristic_is_valid_for_model_shapes(dtype):
+def test_heuristic_is_valid_for_model_shapes(dtype, monkeypatch):
+    monkeypatch.setattr(G, "GEMV_OVERRIDES", {})  # the heuristic itself
     for n, k in QWEN3_8B.values():
         for M in (1, 2, 4, 8, 16, 32):
             cfg = gemv_config(M, n, k, dtype)
-            assert isinstance(cfg, GemvConfig) and cfg.SPLIT_K * 1024 <= max(k, 1024)
-            blocks = -(-n // cfg.BLOCK_N) * cfg.SPLIT_K
-            assert blocks >= 132 or cfg.SPLIT_K == 8 or k // (2 * cfg.SPLIT_K) < 1024
+            assert isinstance(cfg, GemvConfig) and cfg.variant == "dot"
+            elt = torch.empty((), dtype=dtype).element_size()
+            smem = cfg.num_stages * (cfg.BLOCK_N + G._block_m(M, "dot")) * cfg.BLOCK_K * elt
+            assert smem <= G.SMEM_BYTES, (n, k, M, cfg)
+    split = {name: gemv_config(8, n, k).SPLIT_K for name, (n, k) in QWEN3_8B.items()}
+    assert split == {"qkv": 1, "o": 4, "gate_up": 1, "down": 8, "lm_head": 1}
+    assert gemv_config(8, *QWEN3_8B["lm_head"]).BLOCK_N == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tuned_configs_fit_shared_memory(dtype):
+    elt = torch.empty((), dtype=dtype).element_size()
+    for n, k in QWEN3_8B.values():
+        for M in range(1, G.MAX_M + 1):
+            cfg = gemv_config(M, n, k, dtype)
+            assert cfg.num_stages * (cfg.BLOCK_N + G._block_m(M, cfg.variant)) * cfg.BLOCK_K * elt <= G.SMEM_BYTES
+
+
+def test_tuned_table_is_valid():
+    for key, v in G.GEMV_OVERRIDES.items():
+        cfg = G._as_config(v)
+        M = key[2] if len(key) == 3 else G.MAX_M
+        smem = cfg.num_stages * (cfg.BLOCK_N + G._block_m(M, cfg.variant)) * cfg.BLOCK_K * 2
+        assert smem <= G.SMEM_BYTES, (key, cfg)
+    assert gemv_config(8, 4096, 4096) == GemvConfig(64, 128, 4, 4, 3, "dot")  # o_proj M=8: the M=16 entry
 
 
 def test_overrides_win(monkeypatch):
-    monkeypatch.setitem(G.GEMV_OVERRIDES, (4096, 4096), (32, 128, 4, 8, 3, "dot"))
-    monkeypatch.setitem(G.GEMV_OVERRIDES, (4096, 4096, 1), {"BLOCK_N": 16, "variant": "fma"})
+    monkeypatch.setattr(G, "GEMV_OVERRIDES", {})
+    G.GEMV_OVERRIDES[(4096, 4096)] = (32, 128, 4, 8, 3, "dot")
     assert gemv_config(8, 4096, 4096) == GemvConfig(32, 128, 4, 8, 3, "dot")
+    G.GEMV_OVERRIDES[(4096, 4096, 1)] = {"BLOCK_N": 16, "variant": "fma"}
+    G.GEMV_OVERRIDES[(4096, 4096, 16)] = (64, 128, 2, 4, 3, "dot")
     assert gemv_config(1, 4096, 4096) == GemvConfig(BLOCK_N=16, variant="fma")
+    # other batches: the nearest tuned batch at or above, else the largest tuned
+    assert gemv_config(2, 4096, 4096) == gemv_config(16, 4096, 4096) == GemvConfig(64, 128, 2, 4, 3, "dot")
+    assert gemv_config(32, 4096, 4096) == GemvConfig(64, 128, 2, 4, 3, "dot")
     assert gemv_config(8, 4096, 4097) != GemvConfig(32, 128, 4, 8, 3, "dot")
 
 
