@@ -107,10 +107,13 @@ def random_selection(B: int, Hkv: int, L: int, K: int, device: torch.device, see
 
 # ----------------------------------------------------------------------------- runs
 def run_fast(model, name: str, selector, *, context: int, batch: int, pack_layers: int, iters: int, warmup: int,
-             track_stats: bool = False, graphs: bool = True) -> list[float]:
-    """TPOT samples of the fast path with ``selector`` at a cache of ``context`` tokens."""
+             track_stats: bool = False, graphs: bool = True, linear: str | None = None) -> list[float]:
+    """TPOT samples of the fast path with ``selector`` at a cache of ``context`` tokens
+    (``linear``: the projections' kernel for this row, ``FastModel.linear``)."""
     from spade.attention import AttentionContext
 
+    if linear is not None:
+        model.linear = linear
     ctx = AttentionContext(model.spec, selector, device=model.device, track_stats=track_stats)
     model.use_cuda_graphs = graphs
     model.fake_prefill(context, batch, ctx=ctx)
@@ -216,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="10 steps per row; full, optimal, dense@K, hf/eager only (no packed/breakdown rows)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--linear", default="auto",
+                    help="projection kernels, comma-separated from auto,cublas,triton (FastModel.linear): the "
+                         "first one times every row; each further one adds full/optimal/dense@64 rows "
+                         "named <row>[<mode>], side by side")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     ap.add_argument("--out", default="results/bench_decode.json", help="JSON output path")
     args = ap.parse_args(argv)
 
-    from spade.models.fast import FastModel
+    from spade.models.fast import LINEAR_MODES, FastModel
     from spade.models.presets import preset_config
     from spade.policies.full import FullPolicy
     from spade.attention import InlineSelector
@@ -232,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.quick:
         args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 3)
+    linears = [m.strip() for m in args.linear.split(",") if m.strip()]
+    bad = [m for m in linears if m not in LINEAR_MODES]
+    if not linears or bad:
+        print(f"bench_decode: --linear takes auto,cublas,triton (comma-separated); got {args.linear!r}",
+              file=sys.stderr)
+        return 2
     dtype = torch.bfloat16
     B, L, K = args.batch, args.context, args.budget
     cfg = preset_config(args.preset)
@@ -243,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Room for warm-up, capture and timed steps of every row past the context.
     max_seq = max(L, K) + 2 * (args.warmup + args.iters) + 8
-    model = FastModel.from_config(cfg, device=device, dtype=dtype, max_batch=B, max_seq_len=max_seq, seed=0)
+    model = FastModel.from_config(cfg, device=device, dtype=dtype, max_batch=B, max_seq_len=max_seq, seed=0,
+                                  linear=linears[0])
+    kernels_by_mode = {}
+    for mode in linears:
+        model.linear = mode
+        kernels_by_mode[mode] = model.linear_kernels(B)
+        print(f"# linear={mode}: " + ", ".join(f"{k} {v}" for k, v in kernels_by_mode[mode].items()))
+    model.linear = linears[0]
     n_layers = model.spec.n_layers
     w_bytes = model.weight_bytes()
     print(f"# {args.preset}: {model.arch.n_params() / 1e9:.2f} B params, weights {w_bytes / 2**30:.1f} GiB, "
@@ -284,6 +304,18 @@ def main(argv: list[str] | None = None) -> int:
             ("attn-only@K", lambda: run_attention_only(model, context=L, batch=B, iters=args.iters,
                                                        warmup=args.warmup, sel=sel), -K),
         ]
+    for mode in linears[1:]:
+        runs += [
+            (f"full[{mode}]", lambda m=mode: run_fast(model, f"full[{m}]", full_selector(B), context=L, batch=B,
+                                                     pack_layers=n_layers, iters=args.iters, warmup=args.warmup,
+                                                     linear=m), L),
+            (f"optimal[{mode}]", lambda m=mode: run_fast(model, f"optimal[{m}]", FixedSelector(sel), context=L,
+                                                        batch=B, pack_layers=n_layers, iters=args.iters,
+                                                        warmup=args.warmup, linear=m), K),
+            (f"dense@64[{mode}]", lambda m=mode: run_fast(model, f"dense@64[{m}]", full_selector(B), context=64,
+                                                         batch=B, pack_layers=n_layers, iters=args.iters,
+                                                         warmup=args.warmup, linear=m), 64),
+        ]
     rows: list[dict] = []
 
     def add_row(name: str, samples: list[float] | str, tokens: int) -> None:
@@ -303,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return kv_per_token * tokens
 
     for name, fn, tokens in runs:
+        if "[" not in name:
+            model.linear = linears[0]
         try:
             add_row(name, fn(), tokens)
         except torch.cuda.OutOfMemoryError as e:
@@ -344,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(dict(
         bench="decode", device=dev_name, preset=args.preset, dtype="bfloat16", batch=B, context=L, budget=K,
         n_sink=N_SINK, n_recent=N_RECENT, pack=args.pack, iters=args.iters, warmup=args.warmup,
-        torch=torch.__version__, bandwidth_gbps=bw / 1e9, weight_bytes=w_bytes,
+        torch=torch.__version__, linear=linears, linear_kernels=kernels_by_mode,
+        bandwidth_gbps=bw / 1e9, weight_bytes=w_bytes,
         kv_bytes_per_token=kv_per_token, target_ratio=TARGET_RATIO, full_within_target=verdict,
         wall_s=time.perf_counter() - t_start, rows=rows,
     ), indent=2))
@@ -357,13 +392,13 @@ def _fmt(x, nd: int = 2) -> str:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(f"{'run':<14} {'tokens':>7} {'TPOT ms':>9} {'min ms':>8} {'floor ms':>9} {'x floor':>8}")
+    print(f"{'run':<18} {'tokens':>7} {'TPOT ms':>9} {'min ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in rows:
         if "skipped" in r:
-            print(f"{r['name']:<14} {r['attended_tokens']:>7} {'':>9} {'':>8} {_fmt(r['floor_ms']):>9} "
+            print(f"{r['name']:<18} {r['attended_tokens']:>7} {'':>9} {'':>8} {_fmt(r['floor_ms']):>9} "
                   f"  {r['skipped']}")
             continue
-        print(f"{r['name']:<14} {r['attended_tokens']:>7} {_fmt(r['tpot_ms']):>9} {_fmt(r['min_ms']):>8} "
+        print(f"{r['name']:<18} {r['attended_tokens']:>7} {_fmt(r['tpot_ms']):>9} {_fmt(r['min_ms']):>8} "
               f"{_fmt(r['floor_ms']):>9} {_fmt(r['ratio_to_floor']):>8}")
 
 

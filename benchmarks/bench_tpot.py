@@ -623,6 +623,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--on-late", default="wait", choices=["wait", "stale", "full"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--linear", default="auto", choices=("auto", "cublas", "triton"),
+                    help="kernel of the decode projections (model.linear): auto = the Triton GEMV where a GPU "
+                         "sweep measured it faster than cuBLAS")
     ap.add_argument("--port", type=int, default=29611, help="master port of the multiprocess link (and port + 1)")
     ap.add_argument("--score-keys", default="exact",
                     help="scoring-key variants of the asyncspade rows, comma-separated from exact,int8,int4 "
@@ -688,7 +691,8 @@ def run(argv: list[str] | None = None) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus_visible": n_gpu,
         "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "iters": a.iters,
         "warmup": a.warmup, "sink": a.sink, "recent": a.recent, "window": a.window, "predictor": a.predictor,
-        "packs": a.packs, "modes": a.modes, "group_reduce": a.group_reduce, "rope_aware": a.rope_aware},
+        "packs": a.packs, "modes": a.modes, "group_reduce": a.group_reduce, "rope_aware": a.rope_aware,
+        "linear": a.linear},
         "configs": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -699,7 +703,7 @@ def run(argv: list[str] | None = None) -> dict:
             try:
                 free_memory()
                 model = FastModel.from_config(hf_cfg, device=device, dtype=dtype, max_batch=B,
-                                              max_seq_len=L + steps)
+                                              max_seq_len=L + steps, linear=a.linear)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
                 print(f"B={B} L={L}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
                 result["configs"].append({"batch": B, "context": L, "skipped": str(e)[:300]})
@@ -709,8 +713,11 @@ def run(argv: list[str] | None = None) -> dict:
             from spade.runtime.asyncrt import new_event_loop
 
             shared: dict = {"loop": new_event_loop()}
+            lin_kernels = model.linear_kernels(B)
+            print(f"B={B}: projections " + ", ".join(f"{k} {v}" for k, v in lin_kernels.items()), flush=True)
             for K in a.budget:
-                conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "rows": {}, "errors": {}}
+                conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "rows": {}, "errors": {},
+                                        "linear_kernels": lin_kernels}
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):

@@ -48,6 +48,11 @@ class ModelConfig(_Section):
     """Wrap prompts in the model's chat template when it has one."""
     seed: int = 0
     """Seed for random weights of shape presets."""
+    linear: Literal["auto", "cublas", "triton"] = "auto"
+    """Kernel of the fast backend's decode projections (qkv, o, gate_up, down, lm_head):
+    ``auto``: spade's split-K Triton GEMV for the shapes a GPU sweep measured it faster
+    than cuBLAS on (``spade.kernels.gemv.GEMV_OVERRIDES``), cuBLAS elsewhere and on CPU;
+    ``cublas``: always ``F.linear``; ``triton``: always the GEMV (batches up to 32)."""
 
 
 # --------------------------------------------------------------------------- policies

@@ -120,11 +120,12 @@ class Engine:
             from spade.models.presets import preset_config
 
             return FastModel.from_config(preset_config(m.name), device=self.device, dtype=self.dtype,
-                                         max_batch=max_batch, max_seq_len=m.max_seq_len, seed=m.seed)
+                                         max_batch=max_batch, max_seq_len=m.max_seq_len, seed=m.seed,
+                                         linear=m.linear)
         from spade.models.registry import resolve_model
 
         return FastModel.from_hf_folder(str(resolve_model(m.name)), device=self.device, dtype=self.dtype,
-                                        max_batch=max_batch, max_seq_len=m.max_seq_len)
+                                        max_batch=max_batch, max_seq_len=m.max_seq_len, linear=m.linear)
 
     @property
     def tokenizer(self):

@@ -67,8 +67,12 @@ __all__ = [
     "MAX_M",
     "SMEM_BYTES",
     "VARIANTS",
+    "CUBLAS_WINS",
+    "LINEAR_MODES",
     "gemv_config",
     "linear",
+    "make_linear",
+    "prefers_triton",
     "linear_ref",
     "linear_triton",
 ]
@@ -131,6 +135,53 @@ tuple ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, variant)``.
 ``python -m benchmarks.bench_gemv --grid`` prints a table to paste here. The entries above
 are Qwen3-8B's projections (qkv, o, gate_up, down, lm_head) measured on an H200."""
 
+CUBLAS_WINS = frozenset({
+    (6144, 4096, 32),  # qkv  M=17..32: 18.2 us vs cuBLAS 16.2
+    (4096, 12288, 32),  # down M=17..32: 31.2 us vs cuBLAS 30.3
+})
+"""Tuned ``(N, K, M)`` buckets of ``GEMV_OVERRIDES`` where cuBLAS measured faster than the
+best config of the sweep: ``prefers_triton`` sends them to ``F.linear``."""
+
+
+def _tuned_bucket(M: int, N: int, K: int):
+    """The key ``_override`` resolves for the shape (``(N, K, m)``, ``(N, K)``) or None."""
+    if (N, K, M) in GEMV_OVERRIDES:
+        return (N, K, M)
+    tuned = sorted(k[2] for k in GEMV_OVERRIDES if len(k) == 3 and k[0] == N and k[1] == K)
+    if tuned:
+        return (N, K, next((m for m in tuned if m >= M), tuned[-1]))
+    return (N, K) if (N, K) in GEMV_OVERRIDES else None
+
+
+def prefers_triton(M: int, N: int, K: int) -> bool:
+    """True where a GPU sweep measured ``linear_triton`` faster than cuBLAS for the shape:
+    a tuned ``GEMV_OVERRIDES`` bucket not in ``CUBLAS_WINS``, ``M <= MAX_M``. Shapes
+    nobody has timed stay on cuBLAS (``mode="triton"`` forces the kernel)."""
+    if not 1 <= M <= MAX_M:
+        return False
+    key = _tuned_bucket(M, N, K)
+    return key is not None and key not in CUBLAS_WINS
+
+
+LINEAR_MODES = ("auto", "cublas", "triton")
+
+
+def make_linear(mode: str, M: int, w: torch.Tensor):
+    """The projection function ``f(x, w, bias)`` a decode step should use for weight ``w``
+    [N, K] at batch ``M``: ``"cublas"`` -> ``F.linear``; ``"triton"`` -> ``linear_triton``
+    (``F.linear`` past ``MAX_M`` rows); ``"auto"`` -> ``linear_triton`` on CUDA where
+    ``prefers_triton``, ``F.linear`` elsewhere. Chosen once per shape, outside the hot
+    path (a captured graph records whichever kernel it launched)."""
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"linear mode must be one of {LINEAR_MODES}, got {mode!r}")
+    N, K = w.shape
+    if mode == "triton" and 1 <= M <= MAX_M:
+        return linear_triton
+    if mode == "auto" and w.is_cuda and prefers_triton(M, N, K):
+        return linear_triton
+    return F.linear
+
+
 SMEM_BYTES = 232448
 """Shared memory a block may use on sm_90 (227 KiB): the heuristic keeps
 ``num_stages * (BLOCK_N + BLOCK_M) * BLOCK_K * elt`` under it."""
@@ -152,12 +203,8 @@ def _as_config(c) -> GemvConfig:
 def _override(M: int, N: int, K: int):
     """``GEMV_OVERRIDES`` entry for the shape: exact ``(N, K, M)``, else the tuned batch of
     ``(N, K)`` nearest at or above ``M`` (the largest tuned one past them), else ``(N, K)``."""
-    if (N, K, M) in GEMV_OVERRIDES:
-        return GEMV_OVERRIDES[(N, K, M)]
-    tuned = sorted(k[2] for k in GEMV_OVERRIDES if len(k) == 3 and k[0] == N and k[1] == K)
-    if tuned:
-        return GEMV_OVERRIDES[(N, K, next((m for m in tuned if m >= M), tuned[-1]))]
-    return GEMV_OVERRIDES.get((N, K))
+    key = _tuned_bucket(M, N, K)
+    return None if key is None else GEMV_OVERRIDES[key]
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16, *, sms: int = H200_SMS) -> GemvConfig:

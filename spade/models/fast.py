@@ -242,6 +242,19 @@ def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
 
 _TRITON_OPS: dict[str, Callable] | None = None
 
+LINEAR_MODES = ("auto", "cublas", "triton")
+"""``FastModel(linear=...)``: the decode projections' kernel (``spade.kernels.gemv.make_linear``)."""
+
+
+def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
+    """``spade.kernels.gemv.make_linear``, imported on first use (importing this module
+    never imports triton). ``"cublas"`` needs no Triton at all."""
+    if mode == "cublas":
+        return F.linear
+    from spade.kernels.gemv import make_linear
+
+    return make_linear(mode, M, w)
+
 
 def triton_ops() -> dict[str, Callable]:
     """The Triton versions of the three elementwise ops, built on first use (so that
@@ -423,7 +436,8 @@ class FastModel(DecodeBackend):
     def __init__(self, hf_config, arch: FastArch, layers: list[LayerWeights], embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: torch.Tensor, *, device: torch.device, dtype: torch.dtype,
                  max_batch: int, max_seq_len: int, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
-                 use_cuda_graphs: bool = True, fused_kernels: bool | None = None, prefill_chunk: int = 1024):
+                 use_cuda_graphs: bool = True, fused_kernels: bool | None = None, prefill_chunk: int = 1024,
+                 linear: str = "auto"):
         if max_batch < 1 or max_seq_len < 2:
             raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.hf_config = hf_config
@@ -442,6 +456,8 @@ class FastModel(DecodeBackend):
         self.use_cuda_graphs = bool(use_cuda_graphs)
         self.fused_kernels = (device.type == "cuda") if fused_kernels is None else bool(fused_kernels)
         self.prefill_chunk = int(prefill_chunk)
+        self._linears: dict[tuple, Callable] = {}
+        self.linear = linear
 
         inv_freq, scaling = rope_inv_freq(hf_config, arch)
         self.rope_scaling = scaling
@@ -504,6 +520,38 @@ class FastModel(DecodeBackend):
 
     def _ops(self) -> dict[str, Callable]:
         return triton_ops() if self.fused_kernels else _TORCH_OPS
+
+    @property
+    def linear(self) -> str:
+        """Kernel choice of the decode projections (``LINEAR_MODES``); may be changed between
+        steps (graphs are keyed by it)."""
+        return self._linear
+
+    @linear.setter
+    def linear(self, mode: str) -> None:
+        if mode not in LINEAR_MODES:
+            raise ConfigError(f"model.linear must be one of {', '.join(LINEAR_MODES)}, got {mode!r} "
+                              "(auto: the Triton GEMV where a GPU sweep measured it faster, else cuBLAS)")
+        self._linear = mode
+        self._linears.clear()
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode projection ``x @ w.T + b`` through the kernel ``self.linear`` picks for
+        the shape (``spade.kernels.gemv.make_linear``: the Triton split-K GEMV where a sweep
+        measured it faster than cuBLAS, cuBLAS elsewhere), chosen once per shape."""
+        key = (x.shape[0], w.shape[0], w.shape[1], w.device)
+        f = self._linears.get(key)
+        if f is None:
+            f = self._linears[key] = _make_linear(self._linear, x.shape[0], w)
+        return f(x, w, b)
+
+    def linear_kernels(self, batch: int | None = None) -> dict[str, str]:
+        """Which kernel each decode projection uses at ``batch`` rows (``"triton"`` or
+        ``"cublas"``): what a benchmark reports next to its timings."""
+        B = self.max_batch if batch is None else int(batch)
+        L = self.layers[0]
+        ws = {"qkv": L.wqkv, "o": L.wo, "gate_up": L.wgu, "down": L.wd, "lm_head": self.lm_head}
+        return {k: ("cublas" if _make_linear(self.linear, B, w) is F.linear else "triton") for k, w in ws.items()}
 
     def weight_bytes(self) -> int:
         """Bytes of parameters one decode step reads (all layers, final norm, lm_head;
@@ -838,17 +886,17 @@ class FastModel(DecodeBackend):
         for li in range(l0, l1):
             L = self.layers[li]
             h = add_rms_norm(x, pending, L.ln1, a.eps)
-            qkv = F.linear(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
+            qkv = self._lin(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
             kc, vc = self.k_cache[li][:B], self.v_cache[li][:B]
             q = qkv_rope_store(qkv, L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab, pos, widx, kc, vc,
                                a.n_q_heads, a.n_kv_heads)  # [B, Hq, D]
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
-            attn = F.linear(o.reshape(B, -1), L.wo, L.bo)
+            attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)
-            pending = F.linear(silu_mul(F.linear(h, L.wgu)), L.wd)
+            pending = self._lin(silu_mul(self._lin(h, L.wgu)), L.wd)
         if last:
             h = add_rms_norm(x, pending, self.norm, a.eps)
-            self._logits[:B].copy_(F.linear(h, self.lm_head))
+            self._logits[:B].copy_(self._lin(h, self.lm_head))
         elif pending is not None:
             x.add_(pending)
 
@@ -885,7 +933,7 @@ class FastModel(DecodeBackend):
         graphs = None
         key = None
         if self._stream is not None and self.use_cuda_graphs:
-            key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key())
+            key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key(), self._linear)
             graphs = self._graphs.get(key)
         if graphs == "eager":  # capture failed for this key: stay eager
             key = None

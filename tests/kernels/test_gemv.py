@@ -174,6 +174,28 @@ def test_tuned_table_is_valid():
     assert gemv_config(8, 4096, 4096) == GemvConfig(64, 128, 4, 4, 3, "dot")  # o_proj M=8: the M=16 entry
 
 
+def test_prefers_triton_and_make_linear():
+    """Tuned shapes go to the GEMV except the buckets where cuBLAS measured faster; untimed
+    shapes, batches past MAX_M and CPU tensors stay on F.linear under ``auto``."""
+    assert G.prefers_triton(8, 6144, 4096) and G.prefers_triton(1, 151936, 4096)
+    assert G.prefers_triton(8, 4096, 12288) and not G.prefers_triton(24, 4096, 12288)  # down: cuBLAS at M=17..32
+    assert not G.prefers_triton(32, 6144, 4096) and G.prefers_triton(32, 24576, 4096)
+    assert not G.prefers_triton(8, 77, 200)  # never timed
+    assert not G.prefers_triton(33, 24576, 4096) and not G.prefers_triton(0, 24576, 4096)
+    for key in G.CUBLAS_WINS:
+        assert key in G.GEMV_OVERRIDES, key  # a cuBLAS win is a measured bucket
+    w = torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta")
+    assert G.make_linear("cublas", 8, w) is F.linear
+    assert G.make_linear("triton", 8, w) is linear_triton
+    assert G.make_linear("triton", 40, w) is F.linear  # past MAX_M
+    assert G.make_linear("auto", 8, w) is F.linear  # not CUDA
+    with pytest.raises(ValueError, match="linear mode must be one of"):
+        G.make_linear("fast", 8, w)
+    from spade.models.fast import LINEAR_MODES
+
+    assert LINEAR_MODES == G.LINEAR_MODES
+
+
 def test_overrides_win(monkeypatch):
     monkeypatch.setattr(G, "GEMV_OVERRIDES", {})
     G.GEMV_OVERRIDES[(4096, 4096)] = (32, 128, 4, 8, 3, "dot")

@@ -357,6 +357,39 @@ def test_fused_model_matches_torch_ops():
     torch.testing.assert_close(fused.k_cache[1], ref.k_cache[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])  # tiny-qwen2: QKV bias through the GEMV
+def test_triton_linear_model_matches_cublas(name):
+    """The decode step with every projection (qkv, o, gate_up, down, lm_head) through the
+    Triton split-K GEMV (interpreter on CPU) against F.linear; switching the mode back
+    and forth between steps re-picks the kernels."""
+    hf = perturbed_hf(name, seed=19, num_hidden_layers=2)
+    ref = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=16, linear="cublas")
+    tri = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=16, linear="triton")
+    assert set(ref.linear_kernels(3).values()) == {"cublas"}
+    assert set(tri.linear_kernels(3).values()) == {"triton"}
+    assert set(tri.linear_kernels(33).values()) == {"cublas"}  # past the GEMV's 32 rows
+    ids, mask = left_padded([5, 3, 4], ref.vocab_size, torch.Generator().manual_seed(20))
+    cr, ct = full_ctx(ref, 3), full_ctx(tri, 3)
+    lr, lt = ref.prefill(ids, mask, cr), tri.prefill(ids, mask, ct)
+    for i in range(3):
+        tok = lr.argmax(-1)
+        if i == 2:
+            tri.linear = "cublas"
+            assert set(tri.linear_kernels(3).values()) == {"cublas"}
+        lr, lt = ref.decode(tok, cr), tri.decode(tok, ct)
+        assert rel_err(lt, lr) < 1e-5, i
+    torch.testing.assert_close(tri.k_cache[1], ref.k_cache[1], rtol=1e-5, atol=1e-5)
+
+
+def test_linear_mode_is_checked_and_auto_stays_on_torch_on_cpu():
+    m = FastModel.from_config("tiny", max_batch=2, max_seq_len=8)
+    assert m.linear == "auto" and set(m.linear_kernels().values()) == {"cublas"}  # CPU: nothing measured
+    with pytest.raises(ConfigError, match="model.linear must be one of auto, cublas, triton"):
+        m.linear = "cutlass"
+    with pytest.raises(ConfigError, match="model.linear"):
+        FastModel.from_config("tiny", max_batch=2, max_seq_len=8, linear="gemv")
+
+
 # ----------------------------------------------------------------------------- config handling
 def test_presets_shapes():
     a = FastArch.from_hf_config(preset_config("qwen3-8b"))
@@ -428,3 +461,22 @@ def test_cuda_bf16_matches_transformers_and_graphs_match_eager():
     assert len(graphs._graphs) == 1 and len(next(iter(graphs._graphs.values()))) == 2
     torch.testing.assert_close(cg.stats, ce.stats)
     torch.testing.assert_close(graphs.k_cache[2], eager.k_cache[2], rtol=1e-3, atol=1e-3)
+
+
+
+@pytest.mark.gpu
+def test_cuda_triton_linear_graphs_match_cublas():
+    """CUDA graphs whose projections run the split-K GEMV (split-K ticket counters reset
+    inside the replayed graph) against cuBLAS eager, bf16, several steps."""
+    dev = torch.device("cuda")
+    hf = perturbed_hf("tiny", seed=21).to(dev, torch.bfloat16)
+    tri = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=48, linear="triton")
+    ref = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=48, linear="cublas", use_cuda_graphs=False)
+    ids, mask = left_padded([12, 7, 9], tri.vocab_size, torch.Generator().manual_seed(22))
+    ct, cr = full_ctx(tri, 3), full_ctx(ref, 3)
+    lt, lr = tri.prefill(ids.to(dev), mask.to(dev), ct), ref.prefill(ids.to(dev), mask.to(dev), cr)
+    for step in range(6):
+        tok = lr.argmax(-1)
+        lr = ref.decode(tok, cr)
+        list(tri.decode_stages(tok, ct, 2))
+        torch.testing.assert_close(tri.last_logits, lr, rtol=3e-2, atol=3e-2, msg=f"step {step}")
