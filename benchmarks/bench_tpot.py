@@ -204,7 +204,9 @@ def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
     fake_prompt(model, ctx, B, L, a.window + 1)
     tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
     ms = time_steps(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
-    if a.profile and method in ("optimal", "full") and not getattr(a, f"_profiled_{method}", False):
+    timeline = None
+    want = (a.profile and method in ("optimal", "full")) or method in a.profile_rows.split(",")
+    if want and not getattr(a, f"_profiled_{method}", False):
         setattr(a, f"_profiled_{method}", True)
 
         async def one():
@@ -212,10 +214,14 @@ def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
 
         import asyncio
 
-        asyncio.run(profile_steps(one, model.device, Path(a.out).parent, f"profile_{method}_B{B}_L{L}_K{K}"))
+        timeline = asyncio.run(profile_steps(one, model.device, Path(a.out).parent,
+                                             f"profile_{method}_B{B}_L{L}_K{K}"))
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"{method}: non-finite logits")
-    return summary(ms)
+    res = summary(ms)
+    if timeline is not None:
+        res["timeline"] = timeline
+    return res
 
 
 def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a, shared: dict) -> dict:
@@ -243,20 +249,22 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
-            if a.profile and not shared.get("profiled_" + topology):
-                shared["profiled_" + topology] = True
-                await profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
-                                    f"profile_{topology}_P{P}_B{B}_L{L}_K{K}")
             tag = f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
+            timeline = None
+            if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
+                    or tag in a.profile_rows.split(","):
+                shared["profiled_" + topology] = True
+                timeline = await profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
+                                               f"profile_{tag}_B{B}_L{L}_K{K}")
             if a.host_profile and tag in a.host_profile.split(","):
                 await host_profile_steps(lambda: sess.step(tok), model.device, Path(a.out).parent,
                                          f"host_profile_{tag}_B{B}_L{L}_K{K}")
         finally:
             await sess.end()
         host = list(sess.host_step_ms)[-a.iters:]  # the timed steps (not warm-up or graph capture)
-        return ms, sess.trace([[]], []).stats, host
+        return ms, sess.trace([[]], []).stats, host, timeline
 
-    ms, stats, host = loop.run_until_complete(go())
+    ms, stats, host, timeline = loop.run_until_complete(go())
     if topology == "multiprocess":
         if link is None:  # this runtime opened the cache process: keep it for the next rows
             shared["multiprocess"], shared["owner"] = rt._link, rt
@@ -268,6 +276,8 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
     # runs behind it): near the TPOT means the host, not the device, sets the pace
     if host:
         row["host_ms_per_step"] = float(statistics.median(host))
+    if timeline is not None:
+        row["timeline"] = timeline
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
     return row
@@ -292,10 +302,17 @@ def profile_work(work: Callable[[], Any], device: torch.device, out_dir: Path, n
     print(f"  profile of one cache-rank layer -> {out_dir / name}.txt", flush=True)
 
 
-async def profile_steps(step, device: torch.device, out_dir: Path, name: str, steps: int = PROFILE_STEPS) -> None:
+async def profile_steps(step, device: torch.device, out_dir: Path, name: str,
+                        steps: int = PROFILE_STEPS) -> dict | None:
     """``torch.profiler`` over a few steady-state steps: a table of the top CUDA
-    kernels per device and a Chrome trace (where the time of an asynchronous step goes)."""
+    kernels, the device timeline summary (busy / idle per GPU and the largest gaps,
+    ``benchmarks.trace_summary``) and the Chrome trace, gzipped. Returns the summary."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.trace_summary import format_summary, summarize_trace
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
@@ -308,12 +325,23 @@ async def profile_steps(step, device: torch.device, out_dir: Path, name: str, st
     out_dir.mkdir(parents=True, exist_ok=True)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30)
-    (out_dir / f"{name}.txt").write_text(f"{steps} steps\n{table}\n")
+    timeline = None
+    trace = out_dir / f"{name}.json"
     try:
-        prof.export_chrome_trace(str(out_dir / f"{name}.json"))
+        prof.export_chrome_trace(str(trace))
+        timeline = summarize_trace(trace, steps)
+        with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
     except Exception as e:  # pragma: no cover
-        print(f"chrome trace not written: {e}", file=sys.stderr)
+        print(f"chrome trace not written / summarised: {type(e).__name__}: {e}", file=sys.stderr)
+    text = f"{steps} steps\n{table}\n"
+    if timeline is not None:
+        text += "\n" + format_summary(timeline) + "\n"
+        print(format_summary(timeline), flush=True)
+    (out_dir / f"{name}.txt").write_text(text)
     print(f"  profile of {steps} steps -> {out_dir / name}.txt", flush=True)
+    return timeline
 
 
 async def host_profile_steps(step, device: torch.device, out_dir: Path, name: str,
@@ -638,6 +666,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "process over its whole life (host_profile_cache_process.txt)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over a few steps of the first row of each asynchronous topology")
+    ap.add_argument("--profile-rows", default="",
+                    help="torch.profiler (kernel table, device timeline summary, gzipped Chrome trace) of these "
+                         "async rows (topology_P<P>_<keys>, e.g. local_P4_int4,multiprocess_P4_int4) instead "
+                         "of --profile's first row per topology; --profile still profiles optimal and full")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")

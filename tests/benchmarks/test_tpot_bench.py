@@ -1,0 +1,63 @@
+"""``benchmarks.bench_tpot`` CPU smoke run and ``benchmarks.trace_summary`` on a hand-made trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.trace_summary import format_summary, summarize_trace
+
+
+def _k(name, ts, dur, dev=0, stream=7, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": dev, "stream": stream}}
+
+
+def test_trace_summary_busy_idle_and_gaps(tmp_path):
+    ev = [
+        _k("gemm", 0, 10), _k("attn", 5, 10, stream=8),  # overlapping streams: busy 0-15
+        _k("ncclDevKernel_SendRecv", 15, 5, stream=9),  # comm: busy, not compute
+        _k("Memcpy DtoD", 50, 10, cat="gpu_memcpy"),  # 30 us gap before it
+        _k("gemm", 61, 9),  # 1 us gap: under min_gap_us
+        _k("gemm", 0, 40, dev=1),  # second device, no gaps
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # host events are ignored
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 3},
+    ]
+    p = tmp_path / "t.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = summarize_trace(p, steps=2)
+    d0, d1 = s["devices"][0], s["devices"][1]
+    assert d0["span_ms"] == pytest.approx(0.070)
+    assert d0["busy_ms"] == pytest.approx(0.039)  # 0-20, 50-60, 61-70
+    assert d0["compute_ms"] == pytest.approx(0.034)  # without the NCCL kernel's 5 us
+    assert d0["idle_ms"] == pytest.approx(0.031)
+    assert d0["per_step"]["idle_ms"] == pytest.approx(0.0155)
+    assert d0["gaps_over_min"] == 1
+    assert d0["largest_gaps"] == [{"us": 30.0, "before": "ncclDevKernel_SendRecv", "after": "Memcpy DtoD"}]
+    assert d1["busy_fraction"] == 1.0 and d1["largest_gaps"] == []
+    text = format_summary(s)
+    assert "cuda:0" in text and "gap     30.0 us" in text
+    with pytest.raises(ValueError, match="steps"):
+        summarize_trace(p, steps=0)
+
+
+def test_bench_tpot_cpu_smoke(tmp_path):
+    out = tmp_path / "bench_tpot.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
+           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
+           "--packs", "2", "--methods", "optimal,asyncspade/local", "--profile-rows", "local_P2_exact",
+           "--linear", "cublas", "--no-plots", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    conf = json.loads(out.read_text())["configs"][0]
+    assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2"}
+    row = conf["rows"]["asyncspade/local/P=2"]
+    assert row["tpot_ms"] > 0 and row["steps"] == 3 and "host_ms_per_step" in row
+    assert row["timeline"]["steps"] == 4  # profiled (CPU: no device activity to summarise)
+    assert "timeline" not in conf["rows"]["optimal"]
+    assert (tmp_path / "profile_local_P2_exact_B2_L256_K64.json.gz").exists()
+    assert conf["linear_kernels"] == {k: "cublas" for k in ("qkv", "o", "gate_up", "down", "lm_head")}
