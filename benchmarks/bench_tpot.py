@@ -278,6 +278,8 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         row["host_ms_per_step"] = float(statistics.median(host))
     if timeline is not None:
         row["timeline"] = timeline
+    if stats.get("cache_host"):  # the cache rank's own host account (medians over the generation)
+        row["cache_host"] = stats["cache_host"]
     if not torch.isfinite(model.last_logits).all():
         raise RuntimeError(f"asyncspade/{topology}: non-finite logits")
     return row
@@ -764,6 +766,10 @@ def run(argv: list[str] | None = None) -> dict:
                         extra = f"  late={r['late_packs']}" if r.get("late_packs") else ""
                         if r.get("host_ms_per_step") is not None:
                             extra += f"  host={r['host_ms_per_step']:.2f} ms/step"
+                        ch = r.get("cache_host")
+                        if ch:
+                            extra += (f"  cache host={ch['host_ms_per_pack']:.3f}+send {ch['send_ms_per_pack']:.3f} "
+                                      f"ms/pack, waits {ch['recv_wait_ms_per_step']:.2f} ms/step")
                         print(f"  {name:<28} {r['tpot_ms']:8.3f} ms  (p90 {r['p90_ms']:.3f}; "
                               f"{time.time() - t0:.1f}s){extra}", flush=True)
                     except Exception as e:  # one failing row must not lose the others

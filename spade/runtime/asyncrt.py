@@ -739,6 +739,8 @@ class InferenceSession:
                 msg = await t.recv("sel")
                 meta = msg[0].tolist()
                 if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
+                    if len(msg) > 1:  # the cache rank's host account of the generation
+                        self.stats["cache_host"] = P.stats_from_tensor(msg[1])
                     self._end_seen.set()
                     return
                 p = meta[0][P.META_PACK]

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import statistics
 import time
 import traceback
 from typing import Any
@@ -129,6 +130,7 @@ class CacheRank:
             self.stream = torch.cuda.Stream(device=self.device)
             transport.stream = self.stream
         self.stats: dict[str, float] = {"packs": 0, "selections": 0, "select_host_s": 0.0, "generations": 0}
+        self.generation_stats: dict[str, float] = {}  # protocol.CACHE_STATS of the last generation
         self.consumed = 0  # "qkv" packs fully handled (observed, selection launched and sent), cumulative
         self.use_graphs = True
         self._graphs: dict = {}
@@ -231,6 +233,8 @@ class CacheRank:
 
         prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
         stalled = False
+        acct: dict[str, list[float]] = {"host": [], "send": [], "wait": []}  # this generation's host time (s)
+        self.generation_stats = {}
         # fixed device buffers: inputs copied in per pack, outputs read out per pack,
         # so that a pack's work can be replayed as a CUDA graph
         graphs_on = self._graphs_enabled(s)
@@ -306,19 +310,25 @@ class CacheRank:
                 key = ("select", p, _key(policy, state, seq))
                 info = self._run(key, lambda: select_pack(p, seq), graphs_on)
                 tensors = self._encode(info, out.get(p), p, step, seq, s, view, prev, packs[p][0])
-            self.stats["select_host_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stats["select_host_s"] += t1 - t0
             self.stats["selections"] += 1
             await t.send("sel", tensors)
+            acct["send"].append(time.perf_counter() - t1)
+            return t1 - t0
 
         if T + 1 > s.theta:
             for p in range(len(packs)):
                 await select_and_send(p, 1, T + 1)
         while True:
+            tw = time.perf_counter()
             msg = await t.recv("ctl")
+            waited = time.perf_counter() - tw
             c = msg[0].tolist()
             if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
                 end = torch.full((1, P.META), -1, dtype=torch.int64)
-                await t.send("sel", [end])
+                self.generation_stats = _account(acct)
+                await t.send("sel", [end, P.stats_tensor(self.generation_stats)])
                 if dev.type == "cuda":  # buffers of this generation were used on several streams
                     torch.cuda.synchronize(dev)
                 self._graphs = {}
@@ -337,7 +347,10 @@ class CacheRank:
                 pos_buf.fill_(seq - 1)
                 torch.add(kv_lens, seq - T, out=kv_obs)
             for p in range(len(packs)):
+                tw = time.perf_counter()
                 msg = await t.recv("qkv")
+                t0 = time.perf_counter()
+                waited += t0 - tw
                 with self._on():
                     if p not in q_in:
                         q_in[p] = [torch.empty_like(x) for x in msg]
@@ -350,10 +363,13 @@ class CacheRank:
                         dst.copy_(src, non_blocking=True)
                     del msg
                     self._run(("observe", p, _key(policy, state, seq)), lambda: observe_pack(p, seq), graphs_on)
+                host = time.perf_counter() - t0
                 self.stats["packs"] += 1
                 if seq + 1 > s.theta and not stalled:
-                    await select_and_send(p, step + 1, seq + 1)
+                    host += await select_and_send(p, step + 1, seq + 1) or 0.0
+                acct["host"].append(host)
                 self.consumed += 1
+            acct["wait"].append(waited)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graphs_enabled(self, s: P.Setup) -> bool:
@@ -442,6 +458,16 @@ class CacheRank:
             vals[j, :, :, :c] = vals_l[j]
         meta[:, P.META_C] = C
         return [meta, slots, vals]
+
+
+def _account(acct: dict[str, list[float]]) -> dict[str, float]:
+    """``protocol.CACHE_STATS`` of one generation from its per-pack / per-step host times."""
+    def med_ms(xs: list[float]) -> float:
+        return 1e3 * statistics.median(xs) if xs else float("nan")
+
+    return {"packs": float(len(acct["host"])), "selections": float(len(acct["send"])),
+            "host_ms_per_pack": med_ms(acct["host"]), "send_ms_per_pack": med_ms(acct["send"]),
+            "recv_wait_ms_per_step": med_ms(acct["wait"])}
 
 
 def _key(policy: Policy, state, seq: int) -> tuple:

@@ -23,7 +23,8 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
               kv:      [idx, k_sel [n, B, Hkv, K, D], v_sel [n, B, Hkv, K, D]]
               delta:   [slots int32 [n, B, Hkv, C], values int32 [n, B, Hkv, C]]
                        (C = most changed slots of any (row, head) in the pack; -1 pads)
-              END acknowledged: [meta] with pack = -1 (the last "sel" of a generation)
+              END acknowledged: [meta with pack = -1, stats float64 [len(CACHE_STATS)] (cpu)]
+              (the last "sel" of a generation; stats: the cache rank's host time, below)
       "err"   [uint8 (cpu)]: the cache rank failed (message text), sent before it closes
 
 Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
@@ -53,6 +54,26 @@ BOOT, STEP, END, SHUTDOWN = 1, 2, 3, 4
 # meta columns of a "sel" message (one row per layer of the pack)
 META_PACK, META_STEP, META_SEQ, META_DENSE, META_SINK, META_RECENT, META_K, META_C = range(8)
 META = 8
+
+# the cache rank's host-side account of one generation, sent with the END acknowledgement
+# (medians over the generation's packs / steps; the first steps include graph capture)
+CACHE_STATS = (
+    "packs",  # q/k/v packs handled
+    "selections",  # "sel" messages sent
+    "host_ms_per_pack",  # median synchronous host work per pack (copy in, observe, select, encode)
+    "send_ms_per_pack",  # median time in the "sel" send per pack (in-process: includes yielding)
+    "recv_wait_ms_per_step",  # median time per step waiting for the inference rank's packs and STEP
+)
+
+
+def stats_tensor(stats: dict) -> torch.Tensor:
+    return torch.tensor([float(stats.get(k, float("nan"))) for k in CACHE_STATS], dtype=torch.float64)
+
+
+def stats_from_tensor(t: torch.Tensor) -> dict:
+    vals = t.tolist()
+    return {k: v for k, v in zip(CACHE_STATS, vals)}
+
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 

@@ -57,6 +57,8 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2"}
     row = conf["rows"]["asyncspade/local/P=2"]
     assert row["tpot_ms"] > 0 and row["steps"] == 3 and "host_ms_per_step" in row
+    ch = row["cache_host"]  # the cache rank's account, sent with the END acknowledgement
+    assert ch["packs"] >= 3 * 2 and ch["selections"] >= 1 and ch["host_ms_per_pack"] > 0
     assert row["timeline"]["steps"] == 4  # profiled (CPU: no device activity to summarise)
     assert "timeline" not in conf["rows"]["optimal"]
     assert (tmp_path / "profile_local_P2_exact_B2_L256_K64.json.gz").exists()
