@@ -8,7 +8,10 @@
 #              in the background, so that `kernels` runs beside it on GPU 0)
 #   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
-#   decode     whole-model decode: spade fast path vs HF (one GPU)
+#   decode     whole-model decode: spade fast path vs HF (one GPU); projections auto vs cuBLAS side by side
+#   gemv       the decode projections alone: split-K Triton GEMV vs cuBLAS (bench_gemv --quick)
+#   headline   TPOT at issue #5's shape (B=8 L=32k K=2k, P=4, int4 keys): full, quest, optimal, local,
+#              multiprocess, with device timelines (busy / idle per GPU) and the cache rank's host account
 #   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {2, 4} (TPOT_ITERS steps per row),
 #              exact / int8 / int4 scoring keys, torch.profiler of the async rows and of one cache-rank layer
 #   sweep      TPOT over B x L x K (the shapes that fit), fewer methods (SWEEP_KEYS scoring keys, default int8,int4;
@@ -89,7 +92,16 @@ for s in "${stages[@]}"; do
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
-    decode) run bench_decode 300 python3 -m benchmarks.bench_decode --out "$OUT/bench_decode.json" ;;
+    decode) run bench_decode 300 python3 -m benchmarks.bench_decode --linear ${DECODE_LINEAR:-auto,cublas} \
+              ${DECODE_ARGS:-} --out "$OUT/bench_decode.json" ;;
+    gemv)  # the decode projections: split-K Triton GEMV vs cuBLAS on the Qwen3-8B shapes
+      run bench_gemv 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_gemv --quick --out "$OUT/bench_gemv.json" ;;
+    headline)  # issue #5's shape only, int4 keys, P=4, with device timelines and the cache rank's host account
+      run bench_tpot_headline 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 --packs 4 \
+            --score-keys int4 --iters ${TPOT_ITERS:-30} --linear ${TPOT_LINEAR:-auto} \
+            --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess \
+            --profile-rows optimal,local_P4_int4,multiprocess_P4_int4 --budget-s 270 \
+            --out "$OUT/bench_tpot_headline.json" ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
     sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot \
