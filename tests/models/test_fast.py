@@ -20,6 +20,7 @@ from spade.errors import ConfigError, ModelError
 from spade.models.fast import FastArch, FastModel, _TORCH_OPS, triton_ops
 from spade.models.presets import PRESETS, preset_config
 from spade.policies.full import FullPolicy
+from tests.conftest import INTERPRET
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -275,6 +276,10 @@ def test_random_weights_stay_finite_in_bf16_deep():
 
 
 # ----------------------------------------------------------------------------- fused kernels
+# Whole CPU models through Triton kernels need the interpreter; on a GPU machine the
+# ``gpu`` tests below run the same comparisons on CUDA.
+_CPU_TRITON = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+
 def _tol(dtype, ref: torch.Tensor):
     """(rtol, atol). The fused kernels round once where the torch ops round after
     every op: in bf16 (8 significant bits) a sum of two rounded products that
@@ -342,6 +347,7 @@ def test_silu_mul_triton(device, dtype, B, n):
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
 
 
+@_CPU_TRITON
 def test_fused_model_matches_torch_ops():
     """The whole decode step with the Triton kernels (interpreter on CPU)."""
     hf = perturbed_hf("tiny", seed=17, num_hidden_layers=2)
@@ -357,6 +363,7 @@ def test_fused_model_matches_torch_ops():
     torch.testing.assert_close(fused.k_cache[1], ref.k_cache[1], rtol=1e-5, atol=1e-5)
 
 
+@_CPU_TRITON
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])  # tiny-qwen2: QKV bias through the GEMV
 def test_triton_linear_model_matches_cublas(name):
     """The decode step with every projection (qkv, o, gate_up, down, lm_head) through the
