@@ -97,10 +97,11 @@ for s in "${stages[@]}"; do
     gemv)  # the decode projections: split-K Triton GEMV vs cuBLAS on the Qwen3-8B shapes
       run bench_gemv 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_gemv --quick --out "$OUT/bench_gemv.json" ;;
     headline)  # issue #5's shape only, int4 keys, P=4, with device timelines and the cache rank's host account
-      run bench_tpot_headline 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 --packs 4 \
+      run bench_tpot_headline 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 \
+            --packs ${HEADLINE_PACKS:-4} ${HEADLINE_ARGS:-} \
             --score-keys int4 --iters ${TPOT_ITERS:-30} --linear ${TPOT_LINEAR:-auto} \
             --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess \
-            --profile-rows optimal,local_P4_int4,multiprocess_P4_int4 --budget-s 270 \
+            --profile-rows ${HEADLINE_PROFILE:-optimal,local_P4_int4,multiprocess_P4_int4} --budget-s 270 \
             --out "$OUT/bench_tpot_headline.json" ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
