@@ -232,7 +232,8 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
 
     over = policy_overrides("asyncspade", K, a) + [
         f"runtime.topology={topology}", f"runtime.pack_layers={P}", f"runtime.return_mode={mode}",
-        f"runtime.on_late={a.on_late}", "runtime.late_timeout_s=120"]
+        f"runtime.on_late={a.on_late}", "runtime.late_timeout_s=120",
+        f"runtime.cache_thread={getattr(a, 'cur_cache_thread', 'auto')}"]
     if topology == "multiprocess":
         over += ["runtime.transport.name=nccl", f"runtime.transport.master_port={a.port}",
                  "runtime.transport.timeout_s=90"]
@@ -249,7 +250,9 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
-            tag = f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
+            ct = getattr(a, "cur_cache_thread", "auto")
+            tag = (f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
+                   + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}"))
             timeline = None
             if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
                     or tag in a.profile_rows.split(","):
@@ -672,6 +675,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.profiler (kernel table, device timeline summary, gzipped Chrome trace) of these "
                          "async rows (topology_P<P>_<keys>, e.g. local_P4_int4,multiprocess_P4_int4) instead "
                          "of --profile's first row per topology; --profile still profiles optimal and full")
+    ap.add_argument("--cache-thread", default="auto",
+                    help="runtime.cache_thread of the colocated / local rows, comma-separated from "
+                         "auto,thread,coroutine: the first names the rows, each further one adds rows "
+                         "suffixed /<mode>, side by side")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -682,6 +689,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.batch, a.context, a.budget, a.iters = [2], [256], [64], 5
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
+    a.cache_thread = [m.strip() for m in a.cache_thread.split(",") if m.strip()]
+    if not a.cache_thread or any(m not in ("auto", "thread", "coroutine") for m in a.cache_thread):
+        ap.error(f"--cache-thread takes auto,thread,coroutine (comma-separated); got {a.cache_thread}")
     a.modes = [m for m in a.modes.split(",") if m]
     a.score_keys = [m for m in a.score_keys.split(",") if m]
     bad = [m for m in a.score_keys if m not in ("exact", "int8", "int4")]
@@ -797,20 +807,23 @@ def run(argv: list[str] | None = None) -> dict:
                 for topo in ("colocated", "local", "multiprocess"):
                     if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
                         continue
+                    threads = a.cache_thread if topo != "multiprocess" else ["auto"]
                     for sk in a.score_keys:
                         for mode in a.modes:
                             for P in a.packs:
-                                name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
-                                        + ("" if sk == "exact" else f"/{sk}"))
+                                for ct in threads:
+                                    name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                                            + ("" if sk == "exact" else f"/{sk}")
+                                            + ("" if ct == threads[0] else f"/{ct}"))
 
-                                def go(topo=topo, P=P, mode=mode, sk=sk):
-                                    a.cur_score_keys = sk
-                                    try:
-                                        return run_async(model, topo, P, mode, B, L, K, a, shared)
-                                    finally:
-                                        a.cur_score_keys = "exact"
+                                    def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct):
+                                        a.cur_score_keys, a.cur_cache_thread = sk, ct
+                                        try:
+                                            return run_async(model, topo, P, mode, B, L, K, a, shared)
+                                        finally:
+                                            a.cur_score_keys, a.cur_cache_thread = "exact", "auto"
 
-                                record(name, go)
+                                    record(name, go)
                 try:
                     lt = layer_timings(model, B, L, K, a)
                     conf["layer_ms"] = lt

@@ -215,6 +215,12 @@ class RuntimeConfig(_Section):
     on_late: Literal["wait", "stale", "full"] = "wait"
     """What the inference rank does when a selection is not ready."""
     late_timeout_s: float = Field(30.0, gt=0)
+    cache_thread: Literal["auto", "thread", "coroutine"] = "auto"
+    """``colocated`` / ``local``: run the in-process cache rank on its own thread and
+    event loop (``thread``), or as a coroutine on the inference rank's loop (``coroutine``).
+    A thread keeps launching the cache rank's work while the inference thread waits
+    on its device (the token sync of every step) and stops the two ranks' host work
+    from serialising; ``auto``: a thread when the cache rank is on a GPU."""
     transport: TransportConfig = Field(default_factory=LocalTransportConfig)
 
     @field_validator("transport", mode="before")

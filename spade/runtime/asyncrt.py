@@ -66,6 +66,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -259,6 +260,41 @@ class AsyncAttentionContext(AttentionContext):
 
 
 # ============================================================================ the link
+class CacheThread:
+    """A thread running its own event loop (uvloop when installed), for an in-process
+    cache rank: its host work (graph replays, copies, messages) then proceeds while the
+    inference thread waits on its device or launches its own work, instead of only at
+    the inference coroutine's ``await`` points. Coroutines are handed over with
+    ``submit``; the local transport delivers across the two loops thread-safely."""
+
+    def __init__(self, name: str = "spade-cache-rank") -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def submit(self, coro) -> asyncio.Future:
+        """Run ``coro`` on the thread's loop; an awaitable future of the caller's loop
+        (cancelling it cancels the coroutine)."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout_s)
+
+
+def _cache_thread_wanted(cfg, cache_device: torch.device) -> bool:
+    mode = getattr(getattr(cfg, "runtime", None), "cache_thread", "auto") if cfg is not None else "auto"
+    return mode == "thread" or (mode == "auto" and cache_device.type == "cuda")
+
+
 class CacheLink:
     """The inference rank's end of a runtime link, and the cache rank behind it
     (a coroutine of this process, or a process). Opened once, reused by every
@@ -274,6 +310,7 @@ class CacheLink:
         self.cache_transport: Any = None
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: CacheThread | None = None  # the in-process cache rank's own thread, if any
         self.closed = False
 
     @classmethod
@@ -295,9 +332,15 @@ class CacheLink:
             if topology == "colocated":
                 link.shared = SharedKV()
             link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
-            await asyncio.gather(t0.connect(hs), t1.connect(Handshake(role="cache", layout={"protocol": PROTOCOL})))
+            hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
+            if _cache_thread_wanted(cfg, cache_device):
+                link.thread = CacheThread()
+                await asyncio.gather(t0.connect(hs), link.thread.submit(t1.connect(hs1)))
+                link.cache_task = link.thread.submit(link.cache.serve())
+            else:
+                await asyncio.gather(t0.connect(hs), t1.connect(hs1))
+                link.cache_task = asyncio.get_running_loop().create_task(link.cache.serve())
             link.transport, link.cache_transport = t0, t1
-            link.cache_task = asyncio.get_running_loop().create_task(link.cache.serve())
             return link
         if topology != "multiprocess":
             raise ConfigError(f"runtime.topology: {topology!r} has no cache rank")
@@ -374,10 +417,13 @@ class CacheLink:
                 await asyncio.sleep(0.05)
         for tr in (t, self.cache_transport):
             if tr is not None:
-                try:
-                    await asyncio.wait_for(tr.close(), timeout_s)
+                try:  # each endpoint closes on its own loop (the cache thread's, when it has one)
+                    on_thread = tr is self.cache_transport and self.thread is not None and self.thread.thread.is_alive()
+                    await asyncio.wait_for(self.thread.submit(tr.close()) if on_thread else tr.close(), timeout_s)
                 except Exception:
                     pass
+        if self.thread is not None:
+            self.thread.stop()
         self.kill()
 
     def kill(self) -> None:
@@ -909,7 +955,7 @@ class InferenceSession:
         Launching is host work only (asynchronous on the device)."""
         self._qkv_sent += 1
         cache = self.link.cache if self.link is not None else None
-        if cache is None:
+        if cache is None or self.link.thread is not None:  # a cache thread launches on its own
             return
         for _ in range(32):
             if cache.consumed - self._cache_base >= self._qkv_sent or self.peer_gone is not None:

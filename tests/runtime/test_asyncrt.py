@@ -47,6 +47,32 @@ def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mod
     assert len(tr.step_times_s) == NEW - 1
 
 
+@pytest.mark.parametrize("topology,pack,mode", [("colocated", 2, "indices"), ("local", 1, "kv"), ("local", 3, "delta")])
+def test_cache_thread_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mode):
+    """The in-process cache rank on its own thread and event loop (runtime.cache_thread=thread,
+    the GPU default): messages cross the two loops, tokens stay exactly the inline ones."""
+    cfg = config(f"runtime.topology={topology}", f"runtime.pack_layers={pack}", f"runtime.return_mode={mode}",
+                 "runtime.cache_thread=thread")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        link = rt._link
+        assert link.thread is not None and link.thread.thread.is_alive()
+        assert link.thread.thread is not __import__("threading").current_thread()
+        tr2 = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)  # the thread serves a second generation
+    finally:
+        rt.close()
+    assert tr.tokens == inline_tokens == tr2.tokens
+    assert not link.thread.thread.is_alive()  # closing the runtime stops the thread
+    assert tr.stats["cache_host"]["packs"] > 0  # the END acknowledgement crossed the loops
+
+
+def test_cache_thread_dead_rank_is_a_clear_error(model, prompt):
+    with pytest.raises(TransportError):
+        generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=wait", "runtime.late_timeout_s=5",
+                 "runtime.cache_thread=thread", hooks=CacheHooks(die_at_step=9))
+
+
 def test_threshold_inside_the_span_and_reused_runtime(model, prompt):
     """θ above the budget (dense until the cache holds 19 tokens): the same tokens as
     inline selection with that threshold; a second generate on the same runtime
