@@ -112,17 +112,26 @@ def time_steps(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
     return out
 
 
-async def time_async(step, *, iters: int, warmup: int, device: torch.device) -> list[float]:
-    """``time_calls`` for a coroutine step (the asynchronous runtime)."""
+async def time_async(step, *, iters: int, warmup: int, device: torch.device, wait=None) -> list[float]:
+    """``time_calls`` for a coroutine step (the asynchronous runtime): host wall clock from
+    the device idle to the step's device work done. ``wait``: how the runtime's own token
+    loop waits for the device between steps (``InferenceSession.wait_device``: the event
+    loop keeps serving the cache rank and the receiver meanwhile); default a blocking sync."""
+    async def done() -> None:
+        if wait is not None:
+            await wait()
+        else:
+            _sync(device)
+
     for _ in range(warmup):
         await step()
     _sync(device)
     out = []
     for _ in range(iters):
-        _sync(device)
+        await done()
         t0 = time.perf_counter()
         await step()
-        _sync(device)
+        await done()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
 
@@ -249,7 +258,8 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         steps = a.warmup + a.iters + PROFILE_STEPS + HOST_PROFILE_STEPS  # + the profiled steps, when asked
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
-            ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device)
+            ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device,
+                                  wait=None if a.blocking_sync else sess.wait_device)
             ct = getattr(a, "cur_cache_thread", "auto")
             tag = (f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
                    + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}"))
@@ -679,6 +689,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="runtime.cache_thread of the colocated / local rows, comma-separated from "
                          "auto,thread,coroutine: the first names the rows, each further one adds rows "
                          "suffixed /<mode>, side by side")
+    ap.add_argument("--blocking-sync", action="store_true",
+                    help="async rows wait for the device between steps with torch.cuda.synchronize (the loop "
+                         "stalls meanwhile) instead of the runtime's own InferenceSession.wait_device")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")

@@ -965,7 +965,7 @@ class FastModel(DecodeBackend):
         try:
             self._graphs[key] = self._capture(ctx, B, packs)
         except Exception as e:  # e.g. a selector that syncs with the host
-            log.warning("CUDA graph capture failed for key %r; decoding eagerly for it: %s", key[-1], e)
+            log.warning("CUDA graph capture failed for key %r; decoding eagerly for it: %s", key[4:], e)
             self._graphs[key] = "eager"
 
     def _capture(self, ctx, B: int, packs: list[tuple[int, int]]) -> list:

@@ -290,9 +290,13 @@ class CacheThread:
             self.thread.join(timeout_s)
 
 
-def _cache_thread_wanted(cfg, cache_device: torch.device) -> bool:
+def _cache_thread_wanted(cfg, inference_device: torch.device, cache_device: torch.device) -> bool:
+    """``runtime.cache_thread``: ``auto`` is a thread for a cache rank on a GPU of its own
+    (``local`` over two GPUs); on a shared GPU a coroutine, because a device-wide sync of
+    the inference thread (``torch.cuda.synchronize``) would invalidate a CUDA graph the
+    cache thread is capturing on that device."""
     mode = getattr(getattr(cfg, "runtime", None), "cache_thread", "auto") if cfg is not None else "auto"
-    return mode == "thread" or (mode == "auto" and cache_device.type == "cuda")
+    return mode == "thread" or (mode == "auto" and cache_device.type == "cuda" and cache_device != inference_device)
 
 
 class CacheLink:
@@ -333,7 +337,9 @@ class CacheLink:
                 link.shared = SharedKV()
             link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
             hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
-            if _cache_thread_wanted(cfg, cache_device):
+            if _cache_thread_wanted(cfg, inference_device, cache_device):
+                if cache_device.type == "cuda" and cache_device == inference_device:
+                    link.cache.use_graphs = False  # see _cache_thread_wanted: captures would not survive syncs
                 link.thread = CacheThread()
                 await asyncio.gather(t0.connect(hs), link.thread.submit(t1.connect(hs1)))
                 link.cache_task = link.thread.submit(link.cache.serve())
@@ -997,6 +1003,23 @@ class InferenceSession:
         self.host_step_ms.append(1e3 * (time.perf_counter() - t_host))
         return be.last_logits
 
+    async def wait_device(self) -> None:
+        """Wait until the inference device has run everything launched so far on its
+        current stream (the step's logits included) *without blocking the event loop*:
+        an event polled between yields, so the receiver (and an in-process cache
+        coroutine) keep running while the device finishes the step. With a cache
+        thread the wait blocks instead (``Event.synchronize`` releases the GIL to it)."""
+        dev = self.be.device
+        if dev.type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        if self.link is not None and self.link.thread is not None:
+            ev.synchronize()
+            return
+        while not ev.query():
+            await asyncio.sleep(0)
+
     async def token_loop(self, first_logits: torch.Tensor, *, max_new_tokens: int, sample_fn,
                          on_token=None) -> tuple[list[list[int]], list[float]]:
         """``spade.runtime.base.timed_loop`` with an asynchronous step."""
@@ -1004,7 +1027,6 @@ class InferenceSession:
         rows: list[list[int]] = [[] for _ in range(B)]
         times: list[float] = []
         logits = first_logits
-        dev = self.be.device
         for i in range(max_new_tokens):
             nxt = sample_fn(logits)
             host = nxt.to("cpu")
@@ -1013,10 +1035,10 @@ class InferenceSession:
             stop = on_token(i, host) if on_token is not None else False
             if stop or i == max_new_tokens - 1:
                 break
-            _sync(dev)
+            await self.wait_device()
             t0 = time.perf_counter()
             logits = await self.step(nxt)
-            _sync(dev)
+            await self.wait_device()
             times.append(time.perf_counter() - t0)
         return rows, times
 
