@@ -92,22 +92,40 @@ def time_calls(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
     return out
 
 
+POLL = True
+"""How every row waits for the device between steps: poll an event recorded after the
+step (the asynchronous rows through ``InferenceSession.wait_device``, which yields to the
+event loop between polls), or, with ``--blocking-sync``, ``torch.cuda.synchronize``."""
+
+
+def _wait_poll(device: torch.device) -> None:
+    """The device's current stream done, by polling an event (what ``wait_device`` does,
+    without an event loop to serve: the synchronous rows have nothing else to run)."""
+    if device.type != "cuda":
+        return
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    while not ev.query():
+        pass
+
+
 def time_steps(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.device) -> list[float]:
-    """TPOT of a synchronous decode step: host wall clock from a synced device to the
-    device synced again — exactly how ``time_async`` times the asynchronous rows, so
+    """TPOT of a synchronous decode step: host wall clock from an idle device to the
+    step's device work done — exactly how ``time_async`` times the asynchronous rows, so
     every row of a TPOT table pays the same launch latency (a serving loop, which reads
-    each sampled token on the host, pays it too). Device events around the call
-    (``time_calls``, for kernel-level timings) would leave the host's launch time out
-    of the inline rows only."""
+    each sampled token on the host, pays it too) and waits the same way (``POLL``).
+    Device events around the call (``time_calls``, for kernel-level timings) would
+    leave the host's launch time out of the inline rows only."""
+    wait = _wait_poll if POLL else _sync
     for _ in range(warmup):
         fn()
     _sync(device)
     out = []
     for _ in range(iters):
-        _sync(device)
+        wait(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        wait(device)
         out.append((time.perf_counter() - t0) * 1e3)
     return out
 
@@ -690,8 +708,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "auto,thread,coroutine: the first names the rows, each further one adds rows "
                          "suffixed /<mode>, side by side")
     ap.add_argument("--blocking-sync", action="store_true",
-                    help="async rows wait for the device between steps with torch.cuda.synchronize (the loop "
-                         "stalls meanwhile) instead of the runtime's own InferenceSession.wait_device")
+                    help="every row waits for the device between steps with torch.cuda.synchronize (an async "
+                         "row's event loop stalls meanwhile) instead of polling an event (the async rows through "
+                         "the runtime's own InferenceSession.wait_device)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -702,6 +721,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.batch, a.context, a.budget, a.iters = [2], [256], [64], 5
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
+    global POLL
+    POLL = not a.blocking_sync
     a.cache_thread = [m.strip() for m in a.cache_thread.split(",") if m.strip()]
     if not a.cache_thread or any(m not in ("auto", "thread", "coroutine") for m in a.cache_thread):
         ap.error(f"--cache-thread takes auto,thread,coroutine (comma-separated); got {a.cache_thread}")

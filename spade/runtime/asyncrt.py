@@ -291,12 +291,15 @@ class CacheThread:
 
 
 def _cache_thread_wanted(cfg, inference_device: torch.device, cache_device: torch.device) -> bool:
-    """``runtime.cache_thread``: ``auto`` is a thread for a cache rank on a GPU of its own
-    (``local`` over two GPUs); on a shared GPU a coroutine, because a device-wide sync of
-    the inference thread (``torch.cuda.synchronize``) would invalidate a CUDA graph the
-    cache thread is capturing on that device."""
+    """``runtime.cache_thread``: ``auto`` is a coroutine. Measured at B=8 L=32k K=2k on two
+    H200s (docs/perf.md, session 5): the thread lost 0.7-0.8 ms per step to the coroutine
+    (late packs: its host work waits for the GIL while the inference thread launches);
+    the coroutine, with the token loop polling the device instead of blocking the
+    loop (``InferenceSession.wait_device``), came within 1.04x of optimal. On a shared
+    GPU a thread's CUDA graphs are off: a device-wide sync of the inference thread
+    would invalidate a capture in progress there."""
     mode = getattr(getattr(cfg, "runtime", None), "cache_thread", "auto") if cfg is not None else "auto"
-    return mode == "thread" or (mode == "auto" and cache_device.type == "cuda" and cache_device != inference_device)
+    return mode == "thread"
 
 
 class CacheLink:
