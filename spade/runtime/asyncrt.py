@@ -986,7 +986,6 @@ class InferenceSession:
         st.sparse = seq > self.rt.theta and self.peer_gone is None
         if st.sparse:
             self.stats["sparse_steps"] += 1
-        await self._send("ctl", [P.cmd(P.STEP, seq, step)])
         s = self.sel
         s.key = ("sparse", self.rt.return_mode) if st.sparse else ("dense",)
         if not st.sparse:
@@ -999,6 +998,8 @@ class InferenceSession:
             got = next(gen)
             if got != p:
                 raise RuntimeError(f"backend yielded pack {got}, expected {p} (pack_layers={self.P})")
+            if p == 0:  # after the first pack's launch: the device starts the step while the host sends
+                await self._send("ctl", [P.cmd(P.STEP, seq, step)])
             await self._send("qkv", s.pack_tensors(p))
             await self._yield_to_cache()
         for _ in gen:  # exhaust (graph capture happens here on a new key)
