@@ -663,8 +663,45 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def config_defaults(path: str) -> dict:
+    """Argument defaults from a spade config (``spade bench tpot --config X``): the model
+    preset, dtype and projection kernels, the policy's speed settings, the runtime's
+    late-pack handling, and the ``bench`` section's shapes, methods, steps and output
+    folder. Flags given on the command line win."""
+    from spade.config import load_config
+    from spade.models.presets import PRESETS
+
+    cfg = load_config(path)
+    m, pol, rt, b = cfg.model, cfg.policy, cfg.runtime, cfg.bench
+    if m.name not in PRESETS:
+        raise SystemExit(f"bench_tpot --config {path}: model.name {m.name!r} is not a random-weight shape preset "
+                         f"({', '.join(sorted(PRESETS))}); the TPOT benchmark times presets")
+    d = {"preset": m.name, "linear": m.linear, "batch": list(b.batch_sizes), "context": list(b.context_lengths),
+         "budget": list(b.budgets), "packs": list(b.pack_layers), "iters": b.iters, "warmup": b.warmup,
+         "on_late": rt.on_late, "cache_thread": rt.cache_thread,
+         "out": str(Path(b.out_dir) / "bench_tpot.json")}
+    if m.dtype != "auto":
+        d["dtype"] = m.dtype
+    methods = [p for p in b.policies if p != "asyncspade"]
+    if "asyncspade" in b.policies:
+        methods += ["asyncspade/inline", "asyncspade/colocated", "asyncspade/local", "asyncspade/multiprocess"]
+    d["methods"] = ",".join(methods)
+    for name, key in (("sink", "sink_tokens"), ("recent", "recent_tokens"), ("window", "window"),
+                      ("predictor", "predictor"), ("group_reduce", "group_reduce")):
+        if hasattr(pol, key):
+            d[name] = getattr(pol, key)
+    if getattr(pol, "rope_aware", "auto") is True:
+        d["rope_aware"] = True
+    if getattr(pol, "score_keys", "exact") != "exact":
+        d["score_keys"] = pol.score_keys
+    return d
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_tpot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None,
+                    help="a spade YAML config: defaults for the preset, policy speed settings, shapes, methods "
+                         "and output from its model / policy / runtime / bench sections (flags win)")
     ap.add_argument("--preset", default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0: all)")
     ap.add_argument("--device", default="cuda")
@@ -717,6 +754,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
+    pre, _ = ap.parse_known_args(argv)
+    if pre.config:
+        ap.set_defaults(**config_defaults(pre.config))
     a = ap.parse_args(argv)
     if a.quick:
         a.batch, a.context, a.budget, a.packs = [8], [32768], [2048], [2, 4]

@@ -63,3 +63,37 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     assert "timeline" not in conf["rows"]["optimal"]
     assert (tmp_path / "profile_local_P2_exact_B2_L256_K64.json.gz").exists()
     assert conf["linear_kernels"] == {k: "cublas" for k in ("qkv", "o", "gate_up", "down", "lm_head")}
+
+
+def test_bench_tpot_config_defaults_and_flags(tmp_path):
+    """``spade bench tpot --config X``: the config's preset, policy speed settings and bench
+    section become the defaults; flags win; a real-weights model is refused by name."""
+    from benchmarks.bench_tpot import config_defaults, parse_args
+
+    d = config_defaults("configs/h200x2_qwen3_8b.yaml")
+    assert d["preset"] == "qwen3-8b" and d["score_keys"] == "int4" and d["group_reduce"] == "sum_logits"
+    assert d["batch"] == [1, 8, 16, 32] and d["packs"] == [2, 4, 6, 12] and "asyncspade/local" in d["methods"]
+    a = parse_args(["--config", "configs/h200x2_qwen3_8b.yaml", "--batch", "8", "--iters", "3"])
+    assert a.batch == [8] and a.iters == 3 and a.context == [16384, 32768, 65536] and a.score_keys == ["int4"]
+    with pytest.raises(SystemExit, match="smollm2-135m.*not a random-weight shape preset"):
+        config_defaults("configs/cpu_tiny.yaml")
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"""
+model: {{name: tiny, dtype: float32}}
+policy: {{name: asyncspade, budget: 64, sink_tokens: 4, recent_tokens: 8, window: 4}}
+bench:
+  out_dir: {tmp_path}/out
+  iters: 3
+  warmup: 1
+  batch_sizes: [2]
+  context_lengths: [256]
+  budgets: [64]
+  pack_layers: [2]
+  policies: [full, optimal]
+""")
+    r = subprocess.run([sys.executable, "-m", "spade.cli", "bench", "tpot", "--config", str(cfg), "--device", "cpu",
+                        "--no-plots"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "out" / "bench_tpot.json").read_text())
+    assert res["meta"]["preset"] == "tiny" and res["meta"]["recent"] == 8
+    assert set(res["configs"][0]["rows"]) == {"full", "optimal"}
