@@ -513,9 +513,10 @@ def build(fn, args, cons, num_warps=4, num_stages=3):
 
 out = {}
 L, Hkv, G, D, KM = 32768, 8, 4, 128, 1980
-for dt, has_idx, direct, fused in [("bf16", True, False, True), ("bf16", False, True, False),
-                                   ("fp16", True, True, False), ("fp32", True, False, True),
-                                   ("bf16", True, False, False)]:
+for dt, has_idx, direct, fused, loop in [("bf16", True, False, True, False), ("bf16", False, True, False, False),
+                                         ("fp16", True, True, False, False), ("fp32", True, False, True, False),
+                                         ("bf16", True, False, False, False), ("bf16", True, False, True, True),
+                                         ("fp16", True, True, False, True)]:
     p = ("ptr", dt)
     args = dict(Q=p, K=p, V=p, KV_LENS=("ptr", "i32"), KV_START=("ptr", "i32"), IDX=("ptr", "i32"),
                 O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"), OUT=p, LSE=("ptr", "fp32"),
@@ -523,11 +524,12 @@ for dt, has_idx, direct, fused in [("bf16", True, False, True), ("bf16", False, 
                 stride_kl=D, stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
                 N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"), STATS=("ptr", "i64"))
-    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2)
-    out[f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel")] = build(A._decode_split_kernel, args, dict(
-        G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=8, DIRECT=direct, HAS_INDICES=has_idx, HAS_START=True,
-        UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32", INTERPRET=False,
-        FUSED_COMBINE=fused, HAS_STATS=fused, COUNT_CALL=True), nw, ns)
+    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2, "loop" if loop else "tile")
+    name = f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_loop" if loop else "")
+    out[name] = build(A._decode_split_kernel, args, dict(
+        G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=1 if loop else 8, DIRECT=direct, HAS_INDICES=has_idx,
+        IDX_LOOP=loop, HAS_START=True, UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32",
+        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),
@@ -576,3 +578,12 @@ def test_kernels_build_for_hopper():
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
         assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)  # three programs per SM fit
+    # index_mode="loop": the block's indices load inside the loop, and at its default
+    # stages the pipeliner stages them (async copies) ahead of the K/V rows, which
+    # still get two buffers. (With stats on, the token count keeps one plain index
+    # load in the loop: a layout copy of the same 256 bytes, issued before the wait.)
+    for name in ("decode_bf16_True_loop", "decode_fp16_True_loop"):
+        r = res[name]
+        assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
+        assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
+        assert r["shared"] < 227 * 1024 // 3, (name, r)
