@@ -204,15 +204,16 @@ def quantize_keys(k):
     return fn(k)
 
 
-def quantize_append(kq, ks, k_new, pos):
-    """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b]`` ([B] int device
-    tensor, no host sync) of ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` are skipped.
-    ``k_new`` may be the cache itself [B, H, L', D]: its row ``pos[b]`` is read in the
-    same launch (no gather of the newest keys first)."""
+def quantize_append(kq, ks, k_new, pos, *, pos_offset=0):
+    """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b] + pos_offset`` (``pos``:
+    [B] int device tensor, no host sync; the host int ``pos_offset`` is added in the
+    kernel, e.g. ``kv_lens`` with -1) of ``kq``/``ks``; rows whose slot is outside
+    ``[0, L)`` are skipped. ``k_new`` may be the cache itself [B, H, L', D]: its row at
+    the slot is read in the same launch (no gather of the newest keys first)."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
-    return fn(kq, ks, k_new, pos)
+    return fn(kq, ks, k_new, pos, pos_offset=pos_offset)
 
 
 def quantize_keys_int4(k, smooth=None):
@@ -226,14 +227,14 @@ def quantize_keys_int4(k, smooth=None):
     return fn(k, smooth)
 
 
-def quantize_append_int4(kq, ks, k_new, pos, smooth=None):
+def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0):
     """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
-    ``pos[b]`` of the packed ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` skipped.
-    ``k_new`` may be the cache [B, H, L', D], read at row ``pos[b]``."""
+    ``pos[b] + pos_offset`` of the packed ``kq``/``ks``; rows whose slot is outside
+    ``[0, L)`` skipped. ``k_new`` may be the cache [B, H, L', D], read at the slot."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref
-    return fn(kq, ks, k_new, pos, smooth)
+    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset)
 
 
 def fit_smoothing(k, kv_lens=None, kv_start=None):

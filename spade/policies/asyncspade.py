@@ -209,11 +209,11 @@ class AsyncSpadePolicy(Policy):
             else:
                 st.kq, st.ks = q8, s8
         elif kv_lens is not None:
-            kv = kv_lens.to(device=k_cache.device, dtype=torch.int64)
+            kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
             if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, k_cache, kv - 1, st.k_smooth)  # reads row kv - 1
+                kernels.quantize_append_int4(st.kq, st.ks, k_cache, kv, st.k_smooth, pos_offset=-1)
             else:
-                kernels.quantize_append(st.kq, st.ks, k_cache, kv - 1)  # reads the cache's row kv - 1
+                kernels.quantize_append(st.kq, st.ks, k_cache, kv, pos_offset=-1)  # reads the cache's row kv - 1
         return st.kq[:, :, :L], st.ks[:, :, :L]
 
     # ------------------------------------------------------------------ policy API
