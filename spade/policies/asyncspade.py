@@ -97,6 +97,10 @@ class AsyncSpadeLayerState:
     """[B, Hq, D] float32 prediction made ahead by ``predict_layers`` (pre-RoPE when
     ``rope_aware``), for the ``select`` at host ``seq_len == q_pred_seq``."""
     q_pred_seq: int = -1
+    keys_elsewhere: bool = False
+    """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
+    of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
+    (``scoring_keys`` raises instead). ``prefill`` (a whole cache) clears it."""
 
 
 class AsyncSpadePolicy(Policy):
@@ -173,17 +177,21 @@ class AsyncSpadePolicy(Policy):
 
     def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                      kv_lens: torch.Tensor | None = None, *,
-                     fit: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fit: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                     k_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 (or packed int4) copy of ``k_cache`` [B, Hkv, L, D] as views
         (kq [B, Hkv, L, D] int8 / [B, Hkv, L, D/2] uint8, ks [B, Hkv, L]), kept in ``st``.
 
         With ``kv_lens``, the newest key of each row (slot ``kv_lens - 1``) is
-        quantised into the copy (device-side, graph-safe). A missing copy, another
-        layout, or a cache longer than the copy's capacity rebuilds it from the
-        exact keys (capacity doubled, so a growing cache rebuilds O(log L) times).
-        int4: a missing ``st.k_smooth`` is fitted on the keys of ``fit`` =
-        (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``, else of
-        the whole view; rebuilds keep it, so the copy's scale never shifts mid-sequence.
+        quantised into the copy (device-side, graph-safe): read from the cache's row,
+        or from ``k_new`` [B, Hkv, D] (the step's keys) when given. A missing copy,
+        another layout, or a cache longer than the copy's capacity rebuilds it from the
+        exact keys (capacity doubled, so a growing cache rebuilds O(log L) times) —
+        a RuntimeError once ``k_new`` was used (``st.keys_elsewhere``: the cache may lack
+        the decoded keys). int4: a missing ``st.k_smooth`` is fitted on the keys of
+        ``fit`` = (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``,
+        else of the whole view; rebuilds keep it, so the copy's scale never shifts
+        mid-sequence.
         """
         B, H, L, D = k_cache.shape
         int4 = self.cfg.score_keys == "int4"
@@ -191,7 +199,17 @@ class AsyncSpadePolicy(Policy):
         kq = st.kq
         same = (kq is not None and kq.device == k_cache.device and kq.dtype == dt and kq.shape[:2] == (B, H)
                 and kq.shape[3] == Dq)
-        if int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D) or st.k_smooth.device != k_cache.device):
+        refit = int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D)
+                          or st.k_smooth.device != k_cache.device)
+        if k_new is not None:
+            st.keys_elsewhere = True
+        if st.keys_elsewhere and (refit or not same or kq.shape[2] < L):
+            raise RuntimeError(
+                f"asyncspade: the {self.cfg.score_keys} scoring copy needs a rebuild from the exact keys (cache "
+                f"{tuple(k_cache.shape)}, copy {None if kq is None else tuple(kq.shape)}), but observe took the "
+                "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed "
+                "(or append the keys to it and observe without k_new)")
+        if refit:
             f_lens, f_start = fit if fit is not None else (kv_lens, None)
             st.k_smooth = kernels.fit_smoothing(k_cache, f_lens, f_start)  # [B, H, D] fp32
             same = False  # a copy made under another smoothing is void
@@ -210,10 +228,11 @@ class AsyncSpadePolicy(Policy):
                 st.kq, st.ks = q8, s8
         elif kv_lens is not None:
             kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
+            src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
             if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, k_cache, kv, st.k_smooth, pos_offset=-1)
+                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
             else:
-                kernels.quantize_append(st.kq, st.ks, k_cache, kv, pos_offset=-1)  # reads the cache's row kv - 1
+                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
         return st.kq[:, :, :L], st.ks[:, :, :L]
 
     # ------------------------------------------------------------------ policy API
@@ -235,10 +254,18 @@ class AsyncSpadePolicy(Policy):
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
+            st.keys_elsewhere = False
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
 
+    def takes_new_keys(self, state: PolicyState) -> bool:
+        # compressed scoring keys: observe quantises the step's key, select scores the copy
+        return self.cfg.score_keys != "exact"
+
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
-                kv_lens: torch.Tensor) -> None:
+                kv_lens: torch.Tensor, k_new: torch.Tensor | None = None) -> None:
+        """Push ``q`` into the window; compressed keys: quantise the newest key into the
+        copy, from ``k_new`` [B, Hkv, D] when given (``takes_new_keys``), else from the
+        cache's row ``kv_lens - 1``."""
         st = self._layer(state, layer, q)
         qn = q  # [B, Hq, D]
         if self.rope_aware:
@@ -247,7 +274,7 @@ class AsyncSpadePolicy(Policy):
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
         if self.cfg.score_keys != "exact":
-            self.scoring_keys(st, k_cache, kv_lens)
+            self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one

@@ -172,6 +172,14 @@ class Policy(ABC):
                 kv_lens: torch.Tensor) -> None:
         """After this step's attention (the current token's k/v are in the cache)."""
 
+    def takes_new_keys(self, state: PolicyState) -> bool:
+        """True when ``observe`` accepts ``k_new=`` [B, Hkv, D], the step's keys (those at
+        ``kv_lens - 1``), and then never reads key values from ``k_cache`` again, in
+        ``observe`` or ``select``, as long as ``k_cache`` keeps its shape: a caller whose
+        cache view has a fixed shape may then stop writing decoded keys into it (the cache
+        rank with compressed scoring keys). Default: False (the cache is read)."""
+        return False
+
     def graph_key(self, state: PolicyState) -> tuple:
         """Host-side facts that change the work a step does (dense vs sparse, ...).
 

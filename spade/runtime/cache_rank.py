@@ -247,18 +247,28 @@ class CacheRank:
             kv_obs = kv_lens.clone()
             kv_sel = kv_lens.clone()
             pos_buf = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Keys the policy never reads back (compressed scoring keys, no kv gathers) go
+        # straight from the received pack into observe: no append to the store. Only with
+        # a fixed-length view (static_len), so the policy's copy never needs a rebuild
+        # from the store (it raises if it would).
+        new_keys = (not s.shared_kv and s.static_len > 0 and vstore is None
+                    and bool(getattr(policy, "takes_new_keys", lambda st: False)(state)))
+        append_k = not s.shared_kv and not new_keys
 
         def observe_pack(p: int, seq: int) -> None:
             l0, l1 = packs[p]
             state.seq_len = seq
             qb = parts[p]  # (q, k, v) views of the pack's input buffers
             for j, layer in enumerate(range(l0, l1)):
-                if not s.shared_kv:  # append the step's k, v at the device-side position
+                if append_k:  # append the step's k, v at the device-side position
                     kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
                     if vstore is not None:
                         vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
                 k, _ = view(layer, seq)
-                policy.observe(state, layer, qb[0][j], k, kv_obs)
+                if new_keys:
+                    policy.observe(state, layer, qb[0][j], k, kv_obs, k_new=qb[1][j])
+                else:
+                    policy.observe(state, layer, qb[0][j], k, kv_obs)
 
         def select_pack(p: int, seq: int) -> tuple:
             """Selections of pack ``p`` at cache length ``seq`` into the pack's output
@@ -344,7 +354,8 @@ class CacheRank:
                 await t.close()
                 raise PeerGone("cache rank: died on purpose (test hook)")
             with self._on():
-                pos_buf.fill_(seq - 1)
+                if append_k:
+                    pos_buf.fill_(seq - 1)
                 torch.add(kv_lens, seq - T, out=kv_obs)
             for p in range(len(packs)):
                 tw = time.perf_counter()

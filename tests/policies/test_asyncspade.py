@@ -288,6 +288,53 @@ def test_int8_copy_grows_with_a_growing_cache_view():
     assert caps[0] == T and caps[-1] == 40 and len(set(caps)) == 3  # 10 -> 20 -> 40: rebuilt twice
 
 
+@pytest.mark.parametrize("kernels_mode", ["torch", "triton"])
+@pytest.mark.parametrize("score_keys", ["int8", "int4"])
+def test_observe_with_the_steps_keys_needs_no_cache_append(score_keys, kernels_mode, monkeypatch):
+    """``observe(k_new=...)`` (``takes_new_keys``: what the cache rank does with compressed
+    keys) keeps the same copy and selections as appending each key to the cache and
+    reading it back, while its cache never gets a decoded key; a copy that would need a
+    rebuild from such a cache (a longer view) raises instead of reading stale keys."""
+    if kernels_mode == "triton" and not (INTERPRET or torch.cuda.is_available()):
+        pytest.skip("Triton on CPU tensors needs the interpreter")
+    monkeypatch.setenv("SPADE_KERNELS", kernels_mode)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=20, steps=4, seed=21, dtype=torch.bfloat16)
+    pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, predictor="last", window=2,
+                      score_keys=score_keys, rope_aware=False)
+    assert pol.takes_new_keys(None)
+    assert not make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2).takes_new_keys(None)
+    T = sim.prompt_len
+    (ka,), (va,), kv = sim.fresh_cache()
+    kb, vb = ka.clone(), va.clone()  # b: never appended to
+    sa, sb = pol.new_state(2, "cpu"), pol.new_state(2, "cpu")
+    sa.kv_start = sb.kv_start = sim.starts
+    for st, k, v in ((sa, ka, va), (sb, kb, vb)):
+        st.seq_len = T
+        pol.prefill(st, 0, sim.q_all[0, :, :, :T], k, v, kv)
+    for step in range(sim.steps):
+        pos = T + step
+        kv = kv + 1
+        ka[:, :, pos] = sim.k_all[0, :, :, pos]
+        sa.seq_len = sb.seq_len = pos + 1
+        q = sim.q_all[0, :, :, pos]
+        pol.observe(sa, 0, q, ka, kv)
+        pol.observe(sb, 0, q, kb, kv, k_new=sim.k_all[0, :, :, pos])
+        la, lb = sa.layers[0], sb.layers[0]
+        assert torch.equal(la.kq, lb.kq) and torch.equal(la.ks, lb.ks)
+        sa.seq_len = sb.seq_len = pos + 2
+        a = pol.select(sa, 0, None, ka, kv + 1)
+        b = pol.select(sb, 0, None, kb, kv + 1)
+        assert torch.equal(a.indices, b.indices)
+    assert not torch.equal(ka, kb)  # b's cache really lacks the decoded keys
+    assert sb.layers[0].keys_elsewhere
+    longer = torch.zeros(2, 2, kb.shape[2] + 1, sim.D, dtype=kb.dtype)
+    with pytest.raises(RuntimeError, match="rebuild"):
+        pol.select(sb, 0, None, longer, kv + 1)
+    sb.seq_len = T  # a new prompt (a whole cache) clears it
+    pol.prefill(sb, 0, sim.q_all[0, :, :, :T], longer, longer, kv)
+    assert not sb.layers[0].keys_elsewhere
+
+
 def test_int8_budget_covering_the_context_is_full_attention():
     """Rows whose context fits the budget attend to all of it (bit-for-bit the dense
     output), also when another row of the batch is sparse."""
@@ -363,10 +410,15 @@ def test_compressed_keys_observe_and_select_replay_in_a_cuda_graph(score_keys, r
         assert torch.equal(out.sort(-1).values, want.sort(-1).values)
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf"])
-def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
-    """score_keys=int8 on the cache rank (its own prefill/observe/select flow: static
-    cache view, copied store, transformers' growing cache) gives the inline tokens."""
+@pytest.mark.parametrize("backend,keys", [("fast", "int8"), ("hf", "int8"), ("fast", "int4")])
+def test_int8_through_the_async_runtime_matches_inline(backend, keys, monkeypatch):
+    """score_keys=int8 / int4 on the cache rank (its own prefill/observe/select flow:
+    static cache view, copied store, transformers' growing cache) gives the inline
+    tokens. With a static view and a copied store the cache rank hands the step's keys
+    to observe and appends nothing to its store (no index_copy_); with the growing
+    cache it keeps appending (the copy is rebuilt from the store as the view grows)."""
+    import sys
+
     from transformers import AutoModelForCausalLM
 
     from spade.hf import HFBackend
@@ -390,11 +442,21 @@ def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
     mask[1, :3] = 0
     mask[2, :6] = 0
     ids[mask == 0] = 0
-    base = config("policy.score_keys=int8")
+    base = config(f"policy.score_keys={keys}")
     want = InlineRuntime(base, be, build_policy(base.policy, be.spec)).generate(
         ids, mask, max_new_tokens=NEW, sample_fn=greedy).tokens
-    for topo, mode in (("colocated", "indices"), ("local", "delta")):
-        cfg = config("policy.score_keys=int8", f"runtime.topology={topo}", "runtime.pack_layers=2",
+    appends = []
+    index_copy = torch.Tensor.index_copy_
+
+    def spy(self, *a, **k):
+        if sys._getframe(1).f_code.co_name == "observe_pack":  # the cache rank's store, not the model's cache
+            appends.append(tuple(self.shape))
+        return index_copy(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", spy)
+    for topo, mode in (("colocated", "indices"), ("local", "delta"), ("local", "indices")):
+        appends.clear()
+        cfg = config(f"policy.score_keys={keys}", f"runtime.topology={topo}", "runtime.pack_layers=2",
                      f"runtime.return_mode={mode}")
         rt = AsyncRuntime(cfg, be, build_policy(cfg.policy, be.spec))
         try:
@@ -402,6 +464,9 @@ def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
         finally:
             rt.close()
         assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+        # a growing cache (hf) is copied and appended in both topologies; a static one is
+        # shared (colocated) or copied without appends (local)
+        assert bool(appends) == (backend == "hf"), (topo, mode, len(appends))
 
 
 # ------------------------------------------------------------------ rope_aware resolution
