@@ -123,6 +123,7 @@ class AsyncSpadePolicy(Policy):
 
     name = "asyncspade"
     needs_current_query = False
+    select_takes_out = True
 
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
@@ -316,7 +317,8 @@ class AsyncSpadePolicy(Policy):
         return q_hat
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
-               kv_lens: torch.Tensor) -> Selection | None:
+               kv_lens: torch.Tensor, out: torch.Tensor | None = None) -> Selection | None:
+        """``out``: see ``Policy.select_takes_out`` (``topk_selection``'s)."""
         cfg = self.cfg
         if is_dense(state, cfg.budget, self.name):
             return None
@@ -336,4 +338,4 @@ class AsyncSpadePolicy(Policy):
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None)
+                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None, out=out)

@@ -146,6 +146,10 @@ class Policy(ABC):
     """False when ``select`` ignores ``q`` (so it can run one step ahead)."""
     evicts: ClassVar[bool] = False
     """True when dropped tokens can never come back (TOVA)."""
+    select_takes_out: ClassVar[bool] = False
+    """True when ``select`` accepts ``out=``: an int32 [B, Hkv, K] buffer its middle
+    indices may be written into (then ``Selection.indices is out``; a buffer of another
+    shape is ignored). A cache rank passes its output rows: no copy per layer."""
 
     def __init__(self, cfg: Any, spec: AttentionSpec):
         self.cfg = cfg

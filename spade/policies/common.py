@@ -74,7 +74,7 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
-                   norm_lens: torch.Tensor | None = None) -> Selection:
+                   norm_lens: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -88,18 +88,27 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``sum_softmax`` normalises each head over the row's own ``[kv_start, norm_lens)``
     (``norm_lens`` defaults to ``kv_lens``): a selection made one step ahead passes
     ``kv_lens - 1``, since the newest key does not exist yet where it is computed.
+
+    ``out``: a buffer the middle indices may go to (a cache rank's output row): used
+    when it is a contiguous int32 [B, Hkv, budget - n_sink - n_recent] tensor on the
+    keys' device — the kernel writes it, no copy, and ``Selection.indices is out`` —
+    else ignored.
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
     if k_top <= 0:
         idx = empty_indices(B, Hkv, k_cache.device)
     else:
+        if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32
+                                or not out.is_contiguous() or out.device != k_cache.device):
+            out = None
         lo, hi = middle_bounds(kv_lens, kv_start, n_sink, n_recent)
         # The sum_softmax normaliser runs over the row's own [kv_start, kv_len): a
         # left-padded row selects exactly what it selects alone.
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
-                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale)
+                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
+                                 out=out)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 

@@ -279,9 +279,15 @@ class CacheRank:
             predict_layers = getattr(policy, "predict_layers", None)
             if predict_layers is not None:  # the pack's predictions in one launch (asyncspade)
                 predict_layers(state, range(l0, l1))
-            for layer in range(l0, l1):
+            # the output rows of the last call of this pack: a policy that takes them writes
+            # its indices there directly (select_takes_out); a fresh buffer below gets copies
+            rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
+            for j, layer in enumerate(range(l0, l1)):
                 k, _ = view(layer, seq)
-                sels.append(policy.select(state, layer, None, k, kv_sel))
+                if rows is None:
+                    sels.append(policy.select(state, layer, None, k, kv_sel))
+                else:
+                    sels.append(policy.select(state, layer, None, k, kv_sel, out=rows[j]))
             K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
             info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
                          for sel in sels) + (K,)
@@ -291,15 +297,20 @@ class CacheRank:
             n = l1 - l0
             if o is None or o["idx"].shape[-1] != K:
                 o = out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
+                o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
                 if s.return_mode == "kv":
                     o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
                     o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
             idx = o["idx"]
-            if any(sel is None or sel.indices.shape[2] != K for sel in sels):
-                idx.fill_(-1)  # narrower (or no) selections leave -1 padding
             for j, sel in enumerate(sels):
+                if sel is None:
+                    idx[j].fill_(-1)  # no selection: all -1
+                elif sel.indices is not o["rows"][j]:  # (written in place otherwise)
+                    w = sel.indices.shape[2]
+                    if w < K:
+                        idx[j, :, :, w:].fill_(-1)  # a narrower selection leaves -1 padding
+                    idx[j, :, :, :w].copy_(sel.indices)
                 if sel is not None:
-                    idx[j, :, :, :sel.indices.shape[2]].copy_(sel.indices)
                     if s.return_mode == "kv":
                         k, v = view(l0 + j, seq)
                         kk, vv = kernels.gather_kv(k, v, idx[j])

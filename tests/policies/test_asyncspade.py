@@ -335,6 +335,33 @@ def test_observe_with_the_steps_keys_needs_no_cache_append(score_keys, kernels_m
     assert not sb.layers[0].keys_elsewhere
 
 
+@pytest.mark.parametrize("score_keys", ["exact", "int4"])
+def test_select_writes_into_out(score_keys):
+    """``select(out=...)`` (``select_takes_out``: a cache rank's output row) returns a
+    Selection whose indices are ``out`` itself, equal to the selection made without it;
+    a buffer of another shape is ignored (a fresh tensor comes back)."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=30, steps=1, seed=22)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3,
+                      score_keys=score_keys, rope_aware=False)
+    assert type(pol).select_takes_out
+    st = pol.new_state(2, "cpu")
+    st.kv_start = sim.starts
+    (k,), (v,), kv = sim.fresh_cache()
+    st.seq_len = 30
+    pol.prefill(st, 0, sim.q_all[0, :, :, :30], k, v, kv)
+    st.seq_len, kv = 31, kv + 1
+    want = pol.select(st, 0, None, k, kv)
+    buf = torch.full((3, 2, 2, 9), 5, dtype=torch.int32)
+    row = buf[1]
+    got = pol.select(st, 0, None, k, kv, out=row)
+    assert got.indices is row and torch.equal(row, want.indices)
+    assert (buf[0] == 5).all() and (buf[2] == 5).all()
+    assert (got.n_sink, got.n_recent) == (want.n_sink, want.n_recent)
+    wrong = torch.zeros(2, 2, 8, dtype=torch.int32)
+    other = pol.select(st, 0, None, k, kv, out=wrong)
+    assert other.indices is not wrong and torch.equal(other.indices, want.indices) and (wrong == 0).all()
+
+
 def test_int8_budget_covering_the_context_is_full_attention():
     """Rows whose context fits the budget attend to all of it (bit-for-bit the dense
     output), also when another row of the batch is sparse."""
