@@ -45,7 +45,7 @@ import torch
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
-from spade.policies.common import is_dense, row_start, topk_selection
+from spade.policies.common import derived, is_dense, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,10 @@ class AsyncSpadePolicy(Policy):
                 q_hat = q_hat.to(k_cache.dtype)
         # sum_softmax normaliser without the newest token: a cache rank selecting ahead has
         # not received its key yet, so every path leaves it out and all give one selection
+        norm_lens = None
+        if cfg.group_reduce == "sum_softmax":
+            norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None, out=out)
+                              norm_lens=norm_lens, out=out, memo=state.memo)

@@ -133,6 +133,10 @@ class PolicyState:
     kv_start: torch.Tensor | None = None
     """[B] int32 first valid cache position per row (left padding), or None."""
     stats: dict[str, float] = field(default_factory=dict)
+    memo: dict | None = None
+    """Inside ``spade.policies.common.shared_derived`` (a cache rank's pack): tensors
+    derived from the calls' inputs (middle bounds of ``kv_lens``, ...), computed once and
+    reused by every layer's call; None elsewhere."""
 
 
 class Policy(ABC):

@@ -42,6 +42,7 @@ import torch
 from spade import kernels
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
+from spade.policies.common import shared_derived
 from spade.runtime import protocol as P
 from spade.streams import indexed_device, stream_scope
 
@@ -282,12 +283,13 @@ class CacheRank:
             # the output rows of the last call of this pack: a policy that takes them writes
             # its indices there directly (select_takes_out); a fresh buffer below gets copies
             rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
-            for j, layer in enumerate(range(l0, l1)):
-                k, _ = view(layer, seq)
-                if rows is None:
-                    sels.append(policy.select(state, layer, None, k, kv_sel))
-                else:
-                    sels.append(policy.select(state, layer, None, k, kv_sel, out=rows[j]))
+            with shared_derived(state):  # per-row bounds of kv_sel etc. once per pack, not per layer
+                for j, layer in enumerate(range(l0, l1)):
+                    k, _ = view(layer, seq)
+                    if rows is None:
+                        sels.append(policy.select(state, layer, None, k, kv_sel))
+                    else:
+                        sels.append(policy.select(state, layer, None, k, kv_sel, out=rows[j]))
             K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
             info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
                          for sel in sels) + (K,)

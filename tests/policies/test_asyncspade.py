@@ -362,6 +362,42 @@ def test_select_writes_into_out(score_keys):
     assert other.indices is not wrong and torch.equal(other.indices, want.indices) and (wrong == 0).all()
 
 
+@pytest.mark.parametrize("reduce", ["sum_logits", "sum_softmax"])
+def test_shared_derived_computes_a_packs_bounds_once(reduce, monkeypatch):
+    """Inside ``shared_derived`` (the cache rank's pack) the selects of several layers
+    with the same ``kv_lens`` compute the middle bounds (and sum_softmax's
+    ``kv_lens - 1``) once, and select exactly what they select without it; another
+    ``kv_lens`` object recomputes, and a new block starts afresh."""
+    from spade.policies import common
+
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=30, steps=1, seed=23, n_layers=3)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3,
+                      group_reduce=reduce, rope_aware=False)
+    st = pol.new_state(2, "cpu")
+    ks, vs, kv = sim.fresh_cache()
+    st.seq_len = 30
+    for layer in range(3):
+        pol.prefill(st, layer, sim.q_all[layer, :, :, :30], ks[layer], vs[layer], kv)
+    st.seq_len, kv = 31, kv + 1
+    want = [pol.select(st, layer, None, ks[layer], kv).indices for layer in range(3)]
+    calls = []
+    bounds = common.middle_bounds
+    monkeypatch.setattr(common, "middle_bounds", lambda *a: calls.append(1) or bounds(*a))
+    for _ in range(2):
+        with common.shared_derived(st):
+            got = [pol.select(st, layer, None, ks[layer], kv).indices for layer in range(3)]
+            assert (("kv_lens - 1",) in st.memo) == (reduce == "sum_softmax")
+            pol.select(st, 0, None, ks[0], kv.clone())  # another kv_lens object
+        assert st.memo is None
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 4  # twice per block
+    calls.clear()
+    for layer in range(3):  # no block: every call
+        pol.select(st, layer, None, ks[layer], kv)
+    assert len(calls) == 3
+    assert common.derived(None, ("k",), (kv,), lambda: 5) == 5
+
+
 def test_int8_budget_covering_the_context_is_full_attention():
     """Rows whose context fits the budget attend to all of it (bit-for-bit the dense
     output), also when another row of the batch is sparse."""
