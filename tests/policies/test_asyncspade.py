@@ -567,15 +567,23 @@ def test_rope_aware_true_refuses_a_model_without_rope():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("predictor", ["assembled", "ridge"])
-def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
+@pytest.mark.parametrize("predictor,score_keys,dtype", [("assembled", "exact", torch.float32),
+                                                        ("ridge", "exact", torch.float32),
+                                                        ("assembled", "int4", torch.bfloat16),
+                                                        ("assembled", "int8", torch.bfloat16),
+                                                        ("ridge", "int4", torch.float32)])
+def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, dtype, monkeypatch):
     """``predict_layers`` (one predictor launch for a run of layers, what the cache rank
     does per pack) leaves every layer's selection exactly as predicting per layer does;
-    each prediction made ahead serves one select only."""
+    each prediction made ahead serves one select only. Compressed keys: the run's
+    queries are also folded with the int4 smoothing and rounded to the cache dtype in
+    one launch (``q_scored``), and select uses them instead of its own fold."""
+    from spade import kernels
+
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the batched path is the kernel's (interpreter here)
-    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3, dtype=dtype)
     pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4,
-                      predictor=predictor, group_reduce="sum_logits", rope_aware=False)
+                      predictor=predictor, group_reduce="sum_logits", rope_aware=False, score_keys=score_keys)
     ks, vs, kv = sim.fresh_cache()
     states = []
     for _ in range(2):
@@ -588,8 +596,17 @@ def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
     kv1 = kv + 1
     pol.predict_layers(states[0], range(0, 3))
     assert all(s.q_pred is not None for s in states[0].layers)
+    folded = score_keys == "int4" or (score_keys == "int8" and dtype != torch.float32)
+    assert all((s.q_scored is not None) == folded for s in states[0].layers)
+    folds = []
+    fold = kernels.fold_smoothing
+    monkeypatch.setattr(kernels, "fold_smoothing", lambda q, sm: folds.append(1) or fold(q, sm))
     for layer in range(3):
+        n = len(folds)
         a = pol.select(states[0], layer, None, ks[layer], kv1)  # uses the batched prediction
+        assert len(folds) == n + (score_keys != "exact" and not folded)
         b = pol.select(states[1], layer, None, ks[layer], kv1)  # predicts on its own
         assert torch.equal(a.indices, b.indices)
-        assert states[0].layers[layer].q_pred is None  # consumed
+        assert states[0].layers[layer].q_pred is None and states[0].layers[layer].q_scored is None  # consumed
+    if score_keys == "int4":
+        assert states[0].layers[1].k_smooth.data_ptr() == states[0].layers[1].all_smooth[1].data_ptr()
