@@ -320,8 +320,10 @@ class CacheRank:
                         o["v"][j].copy_(vv)
             return info
 
+        sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
+
         async def select_and_send(p: int, step: int, seq: int) -> None:
-            nonlocal stalled
+            nonlocal stalled, sel_seq
             if hooks.stall_from_step is not None and step >= hooks.stall_from_step:
                 stalled = True
                 return
@@ -329,7 +331,9 @@ class CacheRank:
                 await asyncio.sleep(hooks.delay_s)
             t0 = time.perf_counter()
             with self._on():
-                torch.add(kv_lens, seq - T, out=kv_sel)
+                if seq != sel_seq:  # the step's first pack (later packs select at the same length)
+                    torch.add(kv_lens, seq - T, out=kv_sel)
+                    sel_seq = seq
                 key = ("select", p, _key(policy, state, seq))
                 info = self._run(key, lambda: select_pack(p, seq), graphs_on)
                 tensors = self._encode(info, out.get(p), p, step, seq, s, view, prev, packs[p][0])
