@@ -6,7 +6,10 @@ Per generation (see ``spade.runtime.protocol`` for the messages):
    the prompt's KV and last W queries into the store and call
    ``policy.prefill`` per layer; then compute the selection of decode step 1.
 2. Per decode step ``t`` and pack ``p``: receive the pack's q/k/v, append k/v
-   to the store, ``policy.observe`` each layer (pushes q into the query window),
+   to the store (not k when the policy never reads the stored keys back:
+   ``Policy.takes_new_keys`` with a fixed-length view, e.g. asyncspade's int4/int8
+   scoring copies, which then quantise the received k directly), ``policy.observe``
+   each layer (pushes q into the query window),
    and — when step ``t+1`` is past the sparse threshold — ``policy.select`` for
    step ``t+1`` (``q=None``: only policies with ``needs_current_query=False``
    come here) and send the pack's selection back at once. The inference rank
