@@ -494,6 +494,6 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     pos = pos.to(kq.device)
     sm = smooth if smooth is not None else ks
     sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
-    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides, *kq.stride(),
-                                   *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
+    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
+                                   *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4)
