@@ -80,19 +80,20 @@ def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=Non
 
 
 def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, kv_start=None,
-               k_scale=None):
+               k_scale=None, out=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` / ``kv_start``
     (optional) only matter for ``sum_softmax``: its per-head normaliser spans the
     row's own ``[kv_start, kv_lens)`` (``kv_start`` defaults to 0), widened to cover
     ``[lo, hi)``; without ``kv_lens`` it spans ``[lo, hi)``. int8 / packed int4 ``k``
-    needs ``k_scale`` as in ``group_scores``."""
+    needs ``k_scale`` as in ``group_scores``. ``out`` (contiguous int32 [B, Hkv, k_top]):
+    the result is written there (the Triton kernels write it directly) and ``out`` returned."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale)
+              k_scale=k_scale, out=out)
 
 
 def quest_build(k, kv_lens, page_size, *, kv_start=None):
@@ -204,15 +205,16 @@ def quantize_keys(k):
     return fn(k)
 
 
-def quantize_append(kq, ks, k_new, pos):
-    """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b]`` ([B] int device
-    tensor, no host sync) of ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` are skipped.
-    ``k_new`` may be the cache itself [B, H, L', D]: its row ``pos[b]`` is read in the
-    same launch (no gather of the newest keys first)."""
+def quantize_append(kq, ks, k_new, pos, *, pos_offset=0):
+    """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b] + pos_offset`` (``pos``:
+    [B] int device tensor, no host sync; the host int ``pos_offset`` is added in the
+    kernel, e.g. ``kv_lens`` with -1) of ``kq``/``ks``; rows whose slot is outside
+    ``[0, L)`` are skipped. ``k_new`` may be the cache itself [B, H, L', D]: its row at
+    the slot is read in the same launch (no gather of the newest keys first)."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
-    return fn(kq, ks, k_new, pos)
+    return fn(kq, ks, k_new, pos, pos_offset=pos_offset)
 
 
 def quantize_keys_int4(k, smooth=None):
@@ -226,14 +228,14 @@ def quantize_keys_int4(k, smooth=None):
     return fn(k, smooth)
 
 
-def quantize_append_int4(kq, ks, k_new, pos, smooth=None):
+def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0):
     """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
-    ``pos[b]`` of the packed ``kq``/``ks``; rows with ``pos`` outside ``[0, L)`` skipped.
-    ``k_new`` may be the cache [B, H, L', D], read at row ``pos[b]``."""
+    ``pos[b] + pos_offset`` of the packed ``kq``/``ks``; rows whose slot is outside
+    ``[0, L)`` skipped. ``k_new`` may be the cache [B, H, L', D], read at the slot."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref
-    return fn(kq, ks, k_new, pos, smooth)
+    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset)
 
 
 def fit_smoothing(k, kv_lens=None, kv_start=None):

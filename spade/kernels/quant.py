@@ -95,6 +95,12 @@ def _new_rows(k_new: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return k_new.gather(2, p.view(B, 1, 1, 1).expand(B, H, 1, D)).squeeze(2)
 
 
+def _slots(pos: torch.Tensor, pos_offset: int, device: torch.device) -> torch.Tensor:
+    """The append slots ``pos + pos_offset`` as int64 [B] on ``device`` (the references')."""
+    p = pos.to(device=device, dtype=torch.int64)
+    return p + pos_offset if pos_offset else p
+
+
 def _new_strides(k_new: torch.Tensor) -> tuple[int, int, int, int]:
     """(b, h, l, d) strides of ``k_new`` for the append kernels (l = 0 for [B, H, D])."""
     if k_new.dim() == 3:
@@ -140,12 +146,13 @@ def quantize_keys_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize_rows_ref(k)
 
 
-def quantize_append_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor) -> None:
+def quantize_append_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
+                        pos_offset: int = 0) -> None:
     """Reference ``quantize_append`` (in place). A device-side scatter: rows whose
-    ``pos`` is outside ``[0, L)`` rewrite their own slot 0 with its old value."""
+    ``pos + pos_offset`` is outside ``[0, L)`` rewrite their own slot 0 with its old value."""
     _check_append(kq, ks, k_new, pos)
     B, H, L, D = kq.shape
-    p = pos.to(device=kq.device, dtype=torch.int64)  # [B]
+    p = _slots(pos, pos_offset, kq.device)  # [B]
     ok = (p >= 0) & (p < L)  # [B]
     p_safe = torch.where(ok, p, torch.zeros_like(p))
     q_new, s_new = _quantize_rows_ref(_new_rows(k_new, p).to(kq.device))  # [B, H, D], [B, H]
@@ -197,24 +204,24 @@ def _quantize_keys_kernel(K, KQ, KS, L,
 
 
 @triton.jit
-def _append_slot(POS, b, L, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Slot ``POS[b]`` of an append (0 when outside [0, L), then no head row is written),
-    the head rows (int64 [BLOCK_H]) and their write mask."""
-    p = tl.load(POS + b).to(tl.int64)
+def _append_slot(POS, b, L, OFFSET, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Slot ``POS[b] + OFFSET`` of an append (0 when outside [0, L), then no head row is
+    written), the head rows (int64 [BLOCK_H]) and their write mask."""
+    p = tl.load(POS + b).to(tl.int64) + OFFSET
     offs_h = tl.arange(0, BLOCK_H)
     ok = (p >= 0) & (p < L)
     return tl.where(ok, p, 0), offs_h.to(tl.int64), (offs_h < H) & ok
 
 
 @triton.jit
-def _quantize_append_kernel(KN, KQ, KS, POS, L,
+def _quantize_append_kernel(KN, KQ, KS, POS, L, OFFSET,
                             stride_nb, stride_nh, stride_nl, stride_nd,
                             stride_qb, stride_qh, stride_ql, stride_qd,
                             stride_sb, stride_sh, stride_sl,
                             H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Grid (B,): the H new keys of row b go to slot ``POS[b]`` (skipped outside [0, L))."""
+    """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside [0, L))."""
     b = tl.program_id(0).to(tl.int64)
-    p, h64, mask_h = _append_slot(POS, b, L, H, BLOCK_H)
+    p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     # stride_nl = 0 for new keys [B, H, D]; the cache's row stride reads its row ``p``
     k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
@@ -243,15 +250,17 @@ def quantize_keys_triton(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kq, ks
 
 
-def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor) -> None:
-    """Triton ``quantize_append`` (in place, one program per batch row, no host sync)."""
+def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
+                           pos_offset: int = 0) -> None:
+    """Triton ``quantize_append`` (in place, one program per batch row, no host sync;
+    ``pos_offset`` is added in the kernel: no launch for ``kv_lens - 1``)."""
     _check_append(kq, ks, k_new, pos)
     B, H, L, D = kq.shape
     if B * H * D == 0:
         return
     pos = pos.to(kq.device)
-    _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, *_new_strides(k_new), *kq.stride(), *ks.stride(),
-                                  H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
+    _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *kq.stride(),
+                                  *ks.stride(), H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
                                   num_warps=4)
 
 
@@ -355,12 +364,13 @@ def quantize_keys_int4_ref(k: torch.Tensor, smooth: torch.Tensor | None = None) 
 
 
 def quantize_append_int4_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                             smooth: torch.Tensor | None = None) -> None:
+                             smooth: torch.Tensor | None = None, *, pos_offset: int = 0) -> None:
     """Reference ``quantize_append_int4`` (in place): ``k_new`` [B, H, D] into slot
-    ``pos[b]``; rows with ``pos`` outside ``[0, L)`` untouched (a device-side scatter)."""
+    ``pos[b] + pos_offset``; rows whose slot is outside ``[0, L)`` untouched (a
+    device-side scatter)."""
     _check_append4(kq, ks, k_new, pos, smooth)
     B, H, L, D2 = kq.shape
-    p = pos.to(device=kq.device, dtype=torch.int64)  # [B]
+    p = _slots(pos, pos_offset, kq.device)  # [B]
     ok = (p >= 0) & (p < L)
     p_safe = torch.where(ok, p, torch.zeros_like(p))
     q_new, s_new = _quantize_rows4_ref(_new_rows(k_new, p).to(kq.device), smooth)  # [B, H, D/2], [B, H]
@@ -429,17 +439,17 @@ def _quantize4_keys_kernel(K, SM, KQ, KS, L,
 
 
 @triton.jit
-def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L,
+def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L, OFFSET,
                              stride_nb, stride_nh, stride_nl, stride_nd,
                              stride_mb, stride_mh, stride_md,
                              stride_qb, stride_qh, stride_ql, stride_qd,
                              stride_sb, stride_sh, stride_sl,
                              H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_H: tl.constexpr,
                              SMOOTH: tl.constexpr):
-    """Grid (B,): the H new keys of row b go to slot ``POS[b]`` (skipped outside [0, L));
-    the tile's rows are the H heads (each with its own smoothing vector)."""
+    """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside
+    [0, L)); the tile's rows are the H heads (each with its own smoothing vector)."""
     b = tl.program_id(0).to(tl.int64)
-    p, h64, mask_h = _append_slot(POS, b, L, H, BLOCK_H)
+    p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DH)
     k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
@@ -474,8 +484,9 @@ def quantize_keys_int4_triton(k: torch.Tensor,
 
 
 def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                                smooth: torch.Tensor | None = None) -> None:
-    """Triton ``quantize_append_int4`` (in place, one program per batch row, no host sync)."""
+                                smooth: torch.Tensor | None = None, *, pos_offset: int = 0) -> None:
+    """Triton ``quantize_append_int4`` (in place, one program per batch row, no host sync;
+    ``pos_offset`` is added in the kernel)."""
     _check_append4(kq, ks, k_new, pos, smooth)
     B, H, L, D2 = kq.shape
     if B * H * D2 == 0:
@@ -483,6 +494,6 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     pos = pos.to(kq.device)
     sm = smooth if smooth is not None else ks
     sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
-    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, *_new_strides(k_new), *sm_strides, *kq.stride(),
-                                   *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
+    _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
+                                   *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4)

@@ -348,11 +348,20 @@ def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
     return out
 
 
+def _check_out(out: torch.Tensor | None, B: int, Hkv: int, k_top: int, device: torch.device) -> None:
+    """``score_topk``'s ``out``: int32 [B, Hkv, k_top], contiguous, on the keys' device."""
+    if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32 or not out.is_contiguous()
+                            or out.device != device):
+        raise ValueError(f"out must be a contiguous int32 [{B}, {Hkv}, {k_top}] tensor on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()})")
+
+
 def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                    scale: float | None = None, reduce: str = "sum_logits",
                    kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                   kv_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline)."""
+                   kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline);
+    copied into ``out`` when given (and ``out`` returned)."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
     k_scale = _check_k_scale(k, k_scale)
@@ -360,6 +369,7 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     _check_rows(hi, B, "hi")
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
+    _check_out(out, B, Hkv, k_top, k.device)
     lo, hi = lo.to(k.device), hi.to(k.device)
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
@@ -367,7 +377,8 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
-    return topk_from_scores_ref(scores, lo, hi, k_top)
+    idx = topk_from_scores_ref(scores, lo, hi, k_top)
+    return idx if out is None else out.copy_(idx)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1186,12 +1197,14 @@ def _new_workspace(rows: int, device: torch.device) -> torch.Tensor:
 
 
 def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
-                        ws: torch.Tensor, *, hist0_done: bool) -> torch.Tensor:
+                        ws: torch.Tensor, *, hist0_done: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
     row). ``ws`` is the zeroed workspace of ``_new_workspace``, with the pass-0
-    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]."""
+    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]:
+    ``out`` (contiguous, every slot written) when given."""
     rows, N = scores.shape
-    out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
+    if out is None:
+        out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
     ties = torch.empty(rows, N, dtype=torch.int32, device=scores.device)  # [rows, N] positions, prefix used
     cfg = _select_config(scores.device)
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
@@ -1226,10 +1239,11 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top].
-    int8 ``k`` (``spade.kernels.quant``) with its ``k_scale`` [B, Hkv, L] reads half
-    the key bytes of bf16.
+                      kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top],
+    written straight into ``out`` (contiguous int32 [B, Hkv, k_top]) when given, which
+    is then returned (no copy). int8 ``k`` (``spade.kernels.quant``) with its
+    ``k_scale`` [B, Hkv, L] reads half the key bytes of bf16.
 
     Keys outside ``[lo, hi)`` are not read (except the ``sum_softmax`` normaliser
     range, see ``_norm_range``).
@@ -1247,7 +1261,10 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
+    _check_out(out, B, Hkv, k_top, k.device)
     if k_top == 0 or B * Hkv == 0:
+        if out is not None:
+            return out.fill_(-1)
         return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
@@ -1256,5 +1273,6 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
     _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
                    full_row=False, hist=ws if fuse else None, k_scale=k_scale)
-    out = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse)
-    return out.view(B, Hkv, k_top)
+    idx = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse,
+                              out=None if out is None else out.view(rows, k_top))
+    return idx.view(B, Hkv, k_top) if out is None else out

@@ -45,7 +45,7 @@ import torch
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
-from spade.policies.common import is_dense, row_start, topk_selection
+from spade.policies.common import derived, is_dense, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,24 @@ class AsyncSpadeLayerState:
     """[B, Hq, D] float32 prediction made ahead by ``predict_layers`` (pre-RoPE when
     ``rope_aware``), for the ``select`` at host ``seq_len == q_pred_seq``."""
     q_pred_seq: int = -1
+    q_scored: torch.Tensor | None = None
+    """Compressed keys: ``q_pred`` as scored (int4 smoothing folded, rounded to the
+    cache's half dtype), made with it by ``predict_layers`` for a whole run of layers
+    in one launch; used by ``select`` when ``k_smooth`` and the dtype still match."""
+    q_scored_smooth: torch.Tensor | None = None
+    """The ``k_smooth`` object ``q_scored`` was folded with."""
+    index: int = -1
+    """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
+    all_smooth: torch.Tensor | None = None
+    """int4: [n_layers, B, Hkv, D] float32 that ``k_smooth`` is a view of (row ``index``),
+    so that ``predict_layers`` folds a run of layers in one launch."""
+    score_dtype: torch.dtype | None = None
+    """The dtype ``select`` rounds the compressed keys' query to (the cache's, when
+    fp16 / bf16; else float32), recorded from the cache each call."""
+    keys_elsewhere: bool = False
+    """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
+    of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
+    (``scoring_keys`` raises instead). ``prefill`` (a whole cache) clears it."""
 
 
 class AsyncSpadePolicy(Policy):
@@ -119,6 +137,7 @@ class AsyncSpadePolicy(Policy):
 
     name = "asyncspade"
     needs_current_query = False
+    select_takes_out = True
 
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
@@ -136,7 +155,11 @@ class AsyncSpadePolicy(Policy):
         # one tensor for every layer's window: a run of layers is predicted in one launch
         windows = torch.zeros(s.n_layers, batch_size, s.n_q_heads, self.rows, s.head_dim, dtype=torch.float32,
                               device=device)
-        state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows) for i in range(s.n_layers)]
+        # int4: every layer's smoothing in one tensor too (predict_layers folds a run of layers at once)
+        smooths = (torch.ones(s.n_layers, batch_size, s.n_kv_heads, s.head_dim, dtype=torch.float32, device=device)
+                   if self.cfg.score_keys == "int4" else None)
+        state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows, index=i, all_smooth=smooths)
+                        for i in range(s.n_layers)]
         return state
 
     # ------------------------------------------------------------------ bookkeeping
@@ -173,17 +196,21 @@ class AsyncSpadePolicy(Policy):
 
     def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                      kv_lens: torch.Tensor | None = None, *,
-                     fit: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fit: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                     k_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 (or packed int4) copy of ``k_cache`` [B, Hkv, L, D] as views
         (kq [B, Hkv, L, D] int8 / [B, Hkv, L, D/2] uint8, ks [B, Hkv, L]), kept in ``st``.
 
         With ``kv_lens``, the newest key of each row (slot ``kv_lens - 1``) is
-        quantised into the copy (device-side, graph-safe). A missing copy, another
-        layout, or a cache longer than the copy's capacity rebuilds it from the
-        exact keys (capacity doubled, so a growing cache rebuilds O(log L) times).
-        int4: a missing ``st.k_smooth`` is fitted on the keys of ``fit`` =
-        (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``, else of
-        the whole view; rebuilds keep it, so the copy's scale never shifts mid-sequence.
+        quantised into the copy (device-side, graph-safe): read from the cache's row,
+        or from ``k_new`` [B, Hkv, D] (the step's keys) when given. A missing copy,
+        another layout, or a cache longer than the copy's capacity rebuilds it from the
+        exact keys (capacity doubled, so a growing cache rebuilds O(log L) times) —
+        a RuntimeError once ``k_new`` was used (``st.keys_elsewhere``: the cache may lack
+        the decoded keys). int4: a missing ``st.k_smooth`` is fitted on the keys of
+        ``fit`` = (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``,
+        else of the whole view; rebuilds keep it, so the copy's scale never shifts
+        mid-sequence.
         """
         B, H, L, D = k_cache.shape
         int4 = self.cfg.score_keys == "int4"
@@ -191,9 +218,24 @@ class AsyncSpadePolicy(Policy):
         kq = st.kq
         same = (kq is not None and kq.device == k_cache.device and kq.dtype == dt and kq.shape[:2] == (B, H)
                 and kq.shape[3] == Dq)
-        if int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D) or st.k_smooth.device != k_cache.device):
+        refit = int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D)
+                          or st.k_smooth.device != k_cache.device)
+        if k_new is not None:
+            st.keys_elsewhere = True
+        if st.keys_elsewhere and (refit or not same or kq.shape[2] < L):
+            raise RuntimeError(
+                f"asyncspade: the {self.cfg.score_keys} scoring copy needs a rebuild from the exact keys (cache "
+                f"{tuple(k_cache.shape)}, copy {None if kq is None else tuple(kq.shape)}), but observe took the "
+                "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed "
+                "(or append the keys to it and observe without k_new)")
+        st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        if refit:
             f_lens, f_start = fit if fit is not None else (kv_lens, None)
-            st.k_smooth = kernels.fit_smoothing(k_cache, f_lens, f_start)  # [B, H, D] fp32
+            sm = kernels.fit_smoothing(k_cache, f_lens, f_start)  # [B, H, D] fp32
+            base = st.all_smooth
+            if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
+                sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
+            st.k_smooth = sm
             same = False  # a copy made under another smoothing is void
         if not same or kq.shape[2] < L:
             cap = max(L, 2 * kq.shape[2]) if same else L
@@ -209,11 +251,12 @@ class AsyncSpadePolicy(Policy):
             else:
                 st.kq, st.ks = q8, s8
         elif kv_lens is not None:
-            kv = kv_lens.to(device=k_cache.device, dtype=torch.int64)
+            kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
+            src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
             if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, k_cache, kv - 1, st.k_smooth)  # reads row kv - 1
+                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
             else:
-                kernels.quantize_append(st.kq, st.ks, k_cache, kv - 1)  # reads the cache's row kv - 1
+                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
         return st.kq[:, :, :L], st.ks[:, :, :L]
 
     # ------------------------------------------------------------------ policy API
@@ -235,10 +278,18 @@ class AsyncSpadePolicy(Policy):
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
+            st.keys_elsewhere = False
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
 
+    def takes_new_keys(self, state: PolicyState) -> bool:
+        # compressed scoring keys: observe quantises the step's key, select scores the copy
+        return self.cfg.score_keys != "exact"
+
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
-                kv_lens: torch.Tensor) -> None:
+                kv_lens: torch.Tensor, k_new: torch.Tensor | None = None) -> None:
+        """Push ``q`` into the window; compressed keys: quantise the newest key into the
+        copy, from ``k_new`` [B, Hkv, D] when given (``takes_new_keys``), else from the
+        cache's row ``kv_lens - 1``."""
         st = self._layer(state, layer, q)
         qn = q  # [B, Hq, D]
         if self.rope_aware:
@@ -247,7 +298,7 @@ class AsyncSpadePolicy(Policy):
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
         if self.cfg.score_keys != "exact":
-            self.scoring_keys(st, k_cache, kv_lens)
+            self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
@@ -270,8 +321,38 @@ class AsyncSpadePolicy(Policy):
         P, B, H, R, D = w.shape
         q = kernels.ridge_predict(w.reshape(P * B * H, R, D), n, mode=self.cfg.predictor,
                                   eps=self.cfg.ridge_eps).view(P, B, H, D)
+        q_sc = self._scoring_queries(sts, layers, q)
         for j, st in enumerate(sts):
             st.q_pred, st.q_pred_seq = q[j], state.seq_len
+            st.q_scored, st.q_scored_smooth = (None, None) if q_sc is None else (q_sc[j], st.k_smooth)
+
+    def _scoring_queries(self, sts: list, layers: range, q: torch.Tensor) -> torch.Tensor | None:
+        """Compressed keys: the run's predictions ``q`` [P, B, Hq, D] fp32 as ``select``
+        scores them — int4: times each layer's smoothing (``fold_smoothing``), and
+        rounded to the cache's half dtype — in one launch for the run instead of two per
+        layer (the fp32 products rounded once, as ``fold_smoothing`` + ``.to`` do); None
+        when that does not apply (exact keys, rope_aware, smoothing not stacked)."""
+        cfg = self.cfg
+        if cfg.score_keys == "exact" or self.rope_aware:
+            return None
+        dts = {st.score_dtype for st in sts}
+        if len(dts) != 1 or None in dts:
+            return None
+        dt = dts.pop()
+        if cfg.score_keys != "int4":  # int8: the rounding alone
+            return q.to(dt) if dt != q.dtype else None
+        base = sts[0].all_smooth
+        if base is None or any(st.all_smooth is not base or st.k_smooth is None or st.index != i
+                               or st.k_smooth.data_ptr() != base[i].data_ptr() for i, st in zip(layers, sts)):
+            return None
+        P, B, H, D = q.shape
+        Hkv = base.shape[2]
+        if base.shape[1:] != (B, Hkv, D) or H % Hkv:
+            return None
+        out = torch.empty(P, B, H, D, dtype=dt, device=q.device)
+        torch.mul(q.view(P, B, Hkv, H // Hkv, D), base[layers[0]:layers[-1] + 1, :, :, None, :],
+                  out=out.view(P, B, Hkv, H // Hkv, D))
+        return out
 
     def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """q̂ for the step whose cache length is ``kv_lens`` (post-RoPE when
@@ -289,24 +370,36 @@ class AsyncSpadePolicy(Policy):
         return q_hat
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
-               kv_lens: torch.Tensor) -> Selection | None:
+               kv_lens: torch.Tensor, out: torch.Tensor | None = None) -> Selection | None:
+        """``out``: see ``Policy.select_takes_out`` (``topk_selection``'s)."""
         cfg = self.cfg
         if is_dense(state, cfg.budget, self.name):
             return None
+        st = state.layers[layer]
+        pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
+        if st is not None and st.q_scored is not None:
+            if st.q_pred is not None and st.q_pred_seq == state.seq_len:
+                pre, smooth = st.q_scored, st.q_scored_smooth
+            st.q_scored = st.q_scored_smooth = None
         q_hat = self.predict_query(state, layer, kv_lens)
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
         k_score, k_scale = k_cache, None
         if cfg.score_keys != "exact":
-            st = state.layers[layer]
             k_score, k_scale = self.scoring_keys(st, k_cache)
-            q_hat = kernels.fold_smoothing(q_hat, st.k_smooth)  # int4: the copy's smoothing (fp32)
-            if k_cache.dtype in (torch.float16, torch.bfloat16):
-                # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
-                q_hat = q_hat.to(k_cache.dtype)
+            if pre is not None and smooth is st.k_smooth and pre.dtype == st.score_dtype:
+                q_hat = pre
+            else:
+                q_hat = kernels.fold_smoothing(q_hat, st.k_smooth)  # int4: the copy's smoothing (fp32)
+                if k_cache.dtype in (torch.float16, torch.bfloat16):
+                    # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
+                    q_hat = q_hat.to(k_cache.dtype)
         # sum_softmax normaliser without the newest token: a cache rank selecting ahead has
         # not received its key yet, so every path leaves it out and all give one selection
+        norm_lens = None
+        if cfg.group_reduce == "sum_softmax":
+            norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=kv_lens - 1 if cfg.group_reduce == "sum_softmax" else None)
+                              norm_lens=norm_lens, out=out, memo=state.memo)

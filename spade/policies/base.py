@@ -133,6 +133,10 @@ class PolicyState:
     kv_start: torch.Tensor | None = None
     """[B] int32 first valid cache position per row (left padding), or None."""
     stats: dict[str, float] = field(default_factory=dict)
+    memo: dict | None = None
+    """Inside ``spade.policies.common.shared_derived`` (a cache rank's pack): tensors
+    derived from the calls' inputs (middle bounds of ``kv_lens``, ...), computed once and
+    reused by every layer's call; None elsewhere."""
 
 
 class Policy(ABC):
@@ -146,6 +150,10 @@ class Policy(ABC):
     """False when ``select`` ignores ``q`` (so it can run one step ahead)."""
     evicts: ClassVar[bool] = False
     """True when dropped tokens can never come back (TOVA)."""
+    select_takes_out: ClassVar[bool] = False
+    """True when ``select`` accepts ``out=``: an int32 [B, Hkv, K] buffer its middle
+    indices may be written into (then ``Selection.indices is out``; a buffer of another
+    shape is ignored). A cache rank passes its output rows: no copy per layer."""
 
     def __init__(self, cfg: Any, spec: AttentionSpec):
         self.cfg = cfg
@@ -171,6 +179,14 @@ class Policy(ABC):
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:
         """After this step's attention (the current token's k/v are in the cache)."""
+
+    def takes_new_keys(self, state: PolicyState) -> bool:
+        """True when ``observe`` accepts ``k_new=`` [B, Hkv, D], the step's keys (those at
+        ``kv_lens - 1``), and then never reads key values from ``k_cache`` again, in
+        ``observe`` or ``select``, as long as ``k_cache`` keeps its shape: a caller whose
+        cache view has a fixed shape may then stop writing decoded keys into it (the cache
+        rank with compressed scoring keys). Default: False (the cache is read)."""
+        return False
 
     def graph_key(self, state: PolicyState) -> tuple:
         """Host-side facts that change the work a step does (dense vs sparse, ...).

@@ -8,6 +8,9 @@ per-row work stays on the device.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Callable, Iterator
+
 import torch
 
 from spade import kernels
@@ -39,6 +42,36 @@ def is_dense(state: PolicyState, budget: int, policy: str) -> bool:
     whose token-level selections then cover their whole context anyway.
     """
     return require_seq_len(state, policy) <= budget
+
+
+@contextlib.contextmanager
+def shared_derived(state: PolicyState) -> Iterator[None]:
+    """A block of calls (a cache rank's pack: ``select`` of each of its layers) that
+    share the tensors derived from the same inputs: each is computed at its first use
+    in the block (``derived``), e.g. one launch per pack for the middle bounds of
+    ``kv_lens`` instead of one per layer. The block must see those inputs unchanged
+    (they are keyed by identity) and run as one unit: a CUDA graph capturing it
+    captures the computation at its first use, a later block computes afresh."""
+    keep = state.memo
+    state.memo = {}
+    try:
+        yield
+    finally:
+        state.memo = keep
+
+
+def derived(memo: dict | None, key: tuple, inputs: tuple, fn: Callable[[], Any]) -> Any:
+    """``fn()``, computed once per ``shared_derived`` block for ``key`` and the same
+    ``inputs`` objects (tensors or None, compared by identity); every call without a
+    block (``memo`` None)."""
+    if memo is None:
+        return fn()
+    hit = memo.get(key)
+    if hit is not None and len(hit[0]) == len(inputs) and all(a is b for a, b in zip(hit[0], inputs)):
+        return hit[1]
+    val = fn()
+    memo[key] = (inputs, val)  # holding the inputs keeps their ids from being reused
+    return val
 
 
 def row_start(kv_start: torch.Tensor | None, kv_lens: torch.Tensor) -> torch.Tensor:
@@ -74,7 +107,8 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
-                   norm_lens: torch.Tensor | None = None) -> Selection:
+                   norm_lens: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   memo: dict | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -88,18 +122,31 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``sum_softmax`` normalises each head over the row's own ``[kv_start, norm_lens)``
     (``norm_lens`` defaults to ``kv_lens``): a selection made one step ahead passes
     ``kv_lens - 1``, since the newest key does not exist yet where it is computed.
+
+    ``out``: a buffer the middle indices may go to (a cache rank's output row): used
+    when it is a contiguous int32 [B, Hkv, budget - n_sink - n_recent] tensor on the
+    keys' device — the kernel writes it, no copy, and ``Selection.indices is out`` —
+    else ignored.
+
+    ``memo``: ``state.memo`` of a ``shared_derived`` block: the middle bounds of the same
+    ``kv_lens`` / ``kv_start`` are computed once per block (one launch per pack).
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
     if k_top <= 0:
         idx = empty_indices(B, Hkv, k_cache.device)
     else:
-        lo, hi = middle_bounds(kv_lens, kv_start, n_sink, n_recent)
+        if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32
+                                or not out.is_contiguous() or out.device != k_cache.device):
+            out = None
+        lo, hi = derived(memo, ("middle_bounds", n_sink, n_recent), (kv_lens, kv_start),
+                         lambda: middle_bounds(kv_lens, kv_start, n_sink, n_recent))
         # The sum_softmax normaliser runs over the row's own [kv_start, kv_len): a
         # left-padded row selects exactly what it selects alone.
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
-                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale)
+                                 kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
+                                 out=out)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 

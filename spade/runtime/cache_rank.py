@@ -6,7 +6,10 @@ Per generation (see ``spade.runtime.protocol`` for the messages):
    the prompt's KV and last W queries into the store and call
    ``policy.prefill`` per layer; then compute the selection of decode step 1.
 2. Per decode step ``t`` and pack ``p``: receive the pack's q/k/v, append k/v
-   to the store, ``policy.observe`` each layer (pushes q into the query window),
+   to the store (not k when the policy never reads the stored keys back:
+   ``Policy.takes_new_keys`` with a fixed-length view, e.g. asyncspade's int4/int8
+   scoring copies, which then quantise the received k directly), ``policy.observe``
+   each layer (pushes q into the query window),
    and — when step ``t+1`` is past the sparse threshold — ``policy.select`` for
    step ``t+1`` (``q=None``: only policies with ``needs_current_query=False``
    come here) and send the pack's selection back at once. The inference rank
@@ -42,6 +45,7 @@ import torch
 from spade import kernels
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
+from spade.policies.common import shared_derived
 from spade.runtime import protocol as P
 from spade.streams import indexed_device, stream_scope
 
@@ -247,18 +251,28 @@ class CacheRank:
             kv_obs = kv_lens.clone()
             kv_sel = kv_lens.clone()
             pos_buf = torch.zeros(1, dtype=torch.int64, device=dev)
+        # Keys the policy never reads back (compressed scoring keys, no kv gathers) go
+        # straight from the received pack into observe: no append to the store. Only with
+        # a fixed-length view (static_len), so the policy's copy never needs a rebuild
+        # from the store (it raises if it would).
+        new_keys = (not s.shared_kv and s.static_len > 0 and vstore is None
+                    and bool(getattr(policy, "takes_new_keys", lambda st: False)(state)))
+        append_k = not s.shared_kv and not new_keys
 
         def observe_pack(p: int, seq: int) -> None:
             l0, l1 = packs[p]
             state.seq_len = seq
             qb = parts[p]  # (q, k, v) views of the pack's input buffers
             for j, layer in enumerate(range(l0, l1)):
-                if not s.shared_kv:  # append the step's k, v at the device-side position
+                if append_k:  # append the step's k, v at the device-side position
                     kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
                     if vstore is not None:
                         vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
                 k, _ = view(layer, seq)
-                policy.observe(state, layer, qb[0][j], k, kv_obs)
+                if new_keys:
+                    policy.observe(state, layer, qb[0][j], k, kv_obs, k_new=qb[1][j])
+                else:
+                    policy.observe(state, layer, qb[0][j], k, kv_obs)
 
         def select_pack(p: int, seq: int) -> tuple:
             """Selections of pack ``p`` at cache length ``seq`` into the pack's output
@@ -269,9 +283,16 @@ class CacheRank:
             predict_layers = getattr(policy, "predict_layers", None)
             if predict_layers is not None:  # the pack's predictions in one launch (asyncspade)
                 predict_layers(state, range(l0, l1))
-            for layer in range(l0, l1):
-                k, _ = view(layer, seq)
-                sels.append(policy.select(state, layer, None, k, kv_sel))
+            # the output rows of the last call of this pack: a policy that takes them writes
+            # its indices there directly (select_takes_out); a fresh buffer below gets copies
+            rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
+            with shared_derived(state):  # per-row bounds of kv_sel etc. once per pack, not per layer
+                for j, layer in enumerate(range(l0, l1)):
+                    k, _ = view(layer, seq)
+                    if rows is None:
+                        sels.append(policy.select(state, layer, None, k, kv_sel))
+                    else:
+                        sels.append(policy.select(state, layer, None, k, kv_sel, out=rows[j]))
             K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
             info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
                          for sel in sels) + (K,)
@@ -281,15 +302,20 @@ class CacheRank:
             n = l1 - l0
             if o is None or o["idx"].shape[-1] != K:
                 o = out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
+                o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
                 if s.return_mode == "kv":
                     o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
                     o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
             idx = o["idx"]
-            if any(sel is None or sel.indices.shape[2] != K for sel in sels):
-                idx.fill_(-1)  # narrower (or no) selections leave -1 padding
             for j, sel in enumerate(sels):
+                if sel is None:
+                    idx[j].fill_(-1)  # no selection: all -1
+                elif sel.indices is not o["rows"][j]:  # (written in place otherwise)
+                    w = sel.indices.shape[2]
+                    if w < K:
+                        idx[j, :, :, w:].fill_(-1)  # a narrower selection leaves -1 padding
+                    idx[j, :, :, :w].copy_(sel.indices)
                 if sel is not None:
-                    idx[j, :, :, :sel.indices.shape[2]].copy_(sel.indices)
                     if s.return_mode == "kv":
                         k, v = view(l0 + j, seq)
                         kk, vv = kernels.gather_kv(k, v, idx[j])
@@ -297,8 +323,10 @@ class CacheRank:
                         o["v"][j].copy_(vv)
             return info
 
+        sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
+
         async def select_and_send(p: int, step: int, seq: int) -> None:
-            nonlocal stalled
+            nonlocal stalled, sel_seq
             if hooks.stall_from_step is not None and step >= hooks.stall_from_step:
                 stalled = True
                 return
@@ -306,7 +334,9 @@ class CacheRank:
                 await asyncio.sleep(hooks.delay_s)
             t0 = time.perf_counter()
             with self._on():
-                torch.add(kv_lens, seq - T, out=kv_sel)
+                if seq != sel_seq:  # the step's first pack (later packs select at the same length)
+                    torch.add(kv_lens, seq - T, out=kv_sel)
+                    sel_seq = seq
                 key = ("select", p, _key(policy, state, seq))
                 info = self._run(key, lambda: select_pack(p, seq), graphs_on)
                 tensors = self._encode(info, out.get(p), p, step, seq, s, view, prev, packs[p][0])
@@ -344,7 +374,8 @@ class CacheRank:
                 await t.close()
                 raise PeerGone("cache rank: died on purpose (test hook)")
             with self._on():
-                pos_buf.fill_(seq - 1)
+                if append_k:
+                    pos_buf.fill_(seq - 1)
                 torch.add(kv_lens, seq - T, out=kv_obs)
             for p in range(len(packs)):
                 tw = time.perf_counter()

@@ -140,3 +140,34 @@ def test_quantize_append_reads_the_cache_row(bits, impl, device):
     getattr(quant, names[0])(want_q, want_s, rows, pos, *(smooth,) if bits == 4 else ())
     assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
     assert torch.equal(want_q[2], kq0[2]) and not torch.equal(want_q[0], kq0[0])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("source", ["new", "cache"])
+def test_quantize_append_pos_offset(bits, impl, source, device):
+    """``pos_offset`` (added in the kernel, e.g. ``kv_lens`` with -1) writes exactly what
+    appending at ``pos + pos_offset`` writes, for new keys and for the cache read at that
+    row; rows whose shifted slot falls outside ``[0, L)`` stay untouched."""
+    B, H, L, D = 4, 2, 9, 16
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(B, H, L + 3, D, generator=g)[:, :, :L]
+    k_new = cache if source == "cache" else torch.randn(B, H, D, generator=g)
+    kv = torch.tensor([L, 5, 0, L + 1])  # slots L-1, 4, -1 (skipped), L (skipped)
+    smooth = quant.fit_smoothing(cache) if bits == 4 else None
+    quant_keys = (lambda k: quant.quantize_keys_int4_ref(k, smooth)) if bits == 4 else quant.quantize_keys_ref
+    kq0, ks0 = quant_keys(torch.randn(B, H, L, D, generator=g))
+    names = {8: ("quantize_append_ref", "quantize_append_triton"),
+             4: ("quantize_append_int4_ref", "quantize_append_int4_triton")}[bits]
+    fn = getattr(quant, names[0] if impl == "ref" else names[1])
+    extra = (smooth.to(device),) if bits == 4 else ()
+    got_q, got_s = kq0.clone().to(device), ks0.clone().to(device)
+    fn(got_q, got_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1)
+    want_q, want_s = kq0.clone(), ks0.clone()
+    getattr(quant, names[0])(want_q, want_s, k_new, kv - 1, *(smooth,) if bits == 4 else ())
+    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(want_q[2:], kq0[2:]) and not torch.equal(want_q[0], kq0[0])
+    append = kernels.quantize_append_int4 if bits == 4 else kernels.quantize_append
+    disp_q, disp_s = kq0.clone().to(device), ks0.clone().to(device)
+    append(disp_q, disp_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1)  # the public op passes it on
+    assert torch.equal(disp_q.cpu(), want_q) and torch.equal(disp_s.cpu(), want_s)

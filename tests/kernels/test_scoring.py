@@ -322,6 +322,47 @@ def test_score_topk_softmax_normaliser_changes_ranking(device):
         _check_topk(out, true, lo.cpu(), hi.cpu(), 8, atol=1e-6)
 
 
+@pytest.mark.parametrize("keys", ["float", "int8", "int4"])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_score_topk_out_writes_the_selection_in_place(keys, impl, device, monkeypatch):
+    """``out=`` (a layer's row of a pack's [n, B, Hkv, K] output buffer, stale data in it)
+    gets exactly the indices the call returns without it, -1 padding included, and is
+    itself returned; a wrong buffer is refused; k_top = 0 and empty rows too."""
+    from spade.kernels import quant
+
+    fn = scoring.score_topk_ref if impl == "ref" else scoring.score_topk_triton
+    q, k, kv_lens, kv_start = _inputs(3, 4, 2, 37, 16, torch.bfloat16, device, seed=12)
+    k = torch.nan_to_num(k)
+    kw = {}
+    if keys == "int8":
+        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
+    elif keys == "int4":
+        sm = quant.fit_smoothing(k.cpu())
+        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
+        q = quant.fold_smoothing(q.cpu(), sm)
+    k, q = k.to(device), q.to(device)
+    kw = {n: t.to(device) for n, t in kw.items()}
+    lo, hi = _bounds(kv_lens, kv_start, 1, 2)
+    hi[1] = lo[1]  # an empty row: all -1
+    for k_top in (5, 40, 0):
+        want = fn(q, k, lo, hi, k_top, **kw)
+        buf = torch.full((2, 3, 2, k_top), 7, dtype=torch.int32, device=device)
+        got = fn(q, k, lo, hi, k_top, **kw, out=buf[1])
+        assert got.data_ptr() == buf[1].data_ptr() and got.shape == (3, 2, k_top)
+        assert torch.equal(buf[1], want) and (buf[0] == 7).all()
+        if k_top == 5:
+            assert (buf[1, 1] == -1).all() and (buf[1, 0] >= 0).all()
+    monkeypatch.setenv("SPADE_KERNELS", "torch" if impl == "ref" else "triton")
+    buf = torch.empty(3, 2, 5, dtype=torch.int32, device=device)
+    assert kernels.score_topk(q, k, lo, hi, 5, **kw, out=buf) is buf  # the public op passes it on
+    assert torch.equal(buf, fn(q, k, lo, hi, 5, **kw))
+    for bad in (torch.empty(3, 2, 6, dtype=torch.int32, device=device),  # shape
+                torch.empty(3, 2, 5, dtype=torch.int64, device=device),  # dtype
+                torch.empty(3, 5, 2, dtype=torch.int32, device=device).transpose(1, 2)):  # not contiguous
+        with pytest.raises(ValueError, match="out must be"):
+            fn(q, k, lo, hi, 5, **kw, out=bad)
+
+
 def test_score_topk_dispatch(monkeypatch, device):
     """The public entry point routes to Triton when forced (and on CUDA tensors)."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")

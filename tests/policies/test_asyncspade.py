@@ -288,6 +288,116 @@ def test_int8_copy_grows_with_a_growing_cache_view():
     assert caps[0] == T and caps[-1] == 40 and len(set(caps)) == 3  # 10 -> 20 -> 40: rebuilt twice
 
 
+@pytest.mark.parametrize("kernels_mode", ["torch", "triton"])
+@pytest.mark.parametrize("score_keys", ["int8", "int4"])
+def test_observe_with_the_steps_keys_needs_no_cache_append(score_keys, kernels_mode, monkeypatch):
+    """``observe(k_new=...)`` (``takes_new_keys``: what the cache rank does with compressed
+    keys) keeps the same copy and selections as appending each key to the cache and
+    reading it back, while its cache never gets a decoded key; a copy that would need a
+    rebuild from such a cache (a longer view) raises instead of reading stale keys."""
+    if kernels_mode == "triton" and not (INTERPRET or torch.cuda.is_available()):
+        pytest.skip("Triton on CPU tensors needs the interpreter")
+    monkeypatch.setenv("SPADE_KERNELS", kernels_mode)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=20, steps=4, seed=21, dtype=torch.bfloat16)
+    pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, predictor="last", window=2,
+                      score_keys=score_keys, rope_aware=False)
+    assert pol.takes_new_keys(None)
+    assert not make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2).takes_new_keys(None)
+    T = sim.prompt_len
+    (ka,), (va,), kv = sim.fresh_cache()
+    kb, vb = ka.clone(), va.clone()  # b: never appended to
+    sa, sb = pol.new_state(2, "cpu"), pol.new_state(2, "cpu")
+    sa.kv_start = sb.kv_start = sim.starts
+    for st, k, v in ((sa, ka, va), (sb, kb, vb)):
+        st.seq_len = T
+        pol.prefill(st, 0, sim.q_all[0, :, :, :T], k, v, kv)
+    for step in range(sim.steps):
+        pos = T + step
+        kv = kv + 1
+        ka[:, :, pos] = sim.k_all[0, :, :, pos]
+        sa.seq_len = sb.seq_len = pos + 1
+        q = sim.q_all[0, :, :, pos]
+        pol.observe(sa, 0, q, ka, kv)
+        pol.observe(sb, 0, q, kb, kv, k_new=sim.k_all[0, :, :, pos])
+        la, lb = sa.layers[0], sb.layers[0]
+        assert torch.equal(la.kq, lb.kq) and torch.equal(la.ks, lb.ks)
+        sa.seq_len = sb.seq_len = pos + 2
+        a = pol.select(sa, 0, None, ka, kv + 1)
+        b = pol.select(sb, 0, None, kb, kv + 1)
+        assert torch.equal(a.indices, b.indices)
+    assert not torch.equal(ka, kb)  # b's cache really lacks the decoded keys
+    assert sb.layers[0].keys_elsewhere
+    longer = torch.zeros(2, 2, kb.shape[2] + 1, sim.D, dtype=kb.dtype)
+    with pytest.raises(RuntimeError, match="rebuild"):
+        pol.select(sb, 0, None, longer, kv + 1)
+    sb.seq_len = T  # a new prompt (a whole cache) clears it
+    pol.prefill(sb, 0, sim.q_all[0, :, :, :T], longer, longer, kv)
+    assert not sb.layers[0].keys_elsewhere
+
+
+@pytest.mark.parametrize("score_keys", ["exact", "int4"])
+def test_select_writes_into_out(score_keys):
+    """``select(out=...)`` (``select_takes_out``: a cache rank's output row) returns a
+    Selection whose indices are ``out`` itself, equal to the selection made without it;
+    a buffer of another shape is ignored (a fresh tensor comes back)."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=30, steps=1, seed=22)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3,
+                      score_keys=score_keys, rope_aware=False)
+    assert type(pol).select_takes_out
+    st = pol.new_state(2, "cpu")
+    st.kv_start = sim.starts
+    (k,), (v,), kv = sim.fresh_cache()
+    st.seq_len = 30
+    pol.prefill(st, 0, sim.q_all[0, :, :, :30], k, v, kv)
+    st.seq_len, kv = 31, kv + 1
+    want = pol.select(st, 0, None, k, kv)
+    buf = torch.full((3, 2, 2, 9), 5, dtype=torch.int32)
+    row = buf[1]
+    got = pol.select(st, 0, None, k, kv, out=row)
+    assert got.indices is row and torch.equal(row, want.indices)
+    assert (buf[0] == 5).all() and (buf[2] == 5).all()
+    assert (got.n_sink, got.n_recent) == (want.n_sink, want.n_recent)
+    wrong = torch.zeros(2, 2, 8, dtype=torch.int32)
+    other = pol.select(st, 0, None, k, kv, out=wrong)
+    assert other.indices is not wrong and torch.equal(other.indices, want.indices) and (wrong == 0).all()
+
+
+@pytest.mark.parametrize("reduce", ["sum_logits", "sum_softmax"])
+def test_shared_derived_computes_a_packs_bounds_once(reduce, monkeypatch):
+    """Inside ``shared_derived`` (the cache rank's pack) the selects of several layers
+    with the same ``kv_lens`` compute the middle bounds (and sum_softmax's
+    ``kv_lens - 1``) once, and select exactly what they select without it; another
+    ``kv_lens`` object recomputes, and a new block starts afresh."""
+    from spade.policies import common
+
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=30, steps=1, seed=23, n_layers=3)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3,
+                      group_reduce=reduce, rope_aware=False)
+    st = pol.new_state(2, "cpu")
+    ks, vs, kv = sim.fresh_cache()
+    st.seq_len = 30
+    for layer in range(3):
+        pol.prefill(st, layer, sim.q_all[layer, :, :, :30], ks[layer], vs[layer], kv)
+    st.seq_len, kv = 31, kv + 1
+    want = [pol.select(st, layer, None, ks[layer], kv).indices for layer in range(3)]
+    calls = []
+    bounds = common.middle_bounds
+    monkeypatch.setattr(common, "middle_bounds", lambda *a: calls.append(1) or bounds(*a))
+    for _ in range(2):
+        with common.shared_derived(st):
+            got = [pol.select(st, layer, None, ks[layer], kv).indices for layer in range(3)]
+            assert (("kv_lens - 1",) in st.memo) == (reduce == "sum_softmax")
+            pol.select(st, 0, None, ks[0], kv.clone())  # another kv_lens object
+        assert st.memo is None
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 4  # twice per block
+    calls.clear()
+    for layer in range(3):  # no block: every call
+        pol.select(st, layer, None, ks[layer], kv)
+    assert len(calls) == 3
+    assert common.derived(None, ("k",), (kv,), lambda: 5) == 5
+
+
 def test_int8_budget_covering_the_context_is_full_attention():
     """Rows whose context fits the budget attend to all of it (bit-for-bit the dense
     output), also when another row of the batch is sparse."""
@@ -363,10 +473,15 @@ def test_compressed_keys_observe_and_select_replay_in_a_cuda_graph(score_keys, r
         assert torch.equal(out.sort(-1).values, want.sort(-1).values)
 
 
-@pytest.mark.parametrize("backend", ["fast", "hf"])
-def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
-    """score_keys=int8 on the cache rank (its own prefill/observe/select flow: static
-    cache view, copied store, transformers' growing cache) gives the inline tokens."""
+@pytest.mark.parametrize("backend,keys", [("fast", "int8"), ("hf", "int8"), ("fast", "int4")])
+def test_int8_through_the_async_runtime_matches_inline(backend, keys, monkeypatch):
+    """score_keys=int8 / int4 on the cache rank (its own prefill/observe/select flow:
+    static cache view, copied store, transformers' growing cache) gives the inline
+    tokens. With a static view and a copied store the cache rank hands the step's keys
+    to observe and appends nothing to its store (no index_copy_); with the growing
+    cache it keeps appending (the copy is rebuilt from the store as the view grows)."""
+    import sys
+
     from transformers import AutoModelForCausalLM
 
     from spade.hf import HFBackend
@@ -390,11 +505,21 @@ def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
     mask[1, :3] = 0
     mask[2, :6] = 0
     ids[mask == 0] = 0
-    base = config("policy.score_keys=int8")
+    base = config(f"policy.score_keys={keys}")
     want = InlineRuntime(base, be, build_policy(base.policy, be.spec)).generate(
         ids, mask, max_new_tokens=NEW, sample_fn=greedy).tokens
-    for topo, mode in (("colocated", "indices"), ("local", "delta")):
-        cfg = config("policy.score_keys=int8", f"runtime.topology={topo}", "runtime.pack_layers=2",
+    appends = []
+    index_copy = torch.Tensor.index_copy_
+
+    def spy(self, *a, **k):
+        if sys._getframe(1).f_code.co_name == "observe_pack":  # the cache rank's store, not the model's cache
+            appends.append(tuple(self.shape))
+        return index_copy(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", spy)
+    for topo, mode in (("colocated", "indices"), ("local", "delta"), ("local", "indices")):
+        appends.clear()
+        cfg = config(f"policy.score_keys={keys}", f"runtime.topology={topo}", "runtime.pack_layers=2",
                      f"runtime.return_mode={mode}")
         rt = AsyncRuntime(cfg, be, build_policy(cfg.policy, be.spec))
         try:
@@ -402,6 +527,9 @@ def test_int8_through_the_async_runtime_matches_inline(backend, monkeypatch):
         finally:
             rt.close()
         assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+        # a growing cache (hf) is copied and appended in both topologies; a static one is
+        # shared (colocated) or copied without appends (local)
+        assert bool(appends) == (backend == "hf"), (topo, mode, len(appends))
 
 
 # ------------------------------------------------------------------ rope_aware resolution
@@ -439,15 +567,23 @@ def test_rope_aware_true_refuses_a_model_without_rope():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("predictor", ["assembled", "ridge"])
-def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
+@pytest.mark.parametrize("predictor,score_keys,dtype", [("assembled", "exact", torch.float32),
+                                                        ("ridge", "exact", torch.float32),
+                                                        ("assembled", "int4", torch.bfloat16),
+                                                        ("assembled", "int8", torch.bfloat16),
+                                                        ("ridge", "int4", torch.float32)])
+def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, dtype, monkeypatch):
     """``predict_layers`` (one predictor launch for a run of layers, what the cache rank
     does per pack) leaves every layer's selection exactly as predicting per layer does;
-    each prediction made ahead serves one select only."""
+    each prediction made ahead serves one select only. Compressed keys: the run's
+    queries are also folded with the int4 smoothing and rounded to the cache dtype in
+    one launch (``q_scored``), and select uses them instead of its own fold."""
+    from spade import kernels
+
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the batched path is the kernel's (interpreter here)
-    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3, dtype=dtype)
     pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4,
-                      predictor=predictor, group_reduce="sum_logits", rope_aware=False)
+                      predictor=predictor, group_reduce="sum_logits", rope_aware=False, score_keys=score_keys)
     ks, vs, kv = sim.fresh_cache()
     states = []
     for _ in range(2):
@@ -460,8 +596,17 @@ def test_predict_layers_gives_the_per_layer_predictions(predictor, monkeypatch):
     kv1 = kv + 1
     pol.predict_layers(states[0], range(0, 3))
     assert all(s.q_pred is not None for s in states[0].layers)
+    folded = score_keys == "int4" or (score_keys == "int8" and dtype != torch.float32)
+    assert all((s.q_scored is not None) == folded for s in states[0].layers)
+    folds = []
+    fold = kernels.fold_smoothing
+    monkeypatch.setattr(kernels, "fold_smoothing", lambda q, sm: folds.append(1) or fold(q, sm))
     for layer in range(3):
+        n = len(folds)
         a = pol.select(states[0], layer, None, ks[layer], kv1)  # uses the batched prediction
+        assert len(folds) == n + (score_keys != "exact" and not folded)
         b = pol.select(states[1], layer, None, ks[layer], kv1)  # predicts on its own
         assert torch.equal(a.indices, b.indices)
-        assert states[0].layers[layer].q_pred is None  # consumed
+        assert states[0].layers[layer].q_pred is None and states[0].layers[layer].q_scored is None  # consumed
+    if score_keys == "int4":
+        assert states[0].layers[1].k_smooth.data_ptr() == states[0].layers[1].all_smooth[1].data_ptr()
