@@ -76,6 +76,8 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 64
+DEFAULT_INDEX_MODE = "tile"
+"""``sparse_decode_attention_triton``'s index path when the caller names none."""
 _MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per thread at 64 x 32)
 
 
@@ -556,7 +558,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    num_splits: int | None = None, block_n: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
                                    combine: str = "fused", stats: torch.Tensor | None = None,
-                                   count_call: bool = True, index_mode: str = "tile"):
+                                   count_call: bool = True, index_mode: str | None = None):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
@@ -584,14 +586,19 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     global memory inside the main loop (no tile: no cross-thread row extraction,
     and no ``_MAX_CHUNK_BLOCKS`` limit, so fewer splits are allowed), leaving the
     software pipeliner to stage the index load ahead of the dependent K/V loads.
-    Same results either way; ignored on the dense path.
+    Same results either way; ignored on the dense path. ``None``: the environment's
+    ``SPADE_ATTN_INDEX_MODE`` (read at call time: a captured graph keeps the mode it
+    was captured with), else ``DEFAULT_INDEX_MODE``.
     """
+    if index_mode is None:
+        index_mode = os.environ.get("SPADE_ATTN_INDEX_MODE", DEFAULT_INDEX_MODE)
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
     _check_stats(stats, q.device)
     if combine not in ("fused", "kernel"):
         raise ValueError(f"combine must be 'fused' or 'kernel', got {combine!r}")
     if index_mode not in ("tile", "loop"):
-        raise ValueError(f"index_mode must be 'tile' or 'loop', got {index_mode!r}")
+        raise ValueError(f"index_mode must be 'tile' or 'loop', got {index_mode!r} "
+                         "(argument index_mode or SPADE_ATTN_INDEX_MODE)")
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     G_PAD = max(16, triton.next_power_of_2(G))

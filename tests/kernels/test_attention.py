@@ -344,12 +344,19 @@ def test_bad_combine_raises(device):
         A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), combine="tree")
 
 
-def test_bad_index_mode_raises(device):
+def test_bad_index_mode_raises(device, monkeypatch):
     q, k, v = _inputs(1, 2, 1, 16, 8, torch.float32, device)
     idx = torch.zeros(1, 1, 2, dtype=torch.int32, device=device)
-    for mode in ("Tile", "gather", None):
+    for mode in ("Tile", "gather", ""):
         with pytest.raises(ValueError, match="index_mode must be 'tile' or 'loop'"):
             A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), idx, index_mode=mode)
+    monkeypatch.setenv("SPADE_ATTN_INDEX_MODE", "gather")  # the default comes from the environment
+    with pytest.raises(ValueError, match="SPADE_ATTN_INDEX_MODE"):
+        A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), idx)
+    monkeypatch.setenv("SPADE_ATTN_INDEX_MODE", "loop")
+    lens = torch.tensor([8], device=device)
+    torch.testing.assert_close(A.sparse_decode_attention_triton(q, k, v, lens, idx),
+                               A.sparse_decode_attention_triton(q, k, v, lens, idx, index_mode="tile"))
 
 
 @pytest.mark.parametrize("index_mode", INDEX_MODES)
