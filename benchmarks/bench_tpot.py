@@ -483,9 +483,14 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
 
 
 def pack_work(model, pol, B: int, L: int, P: int, q: torch.Tensor, g: torch.Generator, W: int) -> Callable[[], None]:
-    """The cache rank's work for one pack of P layers, as the runtime does it: observe
-    every layer, predict the pack's queries together (``predict_layers`` where the
-    policy has it), select every layer."""
+    """The cache rank's work for one pack of P layers, as ``CacheRank`` does it: observe
+    every layer (compressed scoring keys quantised straight from the step's received key,
+    ``Policy.takes_new_keys``; else the key appended to the store first), predict the
+    pack's queries together (``predict_layers``), select every layer inside one
+    ``shared_derived`` block, writing into the pack's output rows where the policy takes
+    ``out=`` (``select_takes_out``)."""
+    from spade.policies.common import shared_derived
+
     dev, spec = model.device, model.spec
     st = pol.new_state(B, dev)
     st.seq_len = L
@@ -497,14 +502,28 @@ def pack_work(model, pol, B: int, L: int, P: int, q: torch.Tensor, g: torch.Gene
     st.seq_len = L + 1
     kv1 = kv + 1
     predict_layers = getattr(pol, "predict_layers", None)
+    new_keys = getattr(pol, "takes_new_keys", lambda _s: False)(st)
+    k_new = torch.randn(B, spec.n_kv_heads, spec.head_dim, device=dev, generator=g).to(model.dtype)
+    pos = (kv1 - 1).to(torch.int64)[:1]  # the runtime appends at one device-side position
+    K = pol.budget - getattr(pol.cfg, "sink_tokens", 0) - getattr(pol.cfg, "recent_tokens", 0)
+    rows = (list(torch.full((P, B, spec.n_kv_heads, K), -1, dtype=torch.int32, device=dev).unbind(0))
+            if getattr(pol, "select_takes_out", False) and K > 0 else None)
 
     def work():
         for i, (kc, _) in enumerate(caches):
-            pol.observe(st, i, q, kc, kv1)
+            if new_keys:
+                pol.observe(st, i, q, kc, kv1, k_new=k_new)
+            else:
+                kc.index_copy_(2, pos, k_new.unsqueeze(2))
+                pol.observe(st, i, q, kc, kv1)
         if predict_layers is not None:
             predict_layers(st, range(P))
-        for i, (kc, _) in enumerate(caches):
-            pol.select(st, i, None, kc, kv1)
+        with shared_derived(st):
+            for i, (kc, _) in enumerate(caches):
+                if rows is None:
+                    pol.select(st, i, None, kc, kv1)
+                else:
+                    pol.select(st, i, None, kc, kv1, out=rows[i])
 
     return work
 

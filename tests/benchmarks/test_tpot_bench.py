@@ -55,6 +55,8 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     conf = json.loads(out.read_text())["configs"][0]
     assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2"}
+    assert not conf["errors"]  # the layer timings (Fig. 2 / Table 3) ran too
+    assert conf["layer_ms"]["select_asyncspade_pack2_graph_ms"] > 0
     row = conf["rows"]["asyncspade/local/P=2"]
     assert row["tpot_ms"] > 0 and row["steps"] == 3 and "host_ms_per_step" in row
     ch = row["cache_host"]  # the cache rank's account, sent with the END acknowledgement
