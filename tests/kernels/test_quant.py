@@ -115,6 +115,20 @@ def test_quantize_rejects_bad_inputs():
         quant.quantize_append_triton(kq, ks.half(), torch.randn(1, 1, 8), torch.tensor([0]))
 
 
+def _append_case(bits: int, impl: str, cache: torch.Tensor, g: torch.Generator, device):
+    """A random quantised copy [B, H, L, .] of the cache's shape and the append to test:
+    (kq0, ks0, fn, ref, extra on device, extra for ref) — int4 with the cache's smoothing."""
+    B, H, L, D = cache.shape
+    smooth = quant.fit_smoothing(cache) if bits == 4 else None
+    quant_keys = (lambda k: quant.quantize_keys_int4_ref(k, smooth)) if bits == 4 else quant.quantize_keys_ref
+    kq0, ks0 = quant_keys(torch.randn(B, H, L, D, generator=g))
+    names = {8: ("quantize_append_ref", "quantize_append_triton"),
+             4: ("quantize_append_int4_ref", "quantize_append_int4_triton")}[bits]
+    fn = getattr(quant, names[0] if impl == "ref" else names[1])
+    extra = (smooth,) if bits == 4 else ()
+    return kq0, ks0, fn, getattr(quant, names[0]), tuple(x.to(device) for x in extra), extra
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 def test_quantize_append_reads_the_cache_row(bits, impl, device):
@@ -126,18 +140,12 @@ def test_quantize_append_reads_the_cache_row(bits, impl, device):
     buf = torch.randn(B, H, L + 4, D, generator=g)
     cache = buf[:, :, :L]  # [B, H, L, D], row stride of the longer buffer
     pos = torch.tensor([L - 1, 4, -1])
-    smooth = quant.fit_smoothing(cache) if bits == 4 else None
-    quant_keys = (lambda k: quant.quantize_keys_int4_ref(k, smooth)) if bits == 4 else quant.quantize_keys_ref
-    kq0, ks0 = quant_keys(torch.randn(B, H, L, D, generator=g))
-    names = {8: ("quantize_append_ref", "quantize_append_triton"),
-             4: ("quantize_append_int4_ref", "quantize_append_int4_triton")}[bits]
-    fn = getattr(quant, names[0] if impl == "ref" else names[1])
-    extra = (smooth.to(device),) if bits == 4 else ()
+    kq0, ks0, fn, ref, extra, extra_ref = _append_case(bits, impl, cache, g, device)
     got_q, got_s = kq0.clone().to(device), ks0.clone().to(device)
     fn(got_q, got_s, cache.to(device), pos.to(device), *extra)
     rows = torch.stack([cache[b, :, max(int(pos[b]), 0)] for b in range(B)])  # [B, H, D]
     want_q, want_s = kq0.clone(), ks0.clone()
-    getattr(quant, names[0])(want_q, want_s, rows, pos, *(smooth,) if bits == 4 else ())
+    ref(want_q, want_s, rows, pos, *extra_ref)
     assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
     assert torch.equal(want_q[2], kq0[2]) and not torch.equal(want_q[0], kq0[0])
 
@@ -154,17 +162,11 @@ def test_quantize_append_pos_offset(bits, impl, source, device):
     cache = torch.randn(B, H, L + 3, D, generator=g)[:, :, :L]
     k_new = cache if source == "cache" else torch.randn(B, H, D, generator=g)
     kv = torch.tensor([L, 5, 0, L + 1])  # slots L-1, 4, -1 (skipped), L (skipped)
-    smooth = quant.fit_smoothing(cache) if bits == 4 else None
-    quant_keys = (lambda k: quant.quantize_keys_int4_ref(k, smooth)) if bits == 4 else quant.quantize_keys_ref
-    kq0, ks0 = quant_keys(torch.randn(B, H, L, D, generator=g))
-    names = {8: ("quantize_append_ref", "quantize_append_triton"),
-             4: ("quantize_append_int4_ref", "quantize_append_int4_triton")}[bits]
-    fn = getattr(quant, names[0] if impl == "ref" else names[1])
-    extra = (smooth.to(device),) if bits == 4 else ()
+    kq0, ks0, fn, ref, extra, extra_ref = _append_case(bits, impl, cache, g, device)
     got_q, got_s = kq0.clone().to(device), ks0.clone().to(device)
     fn(got_q, got_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1)
     want_q, want_s = kq0.clone(), ks0.clone()
-    getattr(quant, names[0])(want_q, want_s, k_new, kv - 1, *(smooth,) if bits == 4 else ())
+    ref(want_q, want_s, k_new, kv - 1, *extra_ref)
     assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
     assert torch.equal(want_q[2:], kq0[2:]) and not torch.equal(want_q[0], kq0[0])
     append = kernels.quantize_append_int4 if bits == 4 else kernels.quantize_append
