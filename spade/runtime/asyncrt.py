@@ -290,7 +290,7 @@ class CacheThread:
             self.thread.join(timeout_s)
 
 
-def _cache_thread_wanted(cfg, inference_device: torch.device, cache_device: torch.device) -> bool:
+def _cache_thread_wanted(cfg) -> bool:
     """``runtime.cache_thread``: ``auto`` is a coroutine. Measured at B=8 L=32k K=2k on two
     H200s (docs/perf.md, session 5): the thread lost 0.7-0.8 ms per step to the coroutine
     (late packs: its host work waits for the GIL while the inference thread launches);
@@ -340,7 +340,7 @@ class CacheLink:
                 link.shared = SharedKV()
             link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
             hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
-            if _cache_thread_wanted(cfg, inference_device, cache_device):
+            if _cache_thread_wanted(cfg):
                 if cache_device.type == "cuda" and cache_device == inference_device:
                     link.cache.use_graphs = False  # see _cache_thread_wanted: captures would not survive syncs
                 link.thread = CacheThread()
