@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -232,9 +233,10 @@ def run_inline(model, method: str, B: int, L: int, K: int, a) -> dict:
     tok = torch.randint(0, model.vocab_size, (B,), device=model.device)
     ms = time_steps(lambda: model.decode(tok, ctx), iters=a.iters, warmup=a.warmup, device=model.device)
     timeline = None
-    want = (a.profile and method in ("optimal", "full")) or method in a.profile_rows.split(",")
-    if want and not getattr(a, f"_profiled_{method}", False):
-        setattr(a, f"_profiled_{method}", True)
+    ptag = method + _pdl_tag(a)
+    want = (a.profile and method in ("optimal", "full") and not _pdl_tag(a)) or ptag in a.profile_rows.split(",")
+    if want and not getattr(a, f"_profiled_{ptag}", False):
+        setattr(a, f"_profiled_{ptag}", True)
 
         async def one():
             model.decode(tok, ctx)
@@ -280,7 +282,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                                   wait=None if a.blocking_sync else sess.wait_device)
             ct = getattr(a, "cur_cache_thread", "auto")
             tag = (f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
-                   + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}"))
+                   + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a))
             timeline = None
             if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
                     or tag in a.profile_rows.split(","):
@@ -770,6 +772,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="every row waits for the device between steps with torch.cuda.synchronize (an async "
                          "row's event loop stalls meanwhile) instead of polling an event (the async rows through "
                          "the runtime's own InferenceSession.wait_device)")
+    ap.add_argument("--pdl", default="",
+                    help="SPADE_PDL modes to run every row under, comma-separated from auto,off (programmatic "
+                         "dependent launch of the decode kernels, spade.kernels.pdl): the first names the rows, "
+                         "each further one adds rows suffixed /pdl=<mode>, side by side; empty: the environment's")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -794,12 +800,74 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         ap.error(f"--score-keys: unknown {bad} (choose from exact,int8,int4)")
     a.cur_score_keys = "exact"
+    from spade.kernels.pdl import PDL_MODES
+
+    a.pdl = [m.strip().lower() for m in a.pdl.split(",") if m.strip()]
+    if any(m not in PDL_MODES for m in a.pdl):
+        ap.error(f"--pdl takes {','.join(PDL_MODES)} (comma-separated); got {a.pdl}")
+    if not a.pdl:
+        a.pdl = [""]  # the environment's SPADE_PDL, no suffix
+    a.cur_pdl_sfx = ""
     return a
 
 
 def kv_bytes(model, B: int, L: int) -> int:
     s = model.spec
     return 2 * s.n_layers * B * s.n_kv_heads * L * s.head_dim * (torch.finfo(model.dtype).bits // 8)
+
+
+def _pdl_tag(a) -> str:
+    """Suffix of profile tags for rows of a later ``--pdl`` mode (``_pdloff``), else ``""``."""
+    return getattr(a, "cur_pdl_sfx", "").replace("/pdl=", "_pdl")
+
+
+def set_pdl(mode: str, a) -> None:
+    """Rows from here on launch the decode kernels under ``SPADE_PDL=mode`` (``""``: the
+    environment's, untouched); rows of a later mode are named ``.../pdl=<mode>``. Graphs
+    are keyed by the mode (``spade.kernels.pdl.capture_key``), so each mode captures its own."""
+    if mode:
+        os.environ["SPADE_PDL"] = mode
+    a.cur_pdl_sfx = "" if mode == a.pdl[0] else f"/pdl={mode}"
+
+
+def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, record) -> None:
+    """Every method row of ``a.methods`` at one (B, L, K), through ``record(name, fn)``."""
+    for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
+        if m in a.methods:
+            record(m, lambda m=m: run_inline(model, m, B, L, K, a))
+    if "asyncspade/inline" in a.methods:
+        for sk in a.score_keys:
+            if sk == "exact":
+                continue
+
+            def go_inline(sk=sk):
+                a.cur_score_keys = sk
+                try:
+                    return run_inline(model, "asyncspade/inline", B, L, K, a)
+                finally:
+                    a.cur_score_keys = "exact"
+
+            record(f"asyncspade/inline/{sk}", go_inline)
+    for topo in ("colocated", "local", "multiprocess"):
+        if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
+            continue
+        threads = a.cache_thread if topo != "multiprocess" else ["auto"]
+        for sk in a.score_keys:
+            for mode in a.modes:
+                for P in a.packs:
+                    for ct in threads:
+                        name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                                + ("" if sk == "exact" else f"/{sk}")
+                                + ("" if ct == threads[0] else f"/{ct}"))
+
+                        def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct):
+                            a.cur_score_keys, a.cur_cache_thread = sk, ct
+                            try:
+                                return run_async(model, topo, P, mode, B, L, K, a, shared)
+                            finally:
+                                a.cur_score_keys, a.cur_cache_thread = "exact", "auto"
+
+                        record(name, go)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -861,6 +929,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
+                    name += a.cur_pdl_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -884,42 +953,10 @@ def run(argv: list[str] | None = None) -> dict:
                     free_memory()
                     out.write_text(json.dumps({**result, "configs": result["configs"] + [conf]}, indent=2))
 
-                for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
-                    if m in a.methods:
-                        record(m, lambda m=m: run_inline(model, m, B, L, K, a))
-                if "asyncspade/inline" in a.methods:
-                    for sk in a.score_keys:
-                        if sk == "exact":
-                            continue
-
-                        def go_inline(sk=sk):
-                            a.cur_score_keys = sk
-                            try:
-                                return run_inline(model, "asyncspade/inline", B, L, K, a)
-                            finally:
-                                a.cur_score_keys = "exact"
-
-                        record(f"asyncspade/inline/{sk}", go_inline)
-                for topo in ("colocated", "local", "multiprocess"):
-                    if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
-                        continue
-                    threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-                    for sk in a.score_keys:
-                        for mode in a.modes:
-                            for P in a.packs:
-                                for ct in threads:
-                                    name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
-                                            + ("" if sk == "exact" else f"/{sk}")
-                                            + ("" if ct == threads[0] else f"/{ct}"))
-
-                                    def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct):
-                                        a.cur_score_keys, a.cur_cache_thread = sk, ct
-                                        try:
-                                            return run_async(model, topo, P, mode, B, L, K, a, shared)
-                                        finally:
-                                            a.cur_score_keys, a.cur_cache_thread = "exact", "auto"
-
-                                    record(name, go)
+                for pm in a.pdl:
+                    set_pdl(pm, a)
+                    rows_for_budget(model, B, L, K, a, shared, two, record)
+                set_pdl(a.pdl[0], a)
                 try:
                     lt = layer_timings(model, B, L, K, a)
                     conf["layer_ms"] = lt

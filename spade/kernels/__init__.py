@@ -9,6 +9,11 @@ the references.
 
 Kernels are leaves: they import nothing else of spade.
 
+Every Triton kernel of the suite takes a ``PDL`` constexpr and, on sm_90+ GPUs, is
+launched with programmatic dependent launch (``spade.kernels.pdl``: it may start while
+the previous kernel of the stream finishes, and waits for it before touching data;
+``SPADE_PDL=off`` turns it off).
+
 Shapes and conventions (all ops):
 
 * ``q``: [B, Hq, D] queries of one decode step; ``k``/``v``: [B, Hkv, L, D] KV

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+
 __all__ = ["gather_kv_ref", "gather_kv_triton"]
 
 
@@ -58,7 +60,9 @@ def _gather_kv_kernel(K, V, IDX, KO, VO,
                       stride_vb, stride_vh, stride_vl, stride_vd,
                       stride_ib, stride_ih, stride_ik,
                       Hkv, L, K_SEL,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -97,5 +101,5 @@ def gather_kv_triton(k: torch.Tensor, v: torch.Tensor,
     block_k = max(1, min(triton.next_power_of_2(K_sel), (16384 // k.element_size()) // D_PAD))
     grid = (B * Hkv, triton.cdiv(K_sel, block_k))
     _gather_kv_kernel[grid](k, v, indices, k_sel, v_sel, *k.stride(), *v.stride(), *indices.stride(),
-                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4)
+                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(k))
     return k_sel, v_sel

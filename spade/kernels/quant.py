@@ -67,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+
 __all__ = ["SCALE_FLOOR", "INT4_MAX", "SMOOTH_FLOOR", "quantize_keys_ref", "quantize_keys_triton",
            "quantize_append_ref", "quantize_append_triton", "fit_smoothing", "fold_smoothing", "pack_int4",
            "unpack_int4", "quantize_keys_int4_ref", "quantize_keys_int4_triton", "quantize_append_int4_ref",
@@ -189,8 +191,11 @@ def _quantize_keys_kernel(K, KQ, KS, L,
                           stride_kb, stride_kh, stride_kl, stride_kd,
                           stride_qb, stride_qh, stride_ql, stride_qd,
                           stride_sb, stride_sh, stride_sl,
-                          H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Grid (B * H, cdiv(L, BLOCK_L)): one tile of tokens of one (b, head) row."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     b = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
@@ -218,8 +223,11 @@ def _quantize_append_kernel(KN, KQ, KS, POS, L, OFFSET,
                             stride_nb, stride_nh, stride_nl, stride_nd,
                             stride_qb, stride_qh, stride_ql, stride_qd,
                             stride_sb, stride_sh, stride_sl,
-                            H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                            H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside [0, L))."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -246,7 +254,7 @@ def quantize_keys_triton(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BLOCK_L = max(1, min(64, 8192 // BLOCK_D))  # ~8k elements per tile
     grid = (B * H, triton.cdiv(L, BLOCK_L))
     _quantize_keys_kernel[grid](k, kq, ks, L, *k.stride(), *kq.stride(), *ks.stride(),
-                                H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, num_warps=4)
+                                H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, num_warps=4, **pdl_kwargs(k))
     return kq, ks
 
 
@@ -261,7 +269,7 @@ def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tens
     pos = pos.to(kq.device)
     _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *kq.stride(),
                                   *ks.stride(), H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
-                                  num_warps=4)
+                                  num_warps=4, **pdl_kwargs(k_new))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,8 +430,10 @@ def _quantize4_keys_kernel(K, SM, KQ, KS, L,
                            stride_qb, stride_qh, stride_ql, stride_qd,
                            stride_sb, stride_sh, stride_sl,
                            H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_L: tl.constexpr,
-                           SMOOTH: tl.constexpr):
+                           SMOOTH: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (B * H, cdiv(L, BLOCK_L)): one tile of tokens of one (b, head) row."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     b = (row // H).to(tl.int64)
     h = (row % H).to(tl.int64)
@@ -445,9 +455,11 @@ def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L, OFFSET,
                              stride_qb, stride_qh, stride_ql, stride_qd,
                              stride_sb, stride_sh, stride_sl,
                              H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_H: tl.constexpr,
-                             SMOOTH: tl.constexpr):
+                             SMOOTH: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside
     [0, L)); the tile's rows are the H heads (each with its own smoothing vector)."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DH)
@@ -479,7 +491,7 @@ def quantize_keys_int4_triton(k: torch.Tensor,
     grid = (B * H, triton.cdiv(L, BLOCK_L))
     _quantize4_keys_kernel[grid](k, sm, kq, ks, L, *k.stride(), *sm_strides, *kq.stride(), *ks.stride(),
                                  H=H, DH=D // 2, BLOCK_DH=BLOCK_DH, BLOCK_L=BLOCK_L, SMOOTH=smooth is not None,
-                                 num_warps=4)
+                                 num_warps=4, **pdl_kwargs(k))
     return kq, ks
 
 
@@ -496,4 +508,5 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     sm_strides = smooth.stride() if smooth is not None else (0, 0, 0)
     _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
                                    *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
-                                   BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4)
+                                   BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4,
+                                   **pdl_kwargs(k_new))

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+
 from spade.kernels import scoring
 from spade.kernels.scoring import _check_rows, _default_scale, _interpret, _sm_count
 
@@ -210,9 +212,12 @@ def _quest_build_kernel(
     stride_kb, stride_kh, stride_kl, stride_kd,
     L, P, page_size,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Bounds of BLOCK_P pages of one (b, KV head) row: a [BLOCK_P, BLOCK_S, BLOCK_D]
     tile (BLOCK_S >= page_size) reduced over its token axis."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     pblk = tl.program_id(1)
     b = row // HKV
@@ -242,9 +247,11 @@ def _quest_update_kernel(
     stride_mb, stride_mh, stride_mp, stride_md,
     stride_nb, stride_nh, stride_nd,
     P, page_size,
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Fold ``k_new[b, h]`` into the bounds of the page holding ``pos[b]``."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     b = row // HKV
     h = row % HKV
@@ -302,7 +309,7 @@ def _quest_scores_kernel(
     P, B, CHUNK, page_size, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, REDUCE: tl.constexpr, HAS_LO: tl.constexpr, FROM_LENS: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Page bounds of CHUNK pages (whole BLOCK_P tiles) of one (b, KV head) row.
 
@@ -314,6 +321,8 @@ def _quest_scores_kernel(
     (b, h=0, chunk 0) also writes the top-K candidate range of row ``b`` into
     ``plan_ptr`` ([2, B]: first page, end of the pages before the last one), so
     the selection needs no separate plan launch."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     pblk = tl.program_id(1)
     b = row // HKV
@@ -361,11 +370,14 @@ def _quest_scores_kernel(
 
 
 @triton.jit
-def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.constexpr, BLOCK: tl.constexpr):
+def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Per batch row (as ``_select_plan``): plan[0] = first page, plan[1] = page count
     (an empty row gets an empty range), plan[2] = end of the candidate pages
     ``[first, last)``; plan[3] = first valid token. One launch instead of a handful
     of tiny torch ops."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < B
     kv = tl.load(kv_ptr + offs, mask=m, other=0).to(tl.int32)
@@ -386,11 +398,13 @@ def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.
 @triton.jit
 def _quest_expand_kernel(
     sel_ptr, out_ptr, start_ptr, kv_ptr, page_size, n_sel, n_out,
-    HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr,
+    HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Token slots of one (b, KV head): slot ``i * page_size + j`` holds token ``j`` of
     page ``i`` (page 0 = the last page, then the selected ones); ``-1`` outside
     ``[start, kv)`` or for empty page slots. ``n_out`` = n_sel * page_size."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     b = row // HKV
@@ -426,7 +440,7 @@ def _row_tile_keys(srow, l0, lo, hi, BLOCK: tl.constexpr):
 def _quest_row_select_kernel(
     scores_ptr, out_ptr, pages_ptr, start_ptr, kv_ptr, P, page_size, n_sel, n_out,
     HKV: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, PS_PAD: tl.constexpr,
-    HAS_START: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_START: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Top pages and their token indices for one (b, KV head) row, in one program.
 
@@ -439,6 +453,8 @@ def _quest_row_select_kernel(
     expansion to tokens. No global histograms, workspace memset or atomics, and
     the expansion is fused: with the score kernel, Quest select is two launches
     instead of seven. Slot 0 holds the last page."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     b = row // HKV
     row64 = row.to(tl.int64)
@@ -571,7 +587,7 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
     grid = (B * H, triton.cdiv(P, BLOCK_P))
     _quest_build_kernel[grid](k, kmin, kmax, start, kv_lens, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                               L, P, page_size, HKV=H, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_S=BLOCK_S,
-                              num_warps=4)
+                              num_warps=4, **pdl_kwargs(k))
     return kmin, kmax
 
 
@@ -590,7 +606,7 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
     _quest_update_kernel[(B * H,)](
         kmin, kmax, k_new, pos, kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), P, page_size,
-        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1, **pdl_kwargs(kmin))
 
 
 QUEST_CONFIG: dict = {}
@@ -648,7 +664,7 @@ def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=cfg["BLOCK_P"],
         REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=lo is not None, FROM_LENS=plan is not None,
         UPCAST=upcast, IEEE=ieee, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **pdl_kwargs(qr))
 
 
 def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
@@ -726,7 +742,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         _quest_row_select_kernel[(B * Hkv,)](
             scores, out, pages, start_t, kv_lens, P, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=cfg["BLOCK"],
             BLOCK_E=cfg["BLOCK_E"], PS_PAD=triton.next_power_of_2(page_size), HAS_START=kv_start is not None,
-            INTERPRET=_interpret(), num_warps=cfg["num_warps"])
+            INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(scores))
         return out
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
@@ -739,7 +755,8 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             plan_t = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
             PB = min(1024, triton.next_power_of_2(B))
             _quest_plan_kernel[(triton.cdiv(B, PB),)](start_t, kv_lens, plan_t, B, page_size,
-                                                     HAS_START=kv_start is not None, BLOCK=PB, num_warps=1)
+                                                     HAS_START=kv_start is not None, BLOCK=PB, num_warps=1,
+                                                     **pdl_kwargs(start_t))
             page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
             _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=scale, reduce=reduce)
         sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
@@ -748,7 +765,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     BLOCK = min(1024, triton.next_power_of_2(n_out))
     _quest_expand_kernel[(B * Hkv, triton.cdiv(n_out, BLOCK))](
         sel, out, start_t, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK,
-        HAS_START=kv_start is not None, num_warps=4)
+        HAS_START=kv_start is not None, num_warps=4, **pdl_kwargs(sel))
     return out
 
 

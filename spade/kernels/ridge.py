@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+
 __all__ = ["ridge_predict_ref", "ridge_predict_torch", "ridge_predict_triton", "MODES"]
 
 MODES = ("last", "ridge", "softmax_ridge", "assembled")
@@ -154,7 +156,9 @@ def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "asse
 
 @triton.jit
 def _ridge_kernel(W, OUT, stride_n, stride_r, stride_d, R, m, eps,
-                  D: tl.constexpr, D_PAD: tl.constexpr, M: tl.constexpr, MODE: tl.constexpr):
+                  D: tl.constexpr, D_PAD: tl.constexpr, M: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     pid = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, M)  # tile rows: X row p <-> window row R-1-M+p (valid for p >= off)
     offs_d = tl.arange(0, D_PAD)
@@ -250,7 +254,7 @@ def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "ass
     # per ~1024 elements of X (M=64, D=128: 8 warps, 128 regs).
     num_warps = max(1, min(16, (M * D_PAD) // (2048 if M <= 16 else 1024)))
     _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
-                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps)
+                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps, **pdl_kwargs(window))
     return out
 
 
@@ -276,9 +280,11 @@ def window_push_ref(window: torch.Tensor, q: torch.Tensor) -> None:
 
 @triton.jit
 def _window_push_kernel(W, Q, stride_qb, stride_qh, stride_qd, H, R,
-                        D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr):
+                        D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (b, head): its R rows are loaded whole, then stored one row up
     with q in the last row — in place, since no other program touches these rows."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -303,4 +309,4 @@ def window_push_triton(window: torch.Tensor, q: torch.Tensor) -> None:
     if B * H == 0:
         return
     _window_push_kernel[(B * H,)](window, q, *q.stride(), H, R, D=D, R_PAD=triton.next_power_of_2(R),
-                                  D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4)
+                                  D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4, **pdl_kwargs(window))

@@ -85,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
 
 __all__ = [
@@ -517,7 +518,7 @@ def _score_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-    INTERPRET: tl.constexpr, KINT4: tl.constexpr,
+    INTERPRET: tl.constexpr, KINT4: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -528,6 +529,8 @@ def _score_kernel(
     ``[lo, hi)`` and this chunk's online (max, sum-exp) per head into
     ``stats_ptr`` [B*HKV, G, N_CHUNKS, 2].
     """
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)  # b * HKV + h
     chunk = tl.program_id(1)
     b = row // HKV
@@ -606,10 +609,12 @@ def _softmax_finalize_kernel(
     logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     L, CHUNK, N_STATS,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """sum_softmax stage 2: merge the per-chunk (max, sum-exp) of each head into its
     normaliser, then score = Σ_g exp(logit_g - M_g) / Z_g over ``[lo, hi)``."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -669,13 +674,15 @@ def _gemv_score_kernel(
     qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
     stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """``sum_logits`` as one GEMV per (b, KV head): Σ_g scale·q_g·k = (scale·Σ_g q_g)·k, so
     the group collapses into one fp32 query ``qs`` [B*HKV, D] and each key is read once
     with D multiply-adds on the CUDA cores (no padded tensor-core tile of G rows): the
     int8 keys then stream at their own, halved, byte count (int4: a quarter; D is then
     half the head dim, the row's bytes, and ``qs`` holds 2D channels per row)."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -713,7 +720,7 @@ def _i8dot_score_kernel(
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
-    KINT4: tl.constexpr, ASM4: tl.constexpr,
+    KINT4: tl.constexpr, ASM4: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys.
@@ -737,6 +744,8 @@ def _i8dot_score_kernel(
     ``z = y - 16 x̂``, ``x̂`` the fixed-point ``x`` already used, under the same scale),
     both into one int32 accumulator (one epilogue), and ``8 Σx̂`` is subtracted per
     tile. No nibble masks, no offsets."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = row // HKV
@@ -891,7 +900,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if k_scale is not None else out
@@ -902,7 +911,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
         HKV=Hkv, D=Dk, BLOCK_D=max(16, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, KINT8=kint8,
         KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qs))
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -939,7 +948,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             qr, k, ks_arg, out, out, hist_arg, lo, hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
-            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common)
+            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common, **pdl_kwargs(qr))
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
@@ -947,11 +956,11 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
         qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         *ks_strides, L, chunk, n_chunks, scale,
-        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common)
+        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr))
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"])
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(logits))
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -1042,9 +1051,12 @@ def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.cons
 
 @triton.jit
 def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Pass PASS (0 or 1) over one chunk of a row: histogram of digit PASS of the
     keys tied with the prefix so far, added into hist[PASS, row]."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -1085,10 +1097,12 @@ def _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK: tl
 
 @triton.jit
 def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """After passes 0-1 (the top 16 key bits of the K-th largest are known): write the
     sure winners (top 16 bits larger) to the output and the 16-bit ties to a per-row
     buffer, whose length the pass-1 histogram already gives (typically a few dozen)."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -1143,10 +1157,12 @@ def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, 
 
 @triton.jit
 def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """One program per row: passes 2-3 over the 16-bit ties only, then the exact
     threshold T: ties with key > T, then the first ones equal to T, fill the slots
     after the sure winners; -1 padding after k_eff."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
@@ -1213,11 +1229,11 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta)
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl_kwargs(scores))
     cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta)
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl_kwargs(scores))
     tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta)
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl_kwargs(scores))
     return out
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+
 __all__ = ["stage_qkv", "stage_qkv_ref", "stage_qkv_triton"]
 
 
@@ -60,7 +62,9 @@ def stage_qkv_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @triton.jit
 def _stage_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, Hq, Hkv,
                   sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)  # output head in [0, Hq + 2 Hkv)
     d = tl.arange(0, BLOCK_D)
@@ -89,7 +93,7 @@ def stage_qkv_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, kv_lens, out, Hq, Hkv,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+        D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1, **pdl_kwargs(q))
     return out
 
 

@@ -77,6 +77,9 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     assert d["batch"] == [1, 8, 16, 32] and d["packs"] == [2, 4, 6, 12] and "asyncspade/local" in d["methods"]
     a = parse_args(["--config", "configs/h200x2_qwen3_8b.yaml", "--batch", "8", "--iters", "3"])
     assert a.batch == [8] and a.iters == 3 and a.context == [16384, 32768, 65536] and a.score_keys == ["int4"]
+    assert parse_args(["--pdl", "auto, OFF"]).pdl == ["auto", "off"] and parse_args([]).pdl == [""]
+    with pytest.raises(SystemExit):
+        parse_args(["--pdl", "on"])
     with pytest.raises(SystemExit, match="smollm2-135m.*not a random-weight shape preset"):
         config_defaults("configs/cpu_tiny.yaml")
     cfg = tmp_path / "tiny.yaml"
@@ -94,8 +97,9 @@ bench:
   policies: [full, optimal]
 """)
     r = subprocess.run([sys.executable, "-m", "spade.cli", "bench", "tpot", "--config", str(cfg), "--device", "cpu",
-                        "--no-plots"], capture_output=True, text=True, timeout=600)
+                        "--no-plots", "--pdl", "off,auto"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((tmp_path / "out" / "bench_tpot.json").read_text())
     assert res["meta"]["preset"] == "tiny" and res["meta"]["recent"] == 8
-    assert set(res["configs"][0]["rows"]) == {"full", "optimal"}
+    # --pdl off,auto: every row under each mode, the later one suffixed
+    assert set(res["configs"][0]["rows"]) == {"full", "optimal", "full/pdl=auto", "optimal/pdl=auto"}

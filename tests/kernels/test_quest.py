@@ -361,7 +361,7 @@ for from_lens in (True, False):
                stride_mh="i32", stride_mp="i32", stride_md="constexpr", P="i32", B="i32", CHUNK="i32",
                page_size="i32", scale="fp32")
     cons = dict(stride_qd=1, stride_md=1, HKV=HKV, G=G, G_PAD=16, D=D, BLOCK_D=D, BLOCK_P=64, REDUCE=0,
-                HAS_LO=True, FROM_LENS=from_lens, UPCAST=False, IEEE=False, INTERPRET=False)
+                HAS_LO=True, FROM_LENS=from_lens, UPCAST=False, IEEE=False, INTERPRET=False, PDL=from_lens)
     for n in cons:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(Q._quest_scores_kernel.arg_names)
@@ -374,7 +374,7 @@ for has_start in (True, False):
     sig = dict(scores_ptr="*fp32", out_ptr="*i32", pages_ptr="*i32", start_ptr="*i32", kv_ptr="*i32", P="i32",
                page_size="i32",
                n_sel="i32", n_out="i32")
-    cons = dict(HKV=HKV, BLOCK=2048, BLOCK_E=128, PS_PAD=16, HAS_START=has_start, INTERPRET=False)
+    cons = dict(HKV=HKV, BLOCK=2048, BLOCK_E=128, PS_PAD=16, HAS_START=has_start, INTERPRET=False, PDL=has_start)
     for n in cons:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(Q._quest_row_select_kernel.arg_names)

@@ -1,0 +1,106 @@
+"""Programmatic dependent launch (PDL) for the kernels of the decode step.
+
+A decode step is a chain of ~9 short kernels per layer (norm, qkv projection, rope +
+cache store, attention, o projection, norm, gate/up projection, SiLU, down
+projection): ~330 kernel boundaries per step of a 36-layer model. At each boundary the
+GPU drains the previous grid, then launches the next one and waits for its first
+loads: a fixed cost of the order of a microsecond per boundary, paid ~330 times.
+
+On sm_90+ a kernel launched with PDL (``launch_pdl=True``: the programmatic stream
+serialisation attribute) may begin while its predecessor in the stream is still
+running: as soon as every program of the predecessor has executed
+``griddepcontrol.launch_dependents`` (or exited). It must then execute
+``griddepcontrol.wait`` before touching anything the predecessor writes (or reads:
+the wait returns when the predecessor has completed and its writes are visible).
+Every Triton kernel of this suite (the decode step's, the cache rank's, Quest's)
+follows one protocol, behind a ``PDL`` constexpr (launch keywords: ``pdl_kwargs``):
+
+* first ``grid_dep_wait`` (before any load of activations or store of results; work
+  that reads only constant data, e.g. prefetching this program's first weight tiles
+  to L2, may come before it), then ``grid_dep_release`` (so the *next* kernel's
+  programs are launched only once this one has all its programs resident and past
+  their wait: they fill SMs as this kernel's programs exit, never starve it);
+* since every PDL kernel waits for its predecessor, and that one waited for its own,
+  the stream order of the whole chain is kept; kernels launched without PDL (torch
+  ops, cuBLAS) serialise as usual.
+
+A CUDA graph captured from such launches keeps the programmatic edges (CUDA 12.3+).
+``SPADE_PDL`` picks the mode: ``auto`` (default: on for CUDA devices of compute
+capability 9.0 and above, off on older GPUs, on CPU and under the Triton interpreter)
+or ``off``. It is read at launch time, so a captured graph keeps the mode it was
+captured with (``FastModel`` keys its graphs by ``pdl_mode()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PDL_MODES", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key", "grid_dep_wait", "grid_dep_release",
+           "prefetch_l2"]
+
+PDL_MODES = ("auto", "off")
+
+
+def pdl_mode() -> str:
+    """``SPADE_PDL`` (``auto`` when unset), validated."""
+    mode = os.environ.get("SPADE_PDL", "auto").strip().lower() or "auto"
+    if mode not in PDL_MODES:
+        raise ValueError(f"SPADE_PDL must be one of {PDL_MODES}, got {os.environ.get('SPADE_PDL')!r}")
+    return mode
+
+
+def capture_key() -> tuple[str, str]:
+    """The launch settings a CUDA graph records and the environment can change between
+    captures: ``SPADE_PDL`` and ``SPADE_GEMV_PREFETCH`` (graph caches key on it)."""
+    return pdl_mode(), os.environ.get("SPADE_GEMV_PREFETCH", "").strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` now use PDL: ``SPADE_PDL`` is ``auto``, the
+    device is CUDA with compute capability >= 9.0 and Triton is not interpreting."""
+    if pdl_mode() == "off" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """Launch keywords of a kernel following the protocol, for a launch on ``t``'s device:
+    its ``PDL`` constexpr and Triton's ``launch_pdl`` option."""
+    on = pdl_enabled(t.device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def grid_dep_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel of the stream has completed and its writes are
+    visible (a no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def grid_dep_release(PDL: tl.constexpr):
+    """Let the next kernel of the stream launch once every program of this one has
+    called it or exited (a no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 to fetch the lines at ``ptrs`` (where ``mask``); no registers are loaded.
+    One pointer per 128-byte line is enough. GPU only (inline PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
