@@ -255,7 +255,7 @@ def run_sparse_sweep(args, dev) -> int:
     t_max = n_sink + k_mid + n_recent
     d_pad = max(16, d)
     defaults = {m: attention._launch_config(d_pad, elem, m) for m in ("tile", "loop")}
-    heuristic = attention.choose_num_splits(B * hkv, t_max, defaults["tile"][0], dev)
+    heuristic = attention.choose_num_splits(B * hkv, t_max, defaults["tile"][0], dev, indexed=True)
     if heuristic not in splits:
         splits.append(heuristic)
 
@@ -273,7 +273,7 @@ def run_sparse_sweep(args, dev) -> int:
         mode = cfg.get("index_mode", "tile")
         bn = cfg.get("block_n") or defaults[mode][0]
         row["eff_splits"] = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=cfg.get("num_splits"),
-                                                  tile=mode == "tile")[0]
+                                                  tile=mode == "tile", indexed=True)[0]
         t_call = time.time()
         try:
             ms, out, how = _graph_time(timer, lambda: call(stats_t, **cfg), dev)
@@ -317,7 +317,7 @@ def run_sparse_sweep(args, dev) -> int:
             complete = False
             print(f"budget: stopped after {i} of {len(order)} configs", flush=True)
             break
-        eff = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=S, tile=m == "tile")[0]
+        eff = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=S, tile=m == "tile", indexed=True)[0]
         if (m, eff, bn, nw, ns) in seen:  # the tile path raised S to a count already timed
             continue
         seen.add((m, eff, bn, nw, ns))
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                     return torch_sparse(q, k, v, idx_full)
 
                 rows.append(dict(op="sparse", B=B, L=L, K=K,
-                                 splits=attention.choose_num_splits(B * hkv, K, block_n, dev),
+                                 splits=attention.choose_num_splits(B * hkv, K, block_n, dev, indexed=True),
                                  spade_ms=_try(timer, spade_sparse), torch_ms=_try(timer, ref_sparse),
                                  floor_ms=sel_bytes / bw * 1e3, rel_err=_err(spade_sparse, ref_sparse)))
 

@@ -21,6 +21,10 @@
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
+#   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), PDL on and off
+#   pdl        programmatic dependent launch on / off side by side at B=8 L=32k K=2k (every headline row), then
+#              one run per AB_ENVS entry (VAR=VALUE: the fused SiLU, the indexed attention's programs per SM,
+#              the GEMV's L2 prefetch), to hold against the first run's default rows
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
@@ -103,6 +107,26 @@ for s in "${stages[@]}"; do
             --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess \
             --profile-rows ${HEADLINE_PROFILE:-optimal,local_P4_int4,multiprocess_P4_int4} --budget-s 270 \
             --out "$OUT/bench_tpot_headline.json" ;;
+    pdl)  # programmatic dependent launch A/B at issue #5's shape: every headline row under SPADE_PDL=auto and
+          # off in one run; then one run per AB_ENVS setting (the step's other switches, each against the default)
+      run bench_tpot_pdl 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 \
+            --packs ${HEADLINE_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-30} \
+            --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess --pdl auto,off \
+            --profile-rows ${PDL_PROFILE:-none} --budget-s 270 --out "$OUT/bench_tpot_pdl.json"
+      for ab in ${AB_ENVS:-SPADE_FUSE_SILU=0 SPADE_ATTN_PROGRAMS_PER_SM=3 SPADE_GEMV_PREFETCH=2}; do
+        run "bench_tpot_ab_${ab%%=*}" 200 env "$ab" python3 -m benchmarks.bench_tpot --batch 8 \
+              --context 32768 --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --methods full,optimal,asyncspade/local --budget-s 170 --no-plots \
+              --out "$OUT/bench_tpot_ab_${ab%%=*}.json"
+      done ;;
+    large)  # the larger shapes of the cache / inference question (Table 3): B=16 L=32k and B=32 L=16k,
+            # PDL on and off side by side
+      for bl in ${LARGE_SHAPES:-16x32768 32x16384}; do
+        run "bench_tpot_large_$bl" 200 python3 -m benchmarks.bench_tpot --batch ${bl%x*} --context ${bl#*x} \
+              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl auto,off \
+              --methods full,quest,optimal,asyncspade/local --budget-s 170 --no-plots \
+              --out "$OUT/bench_tpot_large_$bl.json"
+      done ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
     sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot \

@@ -65,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
+
 __all__ = [
     "sparse_decode_attention_ref",
     "sparse_decode_attention_triton",
@@ -278,7 +280,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
     HAS_INDICES: tl.constexpr, IDX_LOOP: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
-    STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr,
+    STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -286,6 +288,8 @@ def _decode_split_kernel(
     h = pid_bh % Hkv
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    grid_dep_wait(PDL)  # q and the newest K/V row come from the previous kernel (spade.kernels.pdl)
+    grid_dep_release(PDL)
 
     kv_len = tl.load(KV_LENS + b).to(tl.int32)
     if HAS_START:
@@ -505,6 +509,12 @@ def _sm_count(device: torch.device) -> int:
 # K+V stages in shared memory (70 KiB: 3 programs in 227 KiB) at <= 124 registers
 # per thread (4 programs in 64K registers).
 _PROGRAMS_PER_SM = 3
+# The indexed path fills two of those three slots per SM: its gathers of scattered
+# 256-byte K/V rows run at ~2 TB/s whatever the grid (run29 sweep, B=8 L=32k K=2k,
+# L2 flushed: 33.0-33.4 us at 2-4 splits x 64 (b, head) pairs, 34.8 at the 6 that
+# filling three slots gives, 40.3 at 16), so fewer, longer splits only save merge
+# work. ``SPADE_ATTN_PROGRAMS_PER_SM`` overrides it (read at launch: A/B runs).
+_PROGRAMS_PER_SM_INDEXED = 2
 
 
 def _launch_config(D_PAD: int, elem_size: int, index_mode: str = "tile") -> tuple[int, int, int]:
@@ -523,25 +533,39 @@ def _launch_config(D_PAD: int, elem_size: int, index_mode: str = "tile") -> tupl
     return block_n, 4, 5 if index_mode == "loop" else 3
 
 
-def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device) -> int:
+def _programs_per_sm(indexed: bool) -> int:
+    raw = os.environ.get("SPADE_ATTN_PROGRAMS_PER_SM", "").strip()
+    if not raw:
+        return _PROGRAMS_PER_SM_INDEXED if indexed else _PROGRAMS_PER_SM
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"SPADE_ATTN_PROGRAMS_PER_SM must be an integer >= 1, got {raw!r}")
+    return int(raw)
+
+
+def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device, *,
+                      indexed: bool = False) -> int:
     """Splits per (b, KV head). Decode attention is bound by HBM bandwidth, so every
     SM must stream K/V: fill one wave of resident programs (``SMs x programs per
-    SM``) and no more — a partial second wave would leave SMs idle at the tail.
+    SM``: three dense, two on the indexed path, ``_PROGRAMS_PER_SM_INDEXED``) and no
+    more — a partial second wave would leave SMs idle at the tail.
     Each split keeps at least two blocks of work (the merge is not free); at most
     ``_MAX_SPLITS``. With ``B * Hkv`` already filling a wave: one split, no merge."""
-    slots = _PROGRAMS_PER_SM * _sm_count(device)
+    slots = _programs_per_sm(indexed) * _sm_count(device)
     splits = max(1, slots // max(n_pairs, 1))
     max_useful = max(1, triton.cdiv(t_max, 2 * block_n))
     return int(min(splits, max_useful, _MAX_SPLITS))
 
 
 def plan_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device, *, num_splits: int | None = None,
-                tile: bool = True) -> tuple[int, int]:
+                tile: bool = True, indexed: bool | None = None) -> tuple[int, int]:
     """(splits, MAX_BLOCKS) the launcher uses: ``num_splits`` or the heuristic's
-    choice; on the tile index path (``tile``) raised so that a split's chunk of
+    choice (``indexed``: the indexed path's, default ``tile``); on the tile index path
+    (``tile``) raised so that a split's chunk of
     indices fits the preloaded tile (at most ``_MAX_CHUNK_BLOCKS`` blocks), with
     MAX_BLOCKS the tile's rows (1 elsewhere); at most ``_MAX_SPLITS``."""
-    splits = num_splits if num_splits is not None else choose_num_splits(n_pairs, t_max, block_n, device)
+    indexed = tile if indexed is None else indexed
+    splits = num_splits if num_splits is not None else choose_num_splits(n_pairs, t_max, block_n, device,
+                                                                         indexed=indexed)
     if tile:  # a split's index chunk is preloaded whole: at most _MAX_CHUNK_BLOCKS blocks
         splits = max(splits, triton.cdiv(triton.cdiv(t_max, block_n), _MAX_CHUNK_BLOCKS))
     splits = int(max(1, min(splits, _MAX_SPLITS)))
@@ -625,7 +649,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         si = (0, 0, 0)
     idx_loop = has_idx and index_mode == "loop"
     splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits,
-                                     tile=has_idx and not idx_loop)
+                                     tile=has_idx and not idx_loop, indexed=has_idx)
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
@@ -647,6 +671,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if B * Hkv == 0 and stats is not None and count_call:
         stats[1] += 1
     if B * Hkv > 0:
+        pdl = pdl_enabled(dev)
         _decode_split_kernel[(B * Hkv, splits)](
             q, k, v, kv_lens, kv_start_t, idx_t,
             o_part, lse_part, out, lse,
@@ -657,7 +682,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             HAS_INDICES=has_idx, IDX_LOOP=idx_loop, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
-            num_warps=num_warps, num_stages=num_stages,
+            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
         )
         if splits > 1 and not fused:
             _reduce_splits_kernel[(B * Hq,)](

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -246,6 +247,15 @@ LINEAR_MODES = ("auto", "cublas", "triton")
 """``FastModel(linear=...)``: the decode projections' kernel (``spade.kernels.gemv.make_linear``)."""
 
 
+def _fuse_silu() -> bool:
+    """``SPADE_FUSE_SILU`` (default on): the down projection forms ``silu(gate) * up`` itself
+    where it runs on the Triton GEMV (``FastModel._down``)."""
+    raw = os.environ.get("SPADE_FUSE_SILU", "1").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"SPADE_FUSE_SILU must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
     """``spade.kernels.gemv.make_linear``, imported on first use (importing this module
     never imports triton). ``"cublas"`` needs no Triton at all."""
@@ -266,10 +276,18 @@ def triton_ops() -> dict[str, Callable]:
     import triton
     import triton.language as tl
 
+    from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
+
+    # The kernels below call these two @triton.jit helpers; Triton resolves a kernel's
+    # callees among its module's globals (the interpreter ignores closures).
+    globals().update(grid_dep_wait=grid_dep_wait, grid_dep_release=grid_dep_release)
+
     @triton.jit
     def _add_rms_norm_kernel(X, DELTA, W, OUT, stride_x, stride_d, stride_o, N, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One program per row: x (+= delta), then y = w * (x * rsqrt(mean(x^2) + eps)).
+        grid_dep_wait(PDL)  # programmatic dependent launch: see spade.kernels.pdl
+        grid_dep_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -293,10 +311,12 @@ def triton_ops() -> dict[str, Callable]:
                                stride_vc_b, stride_vc_h, stride_vc_l,
                                stride_cs, HQ, HKV, eps,
                                D: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         # Grid (B, Hq + 2 Hkv): one head vector per program. q heads: norm, rotate,
         # store to QOUT; k heads: norm, rotate, store to the cache at WIDX; v heads:
         # copy to the cache at WIDX.
+        grid_dep_wait(PDL)
+        grid_dep_release(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK_D)
@@ -338,7 +358,9 @@ def triton_ops() -> dict[str, Callable]:
                      x.to(VC.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        grid_dep_wait(PDL)
+        grid_dep_release(PDL)
         b = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < I
@@ -355,10 +377,11 @@ def triton_ops() -> dict[str, Callable]:
         assert x.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
         out = torch.empty_like(x)
         block = triton.next_power_of_2(N)
+        pdl = pdl_enabled(x.device)
         _add_rms_norm_kernel[(B,)](
             x, delta if delta is not None else x, w, out, x.stride(0),
             delta.stride(0) if delta is not None else 0, out.stride(0), N, float(eps),
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=_warps(block))
+            HAS_DELTA=delta is not None, BLOCK=block, PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
         return out
 
     def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv):
@@ -369,13 +392,15 @@ def triton_ops() -> dict[str, Callable]:
         assert cos_tab.stride(1) == 1 and cos_tab.stride() == sin_tab.stride()
         q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
         has_norm = q_norm is not None
+        pdl = pdl_enabled(qkv.device)
         _qkv_rope_store_kernel[(B, n_q + 2 * n_kv)](
             qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos_tab, sin_tab, pos, widx,
             q_out, k_cache, v_cache, qkv.stride(0), q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             cos_tab.stride(0), n_q, n_kv, float(eps),
-            D=D, ROT=rot, HALF=rot // 2, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+            D=D, ROT=rot, HALF=rot // 2, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), PDL=pdl,
+            num_warps=1, launch_pdl=pdl)
         return q_out
 
     def silu_mul_triton(gu):
@@ -384,8 +409,9 @@ def triton_ops() -> dict[str, Callable]:
         assert gu.stride(1) == 1
         out = torch.empty(B, n, dtype=gu.dtype, device=gu.device)
         block = min(2048, triton.next_power_of_2(n))
+        pdl = pdl_enabled(gu.device)
         _silu_mul_kernel[(B, triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block,
-                                                     num_warps=_warps(block))
+                                                     PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
         return out
 
     _TRITON_OPS = {"add_rms_norm": add_rms_norm_triton, "qkv_rope_store": qkv_rope_store_triton,
@@ -544,6 +570,20 @@ class FastModel(DecodeBackend):
         if f is None:
             f = self._linears[key] = _make_linear(self._linear, x.shape[0], w)
         return f(x, w, b)
+
+    def _down(self, gu: torch.Tensor, w: torch.Tensor, silu_mul: Callable) -> torch.Tensor:
+        """The MLP's down projection of ``silu(gate) * up`` (``gu`` = ``[gate | up]``): where
+        the projection runs on the Triton GEMV with the fused kernels, one launch that forms
+        the SiLU product per loaded tile (``linear_triton(gated=True)``: bit-identical to the
+        SiLU kernel then the GEMV); elsewhere the SiLU op, then the projection.
+        ``SPADE_FUSE_SILU=0`` keeps the two launches (A/B runs; graphs are keyed by it)."""
+        key = (gu.shape[0], w.shape[0], w.shape[1], w.device)
+        f = self._linears.get(key)
+        if f is None:
+            f = self._linears[key] = _make_linear(self._linear, gu.shape[0], w)
+        if f is not F.linear and self.fused_kernels and _fuse_silu():  # f is linear_triton
+            return f(gu, w, gated=True)
+        return f(silu_mul(gu), w)
 
     def linear_kernels(self, batch: int | None = None) -> dict[str, str]:
         """Which kernel each decode projection uses at ``batch`` rows (``"triton"`` or
@@ -893,7 +933,7 @@ class FastModel(DecodeBackend):
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)
-            pending = self._lin(silu_mul(self._lin(h, L.wgu)), L.wd)
+            pending = self._down(self._lin(h, L.wgu), L.wd, silu_mul)
         if last:
             h = add_rms_norm(x, pending, self.norm, a.eps)
             self._logits[:B].copy_(self._lin(h, self.lm_head))
@@ -933,7 +973,10 @@ class FastModel(DecodeBackend):
         graphs = None
         key = None
         if self._stream is not None and self.use_cuda_graphs:
-            key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key(), self._linear)
+            from spade.kernels.pdl import capture_key
+
+            key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key(), self._linear,
+                   capture_key(), _fuse_silu())
             graphs = self._graphs.get(key)
         if graphs == "eager":  # capture failed for this key: stay eager
             key = None

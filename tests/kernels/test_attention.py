@@ -604,17 +604,20 @@ def build(fn, args, cons, num_warps=4, num_stages=3):
     ttgir = k.asm["ttgir"]
     loop = ttgir[ttgir.find("scf.for"):]
     loop = loop[:loop.find("scf.yield")]  # the main loop's body (it holds no nested region)
+    ptx = k.asm["ptx"]
     return dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared,
+                gdc=[ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
                 acq_rel_atomics=ttgir.count("atomic_rmw add, acq_rel, gpu"),
                 loads_in_loop=loop.count("tt.load "), kv_buffers=[l.split("memdesc<")[1].split("x")[0]
                 for l in ttgir.splitlines() if "local_alloc" in l and "mutable" in l])
 
 out = {}
 L, Hkv, G, D, KM = 32768, 8, 4, 128, 1980
-for dt, has_idx, direct, fused, loop in [("bf16", True, False, True, False), ("bf16", False, True, False, False),
-                                         ("fp16", True, True, False, False), ("fp32", True, False, True, False),
-                                         ("bf16", True, False, False, False), ("bf16", True, False, True, True),
-                                         ("fp16", True, True, False, True)]:
+for dt, has_idx, direct, fused, loop, pdl in [
+        ("bf16", True, False, True, False, False), ("bf16", False, True, False, False, False),
+        ("fp16", True, True, False, False, False), ("fp32", True, False, True, False, False),
+        ("bf16", True, False, False, False, False), ("bf16", True, False, True, True, False),
+        ("fp16", True, True, False, True, False), ("bf16", True, False, True, False, True)]:
     p = ("ptr", dt)
     args = dict(Q=p, K=p, V=p, KV_LENS=("ptr", "i32"), KV_START=("ptr", "i32"), IDX=("ptr", "i32"),
                 O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"), OUT=p, LSE=("ptr", "fp32"),
@@ -623,11 +626,12 @@ for dt, has_idx, direct, fused, loop in [("bf16", True, False, True, False), ("b
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
                 N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"), STATS=("ptr", "i64"))
     bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2, "loop" if loop else "tile")
-    name = f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_loop" if loop else "")
+    name = (f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_loop" if loop else "")
+            + ("_pdl" if pdl else ""))
     out[name] = build(A._decode_split_kernel, args, dict(
         G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=1 if loop else 8, DIRECT=direct, HAS_INDICES=has_idx,
         IDX_LOOP=loop, HAS_START=True, UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32",
-        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True), nw, ns)
+        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True, PDL=pdl), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),
@@ -637,13 +641,13 @@ out["gather"] = build(Gm._gather_kv_kernel, dict(K=("ptr", "bf16"), V=("ptr", "b
                       KO=("ptr", "bf16"), VO=("ptr", "bf16"), stride_kb=Hkv * L * D, stride_kh=L * D, stride_kl=D,
                       stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                       stride_ib=Hkv * 2048, stride_ih=2048, stride_ik=1, Hkv=Hkv, L=L, K_SEL=2048),
-                      dict(D=D, D_PAD=D, BLOCK_K=64))
+                      dict(D=D, D_PAD=D, BLOCK_K=64, PDL=True))
 for M, mode in [(16, 3), (64, 1)]:
     out[f"ridge_{M}_{mode}"] = build(Rg._ridge_kernel, dict(W=("ptr", "bf16"), OUT=("ptr", "fp32"),
                                      stride_n=17 * D, stride_r=D, stride_d=1, R=17, m=M - 1, eps=("fp32", 0.01)),
-                                     dict(D=D, D_PAD=D, M=M, MODE=mode), max(1, min(16, M * D // (2048 if M <= 16 else 1024))))
+                                     dict(D=D, D_PAD=D, M=M, MODE=mode, PDL=mode == 1), max(1, min(16, M * D // (2048 if M <= 16 else 1024))))
 out["window_push"] = build(Rg._window_push_kernel, dict(W=("ptr", "fp32"), Q=("ptr", "bf16"), stride_qb=40 * D,
-                          stride_qh=D, stride_qd=1, H=32, R=17), dict(D=D, R_PAD=32, D_PAD=D), 4)
+                          stride_qh=D, stride_qd=1, H=32, R=17), dict(D=D, R_PAD=32, D_PAD=D, PDL=True), 4)
 print(json.dumps(out))
 '''
 
@@ -669,8 +673,11 @@ def test_kernels_build_for_hopper():
     # fused split combine: one acq_rel arrival counter; the two-launch path has none
     assert res["decode_bf16_True"]["acq_rel_atomics"] == 1 and res["decode_fp32_True"]["acq_rel_atomics"] == 1
     assert res["decode_bf16_True_kernel"]["acq_rel_atomics"] == 0
-    for name in ("decode_bf16_True", "decode_bf16_False", "decode_fp16_True", "decode_bf16_True_kernel"):
+    for name in ("decode_bf16_True", "decode_bf16_False", "decode_fp16_True", "decode_bf16_True_kernel",
+                 "decode_bf16_True_pdl"):
         r = res[name]
+        # programmatic dependent launch: one wait and one release with PDL, none without
+        assert r["gdc"] == ([1, 1] if name.endswith("_pdl") else [0, 0]), (name, r)
         # K/V rows arrive through multi-buffered async copies, and no load waits
         # inside the main loop (the indexed path preloads its chunk of indices)
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
@@ -685,3 +692,21 @@ def test_kernels_build_for_hopper():
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
         assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)
+
+
+def test_split_heuristic_per_path(monkeypatch):
+    """One wave of resident programs: three per SM dense, two on the indexed path
+    (``SPADE_ATTN_PROGRAMS_PER_SM`` overrides both); at least two blocks per split.
+    (CPU: the heuristic pretends 16 SMs.)"""
+    monkeypatch.delenv("SPADE_ATTN_PROGRAMS_PER_SM", raising=False)
+    cpu = torch.device("cpu")
+    assert A.choose_num_splits(8, 4096, 64, cpu) == 3 * 16 // 8
+    assert A.choose_num_splits(8, 4096, 64, cpu, indexed=True) == 2 * 16 // 8
+    assert A.choose_num_splits(8, 200, 64, cpu, indexed=True) == 2  # 200 tokens: two splits of >= 2 blocks
+    assert A.plan_splits(8, 4096, 64, cpu)[0] == 4 and A.plan_splits(8, 4096, 64, cpu, tile=False)[0] == 6
+    assert A.plan_splits(8, 4096, 64, cpu, tile=False, indexed=True)[0] == 4  # the loop index path
+    monkeypatch.setenv("SPADE_ATTN_PROGRAMS_PER_SM", "5")
+    assert A.choose_num_splits(8, 4096, 64, cpu, indexed=True) == A.choose_num_splits(8, 4096, 64, cpu) == 10
+    monkeypatch.setenv("SPADE_ATTN_PROGRAMS_PER_SM", "0")
+    with pytest.raises(ValueError, match="SPADE_ATTN_PROGRAMS_PER_SM must be an integer >= 1"):
+        A.choose_num_splits(8, 4096, 64, cpu)
