@@ -21,9 +21,10 @@
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
-#   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), PDL on and off
-#   pdl        programmatic dependent launch on / off side by side at B=8 L=32k K=2k (every headline row), then
-#              one run per AB_ENVS entry (VAR=VALUE: the fused SiLU, the indexed attention's programs per SM,
+#   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
+#   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
+#              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
+#              one run per AB_ENVS entry (VAR=VALUE: the indexed attention's programs per SM,
 #              the GEMV's L2 prefetch), to hold against the first run's default rows
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
@@ -111,9 +112,9 @@ for s in "${stages[@]}"; do
           # off in one run; then one run per AB_ENVS setting (the step's other switches, each against the default)
       run bench_tpot_pdl 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 \
             --packs ${HEADLINE_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-30} \
-            --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess --pdl auto,off \
+            --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess --pdl ${PDL_MODES:-all,decode,off} \
             --profile-rows ${PDL_PROFILE:-none} --budget-s 270 --out "$OUT/bench_tpot_pdl.json"
-      for ab in ${AB_ENVS:-SPADE_FUSE_SILU=0 SPADE_ATTN_PROGRAMS_PER_SM=3 SPADE_GEMV_PREFETCH=2}; do
+      for ab in ${AB_ENVS:-SPADE_ATTN_PROGRAMS_PER_SM=3 SPADE_GEMV_PREFETCH=2}; do
         run "bench_tpot_ab_${ab%%=*}" 200 env "$ab" python3 -m benchmarks.bench_tpot --batch 8 \
               --context 32768 --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --methods full,optimal,asyncspade/local --budget-s 170 --no-plots \
@@ -123,7 +124,7 @@ for s in "${stages[@]}"; do
             # PDL on and off side by side
       for bl in ${LARGE_SHAPES:-16x32768 32x16384}; do
         run "bench_tpot_large_$bl" 200 python3 -m benchmarks.bench_tpot --batch ${bl%x*} --context ${bl#*x} \
-              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl auto,off \
+              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl ${PDL_MODES:-all,decode,off} \
               --methods full,quest,optimal,asyncspade/local --budget-s 170 --no-plots \
               --out "$OUT/bench_tpot_large_$bl.json"
       done ;;

@@ -101,5 +101,5 @@ def gather_kv_triton(k: torch.Tensor, v: torch.Tensor,
     block_k = max(1, min(triton.next_power_of_2(K_sel), (16384 // k.element_size()) // D_PAD))
     grid = (B * Hkv, triton.cdiv(K_sel, block_k))
     _gather_kv_kernel[grid](k, v, indices, k_sel, v_sel, *k.stride(), *v.stride(), *indices.stride(),
-                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(k))
+                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(k, "select"))
     return k_sel, v_sel

@@ -77,7 +77,6 @@ __all__ = [
     "prefers_triton",
     "linear_ref",
     "linear_triton",
-    "silu_mul_ref",
 ]
 
 MAX_M = 32
@@ -252,18 +251,8 @@ def _fit_smem(cfg: GemvConfig, M: int, elt: int) -> GemvConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gu`` = ``[gate | up]`` [M, 2K] -> [M, K], in ``gu.dtype``."""
-    g, u = gu.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
-def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-               gated: bool = False) -> torch.Tensor:
-    """``F.linear`` with fp32 accumulation, cast to ``x.dtype`` (``gated``: of
-    ``silu_mul_ref(x)``)."""
-    if gated:
-        x = silu_mul_ref(x)
+def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with fp32 accumulation, cast to ``x.dtype``."""
     y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
 
@@ -271,14 +260,6 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 # ----------------------------------------------------------------------------------------------
 # Triton
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _silu_mul(g, u):
-    """``silu(g) * u`` rounded as two ops of the input dtype (as ``F.silu(g) * u``)."""
-    gf = g.to(tl.float32)
-    sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    return (sg * u.to(tl.float32)).to(g.dtype)
 
 
 @triton.jit
@@ -290,13 +271,10 @@ def _gemv_kernel(
     VARIANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
-    GATED: tl.constexpr = False,
 ):
     """``out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for one ``BLOCK_N`` block of
     ``n`` and one K slice ``[pid_k * K_PER_SPLIT, (pid_k + 1) * K_PER_SPLIT)``
-    (``SPLIT_K > 1``: partials in ``ws_ptr``, the last program of the block reduces).
-    GATED: ``x_ptr`` holds ``[gate | up]`` rows of 2K and ``x = silu(gate) * up`` is
-    formed per tile as loaded (the MLP's down projection without a SiLU kernel)."""
+    (``SPLIT_K > 1``: partials in ``ws_ptr``, the last program of the block reduces)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -324,16 +302,10 @@ def _gemv_kernel(
         if EVEN_K:
             w = tl.load(w_rows + offs_k[None, :])  # [BLOCK_N, BLOCK_K]
             xk = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if GATED:
-                xu = tl.load(x_rows + K + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         else:
             k_mask = offs_k < K
             w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             xk = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATED:
-                xu = tl.load(x_rows + K + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if GATED:
-            xk = _silu_mul(xk, xu)
         if VARIANT == 0:
             if UPCAST:
                 w = w.to(tl.float32)
@@ -448,24 +420,15 @@ its dependents only once its own programs are all resident."""
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  out: torch.Tensor | None = None, config=None, gated: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """``y = x @ w.T (+ bias)`` for decode: ``x`` [M, K] with 1 <= M <= 32, ``w`` [N, K]
     row-major (nn.Linear layout), ``bias`` [N] or None; returns ``out`` [M, N] in
     ``x.dtype`` (written in place when given), fp32 accumulation. ``config``: a
-    ``GemvConfig`` / tuple / dict overriding ``gemv_config``. One launch, no host sync.
-    ``gated``: ``x`` is ``[gate | up]`` [M, 2K] and the product is of ``silu(gate) * up``
-    (``silu_mul_ref``), formed inside the kernel: the MLP's down projection in one launch."""
-    if gated:
-        if x.dim() != 2 or w.dim() != 2 or x.shape[-1] != 2 * w.shape[-1]:
-            raise ValueError(f"gated: x must be [M, 2K] (gate then up) for w [N, K]; got x {tuple(x.shape)}, "
-                             f"w {tuple(w.shape)}: x needs {2 * w.shape[-1] if w.dim() == 2 else '2K'} columns")
-        _check(x[:, : w.shape[1]], w, bias, out)
-    else:
-        _check(x, w, bias, out)
+    ``GemvConfig`` / tuple / dict overriding ``gemv_config``. One launch, no host sync."""
+    _check(x, w, bias, out)
     if x.stride(1) != 1:
         x = x.contiguous()
-    M = x.shape[0]
-    K = w.shape[1]
+    M, K = x.shape
     N = w.shape[0]
     cfg = gemv_config(M, N, K, x.dtype) if config is None else _as_config(config)
     block_k = min(cfg.BLOCK_K, max(16, triton.next_power_of_2(K)))
@@ -493,7 +456,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         VARIANT=_VARIANT_CODE[cfg.variant], HAS_BIAS=bias is not None,
         EVEN_K=k_per_split * split == K, EVEN_N=N % cfg.BLOCK_N == 0,
         UPCAST=upcast, IEEE=x.dtype == torch.float32 and not upcast,
-        PDL=pdl, PF_LINES=pf_lines, LINE_ELEMS=128 // w.element_size(), GATED=gated,
+        PDL=pdl, PF_LINES=pf_lines, LINE_ELEMS=128 // w.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out

@@ -25,10 +25,14 @@ follows one protocol, behind a ``PDL`` constexpr (launch keywords: ``pdl_kwargs`
   ops, cuBLAS) serialise as usual.
 
 A CUDA graph captured from such launches keeps the programmatic edges (CUDA 12.3+).
-``SPADE_PDL`` picks the mode: ``auto`` (default: on for CUDA devices of compute
-capability 9.0 and above, off on older GPUs, on CPU and under the Triton interpreter)
-or ``off``. It is read at launch time, so a captured graph keeps the mode it was
-captured with (``FastModel`` keys its graphs by ``pdl_mode()``).
+Kernels come in two families: ``decode`` (the decode step's own: projections,
+attention, the fused norm / rope / SiLU ops, staging) and ``select`` (the selection
+work: scoring, top-K, key quantisation, query prediction, Quest, gathers).
+``SPADE_PDL`` picks where PDL is used: ``all``, ``decode`` (the decode family only) or
+``off``; ``auto`` (default) is ``DEFAULT_MODE``. Only CUDA devices of compute capability
+9.0 and above launch with it (never on CPU or under the Triton interpreter). The mode is
+read at launch time, so a captured graph keeps the mode it was captured with
+(``FastModel`` keys its graphs by ``capture_key()``).
 """
 
 from __future__ import annotations
@@ -40,18 +44,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL_MODES", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key", "grid_dep_wait", "grid_dep_release",
+__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key", "grid_dep_wait", "grid_dep_release",
            "prefetch_l2"]
 
-PDL_MODES = ("auto", "off")
+PDL_MODES = ("auto", "all", "decode", "off")
+FAMILIES = ("decode", "select")
+DEFAULT_MODE = "all"
+"""What ``auto`` means."""
 
 
 def pdl_mode() -> str:
-    """``SPADE_PDL`` (``auto`` when unset), validated."""
+    """``SPADE_PDL`` resolved (``auto`` or unset: ``DEFAULT_MODE``), validated."""
     mode = os.environ.get("SPADE_PDL", "auto").strip().lower() or "auto"
     if mode not in PDL_MODES:
         raise ValueError(f"SPADE_PDL must be one of {PDL_MODES}, got {os.environ.get('SPADE_PDL')!r}")
-    return mode
+    return DEFAULT_MODE if mode == "auto" else mode
 
 
 def capture_key() -> tuple[str, str]:
@@ -65,19 +72,25 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` now use PDL: ``SPADE_PDL`` is ``auto``, the
-    device is CUDA with compute capability >= 9.0 and Triton is not interpreting."""
-    if pdl_mode() == "off" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def pdl_enabled(device: torch.device, family: str = "decode") -> bool:
+    """Whether a kernel of ``family`` launched on ``device`` now uses PDL: ``SPADE_PDL``
+    covers the family, the device is CUDA with compute capability >= 9.0 and Triton is
+    not interpreting."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    mode = pdl_mode()
+    if mode == "off" or (mode == "decode" and family != "decode"):
+        return False
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict:
-    """Launch keywords of a kernel following the protocol, for a launch on ``t``'s device:
-    its ``PDL`` constexpr and Triton's ``launch_pdl`` option."""
-    on = pdl_enabled(t.device)
+def pdl_kwargs(t: torch.Tensor, family: str = "decode") -> dict:
+    """Launch keywords of a ``family`` kernel following the protocol, for a launch on
+    ``t``'s device: its ``PDL`` constexpr and Triton's ``launch_pdl`` option."""
+    on = pdl_enabled(t.device, family)
     return {"PDL": on, "launch_pdl": on}
 
 

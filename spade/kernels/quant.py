@@ -254,7 +254,7 @@ def quantize_keys_triton(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BLOCK_L = max(1, min(64, 8192 // BLOCK_D))  # ~8k elements per tile
     grid = (B * H, triton.cdiv(L, BLOCK_L))
     _quantize_keys_kernel[grid](k, kq, ks, L, *k.stride(), *kq.stride(), *ks.stride(),
-                                H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, num_warps=4, **pdl_kwargs(k))
+                                H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, num_warps=4, **pdl_kwargs(k, "select"))
     return kq, ks
 
 
@@ -269,7 +269,7 @@ def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tens
     pos = pos.to(kq.device)
     _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *kq.stride(),
                                   *ks.stride(), H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
-                                  num_warps=4, **pdl_kwargs(k_new))
+                                  num_warps=4, **pdl_kwargs(k_new, "select"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def quantize_keys_int4_triton(k: torch.Tensor,
     grid = (B * H, triton.cdiv(L, BLOCK_L))
     _quantize4_keys_kernel[grid](k, sm, kq, ks, L, *k.stride(), *sm_strides, *kq.stride(), *ks.stride(),
                                  H=H, DH=D // 2, BLOCK_DH=BLOCK_DH, BLOCK_L=BLOCK_L, SMOOTH=smooth is not None,
-                                 num_warps=4, **pdl_kwargs(k))
+                                 num_warps=4, **pdl_kwargs(k, "select"))
     return kq, ks
 
 
@@ -509,4 +509,4 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
                                    *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4,
-                                   **pdl_kwargs(k_new))
+                                   **pdl_kwargs(k_new, "select"))

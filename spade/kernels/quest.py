@@ -587,7 +587,7 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
     grid = (B * H, triton.cdiv(P, BLOCK_P))
     _quest_build_kernel[grid](k, kmin, kmax, start, kv_lens, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                               L, P, page_size, HKV=H, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_S=BLOCK_S,
-                              num_warps=4, **pdl_kwargs(k))
+                              num_warps=4, **pdl_kwargs(k, "select"))
     return kmin, kmax
 
 
@@ -606,7 +606,7 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
     _quest_update_kernel[(B * H,)](
         kmin, kmax, k_new, pos, kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), P, page_size,
-        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1, **pdl_kwargs(kmin))
+        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1, **pdl_kwargs(kmin, "select"))
 
 
 QUEST_CONFIG: dict = {}
@@ -664,7 +664,7 @@ def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=cfg["BLOCK_P"],
         REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=lo is not None, FROM_LENS=plan is not None,
         UPCAST=upcast, IEEE=ieee, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_kwargs(qr))
+        num_stages=cfg["num_stages"], **pdl_kwargs(qr, "select"))
 
 
 def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
@@ -742,7 +742,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         _quest_row_select_kernel[(B * Hkv,)](
             scores, out, pages, start_t, kv_lens, P, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=cfg["BLOCK"],
             BLOCK_E=cfg["BLOCK_E"], PS_PAD=triton.next_power_of_2(page_size), HAS_START=kv_start is not None,
-            INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(scores))
+            INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(scores, "select"))
         return out
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
@@ -756,7 +756,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             PB = min(1024, triton.next_power_of_2(B))
             _quest_plan_kernel[(triton.cdiv(B, PB),)](start_t, kv_lens, plan_t, B, page_size,
                                                      HAS_START=kv_start is not None, BLOCK=PB, num_warps=1,
-                                                     **pdl_kwargs(start_t))
+                                                     **pdl_kwargs(start_t, "select"))
             page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
             _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=scale, reduce=reduce)
         sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
@@ -765,7 +765,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     BLOCK = min(1024, triton.next_power_of_2(n_out))
     _quest_expand_kernel[(B * Hkv, triton.cdiv(n_out, BLOCK))](
         sel, out, start_t, kv_lens, page_size, n_pages_sel, n_out, HKV=Hkv, BLOCK=BLOCK,
-        HAS_START=kv_start is not None, num_warps=4, **pdl_kwargs(sel))
+        HAS_START=kv_start is not None, num_warps=4, **pdl_kwargs(sel, "select"))
     return out
 
 

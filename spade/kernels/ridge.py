@@ -254,7 +254,7 @@ def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "ass
     # per ~1024 elements of X (M=64, D=128: 8 warps, 128 regs).
     num_warps = max(1, min(16, (M * D_PAD) // (2048 if M <= 16 else 1024)))
     _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
-                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps, **pdl_kwargs(window))
+                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps, **pdl_kwargs(window, "select"))
     return out
 
 
@@ -309,4 +309,4 @@ def window_push_triton(window: torch.Tensor, q: torch.Tensor) -> None:
     if B * H == 0:
         return
     _window_push_kernel[(B * H,)](window, q, *q.stride(), H, R, D=D, R_PAD=triton.next_power_of_2(R),
-                                  D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4, **pdl_kwargs(window))
+                                  D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4, **pdl_kwargs(window, "select"))

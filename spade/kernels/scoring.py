@@ -900,7 +900,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"))
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if k_scale is not None else out
@@ -911,7 +911,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
         HKV=Hkv, D=Dk, BLOCK_D=max(16, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, KINT8=kint8,
         KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qs))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qs, "select"))
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -948,7 +948,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             qr, k, ks_arg, out, out, hist_arg, lo, hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
-            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common, **pdl_kwargs(qr))
+            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common, **pdl_kwargs(qr, "select"))
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
@@ -956,11 +956,11 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
         qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         *ks_strides, L, chunk, n_chunks, scale,
-        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr))
+        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"))
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(logits))
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(logits, "select"))
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -1229,11 +1229,11 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl_kwargs(scores))
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl_kwargs(scores, "select"))
     cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl_kwargs(scores))
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl_kwargs(scores, "select"))
     tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl_kwargs(scores))
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl_kwargs(scores, "select"))
     return out
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -245,15 +244,6 @@ _TRITON_OPS: dict[str, Callable] | None = None
 
 LINEAR_MODES = ("auto", "cublas", "triton")
 """``FastModel(linear=...)``: the decode projections' kernel (``spade.kernels.gemv.make_linear``)."""
-
-
-def _fuse_silu() -> bool:
-    """``SPADE_FUSE_SILU`` (default on): the down projection forms ``silu(gate) * up`` itself
-    where it runs on the Triton GEMV (``FastModel._down``)."""
-    raw = os.environ.get("SPADE_FUSE_SILU", "1").strip()
-    if raw not in ("0", "1"):
-        raise ConfigError(f"SPADE_FUSE_SILU must be 0 or 1, got {raw!r}")
-    return raw == "1"
 
 
 def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
@@ -570,20 +560,6 @@ class FastModel(DecodeBackend):
         if f is None:
             f = self._linears[key] = _make_linear(self._linear, x.shape[0], w)
         return f(x, w, b)
-
-    def _down(self, gu: torch.Tensor, w: torch.Tensor, silu_mul: Callable) -> torch.Tensor:
-        """The MLP's down projection of ``silu(gate) * up`` (``gu`` = ``[gate | up]``): where
-        the projection runs on the Triton GEMV with the fused kernels, one launch that forms
-        the SiLU product per loaded tile (``linear_triton(gated=True)``: bit-identical to the
-        SiLU kernel then the GEMV); elsewhere the SiLU op, then the projection.
-        ``SPADE_FUSE_SILU=0`` keeps the two launches (A/B runs; graphs are keyed by it)."""
-        key = (gu.shape[0], w.shape[0], w.shape[1], w.device)
-        f = self._linears.get(key)
-        if f is None:
-            f = self._linears[key] = _make_linear(self._linear, gu.shape[0], w)
-        if f is not F.linear and self.fused_kernels and _fuse_silu():  # f is linear_triton
-            return f(gu, w, gated=True)
-        return f(silu_mul(gu), w)
 
     def linear_kernels(self, batch: int | None = None) -> dict[str, str]:
         """Which kernel each decode projection uses at ``batch`` rows (``"triton"`` or
@@ -933,7 +909,7 @@ class FastModel(DecodeBackend):
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)
-            pending = self._down(self._lin(h, L.wgu), L.wd, silu_mul)
+            pending = self._lin(silu_mul(self._lin(h, L.wgu)), L.wd)
         if last:
             h = add_rms_norm(x, pending, self.norm, a.eps)
             self._logits[:B].copy_(self._lin(h, self.lm_head))
@@ -976,7 +952,7 @@ class FastModel(DecodeBackend):
             from spade.kernels.pdl import capture_key
 
             key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key(), self._linear,
-                   capture_key(), _fuse_silu())
+                   capture_key())
             graphs = self._graphs.get(key)
         if graphs == "eager":  # capture failed for this key: stay eager
             key = None

@@ -97,34 +97,6 @@ def test_out_and_strided_x(device):
     assert not big[:, N:].any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", [None, GemvConfig(16, 64, 3, 4, 2, "dot"), GemvConfig(16, 64, 1, 4, 2, "sum")],
-                         ids=["heuristic", "split3", "sum"])
-@pytest.mark.parametrize("M", [1, 5])
-def test_gated_equals_silu_then_linear(device, dtype, cfg, M):
-    """``gated=True`` (x = [gate | up], the SiLU formed per loaded tile): the same bits as
-    the model's SiLU kernel then the plain kernel, and close to the fp64 product of
-    ``silu_mul_ref``."""
-    from spade.models.fast import triton_ops
-
-    gu = (torch.randn(M, 2 * K, device=device) * 2).to(dtype)
-    gu = torch.cat([gu, torch.zeros(M, 7, device=device, dtype=dtype)], 1)[:, : 2 * K]  # rows strided
-    w = torch.randn(N, K, device=device).to(dtype) / K**0.5
-    y = linear_triton(gu, w, config=cfg, gated=True)
-    xt = triton_ops()["silu_mul"](gu)
-    torch.testing.assert_close(y, linear_triton(xt, w, config=cfg), rtol=0, atol=0)
-    x = G.silu_mul_ref(gu)
-    # bf16: two roundings, each within one ulp under the interpreter (not round-to-nearest-even)
-    torch.testing.assert_close(xt, x, rtol=1e-5 if dtype == torch.float32 else 2**-5, atol=1e-6)
-    _check_close(y, xt, w, None)
-    torch.testing.assert_close(linear_ref(gu, w, gated=True), linear_ref(x, w))
-
-
-def test_gated_bad_shape():
-    with pytest.raises(ValueError, match=r"gated: x must be \[M, 2K\].*x \(2, 16\), w \(8, 16\).*32 columns"):
-        linear_triton(torch.randn(2, 16), torch.randn(8, 16), gated=True)
-
-
 def test_dispatch_cpu_uses_reference():
     x, w, b = _inputs(2, 9, 16, torch.float32, "cpu")
     torch.testing.assert_close(G.linear(x, w, b), linear_ref(x, w, b))

@@ -13,17 +13,40 @@ import pytest
 import torch
 
 from spade.kernels import gemv
-from spade.kernels.pdl import PDL_MODES, capture_key, pdl_enabled, pdl_mode
+from spade.kernels.pdl import DEFAULT_MODE, PDL_MODES, capture_key, pdl_enabled, pdl_kwargs, pdl_mode
 
 
 def test_mode_from_environment(monkeypatch):
     monkeypatch.delenv("SPADE_PDL", raising=False)
-    assert pdl_mode() == "auto" and PDL_MODES == ("auto", "off")
+    assert pdl_mode() == DEFAULT_MODE and PDL_MODES == ("auto", "all", "decode", "off")
+    monkeypatch.setenv("SPADE_PDL", "auto")
+    assert pdl_mode() == DEFAULT_MODE
     monkeypatch.setenv("SPADE_PDL", " OFF ")
     assert pdl_mode() == "off"
+    monkeypatch.setenv("SPADE_PDL", "decode")
+    assert pdl_mode() == "decode"
     monkeypatch.setenv("SPADE_PDL", "on")
     with pytest.raises(ValueError, match="SPADE_PDL must be one of"):
         pdl_mode()
+
+
+def test_families(monkeypatch):
+    """``decode`` leaves the selection kernels without PDL; the family is checked. (On a
+    CPU nothing launches with PDL; the rule is visible through a stubbed capability.)"""
+    import spade.kernels.pdl as P
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(P, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    for mode, want in [("all", (True, True)), ("decode", (True, False)), ("off", (False, False))]:
+        monkeypatch.setenv("SPADE_PDL", mode)
+        assert (pdl_enabled(cuda, "decode"), pdl_enabled(cuda, "select")) == want, mode
+        assert pdl_kwargs(torch.empty(0, device="meta"), "select") == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(P, "_capability", lambda index: (8, 0))
+    monkeypatch.setenv("SPADE_PDL", "all")
+    assert not pdl_enabled(cuda)  # before Hopper: never
+    with pytest.raises(ValueError, match="family must be one of"):
+        pdl_enabled(cuda, "cache")
 
 
 def test_enabled_only_on_compiled_cuda(monkeypatch):

@@ -364,38 +364,6 @@ def test_fused_model_matches_torch_ops():
 
 
 @_CPU_TRITON
-def test_gated_down_projection_same_bits_as_silu_kernel(monkeypatch):
-    """Fused kernels + Triton GEMV: the down projection forms silu(gate) * up per tile
-    (one launch) with exactly the logits and cache of the SiLU kernel then the GEMV
-    (``SPADE_FUSE_SILU=0``); a bad value of the switch is refused by name."""
-    hf = perturbed_hf("tiny", seed=25, num_hidden_layers=2)
-    ids, mask = left_padded([5, 3], hf.config.vocab_size, torch.Generator().manual_seed(26))
-    ops = triton_ops()
-    calls = []
-    silu = ops["silu_mul"]
-    monkeypatch.setitem(ops, "silu_mul", lambda gu: calls.append(1) or silu(gu))
-    runs = {}
-    for fuse in ("1", "0"):
-        monkeypatch.setenv("SPADE_FUSE_SILU", fuse)
-        calls.clear()
-        m = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=16, fused_kernels=True, linear="triton")
-        ctx = full_ctx(m, 2)
-        logits = [m.prefill(ids, mask, ctx)]
-        for _ in range(2):
-            logits.append(m.decode(logits[-1].argmax(-1), ctx))
-        runs[fuse] = (torch.stack(logits[1:]), m.k_cache[1].clone())
-        assert len(calls) == (0 if fuse == "1" else 2 * 2)  # SiLU launches: none fused, one per layer and step
-    torch.testing.assert_close(runs["1"][0], runs["0"][0], rtol=0, atol=0)
-    torch.testing.assert_close(runs["1"][1], runs["0"][1], rtol=0, atol=0)
-    monkeypatch.setenv("SPADE_FUSE_SILU", "yes")
-    m = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=16, fused_kernels=True, linear="triton")
-    ctx = full_ctx(m, 2)
-    m.prefill(ids, mask, ctx)
-    with pytest.raises(ConfigError, match="SPADE_FUSE_SILU must be 0 or 1"):
-        m.decode(ids[:, -1], ctx)
-
-
-@_CPU_TRITON
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2"])  # tiny-qwen2: QKV bias through the GEMV
 def test_triton_linear_model_matches_cublas(name):
     """The decode step with every projection (qkv, o, gate_up, down, lm_head) through the
