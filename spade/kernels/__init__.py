@@ -9,10 +9,11 @@ the references.
 
 Kernels are leaves: they import nothing else of spade.
 
-Every Triton kernel of the suite takes a ``PDL`` constexpr and, on sm_90+ GPUs, is
+Every Triton kernel of the suite takes a ``PDL`` constexpr and, on sm_90+ GPUs, can be
 launched with programmatic dependent launch (``spade.kernels.pdl``: it may start while
-the previous kernel of the stream finishes, and waits for it before touching data;
-``SPADE_PDL=off`` turns it off).
+the previous kernel of the stream finishes, and waits for it before touching data);
+by default the decode step's kernels are (``SPADE_PDL=decode``), the selection kernels
+are not (``all`` adds them, ``off`` turns it off).
 
 Shapes and conventions (all ops):
 

@@ -415,7 +415,7 @@ def _prefetch_lines(k_per_split: int, block_k: int, elt: int) -> int:
 PREFETCH_TILES = 0
 """K tiles of weights per program prefetched to L2 before the PDL wait (``SPADE_GEMV_PREFETCH``).
 Off: 2 tiles measured no different from none in the whole step (B=8 L=32k K=2k on an H200
-pair, run32: optimal 5.365 vs 5.357 ms, within the spread), the previous kernel releasing
+pair, docs/gpu_runs/run32: optimal 5.365 vs 5.357 ms, within the spread), the previous kernel releasing
 its dependents only once its own programs are all resident."""
 
 
