@@ -167,7 +167,9 @@ def test_quantize_append_pos_offset(bits, impl, source, device):
     fn(got_q, got_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1)
     want_q, want_s = kq0.clone(), ks0.clone()
     ref(want_q, want_s, k_new, kv - 1, *extra_ref)
-    assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(got_q.cpu(), want_q)
+    # scales: the torch reference run on a GPU may round its fp32 scale one ulp apart from the CPU
+    torch.testing.assert_close(got_s.cpu(), want_s, rtol=1e-6, atol=0)
     assert torch.equal(want_q[2:], kq0[2:]) and not torch.equal(want_q[0], kq0[0])
     append = kernels.quantize_append_int4 if bits == 4 else kernels.quantize_append
     disp_q, disp_s = kq0.clone().to(device), ks0.clone().to(device)
