@@ -13,6 +13,12 @@ reports, per device over the profiled window:
   name the cause (a gap before a selection copy: the cache rank was late; between two
   graph kernels of one pack: the host launched late).
 
+Under programmatic dependent launch (``spade.kernels.pdl``) a kernel's recorded span
+starts when its programs are launched, i.e. while they still wait for the previous
+kernel: busy time stays right (the union), but per-kernel totals of the short kernels
+that follow long ones include that wait (profile with ``SPADE_PDL=off`` to attribute time
+per kernel).
+
     python -m benchmarks.trace_summary results/gpu/profile_local_P4_B8_L32768_K2048.json --steps 4
 """
 
