@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
-
 from spade.kernels import scoring
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.scoring import _check_rows, _default_scale, _interpret, _sm_count
 
 __all__ = [
