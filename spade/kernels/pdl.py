@@ -3,8 +3,10 @@
 A decode step is a chain of ~9 short kernels per layer (norm, qkv projection, rope +
 cache store, attention, o projection, norm, gate/up projection, SiLU, down
 projection): ~330 kernel boundaries per step of a 36-layer model. At each boundary the
-GPU drains the previous grid, then launches the next one and waits for its first
-loads: a fixed cost of the order of a microsecond per boundary, paid ~330 times.
+GPU drains the previous grid before it launches the next one. Measured (``DEFAULT_MODE``):
+the plain decode step barely moves with PDL, but the asynchronous step, whose packs
+also stage their q/k/v and wait on the cache rank's selections, loses its whole
+overhead over the plain one.
 
 On sm_90+ a kernel launched with PDL (``launch_pdl=True``: the programmatic stream
 serialisation attribute) may begin while its predecessor in the stream is still
@@ -44,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key", "grid_dep_wait", "grid_dep_release",
-           "prefetch_l2"]
+__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
+           "grid_dep_wait", "grid_dep_release", "prefetch_l2"]
 
 PDL_MODES = ("auto", "all", "decode", "off")
 FAMILIES = ("decode", "select")
