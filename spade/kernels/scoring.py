@@ -960,7 +960,8 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"], **pdl_kwargs(logits, "select"))
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
+        **pdl_kwargs(logits, "select"))
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -1228,12 +1229,13 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
+    pdl = pdl_kwargs(scores, "select")
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl_kwargs(scores, "select"))
+        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl)
     cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl_kwargs(scores, "select"))
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl)
     tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl_kwargs(scores, "select"))
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl)
     return out
 
 
