@@ -22,6 +22,7 @@
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
+#   p2p_channels  the multiprocess row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS, default "default 1 2")
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
 #              one run per AB_ENVS entry (VAR=VALUE: the indexed attention's programs per SM,
@@ -127,6 +128,15 @@ for s in "${stages[@]}"; do
               --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl ${PDL_MODES:-all,decode,off} \
               --methods full,quest,optimal,asyncspade/local --budget-s 170 --no-plots \
               --out "$OUT/bench_tpot_large_$bl.json"
+      done ;;
+    p2p_channels)  # the multiprocess (nccl) row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS; "default":
+                   # unset): NCCL's send / recv kernels hold an SM per channel while they wait for the peer
+      for c in ${P2P_CHANNELS:-default 1 2}; do
+        if [ "$c" = default ]; then envs=(env -u NCCL_MAX_P2P_NCHANNELS); else envs=(env NCCL_MAX_P2P_NCHANNELS=$c); fi
+        run "bench_tpot_p2p_$c" 150 "${envs[@]}" python3 -m benchmarks.bench_tpot --batch 8 --context 32768 \
+              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-50} \
+              --methods optimal,asyncspade/local,asyncspade/multiprocess --budget-s 130 --no-plots \
+              --out "$OUT/bench_tpot_p2p_$c.json"
       done ;;
     tpot) run bench_tpot 290 python3 -m benchmarks.bench_tpot --quick --score-keys exact,int8,int4 --iters ${TPOT_ITERS:-20} \
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
