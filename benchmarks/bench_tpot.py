@@ -548,6 +548,24 @@ def breakdown(rows: dict, lt: dict, n_layers: int) -> dict:
     return out
 
 
+def table3_lines(overlap: list[dict]) -> list[str]:
+    """Console lines of Table 3: per P, the cache rank's pack as it runs it (per scoring-key
+    variant) over the inference pack, the ratio the issue's target bounds."""
+    out = []
+    for row in overlap:
+        inf = row.get("inference_ms_per_pack")
+        if not inf:
+            continue
+        parts = []
+        for key in sorted(k for k in row if k.startswith("cache_ms_per_pack_runtime")):
+            sk = key[len("cache_ms_per_pack_runtime"):].lstrip("_") or "exact"
+            parts.append(f"{sk} {row[key]:.3f} ({row[key] / inf:.2f}x)")
+        if parts:
+            out.append(f"  Table 3, P={row['pack_layers']}: inference {inf:.3f} ms per pack; cache rank "
+                       + ", ".join(parts))
+    return out
+
+
 def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
     """Table 3: per P, the cache rank's work per pack (``observe`` + ``select`` of P
     layers, measured alone) against the inference rank's compute per pack (the
@@ -962,6 +980,8 @@ def run(argv: list[str] | None = None) -> dict:
                     conf["layer_ms"] = lt
                     conf["breakdown"] = breakdown(conf["rows"], lt, model.spec.n_layers)
                     conf["overlap"] = overlap_table(model, B, K, a, conf["rows"], lt)
+                    for line in table3_lines(conf["overlap"]):
+                        print(line, flush=True)
                 except Exception as e:
                     conf["errors"]["layer_timings"] = f"{type(e).__name__}: {e}"
                 result["configs"].append(conf)

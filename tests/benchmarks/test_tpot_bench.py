@@ -65,6 +65,10 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     assert "timeline" not in conf["rows"]["optimal"]
     assert (tmp_path / "profile_local_P2_exact_B2_L256_K64.json.gz").exists()
     assert conf["linear_kernels"] == {k: "cublas" for k in ("qkv", "o", "gate_up", "down", "lm_head")}
+    ov = conf["overlap"][0]  # Table 3, printed as it is written
+    ratio = ov["cache_ms_per_pack_runtime"] / ov["inference_ms_per_pack"]
+    assert f"Table 3, P=2: inference {ov['inference_ms_per_pack']:.3f} ms per pack; cache rank exact " \
+           f"{ov['cache_ms_per_pack_runtime']:.3f} ({ratio:.2f}x)" in r.stdout
 
 
 def test_bench_tpot_config_defaults_and_flags(tmp_path):
