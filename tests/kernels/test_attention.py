@@ -15,7 +15,6 @@ the second matmul — a few ulps of that dtype at most.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spade.kernels import attention as A
+from tests.kernels.aot import run_aot_script
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LSE_ATOL = 1e-3
@@ -657,19 +657,7 @@ def test_kernels_build_for_hopper():
     rejects), and the decode kernel's K/V loads are software-pipelined (cp.async):
     a build with the launcher's specialisations, no GPU needed (ptxas ships with
     triton)."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0 and "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
-        pytest.skip("this triton cannot build ahead of time")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_aot_script(_AOT_SCRIPT)
     # fused split combine: one acq_rel arrival counter; the two-launch path has none
     assert res["decode_bf16_True"]["acq_rel_atomics"] == 1 and res["decode_fp32_True"]["acq_rel_atomics"] == 1
     assert res["decode_bf16_True_kernel"]["acq_rel_atomics"] == 0

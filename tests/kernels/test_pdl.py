@@ -4,16 +4,12 @@ with PDL on and off (eager and captured)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from spade.kernels import gemv
 from spade.kernels.pdl import DEFAULT_MODE, PDL_MODES, capture_key, pdl_enabled, pdl_kwargs, pdl_mode
+from tests.kernels.aot import run_aot_script
 
 
 def test_mode_from_environment(monkeypatch):
@@ -120,14 +116,7 @@ print(json.dumps({"pdl_pf": build(True, 4), "pdl": build(True, 0), "plain": buil
 def test_gemv_builds_with_pdl_for_hopper():
     """sm_90 build of the GEMV: with PDL the weight prefetch comes before the wait, and
     the wait before the first load (of x or w); without PDL none of it is emitted."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
-        pytest.skip("this triton cannot build ahead of time")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_aot_script(_AOT)
     pf, pdl, plain = res["pdl_pf"], res["pdl"], res["plain"]
     assert pf["prefetch"] >= 1 and 0 <= pf["first_prefetch"] < pf["wait"] < pf["release"] < pf["first_load"], pf
     assert pdl["prefetch"] == 0 and 0 <= pdl["wait"] < pdl["first_load"], pdl

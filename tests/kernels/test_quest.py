@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from spade import kernels
 from spade.kernels import quest
+from tests.kernels.aot import run_aot_script
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -390,19 +391,7 @@ def test_scores_kernel_builds_for_hopper():
     """The page-score kernel compiles for sm_90 and its metadata loads are
     software-pipelined across the tiles a program loops over (cp.async); the
     row-select kernel compiles with the GPU tile sizes."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "GPUTarget" in proc.stderr and "ImportError" in proc.stderr:
-        pytest.skip("this triton cannot build ahead of time")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_aot_script(_AOT_SCRIPT)
     assert {"True", "False", "rowselect_True", "rowselect_False"} <= set(res)
     for name, r in res.items():
         assert r["pipelined"], (name, r)
