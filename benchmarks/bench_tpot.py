@@ -791,9 +791,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "row's event loop stalls meanwhile) instead of polling an event (the async rows through "
                          "the runtime's own InferenceSession.wait_device)")
     ap.add_argument("--pdl", default="",
-                    help="SPADE_PDL modes to run every row under, comma-separated from auto,off (programmatic "
-                         "dependent launch of the decode kernels, spade.kernels.pdl): the first names the rows, "
-                         "each further one adds rows suffixed /pdl=<mode>, side by side; empty: the environment's")
+                    help="SPADE_PDL modes to run every row under, comma-separated from auto,all,decode,off "
+                         "(programmatic dependent launch, spade.kernels.pdl): the first names the rows, each "
+                         "further one adds rows suffixed /pdl=<mode>, side by side; empty: the environment's. "
+                         "The multiprocess rows' cache process keeps the mode it was started under (the first)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
