@@ -110,6 +110,37 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
     return run, names, out
 
 
+def _carry_fns(scoring, q, k, ks, lo, hi, K: int):
+    """Closures for the threshold-carry top-K (``score_topk(..., carry=)``) on preallocated
+    buffers: ``run(n)`` runs scoring alone (n=1, no histogram), + the candidate compaction
+    (n=2), + the carry select (n=3); ``run_fallback()`` resets the carry first, so every
+    row takes the whole-row fallback. Returns (run, run_fallback, out, carry)."""
+    B, Hq, _ = q.shape
+    _, Hkv, L, Dk = k.shape
+    rows = B * Hkv
+    dev = k.device
+    carry = scoring.new_carry(B, Hkv, dev)
+    scores = torch.empty(rows, L, dtype=torch.float32, device=dev)
+    out = torch.empty(rows, K, dtype=torch.int32, device=dev)
+    n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
+    scale = scoring._default_scale(None, Dk)
+    neg_inf = scoring.new_carry(B, Hkv, dev)
+
+    def run(n: int) -> None:
+        if n == 1:
+            scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale,
+                                   reduce="sum_logits", full_row=False, hist=None, k_scale=ks)
+            return
+        scoring._carry_topk(q, k, scores, lo, hi, n_lo, n_hi, K, carry, out, scale=scale, reduce="sum_logits",
+                            k_scale=ks, hkv=Hkv, select=n >= 3)
+
+    def run_fallback() -> None:
+        carry.copy_(neg_inf)
+        run(3)
+
+    return run, run_fallback, out, carry
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,32x32768,8x131072", help="BxL,... (Qwen3-8B layer: 32 q / 8 KV heads)")
@@ -119,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=120.0)
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--no-grid", action="store_true", help="the default config only (no config sweeps)")
+    ap.add_argument("--carry", default="",
+                    help="also time the threshold-carry top-K for these select configs, BITS:WARPS[:COMPACT],... "
+                         "(e.g. 8:16,4:16,4:16:mask; COMPACT atomic (default) or mask): scoring alone, "
+                         "+ compaction, + select, and the forced fallback")
+    ap.add_argument("--carry-tiles", default="",
+                    help="int4 / int8 keys: also time scoring + compaction of the first --carry config under "
+                         "these scoring tiles, BLOCK_L:WARPS:STAGES[:PER_SM],... (GEMV_CONFIG)")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -196,6 +234,58 @@ def main(argv: list[str] | None = None) -> int:
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
+        for cc in [c for c in args.carry.split(",") if c]:
+            bits, warps, *compact = cc.split(":")
+            scoring.SELECT_CONFIG.clear()
+            scoring.SELECT_CONFIG.update(carry_bits=int(bits), carry_warps=int(warps),
+                                         carry_compact=compact[0] if compact else "atomic")
+            try:
+                run, run_fb, out, carry = _carry_fns(scoring, q, kk, ks, lo, hi, K)
+                run_fb()  # sets the threshold; then the steady state (the same query again)
+                run(3)
+                err = check(out)
+                run(3)
+                err = max(err, check(out))
+                if err > 1e-4:
+                    res = dict(error=f"selection deficit {err:.2e}")
+                else:
+                    st0 = scoring.carry_stats(carry)
+                    ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in (1, 2, 3)]
+                    st = scoring.carry_stats(carry)
+                    calls = st["calls"] - st0["calls"]
+                    fb_ms = _graph_ms(run_fb, rep=rep)
+                    res = dict(score_ms=ms[0], compact_ms=ms[1] - ms[0], carry_select_ms=ms[2] - ms[1],
+                               total_ms=ms[2], fallback_total_ms=fb_ms, steady_fallback_rate=(st["fallbacks"] - st0["fallbacks"]) / max(calls, 1),
+                               vs_default=ms[2] / base["total_ms"] if base and "total_ms" in base else None,
+                               deficit=err)
+            except Exception as e:
+                res = dict(error=f"{type(e).__name__}: {e}"[:200])
+            finally:
+                scoring.SELECT_CONFIG.clear()
+            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=cc), **res))
+        tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
+        for tc in tiles:
+            bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
+            bits, warps, *compact = args.carry.split(",")[0].split(":")
+            scoring.SELECT_CONFIG.update(carry_bits=int(bits), carry_warps=int(warps),
+                                         carry_compact=compact[0] if compact else "atomic")
+            scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns, **({"PER_SM": per_sm[0]} if per_sm
+                                                                                   else {}))
+            try:
+                run, run_fb, out, carry = _carry_fns(scoring, q, kk, ks, lo, hi, K)
+                run_fb()
+                run(3)
+                err = check(out)
+                res = dict(error=f"selection deficit {err:.2e}") if err > 1e-4 else dict(
+                    score_compact_ms=_graph_ms(lambda: run(2), rep=rep), total_ms=_graph_ms(lambda: run(3), rep=rep),
+                    deficit=err)
+            except Exception as e:
+                res = dict(error=f"{type(e).__name__}: {e}"[:200])
+            finally:
+                scoring.SELECT_CONFIG.clear()
+                for key in ("BLOCK_L", "num_warps", "num_stages", "PER_SM"):
+                    scoring.GEMV_CONFIG.pop(key, None)
+            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], score_tile=tc), **res))
         if args.no_grid:
             scoring.GEMV_CONFIG.clear()
             continue
@@ -224,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             record(dict(B=B, L=L, K=K, keys=keys, config=cfg, **(res or {})))
     scoring.GEMV_CONFIG.clear()
-    ok = [r for r in rows_out if "total_ms" in r]
+    ok = [r for r in rows_out if "select_ms" in r]
     if ok:
         for (B, L, keys), grp in itertools.groupby(sorted(ok, key=lambda r: (r["B"], r["L"], r["keys"])),
                                                    key=lambda r: (r["B"], r["L"], r["keys"])):

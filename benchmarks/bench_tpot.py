@@ -178,12 +178,18 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
     common = [f"policy.budget={K}", f"policy.sink_tokens={a.sink}", f"policy.recent_tokens={a.recent}",
               f"policy.group_reduce={a.group_reduce}"]
     if name == "oracle":
-        return ["policy.name=oracle", *common]
+        return ["policy.name=oracle", *common, *_topk_override(a)]
     out = ["policy.name=asyncspade", *common, f"policy.window={a.window}", f"policy.predictor={a.predictor}",
-           f"policy.rope_aware={str(a.rope_aware).lower()}"]
+           f"policy.rope_aware={str(a.rope_aware).lower()}", *_topk_override(a)]
     if getattr(a, "cur_score_keys", "exact") != "exact":
         out.append(f"policy.score_keys={a.cur_score_keys}")
     return out
+
+
+def _topk_override(a) -> list[str]:
+    """``policy.topk`` of the current ``--topk`` mode (none: each policy's default)."""
+    mode = getattr(a, "cur_topk", "")
+    return [f"policy.topk={mode}"] if mode else []
 
 
 def make_config(overrides: list[str]):
@@ -733,6 +739,8 @@ def config_defaults(path: str) -> dict:
         d["rope_aware"] = True
     if getattr(pol, "score_keys", "exact") != "exact":
         d["score_keys"] = pol.score_keys
+    if hasattr(pol, "topk") and pol.topk != type(pol).model_fields["topk"].default:
+        d["topk"] = pol.topk  # a config choosing the non-default mode (the oracle rows then take it too)
     return d
 
 
@@ -795,6 +803,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(programmatic dependent launch, spade.kernels.pdl): the first names the rows, each "
                          "further one adds rows suffixed /pdl=<mode>, side by side; empty: the environment's. "
                          "The multiprocess rows' cache process keeps the mode it was started under (the first)")
+    ap.add_argument("--topk", default="",
+                    help="policy.topk of the oracle and asyncspade rows, comma-separated from carry,radix: the "
+                         "first names the rows, each further one adds rows suffixed /topk=<mode> and its own "
+                         "Table 3 (layer_ms_topk=<mode>, overlap_topk=<mode>), side by side; empty: each "
+                         "policy's default (asyncspade carry, oracle radix)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -827,6 +840,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not a.pdl:
         a.pdl = [""]  # the environment's SPADE_PDL, no suffix
     a.cur_pdl_sfx = ""
+    a.topk = [m.strip().lower() for m in a.topk.split(",") if m.strip()]
+    if any(m not in ("carry", "radix") for m in a.topk):
+        ap.error(f"--topk takes carry,radix (comma-separated); got {a.topk}")
+    a.topk = a.topk or [""]  # the policies' defaults, no suffix
+    set_topk(a.topk[0], a)
     return a
 
 
@@ -849,10 +867,17 @@ def set_pdl(mode: str, a) -> None:
     a.cur_pdl_sfx = "" if mode == a.pdl[0] else f"/pdl={mode}"
 
 
+def set_topk(mode: str, a) -> None:
+    """Rows from here on select with ``policy.topk=mode`` (oracle, asyncspade); rows of a
+    later mode of ``--topk`` are named ``.../topk=<mode>``."""
+    a.cur_topk = mode
+    a.cur_topk_sfx = "" if mode == a.topk[0] else f"/topk={mode}"
+
+
 def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, record) -> None:
     """Every method row of ``a.methods`` at one (B, L, K), through ``record(name, fn)``."""
     for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
-        if m in a.methods:
+        if m in a.methods and not (a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods:
         for sk in a.score_keys:
@@ -948,7 +973,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx
+                    name += a.cur_pdl_sfx + a.cur_topk_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -964,6 +989,8 @@ def run(argv: list[str] | None = None) -> dict:
                         if ch:
                             extra += (f"  cache host={ch['host_ms_per_pack']:.3f}+send {ch['send_ms_per_pack']:.3f} "
                                       f"ms/pack, waits {ch['recv_wait_ms_per_step']:.2f} ms/step")
+                            if ch.get("topk_calls", 0) > 0:
+                                extra += f", top-K fallbacks {ch['topk_fallbacks'] / ch['topk_calls']:.1%}"
                         print(f"  {name:<28} {r['tpot_ms']:8.3f} ms  (p90 {r['p90_ms']:.3f}; "
                               f"{time.time() - t0:.1f}s){extra}", flush=True)
                     except Exception as e:  # one failing row must not lose the others
@@ -974,17 +1001,24 @@ def run(argv: list[str] | None = None) -> dict:
 
                 for pm in a.pdl:
                     set_pdl(pm, a)
-                    rows_for_budget(model, B, L, K, a, shared, two, record)
+                    for tk in a.topk:
+                        set_topk(tk, a)
+                        rows_for_budget(model, B, L, K, a, shared, two, record)
                 set_pdl(a.pdl[0], a)
-                try:
-                    lt = layer_timings(model, B, L, K, a)
-                    conf["layer_ms"] = lt
-                    conf["breakdown"] = breakdown(conf["rows"], lt, model.spec.n_layers)
-                    conf["overlap"] = overlap_table(model, B, K, a, conf["rows"], lt)
-                    for line in table3_lines(conf["overlap"]):
-                        print(line, flush=True)
-                except Exception as e:
-                    conf["errors"]["layer_timings"] = f"{type(e).__name__}: {e}"
+                for tk in a.topk:  # Table 3 per top-K mode (the first one's is the config's "overlap")
+                    set_topk(tk, a)
+                    sfx = a.cur_topk_sfx.replace("/", "_")
+                    try:
+                        lt = layer_timings(model, B, L, K, a)
+                        conf["layer_ms" + sfx] = lt
+                        if not sfx:
+                            conf["breakdown"] = breakdown(conf["rows"], lt, model.spec.n_layers)
+                        conf["overlap" + sfx] = overlap_table(model, B, K, a, conf["rows"], lt)
+                        for line in table3_lines(conf["overlap" + sfx]):
+                            print(line + (f" [{a.cur_topk_sfx[1:]}]" if sfx else ""), flush=True)
+                    except Exception as e:
+                        conf["errors"]["layer_timings" + sfx] = f"{type(e).__name__}: {e}"
+                set_topk(a.topk[0], a)
                 result["configs"].append(conf)
                 out.write_text(json.dumps(result, indent=2))  # partial results survive a crash
             if "owner" in shared:  # the multiprocess cache process

@@ -20,8 +20,11 @@
 #   ucx, nixl  the same plus the contract and runtime tests for ucx / nixl, with their
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
+#              (SELECT_ARGS: more bench_select flags, e.g. --carry 8:16,4:16 --no-grid --keys int4)
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
+#   topk       threshold-carry top-K vs radix passes (policy.topk) side by side at TOPK_SHAPES (default
+#              8x32768 16x32768 32x16384), int4 keys, P=4, with Table 3 per mode
 #   p2p_channels  the multiprocess row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS, default "default 1 2")
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
@@ -93,8 +96,8 @@ for s in "${stages[@]}"; do
       run bench_scoring_full 190 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --full --budget-s 170 \
         --out "$OUT/bench_scoring_full.json" ;;
     select)  # the fused score + top-K stage by stage (cumulative graphs) and the radix-select launch grid
-      run bench_select 140 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 120 \
-        --out "$OUT/bench_select.json" ;;
+      run bench_select ${SELECT_TIMEOUT:-140} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 120 \
+        ${SELECT_ARGS:-} --out "$OUT/bench_select.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
@@ -128,6 +131,16 @@ for s in "${stages[@]}"; do
               --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl ${PDL_MODES:-all,decode,off} \
               --methods full,quest,optimal,asyncspade/local --budget-s 170 --no-plots \
               --out "$OUT/bench_tpot_large_$bl.json"
+      done ;;
+    topk)  # the threshold-carry top-K against the radix passes (policy.topk), side by side, with Table 3 per
+           # mode: issue #5's shape with every row, then the larger shapes of the cache / inference question
+      for bl in ${TOPK_SHAPES:-8x32768 16x32768 32x16384}; do
+        m=${TOPK_METHODS:-full,quest,oracle,optimal,asyncspade/local}
+        [ "$bl" = 8x32768 ] && m=${TOPK_METHODS_HEADLINE:-full,quest,oracle,optimal,asyncspade/local,asyncspade/multiprocess}
+        run "bench_tpot_topk_$bl" ${TOPK_TIMEOUT:-200} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
+              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --topk ${TOPK_MODES:-carry,radix} --methods "$m" --budget-s $(( ${TOPK_TIMEOUT:-200} - 30 )) --no-plots \
+              --out "$OUT/bench_tpot_topk_$bl.json"
       done ;;
     p2p_channels)  # the multiprocess (nccl) row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS; "default":
                    # unset): NCCL's send / recv kernels hold an SM per channel while they wait for the peer

@@ -90,6 +90,12 @@ class FullPolicyConfig(_Section):
 
 class OraclePolicyConfig(_SparseCommon):
     name: Literal["oracle"] = "oracle"
+    topk: Literal["carry", "radix"] = "radix"
+    """How the GPU kernels find the exact top-K (the same selection either way): see
+    ``AsyncSpadePolicyConfig.topk``. ``radix`` by default here: the oracle scores with
+    each step's own query, which on the random-weight benchmark model moves the K-th
+    score too far for a carried threshold (the carry made the inline oracle 18.4 ms per
+    step vs 12.0 at B=8 L=32k, docs/perf.md session 7)."""
 
 
 class StreamingPolicyConfig(_SparseCommon):
@@ -135,6 +141,15 @@ class AsyncSpadePolicyConfig(_SparseCommon):
     post-RoPE queries as they are. On real weights the paper's ``assembled``
     predictor beats ``last`` on overlap only with RoPE-aware prediction
     (docs/fidelity.md)."""
+    topk: Literal["carry", "radix"] = "carry"
+    """How the GPU kernels find the exact top-K (the same selection either way).
+    ``carry`` (default): each layer carries the previous step's threshold; the scoring
+    kernel lists the keys scoring above it and one kernel selects among them, or over
+    the whole row when their count is off (the first sparse step included, ~3x the
+    radix path's time there): the predicted query moves little from step to step, so
+    the radix passes over every row are skipped (``spade.kernels.scoring``; 16-bin
+    digits in registers). ``radix``: radix passes over every row each step. The CPU
+    reference path ignores it."""
     score_keys: Literal["exact", "int8", "int4"] = "exact"
     """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the
     policy (half the bytes of bf16 to read each step, so the cache rank keeps up with

@@ -86,7 +86,7 @@ def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=Non
 
 
 def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, kv_start=None,
-               k_scale=None, out=None):
+               k_scale=None, out=None, carry=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` / ``kv_start``
@@ -94,12 +94,16 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     row's own ``[kv_start, kv_lens)`` (``kv_start`` defaults to 0), widened to cover
     ``[lo, hi)``; without ``kv_lens`` it spans ``[lo, hi)``. int8 / packed int4 ``k``
     needs ``k_scale`` as in ``group_scores``. ``out`` (contiguous int32 [B, Hkv, k_top]):
-    the result is written there (the Triton kernels write it directly) and ``out`` returned."""
+    the result is written there (the Triton kernels write it directly) and ``out`` returned.
+    ``carry`` (``scoring.new_carry(B, Hkv, device)``, kept per layer across steps): the
+    threshold-carry top-K (``scoring.score_topk_triton``): the same selection, found
+    among the scores above the previous call's threshold instead of by radix passes
+    over every row."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale, out=out)
+              k_scale=k_scale, out=out, carry=carry)
 
 
 def quest_build(k, kv_lens, page_size, *, kv_start=None):

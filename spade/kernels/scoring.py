@@ -79,6 +79,7 @@ by the caller): to these kernels an int4 copy is plain symmetric int4.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -360,9 +361,11 @@ def _check_out(out: torch.Tensor | None, B: int, Hkv: int, k_top: int, device: t
 def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                    scale: float | None = None, reduce: str = "sum_logits",
                    kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                   kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   carry: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline);
-    copied into ``out`` when given (and ``out`` returned)."""
+    copied into ``out`` when given (and ``out`` returned). ``carry`` is checked and left
+    as it is: the threshold carry only changes how the Triton path finds the same top-K."""
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k)
     k_scale = _check_k_scale(k, k_scale)
@@ -371,6 +374,7 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     _check_out(out, B, Hkv, k_top, k.device)
+    _check_carry(carry, B, Hkv, k.device)
     lo, hi = lo.to(k.device), hi.to(k.device)
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
@@ -416,10 +420,13 @@ def _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L: tl.constexpr, FULL_
 
 
 @triton.jit
-def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW: tl.constexpr, HIST: tl.constexpr):
+def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+                  FULL_ROW: tl.constexpr, HIST: tl.constexpr, CARRY: tl.constexpr):
     """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
     ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
-    the valid positions — and add their radix pass-0 digits to ``hist``."""
+    the valid positions — and add their radix pass-0 digits to ``hist``. CARRY: also
+    append the tile's candidates (valid scores ``>= thr``) to the row's candidate list
+    (``_carry_compact``)."""
     if FULL_ROW:
         tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
     else:
@@ -427,7 +434,58 @@ def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW: tl.co
     if HIST:
         digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
         hist += tl.histogram(digit, 256, mask=valid)
+    if CARRY == 1:
+        _carry_compact(r, offs_l, valid, thr, cnt_p, cand_row, CAP)
+    elif CARRY == 2:
+        _carry_mask(r, offs_l, valid, thr, cand_row)
     return hist
+
+
+@triton.jit
+def _carry_compact(r, offs_l, valid, thr, cnt_p, cand_row, CAP):
+    """Threshold-carry top-K, scoring side: the positions of the tile with a valid score
+    ``>= thr`` (the row's carried threshold) and their order keys (``_f32_key``) go to
+    the row's candidate list ``cand_row`` [2, CAP] (positions, then keys) at slots taken
+    with one atomic per tile from the row's counter ``cnt_p``. The counter keeps counting
+    past CAP (those candidates are dropped), so the select kernel sees the overflow.
+    (CARRY == 1; ``_carry_mask`` is the other way, CARRY == 2.)"""
+    is_c = (valid & (r >= thr)).to(tl.int32)
+    n = tl.sum(is_c, axis=0)
+    base = tl.atomic_add(cnt_p, n, mask=n > 0, sem="relaxed")
+    slot = base + tl.cumsum(is_c, axis=0) - 1
+    m = (is_c != 0) & (slot < CAP)
+    tl.store(cand_row + slot, offs_l, mask=m)
+    tl.store(cand_row + CAP + slot, _f32_key(r).to(tl.int32, bitcast=True), mask=m)
+
+
+@triton.jit
+def _carry_mask(r, offs_l, valid, thr, mask_row):
+    """Threshold-carry top-K, scoring side, CARRY == 2: one bit per position of the tile
+    (valid and ``>= thr``) into the row's candidate bitmask ``mask_row`` (int32 words,
+    word ``p // 32`` bit ``p % 32``): no atomics, no scan; the select kernel expands it.
+    Tiles start at multiples of 32 (BLOCK_L is), so each word belongs to one tile."""
+    BL: tl.constexpr = r.shape[0]
+    is_c = (valid & (r >= thr)).to(tl.int32)
+    bits = tl.reshape(is_c, [BL // 32, 32]) << tl.arange(0, 32)[None, :]
+    words = tl.sum(bits, axis=1)  # distinct bits: the sum is their OR (int32 wraps on bit 31, as OR does)
+    w = tl.min(tl.reshape(offs_l, [BL // 32, 32]), axis=1) // 32
+    tl.store(mask_row + w, words)
+
+
+@triton.jit
+def _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY: tl.constexpr):
+    """The carried threshold of row ``row64``, its candidate counter and candidate list
+    (carry [rows, 4] int32: threshold bits, counter, fallbacks, calls; cand: CARRY == 1
+    [rows, 2, CAP] (positions, keys); CARRY == 2 a bitmask [rows, CAP] int32 words)."""
+    if CARRY:
+        thr = tl.load(carry_ptr + row64 * 4).to(tl.float32, bitcast=True)
+    else:
+        thr = 0.0
+    if CARRY == 2:
+        stride = CAP
+    else:
+        stride = 2 * CAP
+    return thr, carry_ptr + row64 * 4 + 1, cand_ptr + row64 * stride
 
 
 @triton.jit
@@ -443,11 +501,11 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
 
 @triton.jit
 def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd,
-                stride_sl, hist, m_run, s_run,
+                stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row, CAP,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-                KINT4: tl.constexpr):
+                KINT4: tl.constexpr, CARRY: tl.constexpr):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
@@ -504,13 +562,14 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         else:
             r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
         r = tl.where(valid, r, float("-inf"))
-        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
+        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+                         FULL_ROW, HIST, CARRY)
     return hist, m_run, s_run
 
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr,
+    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_sb, stride_sh, stride_sl,
@@ -518,7 +577,7 @@ def _score_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-    INTERPRET: tl.constexpr, KINT4: tl.constexpr, PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr, KINT4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
 
@@ -552,6 +611,7 @@ def _score_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
     row64 = row.to(tl.int64)
+    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
 
     hist = tl.zeros([256], dtype=tl.int32)
     if LANE_STATS:
@@ -566,16 +626,16 @@ def _score_kernel(
         l0 = start
         while l0 < end:
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
-                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
-                                             LANE_STATS, KINT4)
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row,
+                                             CAP, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                             IEEE, KINT8, LANE_STATS, KINT4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, G, G_PAD, D,
-                                             BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST, IEEE, KINT8,
-                                             LANE_STATS, KINT4)
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row,
+                                             CAP, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                             IEEE, KINT8, LANE_STATS, KINT4, CARRY)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
             m_lane = m_run
@@ -590,9 +650,9 @@ def _score_kernel(
 
 
 @triton.jit
-def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
+def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr, cnt_p, cand_row, CAP,
                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr,
-                   HIST: tl.constexpr):
+                   HIST: tl.constexpr, CARRY: tl.constexpr):
     """One tile of ``_softmax_finalize_kernel``; returns the carried histogram."""
     offs_g = tl.arange(0, G_PAD)
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -601,15 +661,17 @@ def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, 
                  mask=(offs_g[:, None] < G) & valid[None, :], other=float("-inf"))  # [G_PAD, BLOCK_L]
     p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
     r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+                         FULL_ROW, HIST, CARRY)
 
 
 @triton.jit
 def _softmax_finalize_kernel(
-    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
     L, CHUNK, N_STATS,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, CARRY: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """sum_softmax stage 2: merge the per-chunk (max, sum-exp) of each head into its
     normaliser, then score = Σ_g exp(logit_g - M_g) / Z_g over ``[lo, hi)``."""
@@ -620,6 +682,7 @@ def _softmax_finalize_kernel(
     b = row // HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
+    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
     smask = (offs_g[:, None] < G) & (offs_c[None, :] < N_STATS)
@@ -635,21 +698,22 @@ def _softmax_finalize_kernel(
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
-            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
-                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
+            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
+                                  cnt_p, cand_row, CAP, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
-            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist,
-                                  G, G_PAD, BLOCK_L, FULL_ROW, HIST)
+            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
+                                  cnt_p, cand_row, CAP, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
 @triton.jit
 def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
-               hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-               FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr):
+               hist, thr, cnt_p, cand_row, CAP, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+               KINT8: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr,
+               CARRY: tl.constexpr):
     """One tile of ``_gemv_score_kernel``. KINT4: D / BLOCK_D are the packed row's bytes
     (half the head dim); ``qs`` / ``qs2`` the summed query's channel halves."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -666,15 +730,17 @@ def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stri
     if KINT8 or KINT4:
         r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+                         FULL_ROW, HIST, CARRY)
 
 
 @triton.jit
 def _gemv_score_kernel(
-    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
     stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
-    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, PDL: tl.constexpr = False,
+    FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr,
+    CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """``sum_logits`` as one GEMV per (b, KV head): Σ_g scale·q_g·k = (scale·Σ_g q_g)·k, so
     the group collapses into one fp32 query ``qs`` [B*HKV, D] and each key is read once
@@ -689,6 +755,7 @@ def _gemv_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
+    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     if KINT4:
         qs = tl.load(qs_ptr + row64 * (2 * D) + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] first half
@@ -703,24 +770,26 @@ def _gemv_score_kernel(
         l0 = start
         while l0 < end:
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
+                              stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
+                              KINT4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST, KINT4)
+                              stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
+                              KINT4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
 
 @triton.jit
 def _i8dot_score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr,
+    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl,
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
-    KINT4: tl.constexpr, ASM4: tl.constexpr, PDL: tl.constexpr = False,
+    KINT4: tl.constexpr, ASM4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys.
@@ -752,6 +821,7 @@ def _i8dot_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
+    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, G_PAD)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -784,12 +854,14 @@ def _i8dot_score_kernel(
         l0 = start
         while l0 < end:
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
+                               stride_kl, stride_kd, stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L,
+                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, D, BLOCK_D, BLOCK_L, FULL_ROW, HIST, KINT4, ASM4)
+                               stride_kl, stride_kd, stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L,
+                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -835,8 +907,9 @@ def _high_nibbles(p, ASM: tl.constexpr):
 
 @triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                stride_sl, hist, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr):
+                stride_sl, hist, thr, cnt_p, cand_row, CAP, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
+                CARRY: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
@@ -852,7 +925,8 @@ def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, 
         r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, FULL_ROW, HIST)
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+                         FULL_ROW, HIST, CARRY)
 
 
 def _gemv_config(k: torch.Tensor) -> dict:
@@ -880,9 +954,19 @@ def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
+def _carry_args(carry: tuple | None, out: torch.Tensor, mode: int = 1) -> tuple:
+    """(carry, cand, CAP) kernel arguments and the CARRY mode (0: none; 1: candidate list;
+    2: bitmask); placeholders (never read) without."""
+    if carry is None:
+        return (out, out, 1), 0
+    return carry, mode
+
+
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
-                 scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None) -> None:
+                 scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None,
+                 carry: tuple | None = None, carry_mode: int = 1) -> None:
     B, Hq, D = q.shape
+    cargs, do_carry = _carry_args(carry, out, carry_mode)
     _, Hkv, L, _ = k.shape
     rows = B * Hkv
     cfg = _gemv_config(k)
@@ -894,12 +978,12 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
         G = Hq // Hkv
         Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
         _i8dot_score_kernel[(rows, n_chunks)](
-            q, k, k_scale, out, hist if hist is not None else out, lo, hi,
+            q, k, k_scale, out, hist if hist is not None else out, lo, hi, *cargs,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *k_scale.stride(), L, chunk, scale,
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
-            ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True),
+            ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CARRY=do_carry,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"))
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
@@ -907,21 +991,26 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
     Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
     _gemv_score_kernel[(rows, n_chunks)](
-        qs, k, ks_arg, out, hist if hist is not None else out, lo, hi,
+        qs, k, ks_arg, out, hist if hist is not None else out, lo, hi, *cargs,
         k.stride(0), k.stride(1), k.stride(2), k.stride(3), *ks_strides, L, chunk,
         HKV=Hkv, D=Dk, BLOCK_D=max(16, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, KINT8=kint8,
-        KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(),
+        KINT4=kint4, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), CARRY=do_carry,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qs, "select"))
 
 
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
-                   hist: torch.Tensor | None, k_scale: torch.Tensor | None = None) -> None:
+                   hist: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+                   carry: tuple | None = None, carry_mode: int = 1) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
-    ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``."""
+    ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``;
+    ``carry`` = (carry, cand, CAP): also compact each row's candidates above its carried
+    threshold (``_carry_compact``)."""
     if _use_gemv(k, reduce):
-        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale)
+        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry,
+                     carry_mode=carry_mode)
         return
+    cargs, do_carry = _carry_args(carry, out, carry_mode)
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     G = Hq // Hkv
@@ -945,22 +1034,23 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     grid = (rows, n_chunks)
     if reduce != "sum_softmax":
         _score_kernel[grid](
-            qr, k, ks_arg, out, out, hist_arg, lo, hi,
+            qr, k, ks_arg, out, out, hist_arg, lo, hi, *cargs,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
-            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, **common, **pdl_kwargs(qr, "select"))
+            REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, CARRY=do_carry, **common,
+            **pdl_kwargs(qr, "select"))
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
     _score_kernel[grid](
-        qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi,
+        qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         *ks_strides, L, chunk, n_chunks, scale,
         REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"))
     _softmax_finalize_kernel[grid](
-        logits, stats, out, hist_arg, lo, hi, L, chunk, n_chunks,
+        logits, stats, out, hist_arg, lo, hi, *cargs, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
+        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CARRY=do_carry, num_warps=cfg["num_warps"],
         **pdl_kwargs(logits, "select"))
 
 
@@ -1204,6 +1294,228 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L
     _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
 
 
+@triton.jit
+def _key_f32(key):
+    """Inverse of ``_f32_key``: the float32 whose order key is ``key`` (uint32)."""
+    bits = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _radix_regs(key, m, k_rem, BITS: tl.constexpr):
+    """Exact radix select in registers: the order key ``T`` of the ``k_rem``-th largest
+    of ``key`` [BLOCK] (uint32) where ``m``, and how many elements equal to ``T`` to take.
+    BITS-wide digits (8 or 4; 32 / BITS passes): ``tl.histogram`` costs per element about
+    one ballot per digit bit plus a few ops per bin a lane owns, so 16 bins take about a
+    quarter of 256's work per pass, for twice the passes."""
+    prefix = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(32 // BITS):
+        if p == 0:
+            mp = m
+        else:
+            mp = m & ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p)))
+        digit = ((key >> (32 - BITS * (p + 1))) & ((1 << BITS) - 1)).to(tl.int32)
+        counts = tl.histogram(digit, 1 << BITS, mask=mp)
+        d, k_rem = _pick_digit(counts, k_rem)
+        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (p + 1)))
+    return prefix, k_rem
+
+
+@triton.jit
+def _row_radix(row_ptr, lo, hi, ka, kb, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Exact radix select over a whole score row ``[lo, hi)`` for two ranks at once:
+    the order keys of the ``ka``-th and ``kb``-th largest, and the count of elements
+    equal to the ``ka``-th to take (the carry select's fallback)."""
+    pa = tl.full([], 0, tl.uint32)
+    pb = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(4):
+        ha = tl.zeros([256], dtype=tl.int32)
+        hb = tl.zeros([256], dtype=tl.int32)
+        start = (lo // BLOCK) * BLOCK
+        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+            l0 = start
+            while l0 < hi:
+                offs = l0 + tl.arange(0, BLOCK)
+                valid = (offs >= lo) & (offs < hi)
+                key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
+                if p == 0:
+                    ma = valid
+                    mb = valid
+                else:
+                    ma = valid & ((key >> (32 - 8 * p)) == (pa >> (32 - 8 * p)))
+                    mb = valid & ((key >> (32 - 8 * p)) == (pb >> (32 - 8 * p)))
+                ha += tl.histogram(digit, 256, mask=ma)
+                hb += tl.histogram(digit, 256, mask=mb)
+                l0 += BLOCK
+        else:
+            for l0 in range(start, hi, BLOCK):
+                offs = l0 + tl.arange(0, BLOCK)
+                valid = (offs >= lo) & (offs < hi)
+                key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
+                if p == 0:
+                    ma = valid
+                    mb = valid
+                else:
+                    ma = valid & ((key >> (32 - 8 * p)) == (pa >> (32 - 8 * p)))
+                    mb = valid & ((key >> (32 - 8 * p)) == (pb >> (32 - 8 * p)))
+                ha += tl.histogram(digit, 256, mask=ma)
+                hb += tl.histogram(digit, 256, mask=mb)
+        da, ka = _pick_digit(ha, ka)
+        db, kb = _pick_digit(hb, kb)
+        pa = pa | (da.to(tl.uint32) << (24 - 8 * p))
+        pb = pb | (db.to(tl.uint32) << (24 - 8 * p))
+    return pa, ka, pb
+
+
+@triton.jit
+def _row_emit_tile(row_ptr, out_row, l0, lo, hi, thr, slot_gt, slot_eq, k_eff, BLOCK: tl.constexpr):
+    """Fallback emit over one tile of a score row: keys > thr at ``slot_gt + rank``, keys
+    == thr at ``slot_eq + rank`` while < k_eff; returns the two counts."""
+    offs = l0 + tl.arange(0, BLOCK)
+    valid = (offs >= lo) & (offs < hi)
+    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
+    is_gt = (valid & (key > thr)).to(tl.int32)
+    is_eq = (valid & (key == thr)).to(tl.int32)
+    s_gt = slot_gt + tl.cumsum(is_gt, axis=0) - 1
+    s_eq = slot_eq + tl.cumsum(is_eq, axis=0) - 1
+    tl.store(out_row + s_gt, offs, mask=is_gt != 0)
+    tl.store(out_row + s_eq, offs, mask=(is_eq != 0) & (s_eq < k_eff))
+    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
+
+
+@triton.jit
+def _popc32(w):
+    """Set bits of each int32 word (byte sums: no overflowing products in the interpreter)."""
+    x = w.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)).to(tl.int32)
+
+
+@triton.jit
+def _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP: tl.constexpr, WB: tl.constexpr):
+    """One tile of WB bitmask words ``[w0, w0 + WB)`` (before ``w_hi``): the positions of
+    their set bits go to ``pos_row`` at slots from ``n_c`` on (in position order, those
+    past CAP dropped); returns the new count."""
+    wi = w0 + tl.arange(0, WB)
+    word = tl.load(mask_row + wi, mask=wi < w_hi, other=0)
+    pc = _popc32(word)
+    slot = n_c + tl.cumsum(pc, axis=0) - pc
+    for j in tl.static_range(32):
+        b = (word >> j) & 1
+        tl.store(pos_row + slot, wi * 32 + j, mask=(b != 0) & (slot < CAP))
+        slot += b
+    return n_c + tl.sum(pc, axis=0)
+
+
+@triton.jit
+def _carry_select_kernel(scores_ptr, carry_ptr, cand_ptr, out_ptr, lo_ptr, hi_ptr, L, k_top, k_next, pos_ptr, NW,
+                         HKV: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                         BITS: tl.constexpr = 8, MODE: tl.constexpr = 1, WB: tl.constexpr = 256,
+                         PDL: tl.constexpr = False):
+    """Threshold-carry top-K, select side; one program per row.
+
+    The scoring kernel compacted the row's candidates (scores >= the carried threshold)
+    into ``cand`` [rows, 2, CAP]. When their count ``n`` lies in ``[k_top, CAP]`` the
+    K-th largest among them is the row's K-th largest (everything outside is below the
+    threshold): an exact radix select on the candidates held in registers, then the
+    winners are written. Otherwise (first call: threshold -inf; too few or too many
+    candidates; a row with at most k_top valid keys) the fallback selects over the
+    whole score row. Either way the next threshold is set so that about ``k_next``
+    keys would pass it: on the candidate path by the secant through (threshold, n) and
+    (K-th score, k_top); on the fallback as the ``k_next``-th largest score itself.
+    carry [rows, 4] int32: threshold bits, the candidate counter (reset here),
+    fallbacks and calls (cumulative, for the caller's statistics).
+
+    MODE 2: the scoring kernel left a bitmask of the candidates (``_carry_mask``, cand
+    [rows, NW] words) instead of a list: its words are expanded here into positions
+    (``pos`` [rows, CAP] scratch, position order) and their scores gathered from the
+    score row."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
+    cbase = carry_ptr + row64 * 4
+    thr = tl.load(cbase).to(tl.float32, bitcast=True)
+    if MODE == 2:
+        mask_row = cand_ptr + row64 * NW
+        pos_row = pos_ptr + row64 * CAP
+        w_hi = (hi + 31) // 32
+        n_c = k_eff * 0
+        if hi > lo:
+            if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+                w0 = lo // 32
+                while w0 < w_hi:
+                    n_c = _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP, WB)
+                    w0 += WB
+            else:
+                for w0 in range(lo // 32, w_hi, WB):
+                    n_c = _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP, WB)
+        tl.debug_barrier()  # the expanded positions are read back by other threads of the program
+    else:
+        n_c = tl.load(cbase + 1)
+    n_fb = tl.load(cbase + 2)
+    n_calls = tl.load(cbase + 3)
+    out_row = out_ptr + row64 * k_top
+    ok = (k_eff == k_top) & (k_eff > 0) & (n_c >= k_eff) & (n_c <= CAP)
+    new_thr = thr
+    if ok:
+        offs = tl.arange(0, CAP)
+        m = offs < n_c
+        if MODE == 2:
+            pos = tl.load(pos_row + offs, mask=m, other=0)
+            key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
+        else:
+            cand_row = cand_ptr + row64 * 2 * CAP
+            key = tl.load(cand_row + CAP + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
+            pos = tl.load(cand_row + offs, mask=m, other=-1)
+        t_key, k_rem = _radix_regs(key, m, k_eff, BITS)
+        is_gt = (m & (key > t_key)).to(tl.int32)
+        is_eq = (m & (key == t_key)).to(tl.int32)
+        s_gt = tl.cumsum(is_gt, axis=0) - 1
+        s_eq = (k_eff - k_rem) + tl.cumsum(is_eq, axis=0) - 1
+        tl.store(out_row + s_gt, pos, mask=is_gt != 0)
+        tl.store(out_row + s_eq, pos, mask=(is_eq != 0) & (s_eq < k_eff))
+        t_f = _key_f32(t_key)
+        # secant: n(thr) ~ k_top + rho (T - thr); place the next threshold at k_next
+        gap = tl.maximum(t_f - thr, 0.0)
+        new_thr = t_f - gap * ((k_next - k_eff).to(tl.float32) / tl.maximum(n_c - k_eff, 1).to(tl.float32))
+    else:
+        n_fb += 1
+        n_valid = tl.maximum(hi - lo, 0)
+        new_thr = tl.full([], float("-inf"), tl.float32)
+        if k_eff > 0:
+            row_ptr = scores_ptr + row64 * L
+            k_b = tl.minimum(k_next, n_valid)
+            t_key, k_rem, b_key = _row_radix(row_ptr, lo, hi, k_eff, k_b, BLOCK, INTERPRET)
+            if k_next < n_valid:
+                new_thr = _key_f32(b_key)
+            n_gt = k_eff * 0
+            n_eq = k_eff - k_rem
+            start = (lo // BLOCK) * BLOCK
+            if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
+                l0 = start
+                while l0 < hi:
+                    c_gt, c_eq = _row_emit_tile(row_ptr, out_row, l0, lo, hi, t_key, n_gt, n_eq, k_eff, BLOCK)
+                    n_gt += c_gt
+                    n_eq += c_eq
+                    l0 += BLOCK
+            else:
+                for l0 in range(start, hi, BLOCK):
+                    c_gt, c_eq = _row_emit_tile(row_ptr, out_row, l0, lo, hi, t_key, n_gt, n_eq, k_eff, BLOCK)
+                    n_gt += c_gt
+                    n_eq += c_eq
+        _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
+    tl.store(cbase, new_thr.to(tl.int32, bitcast=True))
+    tl.store(cbase + 1, 0)
+    tl.store(cbase + 2, n_fb)
+    tl.store(cbase + 3, n_calls + 1)
+
+
 _NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
 
 
@@ -1239,6 +1551,105 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     return out
 
 
+CARRY_MARGIN = 1.5
+"""Threshold-carry top-K: the next threshold aims at ``CARRY_MARGIN * k_top`` candidates
+(``SELECT_CONFIG["carry_margin"]`` overrides); the candidate list holds 1.25x that."""
+
+
+def carry_sizes(k_top: int) -> tuple[int, int]:
+    """(k_next, CAP) of the threshold-carry top-K for ``k_top``: the candidates the next
+    threshold aims at (> k_top) and the capacity of the candidate list (a power of two:
+    the select kernel holds it in registers)."""
+    margin = float(SELECT_CONFIG.get("carry_margin", CARRY_MARGIN))
+    if margin <= 1.0:
+        raise ValueError(f"SELECT_CONFIG['carry_margin'] must be > 1, got {margin}")
+    k_next = max(k_top + 1, math.ceil(margin * k_top))
+    return k_next, triton.next_power_of_2(math.ceil(1.25 * k_next))
+
+
+def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """A fresh threshold-carry state for ``score_topk(..., carry=)``: int32
+    [B, Hkv, 4] = (threshold as float32 bits, candidate counter, fallbacks, calls); the
+    threshold starts at -inf, so the first call selects through the fallback and sets it."""
+    c = torch.zeros(batch, n_kv_heads, 4, dtype=torch.int32, device=device)
+    c[..., 0] = _NEG_INF_BITS
+    return c
+
+
+def reset_carry(carry: torch.Tensor) -> torch.Tensor:
+    """Reset a carry state in place (a new sequence: its scores say nothing of the last)."""
+    carry.zero_()
+    carry[..., 0] = _NEG_INF_BITS
+    return carry
+
+
+def carry_stats(carry: torch.Tensor) -> dict:
+    """Host summary of a carry state (reads the device): calls and fallbacks summed
+    over rows, and the fallback fraction."""
+    c = carry.reshape(-1, 4).to("cpu", torch.int64)
+    calls, fb = int(c[:, 3].sum()), int(c[:, 2].sum())
+    return {"calls": calls, "fallbacks": fb, "fallback_rate": fb / calls if calls else 0.0}
+
+
+_NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))
+
+
+def _check_carry(carry: torch.Tensor | None, B: int, Hkv: int, device: torch.device) -> None:
+    if carry is None:
+        return
+    if carry.shape != (B, Hkv, 4) or carry.dtype != torch.int32 or not carry.is_contiguous() \
+            or carry.device != device:
+        raise ValueError(f"carry must be a contiguous int32 [B, Hkv, 4] = [{B}, {Hkv}, 4] tensor on {device} "
+                         f"(scoring.new_carry), got {carry.dtype} {tuple(carry.shape)} on {carry.device}")
+
+
+def _carry_config(cap: int, device: torch.device) -> dict:
+    if _interpret() or device.type != "cuda":
+        cfg = dict(carry_block=256, carry_warps=1, carry_bits=8, carry_compact="atomic", carry_words=64)
+    else:
+        # run38 (bench_select --carry, H200): 16-bin digits over 16 warps select in 16 us at
+        # B=8-16 L=32k (256 bins: 18; 32 warps: 21-28)
+        cfg = dict(carry_block=1024, carry_warps=max(4, min(16, cap // 256)), carry_bits=4, carry_compact="atomic",
+                   carry_words=512)
+    cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
+    if cfg["carry_compact"] not in ("atomic", "mask"):
+        raise ValueError(f"SELECT_CONFIG['carry_compact'] must be 'atomic' or 'mask', got {cfg['carry_compact']!r}")
+    if cfg["carry_bits"] not in (4, 8):
+        raise ValueError(f"SELECT_CONFIG['carry_bits'] must be 4 or 8, got {cfg['carry_bits']}")
+    return cfg
+
+
+def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
+                hkv: int, score: bool = True, select: bool = True) -> None:
+    """The threshold-carry top-K into ``idx`` [rows, k_top]: scoring with the candidate
+    compaction of ``SELECT_CONFIG["carry_compact"]`` (``atomic``: a list per row,
+    default; ``mask``: a bitmask per row), then ``_carry_select_kernel``. ``score`` /
+    ``select``: run only one half (the benchmark times them apart)."""
+    rows, L = scores.shape[0], k.shape[2]
+    k_next, cap = carry_sizes(k_top)
+    cfg = _carry_config(cap, k.device)
+    mode = {"atomic": 1, "mask": 2}[cfg["carry_compact"]]
+    dev = k.device
+    if mode == 1:
+        nw = 0
+        cand = torch.empty(rows, 2, cap, dtype=torch.int32, device=dev)  # positions, order keys
+        pos = cand  # unused
+        cargs = (carry, cand, cap)
+    else:
+        nw = triton.cdiv(L + 2048, 32)  # tiles of up to 2048 positions may end past L
+        cand = torch.empty(rows, nw, dtype=torch.int32, device=dev)  # candidate bitmask words
+        pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # the select's expanded positions
+        cargs = (carry, cand, nw)
+    if score:
+        _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
+                       full_row=False, hist=None, k_scale=k_scale, carry=cargs, carry_mode=mode)
+    if select:
+        _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
+                                      CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
+                                      BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
+                                      num_warps=cfg["carry_warps"], **pdl_kwargs(scores, "select"))
+
+
 def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
     """Exact top-K of precomputed scores [B, H, N] (fp32) restricted to ``[lo, hi)``
     per batch row: int32 [B, H, k_top], ``-1`` padding, order unspecified."""
@@ -1257,7 +1668,8 @@ def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Te
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      carry: torch.Tensor | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top],
     written straight into ``out`` (contiguous int32 [B, Hkv, k_top]) when given, which
     is then returned (no copy). int8 ``k`` (``spade.kernels.quant``) with its
@@ -1265,6 +1677,13 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
 
     Keys outside ``[lo, hi)`` are not read (except the ``sum_softmax`` normaliser
     range, see ``_norm_range``).
+
+    ``carry`` (``new_carry``; kept by the caller across calls of the same rows, e.g.
+    per layer): the threshold-carry top-K instead of the radix passes. The scoring
+    kernel compacts each row's scores above the threshold carried from the previous
+    call, and one kernel selects exactly among them (``_carry_select_kernel``), or
+    over the whole row when their count is off (the first call included). Same exact
+    top-K; fewer passes over the row when consecutive calls score alike.
 
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
@@ -1280,12 +1699,19 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     if k_top < 0:
         raise ValueError(f"k_top must be >= 0, got {k_top}")
     _check_out(out, B, Hkv, k_top, k.device)
+    _check_carry(carry, B, Hkv, k.device)
     if k_top == 0 or B * Hkv == 0:
         if out is not None:
             return out.fill_(-1)
         return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
+    if carry is not None:
+        scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)
+        idx = torch.empty(rows, k_top, dtype=torch.int32, device=k.device) if out is None else out.view(rows, k_top)
+        _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top, carry, idx, scale=_default_scale(scale, D),
+                    reduce=reduce, k_scale=k_scale, hkv=Hkv)
+        return idx.view(B, Hkv, k_top) if out is None else out
     fuse = SELECT_CONFIG.get("fuse_hist", True)
     ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written

@@ -45,7 +45,7 @@ import torch
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
-from spade.policies.common import derived, is_dense, row_start, topk_selection
+from spade.policies.common import derived, is_dense, layer_carry, reset_carry, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,7 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
+        reset_carry(state, layer)
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
             st.keys_elsewhere = False
@@ -402,4 +403,5 @@ class AsyncSpadePolicy(Policy):
         return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=norm_lens, out=out, memo=state.memo)
+                              norm_lens=norm_lens, out=out, memo=state.memo,
+                              carry=layer_carry(state, layer, cfg.topk, k_score))

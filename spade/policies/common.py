@@ -104,11 +104,41 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
     return torch.empty(batch, n_kv_heads, 0, dtype=torch.int32, device=device)
 
 
+def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """The threshold-carry state of ``layer`` for ``topk_selection`` (``topk == "carry"``
+    and the Triton kernels in use), made on first use for the cache's [B, Hkv]; None
+    otherwise, and while a CUDA graph is being captured without one (its initial fill
+    would be captured too and reset the threshold at every replay: that capture keeps
+    the radix path). A state of another batch shape is replaced."""
+    if topk != "carry" or not kernels.use_triton(k_cache):
+        return None
+    B, H = k_cache.shape[0], k_cache.shape[1]
+    c = state.carry.get(layer)
+    if c is not None and c.shape[:2] == (B, H) and c.device == k_cache.device:
+        return c
+    if k_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    from spade.kernels.scoring import new_carry
+
+    c = state.carry[layer] = new_carry(B, H, k_cache.device)
+    return c
+
+
+def reset_carry(state: PolicyState, layer: int) -> None:
+    """A new prompt: the layer's carried threshold says nothing of it (reset in place,
+    so a captured graph holding the tensor stays valid)."""
+    c = state.carry.get(layer)
+    if c is not None:
+        from spade.kernels.scoring import reset_carry as _reset
+
+        _reset(c)
+
+
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
                    norm_lens: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   memo: dict | None = None) -> Selection:
+                   memo: dict | None = None, carry: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -130,6 +160,9 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
 
     ``memo``: ``state.memo`` of a ``shared_derived`` block: the middle bounds of the same
     ``kv_lens`` / ``kv_start`` are computed once per block (one launch per pack).
+
+    ``carry``: the layer's threshold-carry state (``layer_carry``): the same selection,
+    found by the threshold-carry top-K (``kernels.score_topk``).
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
@@ -146,7 +179,7 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
                                  kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
-                                 out=out)
+                                 out=out, carry=carry)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 

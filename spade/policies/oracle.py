@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from spade.policies.base import Policy, PolicyState, Selection
-from spade.policies.common import is_dense, topk_selection
+from spade.policies.common import is_dense, layer_carry, reset_carry, topk_selection
 
 
 class OraclePolicy(Policy):
@@ -41,4 +41,9 @@ class OraclePolicy(Policy):
             raise ValueError("oracle needs the current query (needs_current_query=True)")
         return topk_selection(q, k_cache, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce)
+                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
+                              carry=layer_carry(state, layer, cfg.topk, k_cache))
+
+    def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        reset_carry(state, layer)  # a new prompt: the carried threshold says nothing of it

@@ -357,7 +357,7 @@ class CacheRank:
             c = msg[0].tolist()
             if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
                 end = torch.full((1, P.META), -1, dtype=torch.int64)
-                self.generation_stats = _account(acct)
+                self.generation_stats = {**_account(acct), **_carry_account(state)}
                 await t.send("sel", [end, P.stats_tensor(self.generation_stats)])
                 if dev.type == "cuda":  # buffers of this generation were used on several streams
                     torch.cuda.synchronize(dev)
@@ -499,6 +499,16 @@ def _account(acct: dict[str, list[float]]) -> dict[str, float]:
     return {"packs": float(len(acct["host"])), "selections": float(len(acct["send"])),
             "host_ms_per_pack": med_ms(acct["host"]), "send_ms_per_pack": med_ms(acct["send"]),
             "recv_wait_ms_per_step": med_ms(acct["wait"])}
+
+
+def _carry_account(state) -> dict[str, float]:
+    """The threshold-carry top-K's calls and fallbacks of this generation, over every
+    layer's state (one device read, at END); empty when no layer carries one."""
+    carries = list(getattr(state, "carry", {}).values())
+    if not carries:
+        return {}
+    c = torch.stack([x.reshape(-1, 4).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
+    return {"topk_calls": float(c[3]), "topk_fallbacks": float(c[2])}
 
 
 def _key(policy: Policy, state, seq: int) -> tuple:

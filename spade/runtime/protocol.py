@@ -63,6 +63,8 @@ CACHE_STATS = (
     "host_ms_per_pack",  # median synchronous host work per pack (copy in, observe, select, encode)
     "send_ms_per_pack",  # median time in the "sel" send per pack (in-process: includes yielding)
     "recv_wait_ms_per_step",  # median time per step waiting for the inference rank's packs and STEP
+    "topk_calls",  # threshold-carry top-K (policy topk: carry): selections made, summed over layers and rows
+    "topk_fallbacks",  # ... of which took the whole-row fallback (NaN when no layer carries a threshold)
 )
 
 

@@ -14,10 +14,24 @@ def test_tiny_run(tmp_path):
     assert bench_select.main(["--tiny", "--keys", "exact,int8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["keys"] for r in rows} == {"exact", "int8"}
-    timed = [r for r in rows if "total_ms" in r]
+    timed = [r for r in rows if "select_ms" in r]
     assert len(timed) == len(rows)  # nothing failed or was refused at the tiny shape
     for r in timed:
         assert r["deficit"] <= 1e-4  # the selection equals torch.topk's (sum of true scores)
         stages = [r[f"{n}_ms"] for n in ("score", "pass1", "split", "tie")]
         assert abs(sum(stages) - r["total_ms"]) < 1e-6 and r["select_ms"] == r["total_ms"] - r["score_ms"]
     assert any(r["config"] == "default" for r in rows) and any(isinstance(r["config"], dict) for r in rows)
+
+
+def test_tiny_carry_rows(tmp_path):
+    """``--carry BITS:WARPS``: the threshold-carry top-K's stages (scoring alone, the
+    compaction, the select) and its forced fallback, each selection checked first."""
+    out = tmp_path / "sel.json"
+    assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "8:1,4:1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    carry = [r for r in rows if isinstance(r["config"], dict) and "carry" in r["config"]]
+    assert [r["config"]["carry"] for r in carry] == ["8:1", "4:1"]
+    for r in carry:
+        assert "error" not in r and r["deficit"] <= 1e-4
+        assert abs(r["score_ms"] + r["compact_ms"] + r["carry_select_ms"] - r["total_ms"]) < 1e-6
+        assert r["fallback_total_ms"] > 0 and r["vs_default"] > 0

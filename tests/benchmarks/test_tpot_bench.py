@@ -82,6 +82,9 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     a = parse_args(["--config", "configs/h200x2_qwen3_8b.yaml", "--batch", "8", "--iters", "3"])
     assert a.batch == [8] and a.iters == 3 and a.context == [16384, 32768, 65536] and a.score_keys == ["int4"]
     assert parse_args(["--pdl", "auto, OFF"]).pdl == ["auto", "off"] and parse_args([]).pdl == [""]
+    assert a.topk == [""] and parse_args(["--topk", "radix, carry"]).topk == ["radix", "carry"]
+    with pytest.raises(SystemExit):
+        parse_args(["--topk", "sort"])
     with pytest.raises(SystemExit):
         parse_args(["--pdl", "on"])
     with pytest.raises(SystemExit, match="smollm2-135m.*not a random-weight shape preset"):

@@ -36,6 +36,20 @@ _FREE = {
 # Per pack of 3 layers (L = per layer, P = per pack).
 EXPECTED = {
     "int4": {
+        # observe as radix; select: L: int4 scoring compacting the candidates above the carried
+        # threshold, the carry select (no workspace memset: the select resets its counter);
+        # P: as radix
+        "observe": {"triton::_window_push_kernel": 3, "triton::_quantize4_append_kernel": 3},
+        "select": {"triton::_i8dot_score_kernel": 3, "triton::_carry_select_kernel": 3,
+                   "triton::_ridge_kernel": 1, "aten::mul": 1, "aten::clamp": 1, "aten::sub": 1,
+                   "aten::maximum": 1},
+    },
+    "exact": {
+        "observe": {"aten::index_copy_": 3, "triton::_window_push_kernel": 3},
+        "select": {"aten::to": 3, "triton::_score_kernel": 3, "triton::_carry_select_kernel": 3,
+                   "triton::_ridge_kernel": 1, "aten::clamp": 1, "aten::sub": 1, "aten::maximum": 1},
+    },
+    "int4/radix": {
         # observe, per layer: window push, int4 append of the step's key (read from the
         # received pack: no bf16 store append, no kv_lens - 1 launch)
         "observe": {"triton::_window_push_kernel": 3, "triton::_quantize4_append_kernel": 3},
@@ -47,7 +61,7 @@ EXPECTED = {
                    "triton::_ridge_kernel": 1, "aten::mul": 1, "aten::clamp": 1, "aten::sub": 1,
                    "aten::maximum": 1},
     },
-    "exact": {
+    "exact/radix": {
         # observe, per layer: the bf16 store append (exact scoring reads it), window push
         "observe": {"aten::index_copy_": 3, "triton::_window_push_kernel": 3},
         # select: L: workspace memset, q̂ rounded to bf16 (inside score_topk), bf16 scoring,
@@ -78,11 +92,15 @@ def _launches(prof) -> collections.Counter:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="counts Triton launches through the CPU interpreter's launcher")
-@pytest.mark.parametrize("keys", ["int4", "exact"])
+@pytest.mark.parametrize("keys", ["int4", "exact", "int4/radix", "exact/radix"])
 def test_cache_rank_launches_per_pack(keys, monkeypatch):
     """Launches of one steady-state ``observe_pack`` and ``select_pack`` (3 layers):
 
-    int4 / indices: 2 per layer in observe, 5 per layer + 5 per pack in select — 26 per
+    ``policy.topk=carry`` (the default): the radix path's memset, pass, split and tie
+    kernels become one select kernel: int4 2 + 2 per layer + 5 per pack = 17 per pack of
+    3 (5.7 per layer); exact keys 2 + 3 per layer + 4 per pack = 19.
+
+    int4 / indices, ``topk=radix``: 2 per layer in observe, 5 per layer + 5 per pack in select — 26 per
     pack of 3 (8.7 per layer). Before the small-op work it was 46 (15.3 per layer):
     observe also appended k to the bf16 store (``index_copy_``) and launched
     ``kv_lens - 1``; select launched, per layer, the smoothing fold (``mul``) and the
@@ -131,9 +149,10 @@ def test_cache_rank_launches_per_pack(keys, monkeypatch):
     torch.manual_seed(1234)
     model = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.bfloat16, max_batch=B,
                                   max_seq_len=40)
+    sk, _, topk = keys.partition("/")
     common = ["policy.name=asyncspade", "policy.budget=16", "policy.sink_tokens=2", "policy.recent_tokens=3",
-              "policy.window=4", "policy.predictor=assembled", f"policy.score_keys={keys}",
-              "policy.group_reduce=sum_logits", "policy.rope_aware=false"]
+              "policy.window=4", "policy.predictor=assembled", f"policy.score_keys={sk}",
+              "policy.group_reduce=sum_logits", "policy.rope_aware=false", f"policy.topk={topk or 'carry'}"]
     ids = torch.randint(3, 500, (B, T), generator=torch.Generator().manual_seed(7))
     mask = torch.ones(B, T, dtype=torch.long)
     sample = lambda logits: logits.argmax(-1)  # noqa: E731
@@ -145,7 +164,7 @@ def test_cache_rank_launches_per_pack(keys, monkeypatch):
     finally:
         rt.close()
     assert {k: dict(v) for k, v in got.items()} == EXPECTED[keys]
-    if keys == "int4":
+    if sk == "int4":
         base = load_config(None, overrides=common)
         want = InlineRuntime(base, model, build_policy(base.policy, model.spec)).generate(
             ids, mask, max_new_tokens=NEW, sample_fn=sample).tokens

@@ -1,0 +1,211 @@
+"""Threshold-carry top-K (``score_topk(..., carry=)``): every call an exact top-K.
+
+The carry changes only how the Triton path finds the top-K (candidates above the
+previous call's threshold, selected in registers; the whole row when their count is
+off), never what it finds. So each call of a sequence is checked against float64
+scores as in test_scoring (``_check_topk``), and the carry's counters are checked to
+show which path ran: the first call of a row falls back, calls that score alike take
+the candidate path, a call whose scores jump (too many or too few candidates) falls
+back again and still selects exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from spade import kernels
+from spade.kernels import quant, scoring
+from tests.kernels.test_scoring import REDUCES, _bounds, _check_topk, _inputs, _norm, _scores64
+
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+@pytest.fixture(autouse=True)
+def _default_configs():
+    yield
+    scoring.SELECT_CONFIG.clear()
+    scoring.GEMV_CONFIG.clear()
+
+
+def _fallbacks(carry):
+    return carry[..., 2].cpu()
+
+
+def _run(q, k, lo, hi, k_top, reduce, kv_lens, carry, **kw):
+    norm_lens = kv_lens if reduce == "sum_softmax" else None
+    out = scoring.score_topk_triton(q, k, lo, hi, k_top, reduce=reduce, kv_lens=norm_lens, carry=carry, **kw)
+    return out, norm_lens
+
+
+@pytest.mark.parametrize("reduce,heads,shape", [
+    (r, h, s) for (r, h), s in zip(itertools.product(REDUCES, HEADS),
+                                    itertools.cycle([(2, 301, 16), (1, 257, 32), (3, 130, 16)]))])
+def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, shape, device):
+    """A drifting query over one cache: every call an exact top-K; only the first call
+    of each row falls back; the counters count every call."""
+    B, L, D = shape
+    q0, k, kv_lens, kv_start = _inputs(B, *heads, L, D, torch.float32, device, seed=3)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    k_top = 17
+    carry = scoring.new_carry(B, heads[1], device)
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        q = q0 + 0.03 * step * torch.randn(q0.shape, generator=g).to(device)
+        out, norm_lens = _run(q, k, lo, hi, k_top, reduce, kv_lens, carry)
+        true = _scores64(q, k, reduce, *_norm(reduce, lo.cpu(), hi.cpu(),
+                                              None if norm_lens is None else kv_lens.cpu()))
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        assert (carry[..., 1] == 0).all(), "the candidate counter is reset for the next call"
+        assert (carry[..., 3].cpu() == step + 1).all()
+    assert (_fallbacks(carry) == 1).all(), _fallbacks(carry)  # the first call only
+    stats = scoring.carry_stats(carry)
+    assert stats["calls"] == 5 * B * heads[1] and stats["fallbacks"] == B * heads[1]
+
+
+@pytest.mark.parametrize("compact", ["atomic", "mask"])
+@pytest.mark.parametrize("jump", [8.0, 0.125])
+def test_carry_falls_back_when_the_scores_jump(jump, compact, device):
+    """Scaling the query by 8 (every score above the carried threshold: the candidate
+    list overflows) or by 1/8 (fewer candidates than K): the call falls
+    back to the whole row and is exact; the next call is back on the candidate path.
+    Both compactions: a candidate list (atomic slots) or a bitmask the select expands."""
+    scoring.SELECT_CONFIG["carry_compact"] = compact
+    B, L, D = 2, 400, 16
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=9)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    k_top = 12
+    carry = scoring.new_carry(B, 2, device)
+    for qi, want_fb in ((q, 1), (q * 1.001, 1), (q * jump, 2), (q * jump * 1.001, 2)):
+        out, _ = _run(qi, k, lo, hi, k_top, "sum_logits", None, carry)
+        _check_topk(out, _scores64(qi, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        assert (_fallbacks(carry) == want_fb).all(), (jump, want_fb, _fallbacks(carry))
+
+
+@pytest.mark.parametrize("compact", ["atomic", "mask"])
+@pytest.mark.parametrize("case", ["one", "all", "equal", "empty"])
+def test_carry_edge_cases(case, compact, device):
+    """K=1; K >= the candidates (-1 padding, fallback every call); empty rows; the
+    range exactly K long; into ``out``."""
+    scoring.SELECT_CONFIG["carry_compact"] = compact
+    B, L, D = 3, 61, 16
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=4)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    if case == "empty":
+        hi[1] = lo[1]
+    n_valid = (hi - lo).cpu()
+    k_top = {"one": 1, "all": L + 3, "equal": int(n_valid.min()), "empty": 7}[case]
+    carry = scoring.new_carry(B, 2, device)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    for step in range(3):
+        buf = torch.full((B, 2, k_top), 99, dtype=torch.int32, device=device)
+        out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry, out=buf)
+        assert out is buf
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+    fb = _fallbacks(carry)
+    if case == "one":
+        assert (fb == 1).all()
+    if case == "all":
+        assert (fb == 3).all()  # fewer valid keys than K: the fallback pads every call
+    if case == "empty":
+        assert (fb[1] == 3).all() and (fb[[0, 2]] == 1).all()
+
+
+@pytest.mark.parametrize("compact", ["atomic", "mask"])
+@pytest.mark.parametrize("keys,reduce", [("int8", "sum_logits"), ("int4", "sum_logits"), ("int8", "max_logits"),
+                                         ("int4", "sum_softmax"), ("gemv", "sum_logits")])
+def test_carry_on_every_scoring_kernel(keys, reduce, compact, device):
+    """The compaction lives in the store of every scoring kernel: the int8 / int4
+    tensor-core GEMV (sum_logits), the float tile kernel (max_logits, int8 keys), the
+    softmax finalize kernel and the float GEMV (``GEMV_CONFIG['use'] = 'all'``). Each
+    call ranks exactly what the same kernel's scores rank (``group_scores``)."""
+    scoring.SELECT_CONFIG["carry_compact"] = compact
+    B, L, D = 2, 333, 32
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.bfloat16, device, seed=11)
+    k = torch.nan_to_num(k)
+    kw = {}
+    if keys == "int8":
+        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
+    elif keys == "int4":
+        sm = quant.fit_smoothing(k.cpu())
+        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
+        q = quant.fold_smoothing(q.cpu(), sm).to(torch.bfloat16)
+    else:
+        scoring.GEMV_CONFIG["use"] = "all"
+    k, q = k.to(device), q.to(device)
+    kw = {n: t.to(device) for n, t in kw.items()}
+    lo, hi = _bounds(kv_lens, kv_start, 2, 2)
+    carry = scoring.new_carry(B, 2, device)
+    k_top = 23
+    for step in range(3):
+        qs = (q.float() * (1 + 0.01 * step)).to(q.dtype)
+        out, norm_lens = _run(qs, k, lo, hi, k_top, reduce, kv_lens, carry, **kw)
+        n_lo, n_hi = _norm(reduce, lo, hi, norm_lens)
+        true = scoring.group_scores_triton(qs, k, n_hi, reduce=reduce, kv_start=n_lo, **kw).double().cpu()
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-6)
+    assert (_fallbacks(carry) == 1).all()
+
+
+def test_carry_ties(device):
+    """All keys equal (every score tied): K of them, no duplicates, -1 nowhere."""
+    B, L, D = 2, 90, 16
+    q = torch.randn(B, 4, D, device=device)
+    k = torch.ones(B, 2, L, D, device=device)
+    lo = torch.tensor([3, 0], device=device)
+    hi = torch.tensor([80, 90], device=device)
+    carry = scoring.new_carry(B, 2, device)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    for _ in range(3):
+        _check_topk(scoring.score_topk_triton(q, k, lo, hi, 10, carry=carry), true, lo.cpu(), hi.cpu(), 10,
+                    atol=1e-5)
+
+
+def test_carry_state_is_checked_and_reset(device):
+    q, k, kv_lens, kv_start = _inputs(2, 4, 2, 40, 16, torch.float32, device, seed=2)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    for bad in (torch.zeros(2, 2, 3, dtype=torch.int32, device=device),
+                torch.zeros(2, 2, 4, dtype=torch.int64, device=device),
+                torch.zeros(2, 4, 2, dtype=torch.int32, device=device).transpose(1, 2)):
+        for fn in (scoring.score_topk_ref, scoring.score_topk_triton):
+            with pytest.raises(ValueError, match=r"carry must be .*\[2, 2, 4\]"):
+                fn(q, k, lo, hi, 5, carry=bad)
+    carry = scoring.new_carry(2, 2, device)
+    assert torch.isinf(carry[..., 0].view(torch.float32)).all()
+    kernels.score_topk(q, k, lo, hi, 5, carry=carry)  # the public op passes it on (ref: left as it is)
+    scoring.score_topk_triton(q, k, lo, hi, 5, carry=carry)
+    assert torch.isfinite(carry[..., 0].view(torch.float32)).all()
+    scoring.reset_carry(carry)
+    assert torch.equal(carry, scoring.new_carry(2, 2, device))
+    with pytest.raises(ValueError, match="carry_margin"):
+        scoring.SELECT_CONFIG["carry_margin"] = 1.0
+        scoring.carry_sizes(10)
+
+
+def test_carry_sizes():
+    assert scoring.carry_sizes(1980) == (2970, 4096)
+    assert scoring.carry_sizes(1) == (2, 4)
+    k_next, cap = scoring.carry_sizes(100)
+    assert k_next == 150 and cap == 256
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_carry_radix_digit_width(bits, device):
+    """The in-register select with 4-bit digits (8 passes of 16 bins) or 8-bit (4 of 256)."""
+    scoring.SELECT_CONFIG["carry_bits"] = bits
+    B, L, D = 2, 500, 16
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=13)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    carry = scoring.new_carry(B, 2, device)
+    for step in range(3):
+        qi = q * (1 + 0.002 * step)
+        out, _ = _run(qi, k, lo, hi, 31, "sum_logits", None, carry)
+        _check_topk(out, _scores64(qi, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), 31, atol=1e-5)
+    assert (_fallbacks(carry) == 1).all()
+    scoring.SELECT_CONFIG["carry_bits"] = 6
+    with pytest.raises(ValueError, match="carry_bits"):
+        scoring.score_topk_triton(q, k, lo, hi, 31, carry=carry)
+    scoring.SELECT_CONFIG.update(carry_bits=8, carry_compact="list")
+    with pytest.raises(ValueError, match="carry_compact"):
+        scoring.score_topk_triton(q, k, lo, hi, 31, carry=carry)
