@@ -141,6 +141,17 @@ def _carry_fns(scoring, q, k, ks, lo, hi, K: int):
     return run, run_fallback, out, carry
 
 
+def _carry_cfg(spec: str) -> dict:
+    """``BITS:WARPS[:COMPACT[:WORDS]]`` as ``SELECT_CONFIG`` overrides."""
+    bits, warps, *rest = spec.split(":")
+    cfg = dict(carry_bits=int(bits), carry_warps=int(warps))
+    if rest:
+        cfg["carry_compact"] = rest[0]
+    if len(rest) > 1:
+        cfg["carry_words"] = int(rest[1])
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,32x32768,8x131072", help="BxL,... (Qwen3-8B layer: 32 q / 8 KV heads)")
@@ -151,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--no-grid", action="store_true", help="the default config only (no config sweeps)")
     ap.add_argument("--carry", default="",
-                    help="also time the threshold-carry top-K for these select configs, BITS:WARPS[:COMPACT],... "
-                         "(e.g. 8:16,4:16,4:16:mask; COMPACT atomic (default) or mask): scoring alone, "
+                    help="also time the threshold-carry top-K for these select configs, BITS:WARPS[:COMPACT[:WORDS]],... "
+                         "(e.g. 8:16,4:16:atomic,4:16:mask:1024; COMPACT mask (default) or atomic; WORDS: bitmask "
+                         "words expanded per step): scoring alone, "
                          "+ compaction, + select, and the forced fallback")
     ap.add_argument("--carry-tiles", default="",
                     help="int4 / int8 keys: also time scoring + compaction of the first --carry config under "
@@ -235,10 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
         for cc in [c for c in args.carry.split(",") if c]:
-            bits, warps, *compact = cc.split(":")
             scoring.SELECT_CONFIG.clear()
-            scoring.SELECT_CONFIG.update(carry_bits=int(bits), carry_warps=int(warps),
-                                         carry_compact=compact[0] if compact else "atomic")
+            scoring.SELECT_CONFIG.update(_carry_cfg(cc))
             try:
                 run, run_fb, out, carry = _carry_fns(scoring, q, kk, ks, lo, hi, K)
                 run_fb()  # sets the threshold; then the steady state (the same query again)
@@ -266,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
         for tc in tiles:
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
-            bits, warps, *compact = args.carry.split(",")[0].split(":")
-            scoring.SELECT_CONFIG.update(carry_bits=int(bits), carry_warps=int(warps),
-                                         carry_compact=compact[0] if compact else "atomic")
+            scoring.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
             scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns, **({"PER_SM": per_sm[0]} if per_sm
                                                                                    else {}))
             try:

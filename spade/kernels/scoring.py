@@ -1603,13 +1603,18 @@ def _check_carry(carry: torch.Tensor | None, B: int, Hkv: int, device: torch.dev
                          f"(scoring.new_carry), got {carry.dtype} {tuple(carry.shape)} on {carry.device}")
 
 
-def _carry_config(cap: int, device: torch.device) -> dict:
+def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
+    """Launch config of the threshold-carry top-K; ``SELECT_CONFIG``'s ``carry_*`` keys override."""
     if _interpret() or device.type != "cuda":
-        cfg = dict(carry_block=256, carry_warps=1, carry_bits=8, carry_compact="atomic", carry_words=64)
+        cfg = dict(carry_block=256, carry_warps=1, carry_bits=8, carry_compact="mask", carry_words=64)
     else:
-        # run38 (bench_select --carry, H200): 16-bin digits over 16 warps select in 16 us at
-        # B=8-16 L=32k (256 bins: 18; 32 warps: 21-28)
-        cfg = dict(carry_block=1024, carry_warps=max(4, min(16, cap // 256)), carry_bits=4, carry_compact="atomic",
+        # run38 / run40 (bench_select --carry, H200): 16-bin digits select faster than 256-bin
+        # ones (15.6 vs 18.6 us at B=8 L=32k); the bitmask compaction costs the scoring 1.4-2.9 us
+        # where the list's atomics cost 10-17, for 6-13 us more in the select (expanding it):
+        # 76.4 vs 79.6 us per layer at B=8 L=32k, 120.3 vs 126.6 at B=16; 16 warps while one
+        # wave of rows fills the GPU, 8 beyond (two programs per SM: 136.3 vs 142.2 us at B=32 L=16k)
+        warps = 16 if rows <= _sm_count(device) else 8
+        cfg = dict(carry_block=1024, carry_warps=max(4, min(warps, cap // 256)), carry_bits=4, carry_compact="mask",
                    carry_words=512)
     cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
     if cfg["carry_compact"] not in ("atomic", "mask"):
@@ -1622,12 +1627,12 @@ def _carry_config(cap: int, device: torch.device) -> dict:
 def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
                 hkv: int, score: bool = True, select: bool = True) -> None:
     """The threshold-carry top-K into ``idx`` [rows, k_top]: scoring with the candidate
-    compaction of ``SELECT_CONFIG["carry_compact"]`` (``atomic``: a list per row,
-    default; ``mask``: a bitmask per row), then ``_carry_select_kernel``. ``score`` /
+    compaction of ``SELECT_CONFIG["carry_compact"]`` (``mask``: a bitmask per row,
+    default; ``atomic``: a list per row), then ``_carry_select_kernel``. ``score`` /
     ``select``: run only one half (the benchmark times them apart)."""
     rows, L = scores.shape[0], k.shape[2]
     k_next, cap = carry_sizes(k_top)
-    cfg = _carry_config(cap, k.device)
+    cfg = _carry_config(cap, k.device, rows)
     mode = {"atomic": 1, "mask": 2}[cfg["carry_compact"]]
     dev = k.device
     if mode == 1:
