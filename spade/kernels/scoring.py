@@ -1302,40 +1302,23 @@ def _key_f32(key):
 
 
 @triton.jit
-def _radix_regs_short(key, m, k_rem, BITS: tl.constexpr):
-    """Exact radix select in registers over the order keys ``key`` [BLOCK] (uint32) where
-    ``m``, for the ``k_rem``-th largest, with BITS-wide digits (4 or 8): ``tl.histogram``
-    costs per element about one ballot per digit bit plus a few ops per bin a lane owns,
-    so 16 bins take about a quarter of 256's work per pass, for twice the passes.
-    Passes are saved at both ends: it starts below the leading digits every key shares
-    (candidates above a threshold share their sign, exponent and often more) and stops at
-    the first digit whose chosen bin is taken whole (every key of that bin is selected:
-    the bits below need no resolving). Returns the prefix ``T`` (bits below ``sh``
-    zero), the count of keys of ``T``'s bin to take, and ``sh``: select
-    ``key >> sh > T >> sh``, then ``== T >> sh`` up to that count."""
-    NP: tl.constexpr = 32 // BITS
-    kmax = tl.max(tl.where(m, key, 0), axis=0)
-    kmin = tl.min(tl.where(m, key, 0xFFFFFFFF), axis=0)
-    diff = kmax ^ kmin
-    p = tl.full([], 0, tl.int32)
-    for j in tl.static_range(NP - 1):  # leading digits equal over every key (the last one is always resolved)
-        p += ((diff >> (32 - BITS * (j + 1))) == 0).to(tl.int32)
-    sh = 32 - BITS * p  # bits below the shared prefix
-    prefix = tl.where(p > 0, (kmax >> tl.minimum(sh, 31)) << tl.minimum(sh, 31), 0).to(tl.uint32)
-    go = p < NP
-    while go:
-        hi_sh = sh  # the digits above this pass: none at the first (a shift by 32 is undefined)
-        sh = sh - BITS
-        hs = tl.minimum(hi_sh, 31)
-        same = (hi_sh >= 32) | ((key >> hs) == (prefix >> hs))
-        digit = ((key >> sh) & ((1 << BITS) - 1)).to(tl.int32)
-        counts = tl.histogram(digit, 1 << BITS, mask=m & same)
+def _radix_regs(key, m, k_rem, BITS: tl.constexpr):
+    """Exact radix select in registers: the order key ``T`` of the ``k_rem``-th largest
+    of ``key`` [BLOCK] (uint32) where ``m``, and how many elements equal to ``T`` to take.
+    BITS-wide digits (8 or 4; 32 / BITS passes): ``tl.histogram`` costs per element about
+    one ballot per digit bit plus a few ops per bin a lane owns, so 16 bins take about a
+    quarter of 256's work per pass, for twice the passes."""
+    prefix = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(32 // BITS):
+        if p == 0:
+            mp = m
+        else:
+            mp = m & ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p)))
+        digit = ((key >> (32 - BITS * (p + 1))) & ((1 << BITS) - 1)).to(tl.int32)
+        counts = tl.histogram(digit, 1 << BITS, mask=mp)
         d, k_rem = _pick_digit(counts, k_rem)
-        prefix = prefix | (d.to(tl.uint32) << sh)
-        n_bin = tl.sum(tl.where(tl.arange(0, 1 << BITS) == d, counts, 0), axis=0)
-        p += 1
-        go = (p < NP) & (n_bin != k_rem)
-    return prefix, k_rem, sh
+        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (p + 1)))
+    return prefix, k_rem
 
 
 @triton.jit
@@ -1490,9 +1473,9 @@ def _carry_select_kernel(scores_ptr, carry_ptr, cand_ptr, out_ptr, lo_ptr, hi_pt
             cand_row = cand_ptr + row64 * 2 * CAP
             key = tl.load(cand_row + CAP + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
             pos = tl.load(cand_row + offs, mask=m, other=-1)
-        t_key, k_rem, t_sh = _radix_regs_short(key, m, k_eff, BITS)
-        is_gt = (m & ((key >> t_sh) > (t_key >> t_sh))).to(tl.int32)
-        is_eq = (m & ((key >> t_sh) == (t_key >> t_sh))).to(tl.int32)
+        t_key, k_rem = _radix_regs(key, m, k_eff, BITS)
+        is_gt = (m & (key > t_key)).to(tl.int32)
+        is_eq = (m & (key == t_key)).to(tl.int32)
         s_gt = tl.cumsum(is_gt, axis=0) - 1
         s_eq = (k_eff - k_rem) + tl.cumsum(is_eq, axis=0) - 1
         tl.store(out_row + s_gt, pos, mask=is_gt != 0)

@@ -214,8 +214,7 @@ def test_carry_radix_digit_width(bits, device):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_carry_select_through_tie_groups(bits, device):
     """Integer scores (0/1 keys, a ones query): a handful of distinct values, so K cuts
-    through a group of equal scores and the select's bins hold many keys; the passes it
-    skips (shared leading digits) and the early stop (a bin taken whole) stay exact."""
+    through a group of equal scores and the select's bins hold many keys: still exact."""
     scoring.SELECT_CONFIG["carry_bits"] = bits
     B, L, D = 2, 300, 16
     g = torch.Generator().manual_seed(3)
