@@ -20,14 +20,14 @@ latency-bound on long lists.)
 rows; stage 1 appends the positions scoring above it to a list, one program per
 row finishes the exact top-K from that ~1.25 K list with four 8-bit radix passes
 in registers and re-aims the threshold, the radix kernels run only for rows whose
-list missed — was built, tested exact against a torch reference, and measured
-here on an H200 (run19) in its best case, every row taking its list: slower than
-the default at every shape: 0.253 vs 0.192 ms (exact keys), 0.172 vs 0.134 (int8),
-0.152 vs 0.106 (int4) at B=8 L=32k K=2048; 0.423 vs 0.318 (int4) at B=32 L=32k;
-0.379 vs 0.312 (int4) at B=8 L=128k. One program per row running six
-``tl.histogram`` passes over a 4096-wide list is latency-bound, on top of the
-list appends in stage 1 and three launches that exit at once; the default's three
-whole-row launches (37 us) spread the same histograms over ~1000 programs. Removed.)
+list missed — was built here in session 4 and measured slower than the default on
+an H200 (run19: 0.152 vs 0.106 ms, int4, B=8 L=32k). Session 7 rebuilt the idea as
+``score_topk(..., carry=)`` and it is now the asyncspade default (``policy.topk``):
+the scoring keeps no pass-0 histogram (15-22 us of the default's scoring), marks
+candidates in a bitmask (no atomics), and one kernel per row expands it and
+selects with 16-bin digits, falling back to the whole row itself (no gated radix
+launches): 76-78 vs 106 us at B=8 L=32k, 120 vs 174 at B=16, 136 vs 178 at B=32
+L=16k (runs 38-41). ``--carry`` times it stage by stage.)
 
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
