@@ -141,8 +141,38 @@ def _carry_fns(scoring, q, k, ks, lo, hi, K: int):
     return run, run_fallback, out, carry
 
 
+def _overlap_fns(scoring, q, k, ks, lo, hi, K: int, layers: int):
+    """``layers`` consecutive layers of the threshold-carry top-K as a cache rank's pack
+    runs them (own carry, scores and output per layer; the same keys and query):
+    ``run(on)`` with ``select_overlap`` on or off, ``reset()`` their carries. Returns
+    (run, reset, outs)."""
+    B = q.shape[0]
+    _, Hkv, L, Dk = k.shape
+    rows = B * Hkv
+    dev = k.device
+    carries = [scoring.new_carry(B, Hkv, dev) for _ in range(layers)]
+    scores = [torch.empty(rows, L, dtype=torch.float32, device=dev) for _ in range(layers)]
+    outs = [torch.empty(rows, K, dtype=torch.int32, device=dev) for _ in range(layers)]
+    n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
+    scale = scoring._default_scale(None, Dk)
+
+    def run(on: bool) -> None:
+        with scoring.select_overlap(dev, enabled=on):
+            for j in range(layers):
+                scoring._carry_topk(q, k, scores[j], lo, hi, n_lo, n_hi, K, carries[j], outs[j], scale=scale,
+                                    reduce="sum_logits", k_scale=ks, hkv=Hkv)
+
+    def reset() -> None:
+        for c in carries:
+            scoring.reset_carry(c)
+
+    return run, reset, outs
+
+
 def _carry_cfg(spec: str) -> dict:
-    """``BITS:WARPS[:COMPACT[:WORDS]]`` as ``SELECT_CONFIG`` overrides."""
+    """``BITS:WARPS[:COMPACT[:WORDS]]`` as ``SELECT_CONFIG`` overrides (``default``: none)."""
+    if spec == "default":
+        return {}
     bits, warps, *rest = spec.split(":")
     cfg = dict(carry_bits=int(bits), carry_warps=int(warps))
     if rest:
@@ -169,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--carry-tiles", default="",
                     help="int4 / int8 keys: also time scoring + compaction of the first --carry config under "
                          "these scoring tiles, BLOCK_L:WARPS:STAGES[:PER_SM],... (GEMV_CONFIG)")
+    ap.add_argument("--overlap", default="",
+                    help="with --carry: time a pack of --overlap-layers layers with the select on a side stream "
+                         "(select_overlap) against the same serially; WARPS[:PRIORITY],... of the side-stream select "
+                         "(0 = the serial select's warps; the default under overlap: SELECT_CONFIG carry_overlap_warps)")
+    ap.add_argument("--overlap-layers", type=int, default=4)
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -273,6 +308,42 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 scoring.SELECT_CONFIG.clear()
             record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=cc), **res))
+        ov_specs = [o for o in args.overlap.split(",") if o] if args.carry else []
+        serial_ms = None
+        for spec in ["off"] + ov_specs if ov_specs else []:
+            # a pack of layers with the select beside the next layer's scoring (select_overlap):
+            # off, then each WARPS[:PRIORITY] on the side stream
+            scoring.SELECT_CONFIG.clear()
+            scoring.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
+            on = spec != "off"
+            if on:
+                w, *pr = spec.split(":")
+                scoring.SELECT_CONFIG.update(carry_overlap_warps=int(w), carry_overlap_priority=int(pr[0]) if pr else 0)
+            try:
+                run, reset, outs = _overlap_fns(scoring, q, kk, ks, lo, hi, K, args.overlap_layers)
+                reset()
+                run(on)  # every layer's first call falls back and sets its threshold
+                run(on)
+                err = max(check(o) for o in outs)
+                if cuda:
+                    torch.cuda.synchronize()
+                if err > 1e-4:
+                    res = dict(error=f"selection deficit {err:.2e}")
+                else:
+                    ms = _graph_ms(lambda: run(on), rep=rep)
+                    err = max(check(o) for o in outs)  # the graph's own results too
+                    res = dict(error=f"selection deficit {err:.2e}") if err > 1e-4 else dict(
+                        total_ms=ms, per_layer_ms=ms / args.overlap_layers, deficit=err)
+                    if not on:
+                        serial_ms = ms
+                    elif serial_ms:
+                        res["vs_serial"] = ms / serial_ms
+            except Exception as e:
+                res = dict(error=f"{type(e).__name__}: {e}"[:200])
+            finally:
+                scoring.SELECT_CONFIG.clear()
+            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], overlap=spec,
+                                                              layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
         for tc in tiles:
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -497,6 +498,7 @@ def pack_work(model, pol, B: int, L: int, P: int, q: torch.Tensor, g: torch.Gene
     pack's queries together (``predict_layers``), select every layer inside one
     ``shared_derived`` block, writing into the pack's output rows where the policy takes
     ``out=`` (``select_takes_out``)."""
+    from spade import kernels
     from spade.policies.common import shared_derived
 
     dev, spec = model.device, model.spec
@@ -526,7 +528,7 @@ def pack_work(model, pol, B: int, L: int, P: int, q: torch.Tensor, g: torch.Gene
                 pol.observe(st, i, q, kc, kv1)
         if predict_layers is not None:
             predict_layers(st, range(P))
-        with shared_derived(st):
+        with shared_derived(st), kernels.select_overlap(dev):  # as CacheRank.select_pack
             for i, (kc, _) in enumerate(caches):
                 if rows is None:
                     pol.select(st, i, None, kc, kv1)
@@ -808,6 +810,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "first names the rows, each further one adds rows suffixed /topk=<mode> and its own "
                          "Table 3 (layer_ms_topk=<mode>, overlap_topk=<mode>), side by side; empty: each "
                          "policy's default (asyncspade carry, oracle radix)")
+    ap.add_argument("--select-overlap", default="",
+                    help="SPADE_SELECT_OVERLAP modes (auto,on,off: the cache rank's top-K select of layer j beside "
+                         "layer j+1's scoring, spade.kernels.select_overlap), comma-separated: the first names the "
+                         "rows, each further one adds rows suffixed /sov=<mode> and its own Table 3, side by side; "
+                         "empty: the environment's. The multiprocess cache process keeps the first")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -845,6 +852,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--topk takes carry,radix (comma-separated); got {a.topk}")
     a.topk = a.topk or [""]  # the policies' defaults, no suffix
     set_topk(a.topk[0], a)
+    a.sov = [m.strip().lower() for m in a.select_overlap.split(",") if m.strip()]
+    if any(m not in ("auto", "on", "off") for m in a.sov):
+        ap.error(f"--select-overlap takes auto,on,off (comma-separated); got {a.sov}")
+    a.sov = a.sov or [""]  # the environment's, no suffix
+    a.cur_sov_sfx = ""  # (set_sov sets the environment: not here, the rows' loop does)
     return a
 
 
@@ -867,6 +879,15 @@ def set_pdl(mode: str, a) -> None:
     a.cur_pdl_sfx = "" if mode == a.pdl[0] else f"/pdl={mode}"
 
 
+def set_sov(mode: str, a) -> None:
+    """Rows from here on run the cache rank's selects under ``SPADE_SELECT_OVERLAP=mode``
+    (``""``: the environment's); rows of a later mode are named ``.../sov=<mode>``
+    (graphs are keyed by it: ``spade.kernels.pdl.capture_key``)."""
+    if mode:
+        os.environ["SPADE_SELECT_OVERLAP"] = mode
+    a.cur_sov_sfx = "" if mode == a.sov[0] else f"/sov={mode}"
+
+
 def set_topk(mode: str, a) -> None:
     """Rows from here on select with ``policy.topk=mode`` (oracle, asyncspade); rows of a
     later mode of ``--topk`` are named ``.../topk=<mode>``."""
@@ -877,9 +898,10 @@ def set_topk(mode: str, a) -> None:
 def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, record) -> None:
     """Every method row of ``a.methods`` at one (B, L, K), through ``record(name, fn)``."""
     for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
-        if m in a.methods and not (a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
+        if m in a.methods and not a.cur_sov_sfx and not (  # (select_overlap: the cache rank's only)
+                a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
-    if "asyncspade/inline" in a.methods:
+    if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
         for sk in a.score_keys:
             if sk == "exact":
                 continue
@@ -973,7 +995,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx + a.cur_topk_sfx
+                    name += a.cur_pdl_sfx + a.cur_sov_sfx + a.cur_topk_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -1001,13 +1023,18 @@ def run(argv: list[str] | None = None) -> dict:
 
                 for pm in a.pdl:
                     set_pdl(pm, a)
-                    for tk in a.topk:
-                        set_topk(tk, a)
-                        rows_for_budget(model, B, L, K, a, shared, two, record)
+                    for so in a.sov:
+                        set_sov(so, a)
+                        for tk in a.topk:
+                            set_topk(tk, a)
+                            rows_for_budget(model, B, L, K, a, shared, two, record)
                 set_pdl(a.pdl[0], a)
-                for tk in a.topk:  # Table 3 per top-K mode (the first one's is the config's "overlap")
+                # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap")
+                for so, tk in itertools.product(a.sov, a.topk):
+                    set_sov(so, a)
                     set_topk(tk, a)
-                    sfx = a.cur_topk_sfx.replace("/", "_")
+                    tag = a.cur_sov_sfx + a.cur_topk_sfx
+                    sfx = tag.replace("/", "_")
                     try:
                         lt = layer_timings(model, B, L, K, a)
                         conf["layer_ms" + sfx] = lt
@@ -1015,10 +1042,11 @@ def run(argv: list[str] | None = None) -> dict:
                             conf["breakdown"] = breakdown(conf["rows"], lt, model.spec.n_layers)
                         conf["overlap" + sfx] = overlap_table(model, B, K, a, conf["rows"], lt)
                         for line in table3_lines(conf["overlap" + sfx]):
-                            print(line + (f" [{a.cur_topk_sfx[1:]}]" if sfx else ""), flush=True)
+                            print(line + (f" [{tag[1:]}]" if sfx else ""), flush=True)
                     except Exception as e:
                         conf["errors"]["layer_timings" + sfx] = f"{type(e).__name__}: {e}"
                 set_topk(a.topk[0], a)
+                set_sov(a.sov[0], a)
                 result["configs"].append(conf)
                 out.write_text(json.dumps(result, indent=2))  # partial results survive a crash
             if "owner" in shared:  # the multiprocess cache process

@@ -25,6 +25,10 @@
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
 #   topk       threshold-carry top-K vs radix passes (policy.topk) side by side at TOPK_SHAPES (default
 #              8x32768 16x32768 32x16384), int4 keys, P=4, with Table 3 per mode
+#   overlap    the cache rank's top-K select of layer j beside layer j+1's scoring (select_overlap):
+#              bench_select --overlap (a pack of 4 layers, serial vs side stream, OVERLAP_SPECS warps[:priority])
+#              at OVERLAP_SHAPES (default 8x32768 16x32768 32x16384), then bench_tpot with
+#              --select-overlap OVERLAP_MODES (default off,on) side by side, Table 3 per mode
 #   p2p_channels  the multiprocess row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS, default "default 1 2")
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
@@ -141,6 +145,19 @@ for s in "${stages[@]}"; do
               --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --topk ${TOPK_MODES:-carry,radix} --methods "$m" --budget-s $(( ${TOPK_TIMEOUT:-200} - 30 )) --no-plots \
               --out "$OUT/bench_tpot_topk_$bl.json"
+      done ;;
+    overlap)  # layer j's select on a side stream beside layer j+1's scoring: kernel level, then TPOT + Table 3
+      run bench_select_overlap ${OVERLAP_SELECT_TIMEOUT:-150} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select \
+        --shapes "$(echo ${OVERLAP_SHAPES:-8x32768 16x32768 32x16384} | tr ' ' ,)" --keys int4 --no-grid \
+        --carry default --overlap "${OVERLAP_SPECS:-0,4,8,16,0:-1}" --budget-s $(( ${OVERLAP_SELECT_TIMEOUT:-150} - 20 )) \
+        --out "$OUT/bench_select_overlap.json"
+      for bl in ${OVERLAP_SHAPES:-8x32768 16x32768 32x16384}; do
+        m=${OVERLAP_METHODS:-optimal,asyncspade/local}
+        [ "$bl" = 8x32768 ] && m=${OVERLAP_METHODS_HEADLINE:-full,quest,optimal,asyncspade/local}
+        run "bench_tpot_overlap_$bl" ${OVERLAP_TIMEOUT:-170} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
+              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --select-overlap ${OVERLAP_MODES:-off,on} --methods "$m" --budget-s $(( ${OVERLAP_TIMEOUT:-170} - 30 )) \
+              --no-plots --out "$OUT/bench_tpot_overlap_$bl.json"
       done ;;
     p2p_channels)  # the multiprocess (nccl) row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS; "default":
                    # unset): NCCL's send / recv kernels hold an SM per channel while they wait for the peer

@@ -44,6 +44,7 @@ __all__ = [
     "use_triton",
     "group_scores",
     "score_topk",
+    "select_overlap",
     "quest_build",
     "quest_update",
     "quest_page_scores",
@@ -104,6 +105,20 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
               k_scale=k_scale, out=out, carry=carry)
+
+
+def select_overlap(device, enabled=None):
+    """A context in which each threshold-carry ``score_topk(..., carry=)`` runs its
+    top-K select on a side CUDA stream beside the next call's scoring; joined on exit
+    (read no result inside). ``SPADE_SELECT_OVERLAP`` (auto / on / off) or ``enabled``
+    turns it on; a no-op off CUDA (``scoring.select_overlap``)."""
+    import contextlib
+
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from spade.kernels import scoring
+
+    return scoring.select_overlap(device, enabled)
 
 
 def quest_build(k, kv_lens, page_size, *, kv_start=None):

@@ -73,8 +73,10 @@ def pdl_mode() -> str:
 
 def capture_key() -> tuple[str, str]:
     """The launch settings a CUDA graph records and the environment can change between
-    captures: ``SPADE_PDL`` and ``SPADE_GEMV_PREFETCH`` (graph caches key on it)."""
-    return pdl_mode(), os.environ.get("SPADE_GEMV_PREFETCH", "").strip()
+    captures: ``SPADE_PDL``, ``SPADE_GEMV_PREFETCH`` and ``SPADE_SELECT_OVERLAP`` (graph
+    caches key on it)."""
+    return (pdl_mode(), os.environ.get("SPADE_GEMV_PREFETCH", "").strip(),
+            os.environ.get("SPADE_SELECT_OVERLAP", "").strip())
 
 
 @functools.lru_cache(maxsize=None)

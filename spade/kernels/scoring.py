@@ -72,6 +72,12 @@ launches instead of five, and no full-row passes while consecutive calls score
 alike (the predicted query does: 2.6-4.2% fallbacks on the benchmark, most of them
 the first step's; the oracle's true query on random weights does not).
 
+The select is one latency-bound program per row; the scoring is bandwidth-bound.
+Inside ``select_overlap`` (the cache rank wraps each pack's layers in one) every
+select goes to a side stream after its own scoring, so layer j's select runs
+beside layer j+1's scoring; the block joins on exit (run47, H200: a pack of four
+layers 0.88-0.93x of the serial time).
+
 Everything is sized from tensor shapes only (no host sync), so the ops can be
 captured in a CUDA graph.
 
@@ -98,9 +104,11 @@ by the caller): to these kernels an int4 copy is plain symmetric int4.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -267,7 +275,10 @@ the per-tile cross-lane reductions); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
 """Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``, ``PER_SM``,
 ``TIE_BLOCK``: the tile of the per-row tie kernel) and
-``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1)."""
+``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1); and of the
+threshold-carry top-K (``_carry_config``'s ``carry_*`` keys, ``carry_margin``; under
+``select_overlap``: ``carry_overlap_warps``, the select's warps on the side stream, and
+``carry_overlap_priority``, the side stream's priority)."""
 
 
 def _dot_flags(k: torch.Tensor) -> tuple[bool, bool]:
@@ -1634,8 +1645,11 @@ def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
         # 76.4 vs 79.6 us per layer at B=8 L=32k, 120.3 vs 126.6 at B=16; 16 warps while one
         # wave of rows fills the GPU, 8 beyond (two programs per SM: 136.3 vs 142.2 us at B=32 L=16k)
         warps = 16 if rows <= _sm_count(device) else 8
+        # under select_overlap (beside the next layer's scoring) 8 warps at every B (run47: a pack of 4
+        # layers 246 / 412 / 451 us at B=8 32k / B=16 32k / B=32 16k vs 252 / 419 / 452 with 16-16-8,
+        # 355-562 with 4)
         cfg = dict(carry_block=1024, carry_warps=max(4, min(warps, cap // 256)), carry_bits=4, carry_compact="mask",
-                   carry_words=512)
+                   carry_words=512, carry_overlap_warps=max(4, min(8, cap // 256)))
     cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
     if cfg["carry_compact"] not in ("atomic", "mask"):
         raise ValueError(f"SELECT_CONFIG['carry_compact'] must be 'atomic' or 'mask', got {cfg['carry_compact']!r}")
@@ -1669,10 +1683,90 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
         _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
                        full_row=False, hist=None, k_scale=k_scale, carry=cargs, carry_mode=mode)
     if select:
-        _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
-                                      CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
-                                      BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
-                                      num_warps=cfg["carry_warps"], **pdl_kwargs(scores, "select"))
+        side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
+        if side is None:
+            _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
+                                          CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
+                                          BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
+                                          num_warps=cfg["carry_warps"], **pdl_kwargs(scores, "select"))
+            return
+        # select_overlap: this layer's select on the side stream, after its scoring; the
+        # caller's stream goes on to the next layer's scoring at once. No PDL across the
+        # streams' event edge. The temporaries are marked in use by the side stream, so
+        # the allocator reuses none of them before it is done with them.
+        warps = int(cfg.get("carry_overlap_warps", 0)) or cfg["carry_warps"]
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
+                                          CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=False,
+                                          BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
+                                          num_warps=warps, PDL=False, launch_pdl=False)
+        for t in (scores, cand, pos, lo, hi, idx, carry):
+            t.record_stream(side)
+
+
+_OVERLAP = threading.local()  # .side: the side stream of an active select_overlap block
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def overlap_enabled(device: torch.device | str) -> bool:
+    """Whether ``select_overlap`` on ``device`` overlaps: ``SPADE_SELECT_OVERLAP``
+    (``auto``/unset, ``on``, ``off``; ``auto`` means ``OVERLAP_DEFAULT``), and only on a
+    CUDA device with compiled kernels (on a CPU and under the interpreter every kernel
+    runs in order anyway)."""
+    mode = os.environ.get("SPADE_SELECT_OVERLAP", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"SPADE_SELECT_OVERLAP must be one of auto, on, off; got "
+                         f"{os.environ.get('SPADE_SELECT_OVERLAP')!r}")
+    on = OVERLAP_DEFAULT if mode == "auto" else mode == "on"
+    return on and torch.device(device).type == "cuda" and not _interpret()
+
+
+OVERLAP_DEFAULT = True
+"""``SPADE_SELECT_OVERLAP=auto``: whether ``select_overlap`` blocks overlap. On since run47
+(1x H200, int4 keys, K=2048, P=4): a pack's selection 0.89x / 0.93x / 0.88x of the serial one
+at B=8 32k / B=16 32k / B=32 16k, the cache rank's pack 0.52x / 0.75x / 0.75x of the inference
+pack (Table 3) vs 0.56x / 0.79x / 0.84x."""
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    prio = int(SELECT_CONFIG.get("carry_overlap_priority", 0))
+    key = (index, prio)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=prio)
+    return _SIDE_STREAMS[key]
+
+
+@contextlib.contextmanager
+def select_overlap(device: torch.device | str, enabled: bool | None = None):
+    """Within the block, each threshold-carry select kernel (``score_topk(..., carry=)``)
+    runs on a side stream after its own scoring, so the caller's stream goes straight
+    on to the next call's scoring: layer j's select (one program per row, latency-bound)
+    runs beside layer j+1's scoring (bandwidth-bound). On exit the current stream waits
+    for the side stream: the indices (and the carries) are ready there, not before —
+    read no ``score_topk`` result inside the block. Each call's scores must be its own
+    buffer (``score_topk_triton`` allocates one per call). Capturable in a CUDA graph
+    (a fork and a join of the capturing stream). A no-op on a CPU, under the
+    interpreter, when ``enabled`` is False or (``enabled=None``) ``overlap_enabled`` says
+    no, and nested in another block (the outer one joins).
+
+    >>> with select_overlap(k.device):  # doctest: +SKIP
+    ...     idx = [score_topk_triton(q[j], k[j], lo, hi, K, carry=c[j]) for j in range(4)]
+    """
+    dev = torch.device(device)
+    on = overlap_enabled(dev) if enabled is None else (
+        bool(enabled) and dev.type == "cuda" and not _interpret())
+    if not on or getattr(_OVERLAP, "side", None) is not None:
+        yield
+        return
+    cur = torch.cuda.current_stream(dev)
+    _OVERLAP.side = _side_stream(dev)
+    try:
+        yield
+    finally:
+        side, _OVERLAP.side = _OVERLAP.side, None
+        cur.wait_stream(side)
 
 
 def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:

@@ -286,7 +286,9 @@ class CacheRank:
             # the output rows of the last call of this pack: a policy that takes them writes
             # its indices there directly (select_takes_out); a fresh buffer below gets copies
             rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
-            with shared_derived(state):  # per-row bounds of kv_sel etc. once per pack, not per layer
+            # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
+            # on exit, before anything below reads the indices)
+            with shared_derived(state), kernels.select_overlap(dev):
                 for j, layer in enumerate(range(l0, l1)):
                     k, _ = view(layer, seq)
                     if rows is None:

@@ -35,3 +35,18 @@ def test_tiny_carry_rows(tmp_path):
         assert "error" not in r and r["deficit"] <= 1e-4
         assert abs(r["score_ms"] + r["compact_ms"] + r["carry_select_ms"] - r["total_ms"]) < 1e-6
         assert r["fallback_total_ms"] > 0 and r["vs_default"] > 0
+
+
+def test_tiny_overlap_rows(tmp_path):
+    """``--overlap``: a pack of layers timed serially, then with the select on a side
+    stream (a no-op on a CPU), every layer's selection checked."""
+    out = tmp_path / "sel.json"
+    assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "default", "--overlap", "0,4:-1",
+                              "--overlap-layers", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ov = [r for r in rows if isinstance(r["config"], dict) and "overlap" in r["config"]]
+    assert [r["config"]["overlap"] for r in ov] == ["off", "0", "4:-1"]
+    for r in ov:
+        assert "error" not in r and r["deficit"] <= 1e-4 and r["config"]["layers"] == 2
+        assert abs(r["per_layer_ms"] * 2 - r["total_ms"]) < 1e-9
+    assert all(r["vs_serial"] > 0 for r in ov[1:])

@@ -50,11 +50,14 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
            "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
            "--packs", "2", "--methods", "optimal,asyncspade/local", "--profile-rows", "local_P2_exact",
-           "--linear", "cublas", "--no-plots", "--out", str(out)]
+           "--linear", "cublas", "--no-plots", "--select-overlap", "off,on", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     conf = json.loads(out.read_text())["configs"][0]
-    assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2"}
+    # --select-overlap off,on: the cache rank's rows again under the second mode (a no-op on a
+    # CPU), with its own Table 3; the rows without a cache rank only once
+    assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2", "asyncspade/local/P=2/sov=on"}
+    assert conf["overlap_sov=on"][0]["cache_ms_per_pack_runtime"] > 0
     assert not conf["errors"]  # the layer timings (Fig. 2 / Table 3) ran too
     assert conf["layer_ms"]["select_asyncspade_pack2_graph_ms"] > 0
     row = conf["rows"]["asyncspade/local/P=2"]
@@ -83,6 +86,9 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     assert a.batch == [8] and a.iters == 3 and a.context == [16384, 32768, 65536] and a.score_keys == ["int4"]
     assert parse_args(["--pdl", "auto, OFF"]).pdl == ["auto", "off"] and parse_args([]).pdl == [""]
     assert a.topk == [""] and parse_args(["--topk", "radix, carry"]).topk == ["radix", "carry"]
+    assert a.sov == [""] and parse_args(["--select-overlap", "off, ON"]).sov == ["off", "on"]
+    with pytest.raises(SystemExit):
+        parse_args(["--select-overlap", "yes"])
     with pytest.raises(SystemExit):
         parse_args(["--topk", "sort"])
     with pytest.raises(SystemExit):

@@ -228,3 +228,71 @@ def test_carry_select_through_tie_groups(bits, device):
         out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry)
         _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=0.0)
     assert (_fallbacks(carry) < 4).all()  # the candidate path ran at least once per row
+
+
+def test_select_overlap_is_a_no_op_off_cuda(device, monkeypatch):
+    """``select_overlap`` on a CPU (or under the interpreter) runs every kernel in order:
+    the results inside and after the block are those of plain calls; the environment
+    switch is validated, naming itself."""
+    B, L, k_top = 2, 301, 17
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, 16, torch.float32, device, seed=11)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    plain = [scoring.score_topk_triton(q, k, lo, hi, k_top, carry=scoring.new_carry(B, 2, device))
+             for _ in range(2)]
+    monkeypatch.setenv("SPADE_SELECT_OVERLAP", "on")
+    assert not scoring.overlap_enabled(device)  # nothing to overlap here
+    carries = [scoring.new_carry(B, 2, device) for _ in range(2)]
+    with kernels.select_overlap(device), scoring.select_overlap(device, enabled=True):
+        got = [scoring.score_topk_triton(q, k, lo, hi, k_top, carry=c) for c in carries]
+    for a, b in zip(plain, got):
+        assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+    monkeypatch.setenv("SPADE_SELECT_OVERLAP", "sometimes")
+    with pytest.raises(ValueError, match="SPADE_SELECT_OVERLAP"):
+        scoring.overlap_enabled("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [0, 4])
+def test_select_overlap_on_gpu_matches_serial(warps):
+    """A pack of layers with each select on the side stream (eagerly and replayed from a
+    CUDA graph) selects what the serial calls select, carries included, and the results
+    are ready on the caller's stream when the block exits."""
+    dev = torch.device("cuda")
+    B, Hq, Hkv, L, D, k_top, n_layers = 3, 8, 2, 4099, 64, 257, 4
+    g = torch.Generator().manual_seed(7)
+    qs = [torch.randn(B, Hq, D, generator=g).to(dev, torch.bfloat16) for _ in range(n_layers)]
+    ks = [torch.randn(B, Hkv, L, D, generator=g).to(dev, torch.bfloat16) for _ in range(n_layers)]
+    lo = torch.full((B,), 4, dtype=torch.int32, device=dev)
+    hi = torch.tensor([L - 16, L - 700, 1000], dtype=torch.int32, device=dev)
+    if warps:
+        scoring.SELECT_CONFIG.update(carry_overlap_warps=warps)
+
+    def pack(carries, outs, on):
+        with scoring.select_overlap(dev, enabled=on):
+            for j in range(n_layers):
+                scoring.score_topk_triton(qs[j], ks[j], lo, hi, k_top, carry=carries[j], out=outs[j])
+
+    ref_c = [scoring.new_carry(B, Hkv, dev) for _ in range(n_layers)]
+    ref_o = [torch.empty(B, Hkv, k_top, dtype=torch.int32, device=dev) for _ in range(n_layers)]
+    ov_c = [scoring.new_carry(B, Hkv, dev) for _ in range(n_layers)]
+    ov_o = [torch.empty(B, Hkv, k_top, dtype=torch.int32, device=dev) for _ in range(n_layers)]
+    for step in range(3):  # the first step falls back, the next take the candidates
+        pack(ref_c, ref_o, False)
+        pack(ov_c, ov_o, True)
+        for a, b, ca, cb in zip(ref_o, ov_o, ref_c, ov_c):
+            assert torch.equal(a.sort(-1).values, b.sort(-1).values), step
+            assert torch.equal(ca, cb), step
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pack(ov_c, ov_o, True)  # warm-up off the capturing stream
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        pack(ov_c, ov_o, True)
+    pack(ref_c, ref_o, False)
+    pack(ref_c, ref_o, False)
+    graph.replay()
+    for a, b, ca, cb in zip(ref_o, ov_o, ref_c, ov_c):
+        assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+        assert torch.equal(ca, cb)  # 5 calls each (capturing launches nothing)
