@@ -71,7 +71,7 @@ def pdl_mode() -> str:
     return DEFAULT_MODE if mode == "auto" else mode
 
 
-def capture_key() -> tuple[str, str]:
+def capture_key() -> tuple[str, ...]:
     """The launch settings a CUDA graph records and the environment can change between
     captures: ``SPADE_PDL``, ``SPADE_GEMV_PREFETCH`` and ``SPADE_SELECT_OVERLAP`` (graph
     caches key on it)."""

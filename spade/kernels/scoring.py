@@ -1684,6 +1684,8 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
                        full_row=False, hist=None, k_scale=k_scale, carry=cargs, carry_mode=mode)
     if select:
         side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
+        if side is not None and _OVERLAP.index != _device_index(dev):
+            side = None  # a block opened for another device: run in order here
         if side is None:
             _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
                                           CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
@@ -1729,8 +1731,12 @@ at B=8 32k / B=16 32k / B=32 16k, the cache rank's pack 0.52x / 0.75x / 0.75x of
 pack (Table 3) vs 0.56x / 0.79x / 0.84x."""
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     prio = int(SELECT_CONFIG.get("carry_overlap_priority", 0))
     key = (index, prio)
     if key not in _SIDE_STREAMS:
@@ -1749,7 +1755,9 @@ def select_overlap(device: torch.device | str, enabled: bool | None = None):
     buffer (``score_topk_triton`` allocates one per call). Capturable in a CUDA graph
     (a fork and a join of the capturing stream). A no-op on a CPU, under the
     interpreter, when ``enabled`` is False or (``enabled=None``) ``overlap_enabled`` says
-    no, and nested in another block (the outer one joins).
+    no, and nested in another block (the outer one joins). Calls on another device, or
+    launched from another stream than the one current at entry, are not covered: the
+    join waits on the entry stream only (calls on another device run in order).
 
     >>> with select_overlap(k.device):  # doctest: +SKIP
     ...     idx = [score_topk_triton(q[j], k[j], lo, hi, K, carry=c[j]) for j in range(4)]
@@ -1761,7 +1769,7 @@ def select_overlap(device: torch.device | str, enabled: bool | None = None):
         yield
         return
     cur = torch.cuda.current_stream(dev)
-    _OVERLAP.side = _side_stream(dev)
+    _OVERLAP.side, _OVERLAP.index = _side_stream(dev), _device_index(dev)
     try:
         yield
     finally:
