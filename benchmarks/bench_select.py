@@ -325,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
                 run(on)  # every layer's first call falls back and sets its threshold
                 run(on)
                 err = max(check(o) for o in outs)
-                if cuda:
-                    torch.cuda.synchronize()
                 if err > 1e-4:
                     res = dict(error=f"selection deficit {err:.2e}")
                 else:

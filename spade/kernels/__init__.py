@@ -36,6 +36,7 @@ Shapes and conventions (all ops):
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -112,8 +113,6 @@ def select_overlap(device, enabled=None):
     top-K select on a side CUDA stream beside the next call's scoring; joined on exit
     (read no result inside). ``SPADE_SELECT_OVERLAP`` (auto / on / off) or ``enabled``
     turns it on; a no-op off CUDA (``scoring.select_overlap``)."""
-    import contextlib
-
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     from spade.kernels import scoring

@@ -1687,24 +1687,22 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
         if side is not None and _OVERLAP.index != _device_index(dev):
             side = None  # a block opened for another device: run in order here
         if side is None:
+            warps, launch = cfg["carry_warps"], pdl_kwargs(scores, "select")
+        else:
+            # select_overlap: this layer's select on the side stream, after its scoring; the
+            # caller's stream goes on to the next layer's scoring at once. No PDL across the
+            # streams' event edge.
+            warps = int(cfg.get("carry_overlap_warps", 0)) or cfg["carry_warps"]
+            launch = dict(PDL=False, launch_pdl=False)
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
                                           CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
                                           BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
-                                          num_warps=cfg["carry_warps"], **pdl_kwargs(scores, "select"))
-            return
-        # select_overlap: this layer's select on the side stream, after its scoring; the
-        # caller's stream goes on to the next layer's scoring at once. No PDL across the
-        # streams' event edge. The temporaries are marked in use by the side stream, so
-        # the allocator reuses none of them before it is done with them.
-        warps = int(cfg.get("carry_overlap_warps", 0)) or cfg["carry_warps"]
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
-                                          CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=False,
-                                          BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
-                                          num_warps=warps, PDL=False, launch_pdl=False)
-        for t in (scores, cand, pos, lo, hi, idx, carry):
-            t.record_stream(side)
+                                          num_warps=warps, **launch)
+        if side is not None:  # the allocator reuses none of these before the side stream is done
+            for t in (scores, cand, pos, lo, hi, idx, carry):
+                t.record_stream(side)
 
 
 _OVERLAP = threading.local()  # .side: the side stream of an active select_overlap block
