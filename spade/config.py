@@ -213,9 +213,10 @@ TransportConfig = Annotated[
 
 # --------------------------------------------------------------------------- runtime
 class RuntimeConfig(_Section):
-    topology: Literal["inline", "colocated", "local", "multiprocess"] = "inline"
-    """``inline``: selection on the critical path (one device, synchronous);
-    ``colocated``: cache rank on a side stream of the inference device;
+    topology: Literal["inline", "colocated", "local", "multiprocess"] = "colocated"
+    """``colocated`` (default): cache rank on a side stream of the inference device (on a
+    CPU the same machinery runs in one process, in order);
+    ``inline``: selection on the critical path (one device, synchronous);
     ``local``: cache rank on another device of this process;
     ``multiprocess``: one process per rank over the transport."""
     inference_device: str = "auto"

@@ -44,6 +44,8 @@ the ``rotate_half`` RoPE: Llama (SmolLM2), Qwen2 (Qwen2.5, Qwen2.5-Coder), Qwen3
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +257,22 @@ def spade_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return out, None
     out = ctx.attend(layer, query[:, :, 0], key, value, kv_lens)  # [B, Hq, D]
     return out.unsqueeze(1), None
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(fn) -> str:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_kwarg(method) -> str:
+    """The name under which this transformers version's decoder (or decoder layer) takes
+    its KV cache: ``cache`` where it has one (newer versions warn on the older name),
+    else ``past_key_values``."""
+    return _cache_kwarg_of(getattr(method, "__func__", method))
 
 
 def _check_full_attention(kwargs: dict) -> None:
@@ -518,8 +536,9 @@ class HFBackend(DecodeBackend):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: RoPE positions count real tokens only
         self._cache = DynamicCache(config=self.model.config)
         ctx.begin_step(T)
-        out = _decoder(self.model)(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                   past_key_values=self._cache, use_cache=True, spade_ctx=ctx)
+        dec = _decoder(self.model)
+        out = dec(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                  spade_ctx=ctx, **{_cache_kwarg(dec.forward): self._cache})
         h = out.last_hidden_state[:, -1]  # [B, hidden]
         self._seq_len = T
         self._next_pos = position_ids[:, -1:] + 1  # [B, 1]
@@ -537,6 +556,7 @@ class HFBackend(DecodeBackend):
         self._seq_len += 1
         ctx.begin_step(self._seq_len)
         pos = self._next_pos  # [B, 1]
+        cache_kw = {_cache_kwarg(layers[0].forward): self._cache}
         with torch.no_grad():
             h = dec.embed_tokens(tokens.to(self.device).view(-1, 1))  # [B, 1, hidden]
             pe = dec.rotary_emb(h, pos)  # (cos, sin) [B, 1, rot]
@@ -544,8 +564,8 @@ class HFBackend(DecodeBackend):
             with torch.no_grad():
                 for layer in layers[first:first + pack_layers]:
                     # no mask: decode attention goes through ctx.attend, whose kv_start handles padding
-                    h = layer(h, attention_mask=None, position_ids=pos, past_key_values=self._cache, use_cache=True,
-                              position_embeddings=pe, spade_ctx=ctx)
+                    h = layer(h, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe,
+                              spade_ctx=ctx, **cache_kw)
                     h = h[0] if isinstance(h, tuple) else h
             yield pack
         with torch.no_grad():

@@ -499,6 +499,7 @@ class AsyncRuntime(Runtime):
         # a shared link lives on the loop that opened it
         self._loop: asyncio.AbstractEventLoop | None = link.loop if link is not None else loop
         self._owns_loop = link is None and loop is None
+        self._loop_thread: CacheThread | None = None  # the loop's thread, when run from inside a running loop
         dev = backend.device
         if rt.inference_device not in ("auto", "") and torch.device(rt.inference_device) != torch.device(dev):
             raise ConfigError(f"runtime.inference_device={rt.inference_device!r} but the model is on {dev}; "
@@ -527,17 +528,12 @@ class AsyncRuntime(Runtime):
 
     # ------------------------------------------------------------------ public API
     def generate(self, input_ids, attention_mask, *, max_new_tokens, sample_fn, on_token=None) -> GenerationTrace:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            raise RuntimeError("AsyncRuntime.generate was called inside a running event loop; "
-                               "use `await runtime.agenerate(...)` there")
-        if self._loop is None:
-            self._loop = new_event_loop()
-        return self._loop.run_until_complete(self.agenerate(
-            input_ids, attention_mask, max_new_tokens=max_new_tokens, sample_fn=sample_fn, on_token=on_token))
+        """The synchronous API: runs ``agenerate`` to completion on the runtime's own event
+        loop — in this thread, or, when called from inside a running event loop (a
+        notebook, an async application's synchronous helper), on a loop thread of the
+        runtime's (``await runtime.agenerate(...)`` avoids blocking that loop)."""
+        return self.run(self.agenerate(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                       sample_fn=sample_fn, on_token=on_token))
 
     async def agenerate(self, input_ids, attention_mask, *, max_new_tokens, sample_fn,
                         on_token=None) -> GenerationTrace:
@@ -574,21 +570,39 @@ class AsyncRuntime(Runtime):
         return self._link
 
     def run(self, coro):
-        """Run a coroutine on this runtime's loop (for synchronous callers)."""
-        if self._loop is None:
-            self._loop = new_event_loop()
-        return self._loop.run_until_complete(coro)
+        """Run a coroutine on this runtime's loop (for synchronous callers). Inside a
+        running event loop the runtime's loop lives on a thread of its own (made on
+        first need, kept for the runtime's life: the cache link is bound to it) and the
+        caller blocks on the result."""
+        if self._loop_thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop).result()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                self._loop = new_event_loop()
+            return self._loop.run_until_complete(coro)
+        if self._loop is not None:  # a loop of this thread already holds the link (or was given)
+            coro.close()
+            raise RuntimeError("AsyncRuntime: called synchronously inside a running event loop, but the runtime's "
+                               "link lives on another loop of this thread; use `await runtime.agenerate(...)`")
+        self._loop_thread = CacheThread(name="spade-runtime")
+        self._loop = self._loop_thread.loop
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
         if self._link is not None and self._owns_link and not self._link.closed:
             if self._loop is not None and not self._loop.is_closed():
                 try:
-                    self._loop.run_until_complete(self._link.close())
+                    self.run(self._link.close())
                 except Exception:
                     self._link.kill()
             else:
                 self._link.kill()
-        if self._loop is not None and self._owns_loop and not self._loop.is_closed():
+        if self._loop_thread is not None:
+            self._loop_thread.stop()  # the thread closes its loop
+            self._loop_thread = None
+        elif self._loop is not None and self._owns_loop and not self._loop.is_closed():
             self._loop.close()
         self._loop = None
 

@@ -67,6 +67,52 @@ def test_cache_thread_matches_inline_tokens(model, prompt, inline_tokens, topolo
     assert tr.stats["cache_host"]["packs"] > 0  # the END acknowledgement crossed the loops
 
 
+def test_generate_inside_a_running_event_loop(model, prompt, inline_tokens):
+    """The synchronous API from a coroutine (a notebook cell, an async application's helper):
+    the runtime runs its loop on a thread of its own, keeps it (and the cache link) for a
+    second call, and stops it on close; the tokens stay the inline ones."""
+    import asyncio
+    import threading
+
+    cfg = config("runtime.topology=colocated", "runtime.pack_layers=2")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+
+    async def caller():
+        a = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        b = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        return a, b
+
+    try:
+        a, b = asyncio.run(caller())
+        runner = rt._loop_thread
+        assert runner is not None and runner.thread is not threading.current_thread()
+        assert rt._link.loop is runner.loop  # the link lives on the runtime's thread loop
+        c = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)  # and serves plain callers too
+    finally:
+        rt.close()
+    assert a.tokens == b.tokens == c.tokens == inline_tokens
+    assert a.stats["sparse_steps"] > 0
+    assert not runner.thread.is_alive() and rt._loop_thread is None
+
+
+def test_generate_inside_a_loop_after_a_plain_call_names_agenerate(model, prompt):
+    """A link opened on this thread's own loop cannot move to another loop: a clear error."""
+    import asyncio
+
+    cfg = config("runtime.topology=colocated")
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        rt.generate(*prompt, max_new_tokens=3, sample_fn=greedy)
+
+        async def caller():
+            return rt.generate(*prompt, max_new_tokens=3, sample_fn=greedy)
+
+        with pytest.raises(RuntimeError, match="agenerate"):
+            asyncio.run(caller())
+    finally:
+        rt.close()
+
+
 def test_cache_thread_dead_rank_is_a_clear_error(model, prompt):
     with pytest.raises(TransportError):
         generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=wait", "runtime.late_timeout_s=5",
