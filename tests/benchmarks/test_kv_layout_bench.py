@@ -31,27 +31,42 @@ def test_smoke_rows(kernels, tmp_path, capsys, monkeypatch):
     doc = KL.run(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     rows = doc["rows"]
-    kinds = [(r["kind"], r["layout"], r["order"]) for r in rows]
-    assert kinds == [("gather", lay, o) for lay in ("separate", "interleaved", "separate-2d")
-                     for o in ("unsorted", "sorted")] + [
-        (kind, lay, o) for lay in ("separate", "interleaved")
-        for kind, o in (("sparse", "unsorted"), ("sparse", "sorted"), ("dense", "-"))]
     sh = doc["shape"]
-    n_tok = sh["sink"] + sh["K"] + sh["recent"]
+    assert sh["K"] == [8, 16]
+    kinds = [(r["kind"], r["layout"], r["order"], r["K"]) for r in rows]
+    want = []
+    for K in sh["K"]:
+        want += [("gather", lay, o, K) for lay in ("separate", "interleaved", "separate-2d")
+                 for o in ("unsorted", "sorted")]
+        for lay in ("separate", "interleaved"):
+            want += [("sparse", lay, o, K) for o in ("unsorted", "sorted")]
+            want += [("dense", lay, "-", 0)] if K == sh["K"][0] else []
+    assert kinds == want
     esz = 4  # fp32 on the CPU
     for r in rows:
         assert r["us"] > 0 and r["TBps"] == pytest.approx(r["bytes"] / (r["us"] * 1e-6) / 1e12)
-        per = {"gather": 2 * sh["K"] * sh["D"] * (2 if r["layout"] == "separate-2d" else 1),
+        n_tok = sh["sink"] + r["K"] + sh["recent"]
+        per = {"gather": 2 * r["K"] * sh["D"] * (2 if r["layout"] == "separate-2d" else 1),
                "sparse": 2 * n_tok * sh["D"], "dense": 2 * sh["L"] * sh["D"]}[r["kind"]]
         assert r["bytes"] == sh["B"] * sh["Hkv"] * per * esz
         if r["kind"] != "gather":
             assert r["rel_err_vs_separate"] == 0.0  # same values, same kernel: only the strides differ
-    assert set(doc["ratios_interleaved_vs_separate"]) == {"gather/unsorted", "gather/sorted", "sparse/unsorted",
-                                                          "sparse/sorted", "dense/-"}
+    assert set(doc["ratios_interleaved_vs_separate"]) == {
+        f"{kind}/{o}/K={K}" for kind, o in (("gather", "unsorted"), ("gather", "sorted"), ("sparse", "unsorted"),
+                                           ("sparse", "sorted")) for K in sh["K"]} | {"dense/-/K=0"}
+    (m,) = doc["sparse_marginal"]
+    r0, r1 = (next(r for r in rows if r["kind"] == "sparse" and r["layout"] == "separate"
+                   and r["order"] == "unsorted" and r["K"] == K) for K in (8, 16))
+    assert m["added_bytes"] == r1["bytes"] - r0["bytes"] and m["added_us"] == pytest.approx(r1["us"] - r0["us"])
+    assert m["intercept_us"] == pytest.approx(r0["us"] - m["added_us"] * r0["bytes"] / m["added_bytes"])
+    assert out.with_suffix(".png").stat().st_size > 0
     assert "interleaved / separate:" in capsys.readouterr().out
 
 
 def test_bad_budget_names_the_flags(capsys):
     with pytest.raises(SystemExit):
-        KL.parse_args(["--L", "100", "--K", "90", "--sink", "4", "--recent", "64"])
+        KL.parse_args(["--L", "100", "--K", "8,90", "--sink", "4", "--recent", "64"])
     assert "--K + --sink + --recent" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        KL.parse_args(["--K", "1k"])
+    assert "comma-separated integers" in capsys.readouterr().err
