@@ -30,6 +30,8 @@
 #              at OVERLAP_SHAPES (default 8x32768 16x32768 32x16384), then bench_tpot with
 #              --select-overlap OVERLAP_MODES (default off,on) side by side, Table 3 per mode
 #   p2p_channels  the multiprocess row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS, default "default 1 2")
+#   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
+#   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
 #              one run per AB_ENVS entry (VAR=VALUE: the indexed attention's programs per SM,
@@ -175,6 +177,13 @@ for s in "${stages[@]}"; do
              --budget 2048,1024 --packs 4 --score-keys ${SWEEP_KEYS:-int8,int4} --iters 10 \
              --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
              --out "$OUT/bench_tpot_sweep.json" ;;
+    cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
+          # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept
+      run spade_run ${CLI_TIMEOUT:-240} python3 -m spade.cli run --config ${CLI_CONFIG:-configs/h100_qwen3_8b.yaml} \
+        ${CLI_ARGS:-} --out "$OUT/spade_run.json" ;;
+    kv_layout)  # the sparse attention's scattered reads by KV layout and budget (marginal rate), L2 flushed
+      run bench_kv_layout 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_kv_layout \
+        --K ${KV_LAYOUT_K:-512,1024,2048,4096} ${KV_LAYOUT_ARGS:-} --out "$OUT/bench_kv_layout.json" ;;
     gputests)
       [ -n "$bg_pid" ] && { wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; bg_pid=""; }
       run gputests 240 env NCCL_DEBUG=WARN python3 -m pytest -v -p no:cacheprovider --timeout 90 -m "gpu or multigpu" tests ;;
