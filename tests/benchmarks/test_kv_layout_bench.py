@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import bench_kv_layout as KL
+from tests.conftest import INTERPRET
 
 
 def test_caches_layouts_hold_the_same_values():
@@ -23,7 +24,10 @@ def test_caches_layouts_hold_the_same_values():
         KL.caches(1, 1, 4, 16, "paged", torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("kernels", [
+    pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="Triton on the smoke's CPU tensors needs "
+                                                                         "the interpreter")),
+    "torch"])
 def test_smoke_rows(kernels, tmp_path, capsys, monkeypatch):
     """``triton``: the Triton kernels (the interpreter on a CPU) read the strided views."""
     monkeypatch.setenv("SPADE_KERNELS", kernels)
