@@ -184,6 +184,8 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
            f"policy.rope_aware={str(a.rope_aware).lower()}", *_topk_override(a)]
     if getattr(a, "cur_score_keys", "exact") != "exact":
         out.append(f"policy.score_keys={a.cur_score_keys}")
+    if getattr(a, "cur_refresh", 1) != 1:
+        out.append(f"policy.refresh_every={a.cur_refresh}")
     return out
 
 
@@ -815,6 +817,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "layer j+1's scoring, spade.kernels.select_overlap), comma-separated: the first names the "
                          "rows, each further one adds rows suffixed /sov=<mode> and its own Table 3, side by side; "
                          "empty: the environment's. The multiprocess cache process keeps the first")
+    ap.add_argument("--refresh-every", default="1",
+                    help="policy.refresh_every values of the asyncspade rows (comma-separated; a value N > 1 "
+                         "adds rows suffixed /r=N: a selection every N steps, reused in between)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -857,6 +862,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--select-overlap takes auto,on,off (comma-separated); got {a.sov}")
     a.sov = a.sov or [""]  # the environment's, no suffix
     a.cur_sov_sfx = ""  # (set_sov sets the environment: not here, the rows' loop does)
+    try:
+        a.refresh_every = [int(x) for x in a.refresh_every.split(",") if x.strip()] or [1]
+    except ValueError:
+        ap.error(f"--refresh-every takes integers >= 1 (comma-separated); got {a.refresh_every!r}")
+    if any(n < 1 or n > 64 for n in a.refresh_every):
+        ap.error(f"--refresh-every values must lie in [1, 64] (policy.refresh_every); got {a.refresh_every}")
+    a.cur_refresh = 1
     return a
 
 
@@ -914,26 +926,40 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                     a.cur_score_keys = "exact"
 
             record(f"asyncspade/inline/{sk}", go_inline)
+    if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
+        for n in a.refresh_every:
+            if n == 1:
+                continue
+            for sk in a.score_keys:
+                def go_refresh(sk=sk, n=n):
+                    a.cur_score_keys, a.cur_refresh = sk, n
+                    try:
+                        return run_inline(model, "asyncspade/inline", B, L, K, a)
+                    finally:
+                        a.cur_score_keys, a.cur_refresh = "exact", 1
+
+                record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + f"/r={n}", go_refresh)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for sk in a.score_keys:
-            for mode in a.modes:
-                for P in a.packs:
-                    for ct in threads:
-                        name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
-                                + ("" if sk == "exact" else f"/{sk}")
-                                + ("" if ct == threads[0] else f"/{ct}"))
+        for n in a.refresh_every:
+            for sk in a.score_keys:
+                for mode in a.modes:
+                    for P in a.packs:
+                        for ct in threads:
+                            name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                                    + ("" if sk == "exact" else f"/{sk}")
+                                    + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}"))
 
-                        def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct):
-                            a.cur_score_keys, a.cur_cache_thread = sk, ct
-                            try:
-                                return run_async(model, topo, P, mode, B, L, K, a, shared)
-                            finally:
-                                a.cur_score_keys, a.cur_cache_thread = "exact", "auto"
+                            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n):
+                                a.cur_score_keys, a.cur_cache_thread, a.cur_refresh = sk, ct, n
+                                try:
+                                    return run_async(model, topo, P, mode, B, L, K, a, shared)
+                                finally:
+                                    a.cur_score_keys, a.cur_cache_thread, a.cur_refresh = "exact", "auto", 1
 
-                        record(name, go)
+                            record(name, go)
 
 
 def main(argv: list[str] | None = None) -> int:

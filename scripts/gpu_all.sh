@@ -32,6 +32,7 @@
 #   p2p_channels  the multiprocess row under NCCL_MAX_P2P_NCHANNELS values (P2P_CHANNELS, default "default 1 2")
 #   colocated  TPOT of the one-GPU topology (asyncspade/colocated) beside full, quest, optimal, inline at
 #              COLOCATED_SHAPES (default 1x32768 8x32768 16x32768), exact and int4 scoring keys
+#              (COLOCATED_ARGS: more bench_tpot flags, e.g. --refresh-every 1,2,4)
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
@@ -185,7 +186,8 @@ for s in "${stages[@]}"; do
         run "bench_tpot_colocated_$bl" ${COLOCATED_TIMEOUT:-180} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
               --context ${bl#*x} --budget 2048 --packs 4 --score-keys ${COLOCATED_KEYS:-exact,int4} \
               --iters ${TPOT_ITERS:-30} --methods ${COLOCATED_METHODS:-full,quest,optimal,asyncspade/inline,asyncspade/colocated} \
-              --budget-s $(( ${COLOCATED_TIMEOUT:-180} - 30 )) --no-plots --out "$OUT/bench_tpot_colocated_$bl.json"
+              --budget-s $(( ${COLOCATED_TIMEOUT:-180} - 30 )) ${COLOCATED_ARGS:-} --no-plots \
+              --out "$OUT/bench_tpot_colocated_$bl.json"
       done ;;
     cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept

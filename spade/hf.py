@@ -268,7 +268,7 @@ def _cache_kwarg_of(fn) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _cache_kwarg(method) -> str:
+def cache_kwarg(method) -> str:
     """The name under which this transformers version's decoder (or decoder layer) takes
     its KV cache: ``cache`` where it has one (newer versions warn on the older name),
     else ``past_key_values``."""
@@ -538,7 +538,7 @@ class HFBackend(DecodeBackend):
         ctx.begin_step(T)
         dec = _decoder(self.model)
         out = dec(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                  spade_ctx=ctx, **{_cache_kwarg(dec.forward): self._cache})
+                  spade_ctx=ctx, **{cache_kwarg(dec.forward): self._cache})
         h = out.last_hidden_state[:, -1]  # [B, hidden]
         self._seq_len = T
         self._next_pos = position_ids[:, -1:] + 1  # [B, 1]
@@ -556,7 +556,7 @@ class HFBackend(DecodeBackend):
         self._seq_len += 1
         ctx.begin_step(self._seq_len)
         pos = self._next_pos  # [B, 1]
-        cache_kw = {_cache_kwarg(layers[0].forward): self._cache}
+        cache_kw = {cache_kwarg(layers[0].forward): self._cache}
         with torch.no_grad():
             h = dec.embed_tokens(tokens.to(self.device).view(-1, 1))  # [B, 1, hidden]
             pe = dec.rotary_emb(h, pos)  # (cos, sin) [B, 1, rot]

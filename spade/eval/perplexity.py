@@ -92,7 +92,7 @@ class PromptPass:
     def __init__(self, model, ids: torch.Tensor, prefill_len: int) -> None:
         from transformers import DynamicCache
 
-        from spade.hf import use_spade_attention
+        from spade.hf import cache_kwarg, use_spade_attention
 
         if not 1 <= prefill_len < ids.shape[0]:
             raise ValueError(f"prefill_len must be in [1, {ids.shape[0]}); got {prefill_len}")
@@ -103,8 +103,8 @@ class PromptPass:
         cap = _PromptCapture()
         self.cache = DynamicCache(config=model.config)
         with use_spade_attention(model):
-            out = model(input_ids=ids[:prefill_len].to(dev)[None], past_key_values=self.cache, use_cache=True,
-                        spade_forced=cap)
+            out = model(input_ids=ids[:prefill_len].to(dev)[None], use_cache=True, spade_forced=cap,
+                        **{cache_kwarg(model.forward): self.cache})
         self.queries = cap.queries
         self.last_logits = out.logits[0, -1].float()  # [V]: predicts token prefill_len
 
@@ -114,7 +114,7 @@ class PromptPass:
         ``policy_cfg`` (row 0 is the dense prompt pass's), and the mean keys
         attended per (decode position, KV head, layer)."""
         from spade.eval.decoding import _crop_to
-        from spade.hf import _as_policy, attention_spec, use_spade_attention
+        from spade.hf import _as_policy, cache_kwarg, attention_spec, use_spade_attention
         from spade.teacher import TeacherForcing
 
         P, model = self.prefill_len, self.model
@@ -126,8 +126,9 @@ class PromptPass:
             with use_spade_attention(model):
                 # every token is fed (the last one's logits are unused), so the policy
                 # runs the same steps as in ``spade.teacher`` (equal ``mean_attended``)
-                out = model(input_ids=self.ids[P:].to(dev)[None], past_key_values=self.cache, use_cache=True,
-                            spade_forced=_ContinuationForcing(forcing, self.queries))
+                out = model(input_ids=self.ids[P:].to(dev)[None], use_cache=True,
+                            spade_forced=_ContinuationForcing(forcing, self.queries),
+                            **{cache_kwarg(model.forward): self.cache})
         finally:
             _crop_to(self.cache, P)
         logits = torch.cat([self.last_logits[None], out.logits[0, :-1].float()])  # [T - P, V]

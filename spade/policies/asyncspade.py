@@ -103,6 +103,9 @@ class AsyncSpadeLayerState:
     in one launch; used by ``select`` when ``k_smooth`` and the dtype still match."""
     q_scored_smooth: torch.Tensor | None = None
     """The ``k_smooth`` object ``q_scored`` was folded with."""
+    last_sel: Selection | None = None
+    """``refresh_every > 1``: the selection of the last refresh, reused until the next
+    (its indices tensor is the one a captured graph rewrites when it replays a refresh)."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -173,8 +176,23 @@ class AsyncSpadePolicy(Policy):
         return min(self.rows, st.anchor_count + pushed)
 
     def graph_key(self, state: PolicyState) -> tuple:
-        # the number of valid window rows changes the predictor's work until it saturates
-        return (state.seq_len <= self.cfg.budget, self.n_valid(state))
+        # the number of valid window rows changes the predictor's work until it saturates;
+        # with refresh_every > 1 a reuse step launches nothing
+        key = (state.seq_len <= self.cfg.budget, self.n_valid(state))
+        return key if self.cfg.refresh_every == 1 else key + (self.refreshes(state),)
+
+    def refreshes(self, state: PolicyState, layer: int = 0) -> bool:
+        """Whether ``select`` at ``state.seq_len`` computes a new selection for ``layer``:
+        always with ``refresh_every == 1``; else when the cache length is a multiple of
+        ``refresh_every`` or the layer has none to reuse (its first sparse step, a new
+        prompt). A function of the host's ``seq_len`` alone, so every path that selects
+        for a step (inline, a cache rank one step ahead) refreshes at the same steps,
+        and a replayed CUDA graph (no Python runs) cannot drift from it."""
+        n = self.cfg.refresh_every
+        if n == 1:
+            return True
+        st = state.layers[layer]
+        return st is None or st.last_sel is None or state.seq_len % n == 0
 
     def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
         st = state.layers[layer]
@@ -276,6 +294,7 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
+        st.last_sel = None  # a new prompt: nothing to reuse
         reset_carry(state, layer)
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
@@ -310,6 +329,8 @@ class AsyncSpadePolicy(Policy):
         per layer, with the same result."""
         if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
             return
+        if not self.refreshes(state, layers[0]):
+            return  # a reuse step: nothing to predict
         if not kernels.use_triton(state.layers[layers[0]].window):
             return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
         sts = [state.layers[i] for i in layers]
@@ -377,6 +398,9 @@ class AsyncSpadePolicy(Policy):
         if is_dense(state, cfg.budget, self.name):
             return None
         st = state.layers[layer]
+        if not self.refreshes(state, layer):  # refresh_every > 1, between refreshes
+            st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
+            return st.last_sel
         pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
         if st is not None and st.q_scored is not None:
             if st.q_pred is not None and st.q_pred_seq == state.seq_len:
@@ -400,8 +424,11 @@ class AsyncSpadePolicy(Policy):
         norm_lens = None
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
-        return topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
-                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                              norm_lens=norm_lens, out=out, memo=state.memo,
-                              carry=layer_carry(state, layer, cfg.topk, k_score))
+        sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
+                             n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
+                             scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
+                             norm_lens=norm_lens, out=out, memo=state.memo,
+                             carry=layer_carry(state, layer, cfg.topk, k_score))
+        if cfg.refresh_every > 1:
+            st.last_sel = sel
+        return sel

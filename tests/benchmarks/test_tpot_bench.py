@@ -74,6 +74,23 @@ def test_bench_tpot_cpu_smoke(tmp_path):
            f"{ov['cache_ms_per_pack_runtime']:.3f} ({ratio:.2f}x)" in r.stdout
 
 
+def test_bench_tpot_refresh_every_rows(tmp_path):
+    """``--refresh-every 1,2``: the asyncspade rows again with a selection every 2 steps
+    (suffix /r=2), inline and on the cache rank; the rows without a selection once."""
+    out = tmp_path / "bench_tpot.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
+           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
+           "--packs", "2", "--methods", "optimal,asyncspade/inline,asyncspade/colocated", "--linear", "cublas",
+           "--no-plots", "--refresh-every", "1,2", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    conf = json.loads(out.read_text())["configs"][0]
+    assert set(conf["rows"]) == {"optimal", "asyncspade/inline", "asyncspade/inline/r=2", "asyncspade/colocated/P=2",
+                                 "asyncspade/colocated/P=2/r=2"}
+    assert all(row["tpot_ms"] > 0 for row in conf["rows"].values())
+    assert conf["rows"]["asyncspade/colocated/P=2/r=2"]["late_packs"] == 0
+
+
 def test_bench_tpot_config_defaults_and_flags(tmp_path):
     """``spade bench tpot --config X``: the config's preset, policy speed settings and bench
     section become the defaults; flags win; a real-weights model is refused by name."""
@@ -89,6 +106,10 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     assert a.sov == [""] and parse_args(["--select-overlap", "off, ON"]).sov == ["off", "on"]
     with pytest.raises(SystemExit):
         parse_args(["--select-overlap", "yes"])
+    assert a.refresh_every == [1] and parse_args(["--refresh-every", "1, 4"]).refresh_every == [1, 4]
+    for bad in ("0", "two", "65"):
+        with pytest.raises(SystemExit):
+            parse_args(["--refresh-every", bad])
     with pytest.raises(SystemExit):
         parse_args(["--topk", "sort"])
     with pytest.raises(SystemExit):

@@ -198,7 +198,7 @@ def test_multi_token_step_on_cache_is_refused():
     with H.attach(m, ctx):
         out = m(ids[:, :5], use_cache=True)
         with pytest.raises(NotImplementedError, match="multi-token"):
-            m(ids[:, 5:], past_key_values=out.past_key_values, use_cache=True)
+            m(ids[:, 5:], use_cache=True, **{H.cache_kwarg(m.forward): out.past_key_values})
 
 
 # --------------------------------------------------------------------------- padding

@@ -60,6 +60,38 @@ def test_window_bookkeeping_and_graph_key():
     assert got[0][1] == (True, 3) and got[-1][1] == (False, 6)
 
 
+@pytest.mark.parametrize("n,starts", [(3, None), (2, [0, 5])])
+def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
+    """``refresh_every=n``: a new selection at the first sparse step and at every cache
+    length that is a multiple of n — the same one an every-step policy makes there
+    (the window still takes every step's query) — and the previous one object for
+    object in between; the graph key says which kind of step it is."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=starts, prompt_len=31, steps=9, n_layers=2, seed=41)
+    common = dict(budget=14, sink_tokens=2, recent_tokens=3, window=4, predictor="assembled")
+    every = {(r.seq_len, r.layer): r.sel for r in sim.run(make_policy("asyncspade", sim, **common))}
+    pol = make_policy("asyncspade", sim, **common, refresh_every=n)
+    keys = {}
+    recs = sim.run(pol, on_step=lambda rec, st: keys.setdefault(rec.seq_len, pol.graph_key(st)))
+    last: dict = {}
+    refreshed = set()
+    for r in recs:
+        first = r.layer not in last
+        fresh = first or r.seq_len % n == 0
+        if fresh:
+            assert r.sel is not last.get(r.layer)
+            assert middle_sets(r.sel) == middle_sets(every[(r.seq_len, r.layer)])
+            refreshed.add(r.seq_len)
+            last[r.layer] = r.sel
+        else:
+            assert r.sel is last[r.layer]
+        if r.seq_len > 32:  # (the key is read after layer 0's select: from the 2nd step on, as before it)
+            assert keys[r.seq_len][-1] is fresh
+    assert len(refreshed) == 1 + sum(1 for s in range(33, 32 + 9) if s % n == 0)
+    assert any(middle_sets(r.sel) != middle_sets(every[(r.seq_len, r.layer)]) for r in recs
+               if r.seq_len not in refreshed)  # reuse steps do select differently here
+    assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
+
+
 def test_no_query_seen_means_full_attention():
     sim = DecodeSim(B=1, Hq=2, Hkv=2, prompt_len=30, steps=1)
     pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2)

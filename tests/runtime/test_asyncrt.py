@@ -268,6 +268,26 @@ def test_tova_selects_ahead_on_the_cache_rank(model, prompt):
     assert tr.tokens == want
 
 
+@pytest.mark.parametrize("topology,pack,mode", [("colocated", 2, "indices"), ("local", 1, "delta"),
+                                                ("local", 3, "kv")])
+def test_refresh_every_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mode):
+    """``policy.refresh_every=3``: the cache rank selects at the same steps as the inline run
+    (cache lengths that are multiples of 3, and the first sparse step) and sends the reused
+    selection in between; the tokens are the inline ones with the same setting, and the
+    setting matters on this model (they differ from every-step selection)."""
+    from spade.runtime.inline import InlineRuntime
+
+    cfg = config("policy.refresh_every=3", f"runtime.topology={topology}", f"runtime.pack_layers={pack}",
+                 f"runtime.return_mode={mode}")
+    pol = build_policy(cfg.policy, model.spec)
+    want = InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    tr = generate_cfg(cfg, model, prompt)
+    assert tr.tokens == want != inline_tokens
+    sparse_steps = sum(1 for s in range(1, NEW) if T + s > BUDGET)
+    assert tr.stats["sparse_steps"] == sparse_steps and tr.late_packs == 0
+    assert tr.stats["sel_messages"] >= sparse_steps * len(packs_of(model.spec.n_layers, pack))
+
+
 def generate_cfg(cfg, model, prompt):
     rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
     try:
