@@ -1695,6 +1695,7 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
             warps = int(cfg.get("carry_overlap_warps", 0)) or cfg["carry_warps"]
             launch = dict(PDL=False, launch_pdl=False)
             side.wait_stream(torch.cuda.current_stream(dev))
+            _OVERLAP.forked = True
         with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
                                           CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
@@ -1767,12 +1768,16 @@ def select_overlap(device: torch.device | str, enabled: bool | None = None):
         yield
         return
     cur = torch.cuda.current_stream(dev)
-    _OVERLAP.side, _OVERLAP.index = _side_stream(dev), _device_index(dev)
+    _OVERLAP.side, _OVERLAP.index, _OVERLAP.forked = _side_stream(dev), _device_index(dev), False
     try:
         yield
     finally:
         side, _OVERLAP.side = _OVERLAP.side, None
-        cur.wait_stream(side)
+        # join only what was forked: a block that launched nothing on the side stream
+        # (every selection reused or dense) must not make a capturing stream wait on a
+        # stream outside its capture (that invalidates the capture)
+        if _OVERLAP.forked:
+            cur.wait_stream(side)
 
 
 def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:

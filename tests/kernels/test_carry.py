@@ -252,6 +252,27 @@ def test_select_overlap_results_match_plain_calls(device, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_select_overlap_block_without_selects_captures():
+    """A block that forks nothing (every selection of the pack reused, or dense) joins
+    nothing: inside a CUDA-graph capture a join of the idle side stream would wait on a
+    stream outside the capture and invalidate it."""
+    dev = torch.device("cuda")
+    x = torch.zeros(4, device=dev)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm), scoring.select_overlap(dev, enabled=True):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with scoring.select_overlap(dev, enabled=True):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("warps", [0, 4])
 def test_select_overlap_on_gpu_matches_serial(warps):
     """A pack of layers with each select on the side stream (eagerly and replayed from a

@@ -116,6 +116,24 @@ def test_colocated_side_stream_matches_inline(gpu_model, prompt, gpu_inline_run,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,mode", [(2, "indices"), (3, "delta")])
+def test_colocated_refresh_every_matches_inline_with_graphs(gpu_model, prompt, n, mode, caplog):
+    """``policy.refresh_every``: the cache rank's packs captured as CUDA graphs on refresh
+    and on reuse steps alike (a reuse step's select_overlap block launches nothing and
+    must not join a stream outside the capture); the tokens are the inline run's with
+    the same setting."""
+    cfg = config(f"policy.refresh_every={n}")
+    want = InlineRuntime(cfg, gpu_model, build_policy(cfg.policy, gpu_model.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    with caplog.at_level("WARNING"):
+        tr = _run(gpu_model, prompt, "runtime.topology=colocated", "runtime.pack_layers=2",
+                  f"runtime.return_mode={mode}", f"policy.refresh_every={n}")
+    assert "capture" not in caplog.text, caplog.text
+    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+    assert tr.stats["cache_rank"]["graphs"] > 0
+
+
+@pytest.mark.gpu
 def test_kv_mode_fp32_matches_inline(gpu_model32, prompt, gpu_inline32):
     """In fp32 the kv mode's merged attention is within rounding of the one-pass
     attention, far below any greedy margin: the tokens are inline's exactly."""
