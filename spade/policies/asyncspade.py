@@ -104,8 +104,13 @@ class AsyncSpadeLayerState:
     q_scored_smooth: torch.Tensor | None = None
     """The ``k_smooth`` object ``q_scored`` was folded with."""
     last_sel: Selection | None = None
-    """``refresh_every > 1``: the selection of the last refresh, reused until the next
-    (its indices tensor is the one a captured graph rewrites when it replays a refresh)."""
+    """``refresh_every > 1``: the selection of the last refresh, reused until the next.
+    Its indices are ``keep``, which every refresh writes in place (eagerly or replayed
+    from a CUDA graph), so a reuse step reads what the last refresh wrote whichever
+    way it ran: a capture records without executing, and its own outputs would hold
+    nothing until a replay."""
+    keep: torch.Tensor | None = None
+    """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -424,11 +429,16 @@ class AsyncSpadePolicy(Policy):
         norm_lens = None
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
+        if cfg.refresh_every > 1:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
+            shape = (k_cache.shape[0], k_cache.shape[1], max(0, cfg.budget - cfg.sink_tokens - cfg.recent_tokens))
+            if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
+                st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
+            out = st.keep
         sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
                              carry=layer_carry(state, layer, cfg.topk, k_score))
         if cfg.refresh_every > 1:
-            st.last_sel = sel
+            st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel

@@ -64,31 +64,35 @@ def test_window_bookkeeping_and_graph_key():
 def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
     """``refresh_every=n``: a new selection at the first sparse step and at every cache
     length that is a multiple of n — the same one an every-step policy makes there
-    (the window still takes every step's query) — and the previous one object for
-    object in between; the graph key says which kind of step it is."""
+    (the window still takes every step's query) — and the previous one, object for
+    object, in between; every refresh writes the layer's one buffer in place; the
+    graph key says which kind of step it is."""
     sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=starts, prompt_len=31, steps=9, n_layers=2, seed=41)
     common = dict(budget=14, sink_tokens=2, recent_tokens=3, window=4, predictor="assembled")
-    every = {(r.seq_len, r.layer): r.sel for r in sim.run(make_policy("asyncspade", sim, **common))}
+    every = {}
+    sim.run(make_policy("asyncspade", sim, **common),
+            on_step=lambda rec, st: every.setdefault((rec.seq_len, rec.layer), middle_sets(rec.sel)))
     pol = make_policy("asyncspade", sim, **common, refresh_every=n)
-    keys = {}
-    recs = sim.run(pol, on_step=lambda rec, st: keys.setdefault(rec.seq_len, pol.graph_key(st)))
+    seen = []  # (seq_len, layer, selection object, its indices' storage, middle sets then, graph key)
+    sim.run(pol, on_step=lambda rec, st: seen.append((rec.seq_len, rec.layer, rec.sel, rec.sel.indices.data_ptr(),
+                                                      middle_sets(rec.sel), pol.graph_key(st))))
     last: dict = {}
     refreshed = set()
-    for r in recs:
-        first = r.layer not in last
-        fresh = first or r.seq_len % n == 0
+    for seq, layer, sel, ptr, sets, key in seen:
+        first = layer not in last
+        fresh = first or seq % n == 0
         if fresh:
-            assert r.sel is not last.get(r.layer)
-            assert middle_sets(r.sel) == middle_sets(every[(r.seq_len, r.layer)])
-            refreshed.add(r.seq_len)
-            last[r.layer] = r.sel
+            assert sets == every[(seq, layer)]
+            assert first or ptr == last[layer][1]  # the same buffer, rewritten
+            refreshed.add(seq)
+            last[layer] = (sel, ptr, sets)
         else:
-            assert r.sel is last[r.layer]
-        if r.seq_len > 32:  # (the key is read after layer 0's select: from the 2nd step on, as before it)
-            assert keys[r.seq_len][-1] is fresh
+            assert sel is last[layer][0] and sets == last[layer][2]
+        if seq > 32:  # (the key is read after layer 0's select: from the 2nd step on, as before it)
+            assert key[-1] is fresh
     assert len(refreshed) == 1 + sum(1 for s in range(33, 32 + 9) if s % n == 0)
-    assert any(middle_sets(r.sel) != middle_sets(every[(r.seq_len, r.layer)]) for r in recs
-               if r.seq_len not in refreshed)  # reuse steps do select differently here
+    assert any(sets != every[(seq, layer)] for seq, layer, _, _, sets, _ in seen
+               if seq not in refreshed)  # reuse steps do select differently here
     assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
 
 
