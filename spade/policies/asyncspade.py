@@ -111,6 +111,10 @@ class AsyncSpadeLayerState:
     nothing until a replay."""
     keep: torch.Tensor | None = None
     """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into."""
+    decided: tuple[int, bool] | None = None
+    """``refresh_every > 1``: (seq_len, refresh?) of the last decision, so that every
+    call at one cache length decides alike — a warm-up run and the CUDA-graph capture
+    that follows it, and the graph key read before both."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -190,14 +194,20 @@ class AsyncSpadePolicy(Policy):
         """Whether ``select`` at ``state.seq_len`` computes a new selection for ``layer``:
         always with ``refresh_every == 1``; else when the cache length is a multiple of
         ``refresh_every`` or the layer has none to reuse (its first sparse step, a new
-        prompt). A function of the host's ``seq_len`` alone, so every path that selects
-        for a step (inline, a cache rank one step ahead) refreshes at the same steps,
-        and a replayed CUDA graph (no Python runs) cannot drift from it."""
+        prompt). Decided once per cache length (``decided``): a warm-up run that makes the
+        first selection must not turn the CUDA-graph capture right after it (same length)
+        into a reuse. Otherwise a function of the host's ``seq_len``, so every path that
+        selects for a step (inline, a cache rank one step ahead) refreshes at the same
+        steps, and a replayed graph (no Python runs) cannot drift from it."""
         n = self.cfg.refresh_every
         if n == 1:
             return True
         st = state.layers[layer]
-        return st is None or st.last_sel is None or state.seq_len % n == 0
+        if st is None:
+            return True
+        if st.decided is None or st.decided[0] != state.seq_len:
+            st.decided = (state.seq_len, st.last_sel is None or state.seq_len % n == 0)
+        return st.decided[1]
 
     def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
         st = state.layers[layer]
@@ -299,7 +309,7 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
-        st.last_sel = None  # a new prompt: nothing to reuse
+        st.last_sel = st.decided = None  # a new prompt: nothing to reuse
         reset_carry(state, layer)
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh

@@ -96,6 +96,27 @@ def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
     assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
 
 
+def test_refresh_every_decides_once_per_cache_length():
+    """A warm-up run and the CUDA-graph capture after it call ``select`` twice at one
+    cache length: the first sparse step (odd length, n=2) refreshes both times — the
+    first call must not turn the second into a reuse — and a reuse length reuses both
+    times."""
+    sim = DecodeSim(B=1, Hq=2, Hkv=1, prompt_len=30, steps=1, seed=9)
+    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3, refresh_every=2)
+    st = pol.new_state(1, "cpu")
+    (k,), (v,), kv = sim.fresh_cache()
+    st.seq_len = 30
+    pol.prefill(st, 0, sim.q_all[0, :, :, :30], k, v, kv)
+    for seq, fresh in ((31, True), (32, True), (33, False)):
+        st.seq_len, kv = seq, kv + 1
+        key = pol.graph_key(st)
+        a = pol.select(st, 0, None, k, kv)
+        b = pol.select(st, 0, None, k, kv)
+        assert key[-1] is fresh and pol.refreshes(st) is fresh
+        assert (a is not b) if fresh else (a is b is st.layers[0].last_sel)
+        assert a.indices is b.indices is st.layers[0].keep  # one buffer, written in place
+
+
 def test_no_query_seen_means_full_attention():
     sim = DecodeSim(B=1, Hq=2, Hkv=2, prompt_len=30, steps=1)
     pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2)

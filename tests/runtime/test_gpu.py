@@ -130,7 +130,8 @@ def test_colocated_refresh_every_matches_inline_with_graphs(gpu_model, prompt, n
                   f"runtime.return_mode={mode}", f"policy.refresh_every={n}")
     assert "capture" not in caplog.text, caplog.text
     assert tr.tokens == want and tr.stats["sparse_steps"] > 0
-    assert tr.stats["cache_rank"]["graphs"] > 0
+    if mode == "indices":  # (delta encoding reads the host: no cache-rank graphs there)
+        assert tr.stats["cache_rank"]["graphs"] > 0
 
 
 @pytest.mark.gpu
