@@ -111,10 +111,7 @@ class AsyncSpadeLayerState:
     nothing until a replay."""
     keep: torch.Tensor | None = None
     """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into."""
-    decided: tuple[int, bool] | None = None
-    """``refresh_every > 1``: (seq_len, refresh?) of the last decision, so that every
-    call at one cache length decides alike — a warm-up run and the CUDA-graph capture
-    that follows it, and the graph key read before both."""
+
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -190,24 +187,18 @@ class AsyncSpadePolicy(Policy):
         key = (state.seq_len <= self.cfg.budget, self.n_valid(state))
         return key if self.cfg.refresh_every == 1 else key + (self.refreshes(state),)
 
-    def refreshes(self, state: PolicyState, layer: int = 0) -> bool:
-        """Whether ``select`` at ``state.seq_len`` computes a new selection for ``layer``:
-        always with ``refresh_every == 1``; else when the cache length is a multiple of
-        ``refresh_every`` or the layer has none to reuse (its first sparse step, a new
-        prompt). Decided once per cache length (``decided``): a warm-up run that makes the
-        first selection must not turn the CUDA-graph capture right after it (same length)
-        into a reuse. Otherwise a function of the host's ``seq_len``, so every path that
-        selects for a step (inline, a cache rank one step ahead) refreshes at the same
-        steps, and a replayed graph (no Python runs) cannot drift from it."""
-        n = self.cfg.refresh_every
-        if n == 1:
-            return True
-        st = state.layers[layer]
-        if st is None:
-            return True
-        if st.decided is None or st.decided[0] != state.seq_len:
-            st.decided = (state.seq_len, st.last_sel is None or state.seq_len % n == 0)
-        return st.decided[1]
+    def refreshes(self, state: PolicyState) -> bool:
+        """Whether ``select`` at ``state.seq_len`` computes a new selection: always with
+        ``refresh_every == 1``; else at the prompt's first selection (which sets
+        ``state.refresh_anchor``) and every ``refresh_every`` cache lengths after it.
+        Every layer, pack and call at one cache length decides alike — a warm-up run
+        and the CUDA-graph capture after it, the graph key read before both — and every
+        path that selects for a step (inline, a cache rank one step ahead) makes its
+        first selection at the same step, so they refresh at the same steps; a replayed
+        graph (no Python runs) cannot drift from it. Between refreshes ``select``
+        returns the last selection."""
+        n, anchor = self.cfg.refresh_every, state.refresh_anchor
+        return n == 1 or anchor is None or (state.seq_len - anchor) % n == 0
 
     def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
         st = state.layers[layer]
@@ -309,7 +300,7 @@ class AsyncSpadePolicy(Policy):
         st.window.zero_()
         st.window[:, :, self.rows - n:] = qs
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
-        st.last_sel = st.decided = None  # a new prompt: nothing to reuse
+        st.last_sel = state.refresh_anchor = None  # a new prompt: nothing to reuse
         reset_carry(state, layer)
         if self.cfg.score_keys != "exact":
             st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
@@ -344,7 +335,7 @@ class AsyncSpadePolicy(Policy):
         per layer, with the same result."""
         if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
             return
-        if not self.refreshes(state, layers[0]):
+        if not self.refreshes(state):
             return  # a reuse step: nothing to predict
         if not kernels.use_triton(state.layers[layers[0]].window):
             return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
@@ -413,7 +404,9 @@ class AsyncSpadePolicy(Policy):
         if is_dense(state, cfg.budget, self.name):
             return None
         st = state.layers[layer]
-        if not self.refreshes(state, layer):  # refresh_every > 1, between refreshes
+        if not self.refreshes(state):  # refresh_every > 1, between refreshes
+            if st is None:
+                return None
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
             return st.last_sel
         pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
@@ -440,6 +433,8 @@ class AsyncSpadePolicy(Policy):
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         if cfg.refresh_every > 1:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
+            if state.refresh_anchor is None:
+                state.refresh_anchor = state.seq_len
             shape = (k_cache.shape[0], k_cache.shape[1], max(0, cfg.budget - cfg.sink_tokens - cfg.recent_tokens))
             if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
                 st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)

@@ -140,6 +140,9 @@ class PolicyState:
     """Inside ``spade.policies.common.shared_derived`` (a cache rank's pack): tensors
     derived from the calls' inputs (middle bounds of ``kv_lens``, ...), computed once and
     reused by every layer's call; None elsewhere."""
+    refresh_anchor: int | None = None
+    """Cache length of this prompt's first selection, for a policy that selects every
+    few steps (``asyncspade``'s ``refresh_every``); None until then."""
 
 
 class Policy(ABC):

@@ -62,59 +62,59 @@ def test_window_bookkeeping_and_graph_key():
 
 @pytest.mark.parametrize("n,starts", [(3, None), (2, [0, 5])])
 def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
-    """``refresh_every=n``: a new selection at the first sparse step and at every cache
-    length that is a multiple of n — the same one an every-step policy makes there
-    (the window still takes every step's query) — and the previous one, object for
-    object, in between; every refresh writes the layer's one buffer in place; the
-    graph key says which kind of step it is."""
+    """``refresh_every=n``: a new selection at the first sparse step and every n steps
+    after it — the same one an every-step policy makes there (the window still takes
+    every step's query) — and the previous one, object for object, in between; every
+    refresh writes the layer's one buffer in place; the graph key says which kind of
+    step it is."""
     sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=starts, prompt_len=31, steps=9, n_layers=2, seed=41)
     common = dict(budget=14, sink_tokens=2, recent_tokens=3, window=4, predictor="assembled")
     every = {}
     sim.run(make_policy("asyncspade", sim, **common),
             on_step=lambda rec, st: every.setdefault((rec.seq_len, rec.layer), middle_sets(rec.sel)))
     pol = make_policy("asyncspade", sim, **common, refresh_every=n)
-    seen = []  # (seq_len, layer, selection object, its indices' storage, middle sets then, graph key)
-    sim.run(pol, on_step=lambda rec, st: seen.append((rec.seq_len, rec.layer, rec.sel, rec.sel.indices.data_ptr(),
-                                                      middle_sets(rec.sel), pol.graph_key(st))))
+    seen = []  # (seq_len, layer, selection, its indices' storage, middle sets then, graph key)
+    sim.run(pol, on_step=lambda rec, st: seen.append(
+        (rec.seq_len, rec.layer, rec.sel, rec.sel.indices.data_ptr(), middle_sets(rec.sel), pol.graph_key(st))))
+    first = 32  # the first decode step (the prompt alone is past the budget)
     last: dict = {}
-    refreshed = set()
     for seq, layer, sel, ptr, sets, key in seen:
-        first = layer not in last
-        fresh = first or seq % n == 0
-        if fresh:
+        if (seq - first) % n == 0:
             assert sets == every[(seq, layer)]
-            assert first or ptr == last[layer][1]  # the same buffer, rewritten
-            refreshed.add(seq)
+            assert layer not in last or ptr == last[layer][1]  # the same buffer, rewritten
             last[layer] = (sel, ptr, sets)
         else:
             assert sel is last[layer][0] and sets == last[layer][2]
-        if seq > 32:  # (the key is read after layer 0's select: from the 2nd step on, as before it)
-            assert key[-1] is fresh
-    assert len(refreshed) == 1 + sum(1 for s in range(33, 32 + 9) if s % n == 0)
+        assert key[-1] is ((seq - first) % n == 0)
     assert any(sets != every[(seq, layer)] for seq, layer, _, _, sets, _ in seen
-               if seq not in refreshed)  # reuse steps do select differently here
+               if (seq - first) % n)  # reuse steps do select differently here
     assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
 
 
-def test_refresh_every_decides_once_per_cache_length():
+def test_refresh_every_is_a_function_of_the_cache_length():
     """A warm-up run and the CUDA-graph capture after it call ``select`` twice at one
-    cache length: the first sparse step (odd length, n=2) refreshes both times — the
-    first call must not turn the second into a reuse — and a reuse length reuses both
-    times."""
+    cache length, and a cache rank's packs read the graph key after earlier packs
+    selected: at the first selection (odd length, n=2) and every 2 after, all refresh;
+    in between all reuse."""
     sim = DecodeSim(B=1, Hq=2, Hkv=1, prompt_len=30, steps=1, seed=9)
     pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3, refresh_every=2)
     st = pol.new_state(1, "cpu")
     (k,), (v,), kv = sim.fresh_cache()
     st.seq_len = 30
     pol.prefill(st, 0, sim.q_all[0, :, :, :30], k, v, kv)
-    for seq, fresh in ((31, True), (32, True), (33, False)):
+    for seq, fresh in ((31, True), (32, False), (33, True), (34, False)):
         st.seq_len, kv = seq, kv + 1
         key = pol.graph_key(st)
         a = pol.select(st, 0, None, k, kv)
+        assert pol.graph_key(st) == key and key[-1] is fresh  # (after a selection, as a later pack reads it)
         b = pol.select(st, 0, None, k, kv)
-        assert key[-1] is fresh and pol.refreshes(st) is fresh
-        assert (a is not b) if fresh else (a is b is st.layers[0].last_sel)
-        assert a.indices is b.indices is st.layers[0].keep  # one buffer, written in place
+        if fresh:
+            assert a is not b and a.indices is b.indices is st.layers[0].keep  # one buffer, written in place
+        else:
+            assert a is b is st.layers[0].last_sel
+    assert st.refresh_anchor == 31
+    pol.prefill(st, 0, sim.q_all[0, :, :, :30], k, v, kv - 4)  # a new prompt: a new anchor
+    assert st.refresh_anchor is None and st.layers[0].last_sel is None
 
 
 def test_no_query_seen_means_full_attention():

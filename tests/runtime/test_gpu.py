@@ -116,7 +116,7 @@ def test_colocated_side_stream_matches_inline(gpu_model, prompt, gpu_inline_run,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,mode", [(2, "indices"), (3, "delta")])
+@pytest.mark.parametrize("n,mode", [(2, "indices"), (3, "indices"), (2, "delta"), (3, "delta")])
 def test_colocated_refresh_every_matches_inline_with_graphs(gpu_model, prompt, n, mode, caplog):
     """``policy.refresh_every``: the cache rank's packs captured as CUDA graphs on refresh
     and on reuse steps alike (a reuse step's select_overlap block launches nothing and
