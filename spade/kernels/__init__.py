@@ -88,7 +88,7 @@ def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=Non
 
 
 def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, kv_start=None,
-               k_scale=None, out=None, carry=None):
+               k_scale=None, out=None, carry=None, carry_margin=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` / ``kv_start``
@@ -100,12 +100,13 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     ``carry`` (``scoring.new_carry(B, Hkv, device)``, kept per layer across steps): the
     threshold-carry top-K (``scoring.score_topk_triton``): the same selection, found
     among the scores above the previous call's threshold instead of by radix passes
-    over every row."""
+    over every row; ``carry_margin``: its next threshold aims at that many times
+    ``k_top`` candidates (``scoring.carry_sizes``; the reference ignores it)."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale, out=out, carry=carry)
+              k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin)
 
 
 def select_overlap(device, enabled=None):

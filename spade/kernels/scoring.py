@@ -393,7 +393,7 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
                    scale: float | None = None, reduce: str = "sum_logits",
                    kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                    kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   carry: torch.Tensor | None = None) -> torch.Tensor:
+                   carry: torch.Tensor | None = None, carry_margin: float | None = None) -> torch.Tensor:
     """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline);
     copied into ``out`` when given (and ``out`` returned). ``carry`` is checked and left
     as it is: the threshold carry only changes how the Triton path finds the same top-K."""
@@ -1587,13 +1587,18 @@ CARRY_MARGIN = 1.5
 (``SELECT_CONFIG["carry_margin"]`` overrides); the candidate list holds 1.25x that."""
 
 
-def carry_sizes(k_top: int) -> tuple[int, int]:
+def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
     """(k_next, CAP) of the threshold-carry top-K for ``k_top``: the candidates the next
     threshold aims at (> k_top) and the capacity of the candidate list (a power of two:
-    the select kernel holds it in registers)."""
-    margin = float(SELECT_CONFIG.get("carry_margin", CARRY_MARGIN))
-    if margin <= 1.0:
-        raise ValueError(f"SELECT_CONFIG['carry_margin'] must be > 1, got {margin}")
+    the select kernel holds it in registers). ``margin``: the caller's (a policy that
+    selects every few steps wants more slack), else ``SELECT_CONFIG["carry_margin"]``,
+    else ``CARRY_MARGIN``."""
+    if margin is None:
+        margin = float(SELECT_CONFIG.get("carry_margin", CARRY_MARGIN))
+    margin = float(margin)
+    if not margin > 1.0:
+        raise ValueError(f"the carry margin must be > 1 (argument carry_margin or SELECT_CONFIG['carry_margin']), "
+                         f"got {margin}")
     k_next = max(k_top + 1, math.ceil(margin * k_top))
     return k_next, triton.next_power_of_2(math.ceil(1.25 * k_next))
 
@@ -1659,13 +1664,13 @@ def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
 
 
 def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
-                hkv: int, score: bool = True, select: bool = True) -> None:
+                hkv: int, score: bool = True, select: bool = True, margin: float | None = None) -> None:
     """The threshold-carry top-K into ``idx`` [rows, k_top]: scoring with the candidate
     compaction of ``SELECT_CONFIG["carry_compact"]`` (``mask``: a bitmask per row,
     default; ``atomic``: a list per row), then ``_carry_select_kernel``. ``score`` /
     ``select``: run only one half (the benchmark times them apart)."""
     rows, L = scores.shape[0], k.shape[2]
-    k_next, cap = carry_sizes(k_top)
+    k_next, cap = carry_sizes(k_top, margin)
     cfg = _carry_config(cap, k.device, rows)
     mode = {"atomic": 1, "mask": 2}[cfg["carry_compact"]]
     dev = k.device
@@ -1799,7 +1804,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      carry: torch.Tensor | None = None) -> torch.Tensor:
+                      carry: torch.Tensor | None = None, carry_margin: float | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top],
     written straight into ``out`` (contiguous int32 [B, Hkv, k_top]) when given, which
     is then returned (no copy). int8 ``k`` (``spade.kernels.quant``) with its
@@ -1814,6 +1819,8 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     call, and one kernel selects exactly among them (``_carry_select_kernel``), or
     over the whole row when their count is off (the first call included). Same exact
     top-K; fewer passes over the row when consecutive calls score alike.
+    ``carry_margin``: the next threshold aims at ``carry_margin * k_top`` candidates
+    (``carry_sizes``; wider for callers whose consecutive calls are several steps apart).
 
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
@@ -1840,7 +1847,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
         scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)
         idx = torch.empty(rows, k_top, dtype=torch.int32, device=k.device) if out is None else out.view(rows, k_top)
         _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top, carry, idx, scale=_default_scale(scale, D),
-                    reduce=reduce, k_scale=k_scale, hkv=Hkv)
+                    reduce=reduce, k_scale=k_scale, hkv=Hkv, margin=carry_margin)
         return idx.view(B, Hkv, k_top) if out is None else out
     fuse = SELECT_CONFIG.get("fuse_hist", True)
     ws = _new_workspace(rows, k.device)

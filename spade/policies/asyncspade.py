@@ -76,6 +76,14 @@ def resolve_rope_aware(setting: bool | str, spec) -> bool:
     return bool(setting)
 
 
+REFRESH_CARRY_MARGIN = 2.0
+"""With ``refresh_every > 1`` the threshold-carry top-K's next threshold aims at this many
+times K candidates (the kernels' default is 1.5): the threshold is several steps old when
+it is next used. run56 (H200, colocated, B=8 L=32k, int4): top-K fallbacks 14% -> 6% at
+N=2 and 27% -> 14% at N=4, TPOT -5% / -4%, p90 11-12 -> 7.7 ms; at N=1 the wider list
+(CAP 8192) costs more than it saves (+8%), so every-step selection keeps the default."""
+
+
 @dataclass
 class AsyncSpadeLayerState:
     window: torch.Tensor  # [B, Hq, R, D] float32 past queries, oldest first (R = W + 1)
@@ -443,7 +451,8 @@ class AsyncSpadePolicy(Policy):
                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
-                             carry=layer_carry(state, layer, cfg.topk, k_score))
+                             carry=layer_carry(state, layer, cfg.topk, k_score),
+                             carry_margin=REFRESH_CARRY_MARGIN if cfg.refresh_every > 1 else None)
         if cfg.refresh_every > 1:
             st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel

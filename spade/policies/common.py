@@ -138,7 +138,8 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
                    kv_start: torch.Tensor | None, *, budget: int, n_sink: int, n_recent: int,
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
                    norm_lens: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   memo: dict | None = None, carry: torch.Tensor | None = None) -> Selection:
+                   memo: dict | None = None, carry: torch.Tensor | None = None,
+                   carry_margin: float | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -162,7 +163,8 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``kv_lens`` / ``kv_start`` are computed once per block (one launch per pack).
 
     ``carry``: the layer's threshold-carry state (``layer_carry``): the same selection,
-    found by the threshold-carry top-K (``kernels.score_topk``).
+    found by the threshold-carry top-K (``kernels.score_topk``), whose next threshold
+    aims at ``carry_margin`` times the budget's middle (None: the kernels' default).
     """
     B, Hkv = k_cache.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
@@ -179,7 +181,7 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
                                  kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
-                                 out=out, carry=carry)
+                                 out=out, carry=carry, carry_margin=carry_margin)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 

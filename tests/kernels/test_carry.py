@@ -188,6 +188,31 @@ def test_carry_sizes():
     assert scoring.carry_sizes(1) == (2, 4)
     k_next, cap = scoring.carry_sizes(100)
     assert k_next == 150 and cap == 256
+    assert scoring.carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
+    for bad in (1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="carry margin must be > 1"):
+            scoring.carry_sizes(100, bad)
+
+
+def test_carry_margin_stays_exact_and_aims_wider(device):
+    """``carry_margin`` (a caller selecting every few steps): every call still the exact
+    top-K, and the carried threshold lets about margin x K keys through — more
+    candidates than the default margin's."""
+    B, L, D, k_top = 2, 401, 16, 19
+    q0, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=13)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    passed = {}
+    for margin in (None, 3.0):
+        carry = scoring.new_carry(B, 2, device)
+        g = torch.Generator().manual_seed(6)
+        for step in range(4):
+            q = q0 + 0.02 * step * torch.randn(q0.shape, generator=g).to(device)
+            out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry, carry_margin=margin)
+            true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+            _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        thr = carry[..., 0].view(torch.float32).cpu().double()  # [B, Hkv]
+        passed[margin] = (true >= thr[..., None]).sum(-1).double().mean().item()  # keys the last threshold lets by
+    assert passed[3.0] > passed[None] > k_top
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -91,6 +91,27 @@ def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
     assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
 
 
+@pytest.mark.parametrize("n,want", [(1, None), (3, 2.0)])
+def test_refresh_every_widens_the_carry_margin(n, want, monkeypatch):
+    """Selecting every n > 1 steps, the threshold carried to the next selection is n steps
+    old: the policy asks the top-K for a wider margin (``REFRESH_CARRY_MARGIN``)."""
+    from spade import kernels
+    from spade.policies import asyncspade as A
+
+    seen = []
+    real = kernels.score_topk
+
+    def spy(*a, carry_margin=None, **kw):
+        seen.append(carry_margin)
+        return real(*a, carry_margin=carry_margin, **kw)
+
+    monkeypatch.setattr(kernels, "score_topk", spy)
+    sim = DecodeSim(B=1, Hq=2, Hkv=1, prompt_len=30, steps=4, seed=9)
+    sim.run(make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3, refresh_every=n))
+    assert seen and set(seen) == {want} and A.REFRESH_CARRY_MARGIN == 2.0
+    assert len(seen) == (4 if n == 1 else 2)  # refreshes at the first step and 3 steps later
+
+
 def test_refresh_every_is_a_function_of_the_cache_length():
     """A warm-up run and the CUDA-graph capture after it call ``select`` twice at one
     cache length, and a cache rank's packs read the graph key after earlier packs
