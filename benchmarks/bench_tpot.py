@@ -914,31 +914,20 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for sk in a.score_keys:
-            if sk == "exact":
-                continue
-
-            def go_inline(sk=sk):
-                a.cur_score_keys = sk
-                try:
-                    return run_inline(model, "asyncspade/inline", B, L, K, a)
-                finally:
-                    a.cur_score_keys = "exact"
-
-            record(f"asyncspade/inline/{sk}", go_inline)
-    if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
         for n in a.refresh_every:
-            if n == 1:
-                continue
             for sk in a.score_keys:
-                def go_refresh(sk=sk, n=n):
+                if n == 1 and sk == "exact":
+                    continue  # the plain asyncspade/inline row above
+
+                def go_inline(sk=sk, n=n):
                     a.cur_score_keys, a.cur_refresh = sk, n
                     try:
                         return run_inline(model, "asyncspade/inline", B, L, K, a)
                     finally:
                         a.cur_score_keys, a.cur_refresh = "exact", 1
 
-                record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + f"/r={n}", go_refresh)
+                record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}"),
+                       go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue

@@ -159,10 +159,10 @@ class AsyncSpadePolicyConfig(_SparseCommon):
     fidelity, int4 more (see docs/policies.md)."""
     refresh_every: int = Field(1, ge=1, le=64)
     """Select at the first sparse step and every N steps after it; the steps between
-    reuse the last selection, while the recent window keeps covering the newest tokens. 1 (the paper): every step. N > 1 divides the
-    cache rank's scoring work by N — for a cache rank that shares the inference GPU
-    (``colocated``), whose reads compete with the decode's — at some selection
-    fidelity (docs/policies.md)."""
+    reuse the last selection, while the recent window keeps covering the newest tokens.
+    1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
+    cache rank that shares the inference GPU (``colocated``), whose reads compete with
+    the decode's — at some selection fidelity (docs/policies.md)."""
 
 
 PolicyConfig = Annotated[

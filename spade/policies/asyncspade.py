@@ -119,7 +119,6 @@ class AsyncSpadeLayerState:
     nothing until a replay."""
     keep: torch.Tensor | None = None
     """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into."""
-
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -440,7 +439,8 @@ class AsyncSpadePolicy(Policy):
         norm_lens = None
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
-        if cfg.refresh_every > 1:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
+        periodic = cfg.refresh_every > 1
+        if periodic:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
             shape = (k_cache.shape[0], k_cache.shape[1], max(0, cfg.budget - cfg.sink_tokens - cfg.recent_tokens))
@@ -452,7 +452,7 @@ class AsyncSpadePolicy(Policy):
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
                              carry=layer_carry(state, layer, cfg.topk, k_score),
-                             carry_margin=REFRESH_CARRY_MARGIN if cfg.refresh_every > 1 else None)
-        if cfg.refresh_every > 1:
+                             carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        if periodic:
             st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel
