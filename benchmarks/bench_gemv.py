@@ -14,6 +14,11 @@ stream past. Floor: weight bytes over the device-to-device copy bandwidth
 measured in the same run (read + write bytes); ``tbs`` is weight bytes / time.
 Every shape checks the kernel against ``F.linear`` in fp32.
 
+``--glu`` adds the gated MLP's first half: the gate/up GEMV followed by the SiLU-product
+launch (the decode step's two launches) against ``linear_glu_triton``, which forms the
+product in the GEMV's epilogue (one launch, same values: checked bit for bit), on the
+shapes with an even row count (gate_up), PDL as the step launches them.
+
 ``--grid`` then searches launch configs per (shape, M) by coordinate descent from
 the heuristic's config (variant, BLOCK_N in {16..128}, BLOCK_K in {64..512},
 SPLIT_K in {1..8}, warps {2, 4, 8}, stages {2..5}; configs that cannot fit shared
@@ -21,7 +26,7 @@ memory or registers are pruned), two passes or until ``--budget-s``, and prints
 the best per shape as a dict literal to paste into ``gemv.GEMV_OVERRIDES``.
 The JSON (``--out``) is rewritten after every row.
 
-    python -m benchmarks.bench_gemv [--quick] [--grid] [--grid-m 1,8,16,32] [--budget-s S] [--out results/bench_gemv.json]
+    python -m benchmarks.bench_gemv [--quick] [--glu] [--grid] [--grid-m 1,8,16,32] [--budget-s S] [--out results/bench_gemv.json]
     TRITON_INTERPRET=1 python -m benchmarks.bench_gemv --device cpu [--grid]   # tiny shapes: checks the script
 """
 
@@ -162,6 +167,36 @@ def run_shape(r: Runner, name: str, N: int, K: int, Ms, bw: float, rows: list) -
         torch.cuda.empty_cache()
 
 
+def run_glu(r: Runner, name: str, N: int, K: int, Ms, bw: float, rows: list) -> None:
+    """Two launches (GEMV + silu_mul) vs the fused GLU GEMV for ``w`` [N = 2I, K]."""
+    from spade.kernels.gemv import gemv_config, linear_glu_triton, linear_triton
+    from spade.models.fast import triton_ops
+
+    silu_mul = triton_ops()["silu_mul"]
+    ws, nbytes = make_weights(N, K, r.device)
+    floor = nbytes / bw if bw else float("nan")
+    for M in Ms:
+        x = torch.randn(M, K, device=r.device, dtype=DTYPE) * K**-0.5
+        two = silu_mul(linear_triton(x, ws[0]))
+        same = bool(torch.equal(linear_glu_triton(x, ws[0]), two))
+        t_two = r.time_calls(lambda i: silu_mul(linear_triton(x, ws[i % len(ws)])), len(ws))
+        t_glu = r.time_calls(lambda i: linear_glu_triton(x, ws[i % len(ws)]), len(ws))
+        cfg = gemv_config(M, N, K, DTYPE)
+        row = dict(shape=name, N=N, K=K, M=M, weight_bytes=nbytes, floor_us=floor * 1e6, two_launch_us=t_two * 1e6,
+                   glu_us=t_glu * 1e6, saved_us=(t_two - t_glu) * 1e6, glu_x_floor=t_glu / floor,
+                   bit_identical=same, config=list(cfg.as_tuple()))
+        rows.append(row)
+        r.flush()
+        print(f"{name:>8} GLU {N:>6}x{K:<5} M={M:<2}  floor {floor * 1e6:7.1f} us | GEMV + silu_mul "
+              f"{t_two * 1e6:7.1f} us | fused {t_glu * 1e6:7.1f} us (x{row['glu_x_floor']:.2f} floor, "
+              f"{row['saved_us']:+.1f} us)  bit-identical {same}")
+        if not same:
+            raise AssertionError(f"linear_glu_triton differs from GEMV + silu_mul at {name} M={M}")
+    del ws
+    if r.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _valid(c: dict, M: int) -> bool:
     from spade.kernels.gemv import _block_m
 
@@ -225,6 +260,7 @@ def grid_search(r: Runner, name: str, N: int, K: int, M: int, space: dict, deadl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="M in {1, 8} only, fewer replays: about a minute")
+    ap.add_argument("--glu", action="store_true", help="also the fused gate/up + SiLU-product GEMV vs two launches")
     ap.add_argument("--grid", action="store_true", help="search launch configs per (shape, M) and print overrides")
     ap.add_argument("--grid-m", default="1,8,16,32", help="batch sizes the grid searches")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
@@ -263,11 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list = []
     grid_rows: list = []
     doc = dict(device=dev_name, sms=sms, copy_bytes_per_s=bw, torch=torch.__version__, triton=triton.__version__,
-               dtype=str(DTYPE), calls_per_graph=args.calls, rows=rows, grid=grid_rows, overrides={})
+               dtype=str(DTYPE), calls_per_graph=args.calls, rows=rows, grid=grid_rows, overrides={}, glu=[])
     r = Runner(device, args.calls if device == "cuda" else 1, Path(args.out), doc)
     t0 = time.time()
     for name, (N, K) in shapes.items():
         run_shape(r, name, N, K, Ms, bw, rows)
+    if args.glu:
+        for name, (N, K) in shapes.items():
+            if N % 2 == 0 and (device != "cuda" or name == "gate_up"):
+                run_glu(r, name, N, K, Ms, bw, doc["glu"])
     worst = max((row["rel_err"] for row in rows), default=0.0)
     if args.grid:
         deadline = time.time() + (args.budget_s if device == "cuda" else 1e9)

@@ -33,6 +33,12 @@
 #   colocated  TPOT of the one-GPU topology (asyncspade/colocated) beside full, quest, optimal, inline at
 #              COLOCATED_SHAPES (default 1x32768 8x32768 16x32768), exact and int4 scoring keys
 #              (COLOCATED_ARGS: more bench_tpot flags, e.g. --refresh-every 1,2,4)
+#   pair       every topology side by side on a GPU pair at PAIR_SHAPES (default 8x32768 16x32768 32x16384):
+#              PAIR_METHODS (full, quest, optimal, colocated, local, multiprocess; B=8 adds tova, oracle, inline),
+#              int4 keys, P=4, PAIR_ARGS (default --refresh-every 1,4), Table 3 per shape
+#   glu        the gate/up GEMV with the SiLU product in its epilogue (SPADE_FUSE_GLU): bench_gemv --glu
+#              (kernel level, bit-identity checked), then TPOT under SPADE_FUSE_GLU=off / on alternated
+#              GLU_ROUNDS times at GLU_SHAPES (default 8x32768 16x32768), GLU_METHODS (full, optimal, local)
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
@@ -188,6 +194,28 @@ for s in "${stages[@]}"; do
               --iters ${TPOT_ITERS:-30} --methods ${COLOCATED_METHODS:-full,quest,optimal,asyncspade/inline,asyncspade/colocated} \
               --budget-s $(( ${COLOCATED_TIMEOUT:-180} - 30 )) ${COLOCATED_ARGS:-} --no-plots \
               --out "$OUT/bench_tpot_colocated_$bl.json"
+      done ;;
+    pair)  # every topology on the pair, the select beside the next layer's scoring (the default) and refresh_every
+      for bl in ${PAIR_SHAPES:-8x32768 16x32768 32x16384}; do
+        m=${PAIR_METHODS:-full,quest,optimal,asyncspade/colocated,asyncspade/local,asyncspade/multiprocess}
+        [ "$bl" = 8x32768 ] && m=${PAIR_METHODS_HEADLINE:-full,quest,tova,oracle,optimal,asyncspade/inline,asyncspade/colocated,asyncspade/local,asyncspade/multiprocess}
+        run "bench_tpot_pair_$bl" ${PAIR_TIMEOUT:-200} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
+              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --methods "$m" ${PAIR_ARGS:---refresh-every 1,4} --budget-s $(( ${PAIR_TIMEOUT:-200} - 30 )) \
+              --no-plots --out "$OUT/bench_tpot_pair_$bl.json"
+      done ;;
+    glu)  # fused gate/up + SiLU product vs two launches: kernel level, then the step, off / on alternated
+      run bench_gemv_glu 120 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_gemv --glu --shapes gate_up \
+        --out "$OUT/bench_gemv_glu.json"
+      for bl in ${GLU_SHAPES:-8x32768 16x32768}; do
+        for r in $(seq 1 ${GLU_ROUNDS:-2}); do
+          for f in off on; do
+            run "bench_tpot_glu_${bl}_${f}_$r" ${GLU_TIMEOUT:-120} env SPADE_FUSE_GLU=$f python3 -m benchmarks.bench_tpot \
+              --batch ${bl%x*} --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-40} \
+              --methods ${GLU_METHODS:-full,optimal,asyncspade/local} --budget-s $(( ${GLU_TIMEOUT:-120} - 20 )) \
+              --no-plots --out "$OUT/bench_tpot_glu_${bl}_${f}_$r.json"
+          done
+        done
       done ;;
     cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept

@@ -75,6 +75,8 @@ __all__ = [
     "linear",
     "make_linear",
     "prefers_triton",
+    "linear_glu_ref",
+    "linear_glu_triton",
     "linear_ref",
     "linear_triton",
 ]
@@ -263,6 +265,30 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 @triton.jit
+def _store_out(out_ptr, acc, pid_n, offs_m, m_mask, N, stride_om,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GLU: tl.constexpr):
+    """Write one program's ``[BLOCK_N, BLOCK_M]`` fp32 result tile. ``GLU``: the tile's
+    first half holds gate rows, its second half the same up rows; the stored value is
+    ``silu(gate) * up`` with the roundings of the two-launch path (the projection's output
+    rounded to ``out``'s dtype, then the SiLU rounded, then the product), so the fused
+    op equals ``silu_mul(linear(x, w))`` whatever the launch."""
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        gu = tl.permute(tl.reshape(acc, [2, HALF, BLOCK_M]), [1, 2, 0])  # [HALF, BLOCK_M, 2]
+        g, u = tl.split(gu)
+        g = g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        offs_j = pid_n * HALF + tl.arange(0, HALF)
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_j[:, None]  # [HALF, BLOCK_M]
+        tl.store(ptrs, (sg * u).to(out_ptr.dtype.element_ty), mask=(offs_j < N)[:, None] & m_mask[None, :])
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & m_mask[None, :])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, stride_xm, stride_wn, stride_om,
@@ -271,28 +297,41 @@ def _gemv_kernel(
     VARIANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    GLU: tl.constexpr = False,
 ):
     """``out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for one ``BLOCK_N`` block of
     ``n`` and one K slice ``[pid_k * K_PER_SPLIT, (pid_k + 1) * K_PER_SPLIT)``
-    (``SPLIT_K > 1``: partials in ``ws_ptr``, the last program of the block reduces)."""
+    (``SPLIT_K > 1``: partials in ``ws_ptr``, the last program of the block reduces).
+
+    ``GLU``: ``w`` is [2N, K] (gate rows, then up rows) and ``out[m, n] =
+    silu(x @ gate[n]) * (x @ up[n])``: a program's tile holds ``BLOCK_N // 2`` gate rows
+    and the same up rows, so the epilogue forms the product and only ``[M, N]`` is written."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # tile rows [0, HALF): gate rows j; [HALF, BLOCK_N): up rows j (at N + j)
+        HALF: tl.constexpr = BLOCK_N // 2
+        r = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * HALF + (r % HALF)
+        up_off = tl.where(r >= HALF, N, 0)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        up_off = 0
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
     if EVEN_N:
-        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        w_rows = w_ptr + (offs_n + up_off).to(tl.int64)[:, None] * stride_wn
     else:  # clamp the tail rows (their results are masked at the store): loads stay unmasked along N
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+        w_rows = w_ptr + (tl.minimum(offs_n, N - 1) + up_off).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     k_base = pid_k * K_PER_SPLIT
     if PF_LINES > 0:  # PDL: this program's first weight lines to L2 while the previous kernel finishes
         offs_pf = k_base + tl.arange(0, PF_LINES) * LINE_ELEMS
         prefetch_l2(w_rows + offs_pf[None, :], (offs_pf[None, :] < K) & n_mask[:, None])
     grid_dep_wait(PDL)  # x is the previous kernel's output; out/ws may still be read by it
-    grid_dep_release(PDL)
+    if not GLU:
+        grid_dep_release(PDL)
 
     if VARIANT == 2:
         acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -321,13 +360,13 @@ def _gemv_kernel(
             acc3 += w.to(tl.float32)[:, None, :] * xk.to(tl.float32)[None, :, :]
     if VARIANT == 2:
         acc = tl.sum(acc3, axis=2)
+    if GLU:  # the next kernel is a GEMV (down_proj) whose programs, launched early, would sit
+        grid_dep_release(PDL)  # resident through this grid's later waves: release after the loop
 
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
-    out_mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_out(out_ptr, acc, pid_n, offs_m, m_mask, N, stride_om, BLOCK_N, BLOCK_M, GLU)
     else:
         n_blocks = tl.num_programs(0)
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
@@ -341,7 +380,7 @@ def _gemv_kernel(
                                cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_out(out_ptr, tot, pid_n, offs_m, m_mask, N, stride_om, BLOCK_N, BLOCK_M, GLU)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # leave the counter zeroed for the next launch
 
 
@@ -426,18 +465,47 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     ``x.dtype`` (written in place when given), fp32 accumulation. ``config``: a
     ``GemvConfig`` / tuple / dict overriding ``gemv_config``. One launch, no host sync."""
     _check(x, w, bias, out)
+    return _launch(x, w, bias, out, config, glu=False)
+
+
+def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None,
+                      config=None) -> torch.Tensor:
+    """The gated MLP's first half in one launch: ``silu(x @ gate.T) * (x @ up.T)`` where
+    ``w`` [2I, K] stacks the gate rows over the up rows (the fused ``gate_up`` weight);
+    returns ``out`` [M, I]. Equal to ``silu_mul(linear_triton(x, w))`` of the same config
+    (same roundings: ``linear_glu_ref``) with one launch and no [M, 2I] intermediate.
+    ``config`` is the one of the unfused ``[2I, K]`` projection (``gemv_config(M, 2I, K)``):
+    a program covers ``BLOCK_N // 2`` gate rows and the matching up rows, so the grid and
+    the bytes read are those of the unfused GEMV."""
+    _check(x, w, None, None)
+    N2 = w.shape[0]
+    if N2 % 2:
+        raise ValueError(f"w must stack gate over up rows ([2I, K]); got an odd row count: shape {tuple(w.shape)}")
+    M, I = x.shape[0], N2 // 2
+    if out is not None and (tuple(out.shape) != (M, I) or out.dtype != x.dtype or out.device != x.device
+                            or out.stride(1) != 1):
+        raise ValueError(f"out must be [M, I]=[{M}, {I}] {x.dtype} on {x.device} with contiguous rows, got "
+                         f"shape {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
+    cfg = gemv_config(M, N2, x.shape[1], x.dtype) if config is None else _as_config(config)
+    if cfg.BLOCK_N < 2:
+        raise ValueError(f"linear_glu_triton needs BLOCK_N >= 2 (a gate half and an up half), got {cfg}")
+    return _launch(x, w, None, out, cfg, glu=True)
+
+
+def _launch(x, w, bias, out, config, *, glu: bool) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
-    N = w.shape[0]
-    cfg = gemv_config(M, N, K, x.dtype) if config is None else _as_config(config)
+    N = w.shape[0] // 2 if glu else w.shape[0]  # output columns
+    cfg = gemv_config(M, w.shape[0], K, x.dtype) if config is None else _as_config(config)
     block_k = min(cfg.BLOCK_K, max(16, triton.next_power_of_2(K)))
     n_kb = triton.cdiv(K, block_k)
     split = max(1, min(cfg.SPLIT_K, n_kb))
     k_per_split = triton.cdiv(n_kb, split) * block_k
     split = triton.cdiv(K, k_per_split)  # no empty splits
     block_m = _block_m(M, cfg.variant)
-    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    rows = cfg.BLOCK_N // 2 if glu else cfg.BLOCK_N  # output columns per program
+    n_blocks = triton.cdiv(N, rows)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if split > 1:
@@ -447,19 +515,28 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         ws = cnt = out  # unused
     upcast = _interpret()
     pdl = pdl_enabled(x.device)
-    pf_lines = _prefetch_lines(k_per_split, block_k, w.element_size()) if pdl else 0
+    pf_lines = _prefetch_lines(k_per_split, block_k, w.element_size()) if pdl and not glu else 0
     _gemv_kernel[(n_blocks, split)](
         x, w, bias if bias is not None else out, out, ws, cnt,
         M, N, x.stride(0), w.stride(0), out.stride(0),
         K=K, K_PER_SPLIT=k_per_split, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=block_k,
         VARIANT=_VARIANT_CODE[cfg.variant], HAS_BIAS=bias is not None,
-        EVEN_K=k_per_split * split == K, EVEN_N=N % cfg.BLOCK_N == 0,
+        EVEN_K=k_per_split * split == K, EVEN_N=N % rows == 0,
         UPCAST=upcast, IEEE=x.dtype == torch.float32 and not upcast,
-        PDL=pdl, PF_LINES=pf_lines, LINE_ELEMS=128 // w.element_size(),
+        PDL=pdl, PF_LINES=pf_lines, LINE_ELEMS=128 // w.element_size(), GLU=glu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
+
+
+def linear_glu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``w`` [2I, K] (gate rows over up rows), with the
+    roundings of the two-launch decode path: the projection accumulated in fp32 and
+    rounded to ``x.dtype``, the SiLU computed in fp32 and rounded, then the product."""
+    g, u = linear_ref(x, w).chunk(2, dim=-1)
+    sg = F.silu(g.float()).to(x.dtype)
+    return (sg.float() * u.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

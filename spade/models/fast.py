@@ -32,6 +32,7 @@ model knows policies only through that call.
 from __future__ import annotations
 
 import json
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +257,17 @@ def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
     return make_linear(mode, M, w)
 
 
+FUSE_GLU_ENV = "SPADE_FUSE_GLU"
+
+
+def fuse_glu_default() -> bool:
+    """``FastModel.fuse_glu``'s default: ``SPADE_FUSE_GLU`` = on (default) | off."""
+    raw = os.environ.get(FUSE_GLU_ENV, "on").strip().lower() or "on"
+    if raw not in ("on", "off", "1", "0"):
+        raise ConfigError(f"{FUSE_GLU_ENV} must be on or off, got {os.environ.get(FUSE_GLU_ENV)!r}")
+    return raw in ("on", "1")
+
+
 def triton_ops() -> dict[str, Callable]:
     """The Triton versions of the three elementwise ops, built on first use (so that
     importing this module never imports triton, and ``TRITON_INTERPRET`` set by a
@@ -442,7 +454,10 @@ class FastModel(DecodeBackend):
     weights). ``max_batch`` and ``max_seq_len`` size the static KV cache; a prompt
     batch may use fewer rows. ``use_cuda_graphs`` (CUDA only) may be toggled
     between generations. ``fused_kernels`` picks the Triton elementwise kernels
-    (default: on CUDA) or the torch references.
+    (default: on CUDA) or the torch references. ``fuse_glu`` (default: on, unless
+    ``SPADE_FUSE_GLU=off``): where the gate/up projection runs on the Triton GEMV, its
+    epilogue forms ``silu(gate) * up`` (``linear_glu_triton``: one launch per layer
+    fewer, the same values as the two launches).
 
     ``last_logits`` / returned logits are fresh float32 [B, V] tensors.
     """
@@ -453,7 +468,7 @@ class FastModel(DecodeBackend):
                  norm: torch.Tensor, lm_head: torch.Tensor, *, device: torch.device, dtype: torch.dtype,
                  max_batch: int, max_seq_len: int, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
                  use_cuda_graphs: bool = True, fused_kernels: bool | None = None, prefill_chunk: int = 1024,
-                 linear: str = "auto"):
+                 linear: str = "auto", fuse_glu: bool | None = None):
         if max_batch < 1 or max_seq_len < 2:
             raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.hf_config = hf_config
@@ -474,6 +489,7 @@ class FastModel(DecodeBackend):
         self.prefill_chunk = int(prefill_chunk)
         self._linears: dict[tuple, Callable] = {}
         self.linear = linear
+        self.fuse_glu = fuse_glu_default() if fuse_glu is None else bool(fuse_glu)
 
         inv_freq, scaling = rope_inv_freq(hf_config, arch)
         self.rope_scaling = scaling
@@ -560,6 +576,24 @@ class FastModel(DecodeBackend):
         if f is None:
             f = self._linears[key] = _make_linear(self._linear, x.shape[0], w)
         return f(x, w, b)
+
+    def _glu(self, h: torch.Tensor, w: torch.Tensor, silu_mul: Callable) -> torch.Tensor:
+        """``silu(gate) * up`` of ``h @ w.T`` (``w`` the stacked gate/up weight): one fused
+        launch where the projection runs on the Triton GEMV and ``fuse_glu`` is on
+        (``linear_glu_triton``), else the projection then ``silu_mul``."""
+        key = ("glu", h.shape[0], w.shape[0], w.shape[1], w.device, self.fuse_glu)
+        f = self._linears.get(key)
+        if f is None:
+            f = False
+            if self.fuse_glu and self._linear != "cublas":
+                from spade.kernels.gemv import linear_glu_triton, linear_triton
+
+                if _make_linear(self._linear, h.shape[0], w) is linear_triton:
+                    f = linear_glu_triton
+            self._linears[key] = f
+        if f is False:
+            return silu_mul(self._lin(h, w))
+        return f(h, w)
 
     def linear_kernels(self, batch: int | None = None) -> dict[str, str]:
         """Which kernel each decode projection uses at ``batch`` rows (``"triton"`` or
@@ -909,7 +943,7 @@ class FastModel(DecodeBackend):
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)
-            pending = self._lin(silu_mul(self._lin(h, L.wgu)), L.wd)
+            pending = self._lin(self._glu(h, L.wgu, silu_mul), L.wd)
         if last:
             h = add_rms_norm(x, pending, self.norm, a.eps)
             self._logits[:B].copy_(self._lin(h, self.lm_head))
@@ -952,7 +986,7 @@ class FastModel(DecodeBackend):
             from spade.kernels.pdl import capture_key
 
             key = (max(1, int(pack_layers)), B, id(ctx), id(ctx.selector), ctx.graph_key(), self._linear,
-                   capture_key())
+                   self.fuse_glu, capture_key())
             graphs = self._graphs.get(key)
         if graphs == "eager":  # capture failed for this key: stay eager
             key = None

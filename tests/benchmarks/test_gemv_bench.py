@@ -22,3 +22,13 @@ def test_cpu_smoke(tmp_path, capsys):
     for v in doc["overrides"].values():
         GemvConfig(*v)
     assert "GEMV_OVERRIDES.update({" in capsys.readouterr().out
+
+
+def test_cpu_glu_rows(tmp_path):
+    """``--glu``: the fused gate/up + SiLU-product rows on the even tiny shape, bit-identical
+    to the two launches (the script raises otherwise), timings positive."""
+    out = tmp_path / "gemv.json"
+    assert bench_gemv.main(["--device", "cpu", "--glu", "--shapes", "tiny_b", "--out", str(out)]) == 0
+    glu = json.loads(out.read_text())["glu"]
+    assert [(r["shape"], r["M"]) for r in glu] == [("tiny_b", 1), ("tiny_b", 8)]
+    assert all(r["bit_identical"] and r["glu_us"] > 0 and r["two_launch_us"] > 0 for r in glu)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spade.kernels import gemv as G
-from spade.kernels.gemv import GemvConfig, gemv_config, linear_ref, linear_triton
+from spade.kernels.gemv import GemvConfig, gemv_config, linear_glu_ref, linear_glu_triton, linear_ref, linear_triton
 
 N, K = 77, 200  # odd on purpose: tail rows of w and a ragged last K tile
 
@@ -95,6 +95,47 @@ def test_out_and_strided_x(device):
     linear_triton(x, w, None, out=big[:, :N])
     _check_close(big[:, :N], x, w, None)
     assert not big[:, N:].any()
+
+
+def _silu_mul_two_step(gu: torch.Tensor) -> torch.Tensor:
+    """The decode path's separate SiLU-product launch (``silu_mul``), on a GEMV output."""
+    from spade.models.fast import triton_ops
+
+    return triton_ops()["silu_mul"](gu)
+
+
+GLU_CONFIGS = [None, GemvConfig(32, 64, 1, 4, 2, "dot"), GemvConfig(16, 64, 3, 4, 2, "dot"),
+               GemvConfig(8, 64, 2, 4, 2, "sum"), GemvConfig(4, 32, 1, 4, 2, "fma")]
+
+
+@pytest.mark.parametrize("cfg", GLU_CONFIGS, ids=lambda c: "heuristic" if c is None else "-".join(map(str, c.as_tuple())))
+@pytest.mark.parametrize("M, I", [(1, 37), (5, 64), (17, 45)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_matches_reference_and_the_two_launches(device, cfg, M, I, dtype):
+    """``linear_glu_triton`` (odd I: a ragged last block of gate / up rows; split-K configs)
+    against the fp64 ``silu(x g^T) * (x u^T)``, against ``linear_glu_ref`` within a rounding
+    step, and bit for bit against the unfused GEMV followed by the SiLU-product kernel."""
+    x, w, _ = _inputs(M, 2 * I, K, dtype, device, bias=False)
+    y = linear_glu_triton(x, w, config=cfg)
+    assert y.shape == (M, I) and y.dtype == dtype
+    g, u = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(y.double(), F.silu(g) * u, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.float(), linear_glu_ref(x, w).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(y, _silu_mul_two_step(linear_triton(x, w, config=cfg)), rtol=0, atol=0)
+
+
+def test_glu_out_and_bad_input(device):
+    x, w, _ = _inputs(3, 2 * 45, K, torch.bfloat16, device, bias=False)
+    out = torch.full((3, 45), float("nan"), dtype=torch.bfloat16, device=device)
+    assert linear_glu_triton(x, w, out=out) is out
+    torch.testing.assert_close(out, _silu_mul_two_step(linear_triton(x, w)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"stack gate over up rows.*odd row count: shape \(89, 200\)"):
+        linear_glu_triton(x, w[:89])
+    with pytest.raises(ValueError, match=r"out must be \[M, I\]=\[3, 45\]"):
+        linear_glu_triton(x, w, out=torch.empty(3, 90, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match=r"w has K=100 columns but x has K=200"):
+        linear_glu_triton(x, w[:, :100].contiguous())
 
 
 def test_dispatch_cpu_uses_reference():
@@ -207,6 +248,26 @@ def test_overrides_win(monkeypatch):
     assert gemv_config(2, 4096, 4096) == gemv_config(16, 4096, 4096) == GemvConfig(64, 128, 2, 4, 3, "dot")
     assert gemv_config(32, 4096, 4096) == GemvConfig(64, 128, 2, 4, 3, "dot")
     assert gemv_config(8, 4096, 4097) != GemvConfig(32, 128, 4, 8, 3, "dot")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 32])
+def test_gpu_glu_model_shape(M):
+    """Qwen3-8B's gate/up (I=12288, K=4096) fused with the SiLU product, tuned config:
+    bit-identical to the two launches, eager and replayed from a CUDA graph."""
+    dev = torch.device("cuda")
+    n, k = QWEN3_8B["gate_up"]
+    x, w, _ = _inputs(M, n, k, torch.bfloat16, dev, bias=False)
+    two = _silu_mul_two_step(linear_triton(x, w))
+    torch.testing.assert_close(linear_glu_triton(x, w), two, rtol=0, atol=0)
+    out = torch.empty_like(two)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        linear_glu_triton(x, w, out=out)
+    x.copy_(torch.randn_like(x) / k**0.5)
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, _silu_mul_two_step(linear_triton(x, w)), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

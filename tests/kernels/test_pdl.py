@@ -90,12 +90,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from spade.kernels import gemv as G
 
-def build(pdl, pf):
+def build(pdl, pf, glu=False):
     sig = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32",
                M="i32", N="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
     cons = dict(K=4096, K_PER_SPLIT=1024, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, VARIANT=0,
                 HAS_BIAS=False, EVEN_K=True, EVEN_N=True, UPCAST=False, IEEE=False, PDL=pdl, PF_LINES=pf,
-                LINE_ELEMS=64)
+                LINE_ELEMS=64, GLU=glu)
     sig.update({k: "constexpr" for k in cons})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(G._gemv_kernel.arg_names) if n.endswith("_ptr")}
     k = triton.compile(ASTSource(G._gemv_kernel, sig, cons, attrs), target=GPUTarget("cuda", 90, 32),
@@ -109,18 +109,23 @@ def build(pdl, pf):
                 release=at("griddepcontrol.launch_dependents"), first_prefetch=at("prefetch.global.L2"),
                 first_load=first_load)
 
-print(json.dumps({"pdl_pf": build(True, 4), "pdl": build(True, 0), "plain": build(False, 0)}))
+print(json.dumps({"pdl_pf": build(True, 4), "pdl": build(True, 0), "plain": build(False, 0),
+                  "glu": build(True, 0, glu=True)}))
 '''
 
 
 def test_gemv_builds_with_pdl_for_hopper():
     """sm_90 build of the GEMV: with PDL the weight prefetch comes before the wait, and
-    the wait before the first load (of x or w); without PDL none of it is emitted."""
+    the wait before the first load (of x or w); without PDL none of it is emitted. The
+    GLU variant lets its dependents launch only after its weight loop."""
     res = run_aot_script(_AOT)
     pf, pdl, plain = res["pdl_pf"], res["pdl"], res["plain"]
     assert pf["prefetch"] >= 1 and 0 <= pf["first_prefetch"] < pf["wait"] < pf["release"] < pf["first_load"], pf
     assert pdl["prefetch"] == 0 and 0 <= pdl["wait"] < pdl["first_load"], pdl
     assert plain["prefetch"] == 0 and plain["wait"] == -1 and plain["release"] == -1, plain
+    # the fused gate/up + SiLU GEMV (followed by the down GEMV) releases its dependents after its loop
+    glu = res["glu"]
+    assert 0 <= glu["wait"] < glu["first_load"] < glu["release"], glu
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -388,6 +388,48 @@ def test_triton_linear_model_matches_cublas(name):
     torch.testing.assert_close(tri.k_cache[1], ref.k_cache[1], rtol=1e-5, atol=1e-5)
 
 
+@_CPU_TRITON
+def test_fused_glu_equals_the_two_launches():
+    """The gate/up GEMV with the SiLU-product epilogue (``fuse_glu``, the default) gives the
+    logits and KV cache of the GEMV + ``silu_mul`` launches bit for bit (Triton elementwise
+    kernels and GEMV, interpreter on CPU), over prefill and decode steps; it is chosen only
+    where the projection runs on the GEMV."""
+    from spade.kernels.gemv import linear_glu_triton
+
+    hf = perturbed_hf("tiny", seed=31, num_hidden_layers=2)
+    fused = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=16, linear="triton", fused_kernels=True)
+    plain = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=16, linear="triton", fused_kernels=True,
+                                    fuse_glu=False)
+    assert fused.fuse_glu and not plain.fuse_glu
+    ids, mask = left_padded([5, 3, 4], fused.vocab_size, torch.Generator().manual_seed(32))
+    cf, cp = full_ctx(fused, 3), full_ctx(plain, 3)
+    lf, lp = fused.prefill(ids, mask, cf), plain.prefill(ids, mask, cp)
+    for i in range(3):
+        tok = lp.argmax(-1)
+        lf, lp = fused.decode(tok, cf), plain.decode(tok, cp)
+        torch.testing.assert_close(lf, lp, rtol=0, atol=0, msg=f"step {i}")
+    torch.testing.assert_close(fused.k_cache[1], plain.k_cache[1], rtol=0, atol=0)
+    glu = {k: f for k, f in fused._linears.items() if k[0] == "glu"}
+    assert glu and all(f is linear_glu_triton for f in glu.values())
+    assert all(f is False for k, f in plain._linears.items() if k[0] == "glu")
+    fused.linear = "cublas"  # projections on cuBLAS: the GLU falls back to F.linear + silu_mul
+    fused.decode(lf.argmax(-1), cf)
+    assert all(f is False for k, f in fused._linears.items() if k[0] == "glu")
+
+
+def test_fuse_glu_default_from_the_environment(monkeypatch):
+    from spade.models.fast import fuse_glu_default
+
+    monkeypatch.delenv("SPADE_FUSE_GLU", raising=False)
+    assert fuse_glu_default()
+    monkeypatch.setenv("SPADE_FUSE_GLU", "off")
+    assert not fuse_glu_default()
+    assert not FastModel.from_config("tiny", max_batch=1, max_seq_len=8).fuse_glu
+    monkeypatch.setenv("SPADE_FUSE_GLU", "maybe")
+    with pytest.raises(ConfigError, match="SPADE_FUSE_GLU must be on or off, got 'maybe'"):
+        fuse_glu_default()
+
+
 def test_linear_mode_is_checked_and_auto_stays_on_torch_on_cpu():
     m = FastModel.from_config("tiny", max_batch=2, max_seq_len=8)
     assert m.linear == "auto" and set(m.linear_kernels().values()) == {"cublas"}  # CPU: nothing measured
@@ -489,6 +531,34 @@ def test_cuda_triton_linear_graphs_match_cublas():
         torch.testing.assert_close(tri.last_logits, lr, rtol=3e-2, atol=3e-2, msg=f"step {step}")
 
 
+def _replayed_steps(m: FastModel, ids: torch.Tensor, mask: torch.Tensor, steps: int = 5):
+    """Prefill, then ``steps`` decode steps through CUDA graphs in packs of 2 layers (the
+    first step captures, later ones replay): (stacked logits, layer 1's K cache)."""
+    ctx = full_ctx(m, ids.shape[0])
+    logits = m.prefill(ids, mask, ctx)
+    out = []
+    for _ in range(steps):
+        list(m.decode_stages(logits.argmax(-1), ctx, 2))
+        logits = m.last_logits
+        out.append(logits)
+    assert m._graphs and "eager" not in m._graphs.values()
+    return torch.stack(out), m.k_cache[1].clone()
+
+
+@pytest.mark.gpu
+def test_cuda_fused_glu_graphs_equal_the_two_launches():
+    """The decode graphs with the fused gate/up + SiLU-product GEMV against the same graphs
+    with the two launches (bf16, PDL as configured): bit-identical logits over replayed steps."""
+    dev = torch.device("cuda")
+    hf = perturbed_hf("tiny", seed=33).to(dev, torch.bfloat16)
+    ids, mask = left_padded([12, 7, 9], hf.config.vocab_size, torch.Generator().manual_seed(34))
+    runs = {}
+    for fuse in (False, True):
+        m = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=48, linear="triton", fuse_glu=fuse)
+        runs[fuse] = _replayed_steps(m, ids.to(dev), mask.to(dev))[0]
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_cuda_decode_graphs_same_with_and_without_pdl(monkeypatch):
     """The decode step's kernels (fused norms, rope + cache store, SiLU, split-K GEMV,
@@ -505,14 +575,7 @@ def test_cuda_decode_graphs_same_with_and_without_pdl(monkeypatch):
     for mode in ("off", "auto"):
         monkeypatch.setenv("SPADE_PDL", mode)
         m = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=48, linear="triton")
-        ctx = full_ctx(m, 3)
-        logits = m.prefill(ids.to(dev), mask.to(dev), ctx)
-        out = []
-        for _ in range(5):  # step 0 captures, later steps replay
-            list(m.decode_stages(logits.argmax(-1), ctx, 2))
-            logits = m.last_logits
-            out.append(logits)
-        assert len(m._graphs) == 1 and next(iter(m._graphs.values())) != "eager"
-        runs[mode] = (torch.stack(out), m.k_cache[1].clone())
+        runs[mode] = _replayed_steps(m, ids.to(dev), mask.to(dev))
+        assert len(m._graphs) == 1
     torch.testing.assert_close(runs["auto"][0], runs["off"][0], rtol=0, atol=0)
     torch.testing.assert_close(runs["auto"][1], runs["off"][1], rtol=0, atol=0)
