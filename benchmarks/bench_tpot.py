@@ -541,7 +541,8 @@ def pack_work(model, pol, B: int, L: int, P: int, q: torch.Tensor, g: torch.Gene
 
 
 def breakdown(rows: dict, lt: dict, n_layers: int) -> dict:
-    """Fig. 2: parameters / attention / selection per step, per method."""
+    """Fig. 2: parameters / attention / selection per step, per method (a ``/r=N`` row,
+    ``policy.refresh_every=N``, selects every N steps: its selection is amortised over them)."""
     if "optimal" not in rows:
         return {}
     params = rows["optimal"]["tpot_ms"] - n_layers * lt["attention_sparse_ms"]
@@ -553,6 +554,8 @@ def breakdown(rows: dict, lt: dict, n_layers: int) -> dict:
         sk = name.split("/")[2] if name.startswith("asyncspade/inline/") else ""
         key = f"select_{base}_{sk}_ms" if sk else f"select_{base}_ms"
         sel = n_layers * lt.get(key, 0.0) if on_path else 0.0
+        refresh = next((int(t[2:]) for t in name.split("/") if t.startswith("r=") and t[2:].isdigit()), 1)
+        sel /= refresh  # policy.refresh_every=N: one selection every N steps
         out[name] = {"parameters_ms": params, "attention_ms": attn, "selection_ms": sel,
                      "other_ms": row["tpot_ms"] - params - attn - sel, "tpot_ms": row["tpot_ms"]}
     return out

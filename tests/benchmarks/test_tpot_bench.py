@@ -137,3 +137,18 @@ bench:
     assert res["meta"]["preset"] == "tiny" and res["meta"]["recent"] == 8
     # --pdl off,auto: every row under each mode, the later one suffixed
     assert set(res["configs"][0]["rows"]) == {"full", "optimal", "full/pdl=auto", "optimal/pdl=auto"}
+
+
+def test_breakdown_amortises_selection_over_refresh_steps():
+    """Fig. 2's selection bar of an inline row that selects every N steps (``/r=N``) is the
+    per-step selection cost over N; rows off the critical path carry none."""
+    from benchmarks.bench_tpot import breakdown
+
+    rows = {n: {"tpot_ms": t} for n, t in [("optimal", 5.0), ("full", 13.0), ("asyncspade/inline/int4", 9.0),
+                                            ("asyncspade/inline/int4/r=4", 6.0), ("asyncspade/local/P=4/int4", 5.1)]}
+    lt = {"attention_sparse_ms": 0.02, "attention_dense_ms": 0.25, "select_asyncspade_int4_ms": 0.1}
+    bd = breakdown(rows, lt, n_layers=10)
+    assert bd["asyncspade/inline/int4"]["selection_ms"] == pytest.approx(1.0)
+    assert bd["asyncspade/inline/int4/r=4"]["selection_ms"] == pytest.approx(0.25)
+    assert bd["asyncspade/local/P=4/int4"]["selection_ms"] == 0.0
+    assert bd["optimal"]["parameters_ms"] == pytest.approx(4.8) and bd["full"]["attention_ms"] == pytest.approx(2.5)
