@@ -13,6 +13,10 @@ bias, tied or untied ``lm_head``) with
   (residual add + RMSNorm; QK-norm + RoPE + cache write; SiLU·mul), with plain
   torch references beside them that follow the transformers op order (used on
   CPU and in tests);
+* decode projections on the split-K Triton GEMV where a GPU sweep measured it
+  faster than cuBLAS (``model.linear``); the gate/up GEMV then forms the SiLU
+  product in its epilogue (``fuse_glu``: one launch per layer fewer, the same
+  values as the GEMV followed by the SiLU·mul kernel);
 * one CUDA graph per pack of ``pack_layers`` layers (embedding in the first,
   final norm and ``lm_head`` in the last), keyed by ``(pack_layers, B,
   ctx.graph_key())``, so the asynchronous runtime can post/await transport work
