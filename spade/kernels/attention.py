@@ -267,6 +267,19 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
     return m_new, l_i, acc
 
 
+def _release_late() -> bool:
+    """``SPADE_ATTN_RELEASE`` = late (default) | early: where the decode attention lets the
+    next kernel (the output projection's GEMV) launch under PDL — after its loops, or at
+    its top. Late since session 10 (one H200, two rounds each): B=32 L=16k optimal
+    7.01 -> 6.93 ms and full 22.15 -> 21.85 (the split grid runs in several waves, and the
+    GEMV's programs launched at its top sat resident through them); B=8 unchanged
+    (5.24 either way)."""
+    raw = os.environ.get("SPADE_ATTN_RELEASE", "late").strip().lower() or "late"
+    if raw not in ("early", "late"):
+        raise ValueError(f"SPADE_ATTN_RELEASE must be early or late, got {os.environ.get('SPADE_ATTN_RELEASE')!r}")
+    return raw == "late"
+
+
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_LENS, KV_START, IDX,
@@ -281,6 +294,7 @@ def _decode_split_kernel(
     HAS_INDICES: tl.constexpr, IDX_LOOP: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
     STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr, PDL: tl.constexpr = False,
+    RELEASE_LATE: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -289,7 +303,8 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     grid_dep_wait(PDL)  # q and the newest K/V row come from the previous kernel (spade.kernels.pdl)
-    grid_dep_release(PDL)
+    if not RELEASE_LATE:
+        grid_dep_release(PDL)
 
     kv_len = tl.load(KV_LENS + b).to(tl.int32)
     if HAS_START:
@@ -362,6 +377,8 @@ def _decode_split_kernel(
                                          stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
             if HAS_STATS:
                 n_att += tl.sum(valid.to(tl.int32), axis=0)
+    if RELEASE_LATE:  # SPADE_ATTN_RELEASE=late (default): the next kernel launches as the loops end
+        grid_dep_release(PDL)
     if HAS_STATS:  # attention statistics with no launch of their own: [tokens, calls] int64
         tl.atomic_add(STATS, n_att.to(tl.int64), sem="relaxed")  # a counter: no ordering needed
         if COUNT_CALL:
@@ -682,7 +699,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             HAS_INDICES=has_idx, IDX_LOOP=idx_loop, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
-            PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+            PDL=pdl, RELEASE_LATE=pdl and _release_late(), num_warps=num_warps, num_stages=num_stages,
+            launch_pdl=pdl,
         )
         if splits > 1 and not fused:
             _reduce_splits_kernel[(B * Hq,)](
