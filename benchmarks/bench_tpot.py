@@ -1006,13 +1006,13 @@ def run(argv: list[str] | None = None) -> dict:
 
             shared: dict = {"loop": new_event_loop()}
             lin_kernels = model.linear_kernels(B)
+            fuse_glu = bool(getattr(model, "fuse_glu", False))
             print(f"B={B}: projections " + ", ".join(f"{k} {v}" for k, v in lin_kernels.items())
-                  + f"; gate/up + SiLU product fused: {'on' if getattr(model, 'fuse_glu', False) else 'off'}",
-                  flush=True)
+                  + f"; gate/up + SiLU product fused: {'on' if fuse_glu else 'off'}", flush=True)
             for K in a.budget:
                 conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "rows": {}, "errors": {},
                                         "linear_kernels": lin_kernels,
-                                        "fuse_glu": bool(getattr(model, "fuse_glu", False))}
+                                        "fuse_glu": fuse_glu}
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):

@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.envs import env_choice
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -274,10 +275,7 @@ def _release_late() -> bool:
     7.01 -> 6.93 ms and full 22.15 -> 21.85 (the split grid runs in several waves, and the
     GEMV's programs launched at its top sat resident through them); B=8 unchanged
     (5.24 either way)."""
-    raw = os.environ.get("SPADE_ATTN_RELEASE", "late").strip().lower() or "late"
-    if raw not in ("early", "late"):
-        raise ValueError(f"SPADE_ATTN_RELEASE must be early or late, got {os.environ.get('SPADE_ATTN_RELEASE')!r}")
-    return raw == "late"
+    return env_choice("SPADE_ATTN_RELEASE", ("early", "late"), "late") == "late"
 
 
 @triton.jit

@@ -397,7 +397,10 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
+           glu: bool = False) -> None:
+    """Shapes, dtypes, devices and layouts of a launch (``glu``: ``w`` stacks gate over up
+    rows and ``out`` is [M, N / 2])."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}; flatten leading dims "
                          f"(x.reshape(-1, x.shape[-1])) first")
@@ -423,9 +426,12 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
                          f"{w.stride()}; pass w.contiguous() (once, at load time)")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.device != w.device):
         raise ValueError(f"bias must be [N]=[{N}] on {w.device}, got shape {tuple(bias.shape)} on {bias.device}")
-    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device
+    if glu and N % 2:
+        raise ValueError(f"w must stack gate over up rows ([2I, K]); got an odd row count: shape {tuple(w.shape)}")
+    n_out, name = (N // 2, "I") if glu else (N, "N")
+    if out is not None and (tuple(out.shape) != (M, n_out) or out.dtype != x.dtype or out.device != x.device
                             or out.stride(1) != 1):
-        raise ValueError(f"out must be [M, N]=[{M}, {N}] {x.dtype} on {x.device} with contiguous rows, got "
+        raise ValueError(f"out must be [M, {name}]=[{M}, {n_out}] {x.dtype} on {x.device} with contiguous rows, got "
                          f"shape {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
 
 
@@ -477,16 +483,8 @@ def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | N
     ``config`` is the one of the unfused ``[2I, K]`` projection (``gemv_config(M, 2I, K)``):
     a program covers ``BLOCK_N // 2`` gate rows and the matching up rows, so the grid and
     the bytes read are those of the unfused GEMV."""
-    _check(x, w, None, None)
-    N2 = w.shape[0]
-    if N2 % 2:
-        raise ValueError(f"w must stack gate over up rows ([2I, K]); got an odd row count: shape {tuple(w.shape)}")
-    M, I = x.shape[0], N2 // 2
-    if out is not None and (tuple(out.shape) != (M, I) or out.dtype != x.dtype or out.device != x.device
-                            or out.stride(1) != 1):
-        raise ValueError(f"out must be [M, I]=[{M}, {I}] {x.dtype} on {x.device} with contiguous rows, got "
-                         f"shape {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
-    cfg = gemv_config(M, N2, x.shape[1], x.dtype) if config is None else _as_config(config)
+    _check(x, w, None, out, glu=True)
+    cfg = gemv_config(x.shape[0], w.shape[0], x.shape[1], x.dtype) if config is None else _as_config(config)
     if cfg.BLOCK_N < 2:
         raise ValueError(f"linear_glu_triton needs BLOCK_N >= 2 (a gate half and an up half), got {cfg}")
     return _launch(x, w, None, out, cfg, glu=True)

@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.envs import env_choice
+
 __all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
            "grid_dep_wait", "grid_dep_release", "prefetch_l2"]
 
@@ -65,18 +67,16 @@ unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms, run45): ``all`` since sess
 
 def pdl_mode() -> str:
     """``SPADE_PDL`` resolved (``auto`` or unset: ``DEFAULT_MODE``), validated."""
-    mode = os.environ.get("SPADE_PDL", "auto").strip().lower() or "auto"
-    if mode not in PDL_MODES:
-        raise ValueError(f"SPADE_PDL must be one of {PDL_MODES}, got {os.environ.get('SPADE_PDL')!r}")
+    mode = env_choice("SPADE_PDL", PDL_MODES, "auto")
     return DEFAULT_MODE if mode == "auto" else mode
 
 
 def capture_key() -> tuple[str, ...]:
     """The launch settings a CUDA graph records and the environment can change between
-    captures: ``SPADE_PDL``, ``SPADE_GEMV_PREFETCH`` and ``SPADE_SELECT_OVERLAP`` (graph
-    caches key on it)."""
+    captures: ``SPADE_PDL``, ``SPADE_GEMV_PREFETCH``, ``SPADE_SELECT_OVERLAP`` and
+    ``SPADE_ATTN_RELEASE`` (graph caches key on it)."""
     return (pdl_mode(), os.environ.get("SPADE_GEMV_PREFETCH", "").strip(),
-            os.environ.get("SPADE_SELECT_OVERLAP", "").strip())
+            os.environ.get("SPADE_SELECT_OVERLAP", "").strip(), os.environ.get("SPADE_ATTN_RELEASE", "").strip())
 
 
 @functools.lru_cache(maxsize=None)

@@ -114,6 +114,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.envs import env_choice
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
 
@@ -1720,10 +1721,7 @@ def overlap_enabled(device: torch.device | str) -> bool:
     (``auto``/unset, ``on``, ``off``; ``auto`` means ``OVERLAP_DEFAULT``), and only on a
     CUDA device with compiled kernels (on a CPU and under the interpreter every kernel
     runs in order anyway)."""
-    mode = os.environ.get("SPADE_SELECT_OVERLAP", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"SPADE_SELECT_OVERLAP must be one of auto, on, off; got "
-                         f"{os.environ.get('SPADE_SELECT_OVERLAP')!r}")
+    mode = env_choice("SPADE_SELECT_OVERLAP", ("auto", "on", "off"), "auto")
     on = OVERLAP_DEFAULT if mode == "auto" else mode == "on"
     return on and torch.device(device).type == "cuda" and not _interpret()
 

@@ -36,7 +36,6 @@ model knows policies only through that call.
 from __future__ import annotations
 
 import json
-import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from spade.envs import env_choice
 from spade.errors import ConfigError, ModelError
 from spade.models.base import DecodeBackend
 from spade.policies.base import AttentionSpec, RopeSpec
@@ -266,10 +266,7 @@ FUSE_GLU_ENV = "SPADE_FUSE_GLU"
 
 def fuse_glu_default() -> bool:
     """``FastModel.fuse_glu``'s default: ``SPADE_FUSE_GLU`` = on (default) | off."""
-    raw = os.environ.get(FUSE_GLU_ENV, "on").strip().lower() or "on"
-    if raw not in ("on", "off", "1", "0"):
-        raise ConfigError(f"{FUSE_GLU_ENV} must be on or off, got {os.environ.get(FUSE_GLU_ENV)!r}")
-    return raw in ("on", "1")
+    return env_choice(FUSE_GLU_ENV, ("on", "off"), "on", aliases={"1": "on", "0": "off"}, error=ConfigError) == "on"
 
 
 def triton_ops() -> dict[str, Callable]:
@@ -587,13 +584,12 @@ class FastModel(DecodeBackend):
         (``linear_glu_triton``), else the projection then ``silu_mul``."""
         key = ("glu", h.shape[0], w.shape[0], w.shape[1], w.device, self.fuse_glu)
         f = self._linears.get(key)
-        if f is None:
+        if f is None:  # the GLU fuses where the projection itself runs on the Triton GEMV
             f = False
-            if self.fuse_glu and self._linear != "cublas":
-                from spade.kernels.gemv import linear_glu_triton, linear_triton
+            if self.fuse_glu and _make_linear(self._linear, h.shape[0], w) is not F.linear:
+                from spade.kernels.gemv import linear_glu_triton
 
-                if _make_linear(self._linear, h.shape[0], w) is linear_triton:
-                    f = linear_glu_triton
+                f = linear_glu_triton
             self._linears[key] = f
         if f is False:
             return silu_mul(self._lin(h, w))

@@ -65,6 +65,14 @@ def test_capture_key_follows_the_environment(monkeypatch):
     assert len({base, off, capture_key()}) == 3
 
 
+def test_capture_key_holds_the_attention_release(monkeypatch):
+    """``SPADE_ATTN_RELEASE`` is a launch setting a captured graph records: graphs key on it."""
+    monkeypatch.delenv("SPADE_ATTN_RELEASE", raising=False)
+    base = capture_key()
+    monkeypatch.setenv("SPADE_ATTN_RELEASE", "early")
+    assert capture_key() != base
+
+
 def test_prefetch_lines(monkeypatch):
     monkeypatch.delenv("SPADE_GEMV_PREFETCH", raising=False)
     # default: PREFETCH_TILES tiles of 128 bf16 = 2 lines each
