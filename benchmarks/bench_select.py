@@ -25,9 +25,11 @@ an H200 (run19: 0.152 vs 0.106 ms, int4, B=8 L=32k). Session 7 rebuilt the idea 
 ``score_topk(..., carry=)`` and it is now the asyncspade default (``policy.topk``):
 the scoring keeps no pass-0 histogram (15-22 us of the default's scoring), marks
 candidates in a bitmask (no atomics), and one kernel per row expands it and
-selects with 16-bin digits, falling back to the whole row itself (no gated radix
-launches): 76-78 vs 106 us at B=8 L=32k, 120 vs 174 at B=16, 136 vs 178 at B=32
-L=16k (runs 38-41). ``--carry`` times it stage by stage.)
+selects with 16-bin digits: 76-78 vs 106 us at B=8 L=32k, 120 vs 174 at B=16, 136
+vs 178 at B=32 L=16k. Its rows that miss (too few or too many candidates) now go
+to the radix passes, gated on a per-row flag, as the hint path did: a fallback inside
+the one-program-per-row select swept the whole row alone, milliseconds at 512k
+tokens. ``--carry`` times it stage by stage, and the forced fallback.)
 
 Every timed configuration is checked against ``torch.topk`` first (sum of the
 selected true scores, like the kernel tests): a wrong selection is reported,
@@ -98,13 +100,13 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
         chunk, n_chunks = scoring._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
                                          per_sm=c.get("PER_SM", 4))
         grid = (rows, n_chunks)
-        cnt = ws[scoring._NPASS_GLOBAL * rows * scoring._NBINS:]
+        cnt = ws[scoring._NHIST * rows * scoring._NBINS:]
         if n >= 2:
-            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, L, rows, K, chunk, PASS=1, **meta)
+            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, ws, L, rows, K, 0, chunk, PASS=1, **meta)
         if n >= 3:
-            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, L, rows, K, chunk, **meta)
+            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, ws, L, rows, K, chunk, **meta)
         if n >= 4:
-            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, L, rows, K,
+            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, ws, L, rows, K, 0,
                                                 **dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"])))
 
     return run, names, out
@@ -170,15 +172,13 @@ def _overlap_fns(scoring, q, k, ks, lo, hi, K: int, layers: int):
 
 
 def _carry_cfg(spec: str) -> dict:
-    """``BITS:WARPS[:COMPACT[:WORDS]]`` as ``SELECT_CONFIG`` overrides (``default``: none)."""
+    """``BITS:WARPS[:WORDS]`` as ``SELECT_CONFIG`` overrides (``default``: none)."""
     if spec == "default":
         return {}
     bits, warps, *rest = spec.split(":")
     cfg = dict(carry_bits=int(bits), carry_warps=int(warps))
     if rest:
-        cfg["carry_compact"] = rest[0]
-    if len(rest) > 1:
-        cfg["carry_words"] = int(rest[1])
+        cfg["carry_words"] = int(rest[0])
     return cfg
 
 
@@ -192,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--no-grid", action="store_true", help="the default config only (no config sweeps)")
     ap.add_argument("--carry", default="",
-                    help="also time the threshold-carry top-K for these select configs, BITS:WARPS[:COMPACT[:WORDS]],... "
-                         "(e.g. 8:16,4:16:atomic,4:16:mask:1024; COMPACT mask (default) or atomic; WORDS: bitmask "
-                         "words expanded per step): scoring alone, "
+                    help="also time the threshold-carry top-K for these select configs, BITS:WARPS[:WORDS],... "
+                         "(e.g. 8:16,4:16:1024; WORDS: bitmask words expanded per step): scoring alone, "
                          "+ compaction, + select, and the forced fallback")
     ap.add_argument("--carry-tiles", default="",
                     help="int4 / int8 keys: also time scoring + compaction of the first --carry config under "

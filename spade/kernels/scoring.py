@@ -55,22 +55,28 @@ row and the last kernel sweeps it three times per row: slower, still exact.
 Threshold-carry top-K (``score_topk(..., carry=)``; ``policy.topk: carry``)
 ---------------------------------------------------------------------------
 A caller that selects the same rows step after step (a layer of a decode) keeps a
-small state per row: the threshold carried from the previous call. Stage 1 then
-skips the pass-0 histogram and instead marks the positions scoring at or above the
-threshold in a bitmask (``_carry_mask``: one bit per position, no atomics; or a
-candidate list with one atomic per tile, ``carry_compact="atomic"``). One program
-per row (``_carry_select_kernel``) expands the bitmask into the candidates'
-positions, gathers their scores and, when their count ``n`` lies in
-``[k_top, CAP]``, finds the K-th largest among them with an in-register radix
-select (16-bin digits: 8 passes of a cheap histogram) — exact, since every key
-outside the list scores below the threshold — and writes the winners. Otherwise
-(the first call; the scores jumped; a row shorter than K) the same program selects
-over the whole score row. The next threshold aims at ``CARRY_MARGIN * k_top``
-candidates: by the secant through (threshold, n) and (K-th score, k_top), or, after
-a fallback, as that rank's score itself. Same result as the radix path; two
-launches instead of five, and no full-row passes while consecutive calls score
-alike (the predicted query does: 2.6-4.2% fallbacks on the benchmark, most of them
-the first step's; the oracle's true query on random weights does not).
+small state per row (``new_carry``): the threshold carried from the previous call,
+per unit of the query's norm. A one-program-per-row kernel scales it by this call's
+query norm (``_carry_prep_kernel``): scores move in proportion to the query's norm,
+and the count of keys above a fixed threshold moves exponentially in it, the faster
+the further in the tail the K-th score sits — on long rows a few percent of norm
+drift would empty or flood the candidate window. Stage 1 then skips the pass-0
+histogram and marks the positions scoring at or above the threshold in a bitmask
+(``_carry_mask``: one bit per position, no atomics). One program per row
+(``_carry_select_kernel``) expands the bitmask into the candidates' positions,
+gathers their scores and, when their count ``n`` lies in ``[k_top, CAP]``, finds the
+K-th largest among them with an in-register radix select (16-bin digits: 8 passes of
+a cheap histogram) — exact, since every key outside the list scores below the
+threshold — writes the winners, and aims the next threshold at ``CARRY_MARGIN *
+k_top`` candidates by the secant through (threshold, n) and (K-th score, k_top).
+Otherwise (the first call; the scores jumped; a row shorter than K) it flags the
+row, and the radix passes above, launched every call but gated on the flag (other
+rows' programs exit at once: a static, capturable launch sequence), select that row
+over its whole score row with many programs, and set its next threshold to the
+lowest score of the 16-bit bucket holding its ``CARRY_MARGIN * k_top``-th largest
+(a second pass-1 histogram, for that rank). Same result as the radix path; no
+full-row passes while consecutive calls score alike, and a fallback costs about the
+radix path's passes, at any row length.
 
 The select is one latency-bound program per row; the scoring is bandwidth-bound.
 Inside ``select_overlap`` (the cache rank wraps each pack's layers in one) every
@@ -452,13 +458,13 @@ def _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L: tl.constexpr, FULL_
 
 
 @triton.jit
-def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, mask_row,
                   FULL_ROW: tl.constexpr, HIST: tl.constexpr, CARRY: tl.constexpr):
     """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
     ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
     the valid positions — and add their radix pass-0 digits to ``hist``. CARRY: also
-    append the tile's candidates (valid scores ``>= thr``) to the row's candidate list
-    (``_carry_compact``)."""
+    mark the tile's candidates (valid scores ``>= thr``) in the row's bitmask
+    (``_carry_mask``)."""
     if FULL_ROW:
         tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
     else:
@@ -466,35 +472,16 @@ def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, can
     if HIST:
         digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
         hist += tl.histogram(digit, 256, mask=valid)
-    if CARRY == 1:
-        _carry_compact(r, offs_l, valid, thr, cnt_p, cand_row, CAP)
-    elif CARRY == 2:
-        _carry_mask(r, offs_l, valid, thr, cand_row)
+    if CARRY:
+        _carry_mask(r, offs_l, valid, thr, mask_row)
     return hist
 
 
 @triton.jit
-def _carry_compact(r, offs_l, valid, thr, cnt_p, cand_row, CAP):
-    """Threshold-carry top-K, scoring side: the positions of the tile with a valid score
-    ``>= thr`` (the row's carried threshold) and their order keys (``_f32_key``) go to
-    the row's candidate list ``cand_row`` [2, CAP] (positions, then keys) at slots taken
-    with one atomic per tile from the row's counter ``cnt_p``. The counter keeps counting
-    past CAP (those candidates are dropped), so the select kernel sees the overflow.
-    (CARRY == 1; ``_carry_mask`` is the other way, CARRY == 2.)"""
-    is_c = (valid & (r >= thr)).to(tl.int32)
-    n = tl.sum(is_c, axis=0)
-    base = tl.atomic_add(cnt_p, n, mask=n > 0, sem="relaxed")
-    slot = base + tl.cumsum(is_c, axis=0) - 1
-    m = (is_c != 0) & (slot < CAP)
-    tl.store(cand_row + slot, offs_l, mask=m)
-    tl.store(cand_row + CAP + slot, _f32_key(r).to(tl.int32, bitcast=True), mask=m)
-
-
-@triton.jit
 def _carry_mask(r, offs_l, valid, thr, mask_row):
-    """Threshold-carry top-K, scoring side, CARRY == 2: one bit per position of the tile
-    (valid and ``>= thr``) into the row's candidate bitmask ``mask_row`` (int32 words,
-    word ``p // 32`` bit ``p % 32``): no atomics, no scan; the select kernel expands it.
+    """Threshold-carry top-K, scoring side: one bit per position of the tile (valid and
+    ``>= thr``) into the row's candidate bitmask ``mask_row`` (int32 words, word
+    ``p // 32`` bit ``p % 32``): no atomics, no scan; the select kernel expands it.
     Tiles start at multiples of 32 (BLOCK_L is), so each word belongs to one tile."""
     BL: tl.constexpr = r.shape[0]
     is_c = (valid & (r >= thr)).to(tl.int32)
@@ -504,20 +491,24 @@ def _carry_mask(r, offs_l, valid, thr, mask_row):
     tl.store(mask_row + w, words)
 
 
+CARRY_SLOTS = 8
+"""int32 slots per row of a threshold-carry state (``new_carry``): 0 the threshold the
+scoring marks with (float32 bits, in score units: ``_carry_prep_kernel`` writes it as
+slot 4 times slot 6), 1 unused, 2 fallbacks, 3 calls, 4 the carried threshold per unit
+of query norm (float32 bits), 5 the row's fallback flag (set by the select, cleared by
+the fallback), 6 this call's query norm (float32 bits), 7 fallbacks with too many
+candidates (the rest had too few, or were first calls / short rows)."""
+
+
 @triton.jit
-def _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY: tl.constexpr):
-    """The carried threshold of row ``row64``, its candidate counter and candidate list
-    (carry [rows, 4] int32: threshold bits, counter, fallbacks, calls; cand: CARRY == 1
-    [rows, 2, CAP] (positions, keys); CARRY == 2 a bitmask [rows, CAP] int32 words)."""
+def _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY: tl.constexpr):
+    """The carried threshold of row ``row64`` (slot 0 of ``CARRY_SLOTS``) and its
+    candidate bitmask row (cand [rows, NW] int32 words)."""
     if CARRY:
-        thr = tl.load(carry_ptr + row64 * 4).to(tl.float32, bitcast=True)
+        thr = tl.load(carry_ptr + row64 * 8).to(tl.float32, bitcast=True)
     else:
         thr = 0.0
-    if CARRY == 2:
-        stride = CAP
-    else:
-        stride = 2 * CAP
-    return thr, carry_ptr + row64 * 4 + 1, cand_ptr + row64 * stride
+    return thr, cand_ptr + row64 * NW
 
 
 @triton.jit
@@ -533,7 +524,7 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
 
 @triton.jit
 def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale, stride_kl, stride_kd,
-                stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row, CAP,
+                stride_sl, hist, m_run, s_run, thr, cand_row,
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
@@ -594,14 +585,14 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         else:
             r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
         r = tl.where(valid, r, float("-inf"))
-        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+        hist = _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
     return hist, m_run, s_run
 
 
 @triton.jit
 def _score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
+    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, NW,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_sb, stride_sh, stride_sl,
@@ -643,7 +634,7 @@ def _score_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
     row64 = row.to(tl.int64)
-    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
+    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
 
     hist = tl.zeros([256], dtype=tl.int32)
     if LANE_STATS:
@@ -658,15 +649,15 @@ def _score_kernel(
         l0 = start
         while l0 < end:
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row,
-                                             CAP, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
+                                             G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
                                              IEEE, KINT8, LANE_STATS, KINT4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cnt_p, cand_row,
-                                             CAP, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
+                                             G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
                                              IEEE, KINT8, LANE_STATS, KINT4, CARRY)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
@@ -682,7 +673,7 @@ def _score_kernel(
 
 
 @triton.jit
-def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr, cnt_p, cand_row, CAP,
+def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr, cand_row,
                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr,
                    HIST: tl.constexpr, CARRY: tl.constexpr):
     """One tile of ``_softmax_finalize_kernel``; returns the carried histogram."""
@@ -693,13 +684,13 @@ def _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, 
                  mask=(offs_g[:, None] < G) & valid[None, :], other=float("-inf"))  # [G_PAD, BLOCK_L]
     p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
     r = tl.where(valid, tl.sum(p, axis=0), float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
 
 
 @triton.jit
 def _softmax_finalize_kernel(
-    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
+    logit_ptr, stats_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, NW,
     L, CHUNK, N_STATS,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr,
     FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, CARRY: tl.constexpr = 0,
@@ -714,7 +705,7 @@ def _softmax_finalize_kernel(
     b = row // HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
+    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
     smask = (offs_g[:, None] < G) & (offs_c[None, :] < N_STATS)
@@ -731,19 +722,19 @@ def _softmax_finalize_kernel(
         l0 = start
         while l0 < end:
             hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
-                                  cnt_p, cand_row, CAP, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
+                                  cand_row, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
-                                  cnt_p, cand_row, CAP, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
+                                  cand_row, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
 
 @triton.jit
 def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd, stride_sl,
-               hist, thr, cnt_p, cand_row, CAP, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+               hist, thr, cand_row, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                KINT8: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr,
                CARRY: tl.constexpr):
     """One tile of ``_gemv_score_kernel``. KINT4: D / BLOCK_D are the packed row's bytes
@@ -762,13 +753,13 @@ def _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stri
     if KINT8 or KINT4:
         r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
 
 
 @triton.jit
 def _gemv_score_kernel(
-    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
+    qs_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, NW,
     stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl, L, CHUNK,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT8: tl.constexpr,
     FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr,
@@ -787,7 +778,7 @@ def _gemv_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
+    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     if KINT4:
         qs = tl.load(qs_ptr + row64 * (2 * D) + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] first half
@@ -802,13 +793,13 @@ def _gemv_score_kernel(
         l0 = start
         while l0 < end:
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
+                              stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
                               KINT4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
+                              stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
                               KINT4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
@@ -816,7 +807,7 @@ def _gemv_score_kernel(
 
 @triton.jit
 def _i8dot_score_kernel(
-    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, CAP,
+    q_ptr, k_ptr, ks_ptr, out_ptr, hist_ptr, lo_ptr, hi_ptr, carry_ptr, cand_ptr, NW,
     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl,
     L, CHUNK, scale,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -853,7 +844,7 @@ def _i8dot_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cnt_p, cand_row = _carry_row(carry_ptr, cand_ptr, row64, CAP, CARRY)
+    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, G_PAD)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -886,13 +877,13 @@ def _i8dot_score_kernel(
         l0 = start
         while l0 < end:
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L,
+                               stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
                                FULL_ROW, HIST, KINT4, ASM4, CARRY)
             l0 += BLOCK_L
     else:
         for l0 in range(start, end, BLOCK_L):
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, thr, cnt_p, cand_row, CAP, D, BLOCK_D, BLOCK_L,
+                               stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
                                FULL_ROW, HIST, KINT4, ASM4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
@@ -939,7 +930,7 @@ def _high_nibbles(p, ASM: tl.constexpr):
 
 @triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                stride_sl, hist, thr, cnt_p, cand_row, CAP, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                stride_sl, hist, thr, cand_row, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                 FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
                 CARRY: tl.constexpr):
     offs_l = l0 + tl.arange(0, BLOCK_L)
@@ -957,7 +948,7 @@ def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, 
         r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
-    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cnt_p, cand_row, CAP,
+    return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
 
 
@@ -986,19 +977,19 @@ def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
-def _carry_args(carry: tuple | None, out: torch.Tensor, mode: int = 1) -> tuple:
-    """(carry, cand, CAP) kernel arguments and the CARRY mode (0: none; 1: candidate list;
-    2: bitmask); placeholders (never read) without."""
+def _carry_args(carry: tuple | None, out: torch.Tensor) -> tuple:
+    """(carry, mask, NW) kernel arguments and the CARRY flag; placeholders (never read)
+    without."""
     if carry is None:
-        return (out, out, 1), 0
-    return carry, mode
+        return (out, out, 1), False
+    return carry, True
 
 
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
                  scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None,
-                 carry: tuple | None = None, carry_mode: int = 1) -> None:
+                 carry: tuple | None = None) -> None:
     B, Hq, D = q.shape
-    cargs, do_carry = _carry_args(carry, out, carry_mode)
+    cargs, do_carry = _carry_args(carry, out)
     _, Hkv, L, _ = k.shape
     rows = B * Hkv
     cfg = _gemv_config(k)
@@ -1033,16 +1024,15 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
                    hist: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                   carry: tuple | None = None, carry_mode: int = 1) -> None:
+                   carry: tuple | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``;
-    ``carry`` = (carry, cand, CAP): also compact each row's candidates above its carried
-    threshold (``_carry_compact``)."""
+    ``carry`` = (carry, mask, NW): also mark each row's candidates above its carried
+    threshold in its bitmask (``_carry_mask``)."""
     if _use_gemv(k, reduce):
-        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry,
-                     carry_mode=carry_mode)
+        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry)
         return
-    cargs, do_carry = _carry_args(carry, out, carry_mode)
+    cargs, do_carry = _carry_args(carry, out)
     B, Hq, D = q.shape
     _, Hkv, L, _ = k.shape
     G = Hq // Hkv
@@ -1173,11 +1163,25 @@ def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
+def _gate(gate_ptr, row64, end, start, GATED: tl.constexpr):
+    """GATED (the threshold-carry top-K's fallback): ``end`` for a row whose select set
+    its fallback flag (slot 5 of its carry state), ``start`` (no work) for the others;
+    and whether the row runs."""
+    if GATED:
+        run = tl.load(gate_ptr + row64 * 8 + 5) != 0
+        return tl.where(run, end, start), run
+    return end, end >= start
+
+
+@triton.jit
+def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top, k_next, CHUNK,
                        HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Pass PASS (0 or 1) over one chunk of a row: histogram of digit PASS of the
-    keys tied with the prefix so far, added into hist[PASS, row]."""
+    keys tied with the prefix so far, added into hist[PASS, row]. GATED (the
+    threshold-carry fallback; only rows whose flag is set run): pass 1 also histograms
+    the keys tied with the pass-0 digit of the ``k_next``-th largest into hist[2, row],
+    from which ``_tie_select_kernel`` sets the row's next carried threshold."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -1189,17 +1193,29 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, C
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
+    end, run = _gate(gate_ptr, row64, end, start, GATED)
     row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
+    acc_b = tl.zeros([256], dtype=tl.int32)
+    prefix_b = prefix
+    if GATED and PASS == 1:
+        k_b = tl.maximum(tl.minimum(k_next, hi - lo), 1)
+        prefix_b, _kb = _radix_state(hist_ptr, row64, n_rows, k_b, 1)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
             acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
+            if GATED and PASS == 1:
+                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
             l0 += BLOCK
     else:
         for l0 in range(start, end, BLOCK):
             acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
+            if GATED and PASS == 1:
+                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
     tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc, mask=acc > 0)
+    if GATED and PASS == 1:
+        tl.atomic_add(hist_ptr + (2 * n_rows + row64) * 256 + tl.arange(0, 256), acc_b, mask=acc_b > 0)
 
 
 @triton.jit
@@ -1219,8 +1235,9 @@ def _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK: tl
 
 
 @triton.jit
-def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top, CHUNK,
-                        HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top,
+                        CHUNK, HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                        GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """After passes 0-1 (the top 16 key bits of the K-th largest are known): write the
     sure winners (top 16 bits larger) to the output and the 16-bit ties to a per-row
     buffer, whose length the pass-1 histogram already gives (typically a few dozen)."""
@@ -1236,6 +1253,7 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
     end = tl.where(k_eff > 0, end, start)
+    end, run = _gate(gate_ptr, row64, end, start, GATED)
     row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
     tie_row = tie_ptr + row64 * L
@@ -1279,11 +1297,16 @@ def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, 
 
 
 @triton.jit
-def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L, n_rows, k_top,
-                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top, k_next,
+                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per row: passes 2-3 over the 16-bit ties only, then the exact
     threshold T: ties with key > T, then the first ones equal to T, fill the slots
-    after the sure winners; -1 padding after k_eff."""
+    after the sure winners; -1 padding after k_eff. GATED (the threshold-carry
+    fallback): only rows whose flag is set run; each sets its next carried threshold
+    (per unit of query norm) to the lowest score of the 16-bit bucket holding its
+    ``k_next``-th largest (hist[2]), so that about ``k_next`` keys pass it, and clears
+    its flag."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -1294,6 +1317,7 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L
     d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
     n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1)  # elements tied on 16 bits
     n_tie = tl.where(k_eff > 0, n_tie, 0)
+    n_tie, run = _gate(gate_ptr, row64, n_tie, 0, GATED)
     row_ptr = scores_ptr + row64 * L
     tie_row = tie_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
@@ -1323,7 +1347,22 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, L
             c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
             n_gt += c_gt
             n_eq += c_eq
-    _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
+    _pad_tail(out_row, tl.where(run, k_eff, k_top), k_top, BLOCK, INTERPRET)
+    if GATED:
+        if run:
+            n_valid = tl.maximum(hi - lo, 0)
+            k_b = tl.maximum(tl.minimum(k_next, n_valid), 1)
+            c0 = tl.load(hist_ptr + row64 * 256 + tl.arange(0, 256))
+            d0b, rem_b = _pick_digit(c0, k_b)
+            c1 = tl.load(hist_ptr + (2 * n_rows + row64) * 256 + tl.arange(0, 256))
+            d1b, rem_b = _pick_digit(c1, rem_b)
+            key_b = (d0b.to(tl.uint32) << 24) | (d1b.to(tl.uint32) << 16)
+            thr = _key_f32(key_b)
+            thr = tl.where(k_next < n_valid, thr, float("-inf"))
+            cbase = gate_ptr + row64 * 8
+            qn = tl.load(cbase + 6).to(tl.float32, bitcast=True)
+            tl.store(cbase + 4, (thr / qn).to(tl.int32, bitcast=True))
+            tl.store(cbase + 5, 0)
 
 
 @triton.jit
@@ -1354,70 +1393,6 @@ def _radix_regs(key, m, k_rem, BITS: tl.constexpr):
 
 
 @triton.jit
-def _row_radix(row_ptr, lo, hi, ka, kb, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Exact radix select over a whole score row ``[lo, hi)`` for two ranks at once:
-    the order keys of the ``ka``-th and ``kb``-th largest, and the count of elements
-    equal to the ``ka``-th to take (the carry select's fallback)."""
-    pa = tl.full([], 0, tl.uint32)
-    pb = tl.full([], 0, tl.uint32)
-    for p in tl.static_range(4):
-        ha = tl.zeros([256], dtype=tl.int32)
-        hb = tl.zeros([256], dtype=tl.int32)
-        start = (lo // BLOCK) * BLOCK
-        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-            l0 = start
-            while l0 < hi:
-                offs = l0 + tl.arange(0, BLOCK)
-                valid = (offs >= lo) & (offs < hi)
-                key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
-                if p == 0:
-                    ma = valid
-                    mb = valid
-                else:
-                    ma = valid & ((key >> (32 - 8 * p)) == (pa >> (32 - 8 * p)))
-                    mb = valid & ((key >> (32 - 8 * p)) == (pb >> (32 - 8 * p)))
-                ha += tl.histogram(digit, 256, mask=ma)
-                hb += tl.histogram(digit, 256, mask=mb)
-                l0 += BLOCK
-        else:
-            for l0 in range(start, hi, BLOCK):
-                offs = l0 + tl.arange(0, BLOCK)
-                valid = (offs >= lo) & (offs < hi)
-                key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-                digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
-                if p == 0:
-                    ma = valid
-                    mb = valid
-                else:
-                    ma = valid & ((key >> (32 - 8 * p)) == (pa >> (32 - 8 * p)))
-                    mb = valid & ((key >> (32 - 8 * p)) == (pb >> (32 - 8 * p)))
-                ha += tl.histogram(digit, 256, mask=ma)
-                hb += tl.histogram(digit, 256, mask=mb)
-        da, ka = _pick_digit(ha, ka)
-        db, kb = _pick_digit(hb, kb)
-        pa = pa | (da.to(tl.uint32) << (24 - 8 * p))
-        pb = pb | (db.to(tl.uint32) << (24 - 8 * p))
-    return pa, ka, pb
-
-
-@triton.jit
-def _row_emit_tile(row_ptr, out_row, l0, lo, hi, thr, slot_gt, slot_eq, k_eff, BLOCK: tl.constexpr):
-    """Fallback emit over one tile of a score row: keys > thr at ``slot_gt + rank``, keys
-    == thr at ``slot_eq + rank`` while < k_eff; returns the two counts."""
-    offs = l0 + tl.arange(0, BLOCK)
-    valid = (offs >= lo) & (offs < hi)
-    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-    is_gt = (valid & (key > thr)).to(tl.int32)
-    is_eq = (valid & (key == thr)).to(tl.int32)
-    s_gt = slot_gt + tl.cumsum(is_gt, axis=0) - 1
-    s_eq = slot_eq + tl.cumsum(is_eq, axis=0) - 1
-    tl.store(out_row + s_gt, offs, mask=is_gt != 0)
-    tl.store(out_row + s_eq, offs, mask=(is_eq != 0) & (s_eq < k_eff))
-    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
-
-
-@triton.jit
 def _popc32(w):
     """Set bits of each int32 word (byte sums: no overflowing products in the interpreter)."""
     x = w.to(tl.uint32, bitcast=True)
@@ -1428,83 +1403,125 @@ def _popc32(w):
 
 
 @triton.jit
-def _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP: tl.constexpr, WB: tl.constexpr):
-    """One tile of WB bitmask words ``[w0, w0 + WB)`` (before ``w_hi``): the positions of
-    their set bits go to ``pos_row`` at slots from ``n_c`` on (in position order, those
-    past CAP dropped); returns the new count."""
-    wi = w0 + tl.arange(0, WB)
-    word = tl.load(mask_row + wi, mask=wi < w_hi, other=0)
-    pc = _popc32(word)
-    slot = n_c + tl.cumsum(pc, axis=0) - pc
-    for j in tl.static_range(32):
-        b = (word >> j) & 1
-        tl.store(pos_row + slot, wi * 32 + j, mask=(b != 0) & (slot < CAP))
-        slot += b
-    return n_c + tl.sum(pc, axis=0)
+def _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB: tl.constexpr, HKV: tl.constexpr):
+    """Program ``tl.program_id(1)``'s tile of WB bitmask words of row ``row`` (those
+    meeting ``[lo, hi)``; others 0) and their absolute word indices."""
+    lo, hi, _k = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, 1)
+    wi = tl.program_id(1) * WB + tl.arange(0, WB)
+    m = (wi >= lo // 32) & (wi < (hi + 31) // 32) & (hi > lo)
+    word = tl.load(mask_ptr + row.to(tl.int64) * NW + wi, mask=m, other=0)
+    return word, wi
 
 
 @triton.jit
-def _carry_select_kernel(scores_ptr, carry_ptr, cand_ptr, out_ptr, lo_ptr, hi_ptr, L, k_top, k_next, pos_ptr, NW,
-                         HKV: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                         BITS: tl.constexpr = 8, MODE: tl.constexpr = 1, WB: tl.constexpr = 256,
-                         PDL: tl.constexpr = False):
-    """Threshold-carry top-K, select side; one program per row.
+def _carry_count_kernel(mask_ptr, counts_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.constexpr, WB: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Threshold-carry top-K, select side, step 1 of 3; grid (rows, E): the candidates
+    marked in each tile of WB bitmask words, into counts [rows, E]."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
+    row = tl.program_id(0)
+    word, wi = _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB, HKV)
+    tl.store(counts_ptr + row.to(tl.int64) * E + tl.program_id(1), tl.sum(_popc32(word), axis=0))
 
-    The scoring kernel compacted the row's candidates (scores >= the carried threshold)
-    into ``cand`` [rows, 2, CAP]. When their count ``n`` lies in ``[k_top, CAP]`` the
+
+@triton.jit
+def _carry_expand_kernel(mask_ptr, counts_ptr, pos_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.constexpr,
+                         WB: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+    """Threshold-carry top-K, select side, step 2 of 3; grid (rows, E): each tile of WB
+    bitmask words writes the positions of its set bits to the row's ``pos`` [rows, CAP]
+    from the slot the tiles before it end at (the counts' prefix sum: the list is in
+    position order, the same on every run), those past CAP dropped. Many programs per
+    row: one program expanding a 512k-token row's 16k words alone took ~90 us."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
+    row = tl.program_id(0)
+    e = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    base = tl.sum(tl.load(counts_ptr + row64 * E + offs_e, mask=offs_e < e, other=0), axis=0)
+    if base < CAP:
+        word, wi = _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB, HKV)
+        pc = _popc32(word)
+        slot = base + tl.cumsum(pc, axis=0) - pc
+        pos_row = pos_ptr + row64 * CAP
+        for j in tl.static_range(32):
+            b = (word >> j) & 1
+            tl.store(pos_row + slot, wi * 32 + j, mask=(b != 0) & (slot < CAP))
+            slot += b
+
+
+@triton.jit
+def _carry_prep_kernel(q_ptr, carry_ptr, stride_qb, stride_qh, stride_qd, HKV: tl.constexpr, G: tl.constexpr,
+                       G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """Threshold-carry top-K, before the scoring; one program per row. The carried
+    threshold is kept per unit of the query's norm (slot 4 of ``CARRY_SLOTS``): a
+    predicted query that grows or shrinks moves every score, and the K-th, in
+    proportion (exactly so for keys without a preferred direction), while the
+    candidate count above a fixed threshold moves exponentially in it — the further in
+    the tail the K-th score sits (long rows), the faster. So this call's threshold
+    (slot 0, what the scoring marks with) is slot 4 times this call's query norm
+    (slot 6). NORM 1 (``sum_logits``): the norm of the group's summed query, which is
+    what scores; NORM 2 (``max_logits``): the root of the heads' summed squared norms;
+    NORM 0 (``sum_softmax``, whose scores are normalised probabilities): 1."""
+    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
+    grid_dep_release(PDL)
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    cbase = carry_ptr + row64 * 8
+    if NORM == 0:
+        qn = tl.full([], 1.0, tl.float32)
+    else:
+        q = _load_group_q(q_ptr, row // HKV, row % HKV, stride_qb, stride_qh, stride_qd, G, G_PAD, D,
+                          BLOCK_D).to(tl.float32)  # [G_PAD, BLOCK_D]
+        if NORM == 1:
+            qs = tl.sum(q, axis=0)
+            qn = tl.sqrt(tl.sum(qs * qs, axis=0))
+        else:
+            qn = tl.sqrt(tl.sum(tl.sum(q * q, axis=1), axis=0))
+        qn = tl.maximum(qn, 1e-30)  # a zero query (padding): -inf * qn stays -inf, never NaN
+    thr_n = tl.load(cbase + 4).to(tl.float32, bitcast=True)
+    tl.store(cbase, (thr_n * qn).to(tl.int32, bitcast=True))
+    tl.store(cbase + 6, qn.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, L, k_top, k_next, pos_ptr, E,
+                         HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BITS: tl.constexpr = 8, PDL: tl.constexpr = False):
+    """Threshold-carry top-K, select side, step 3 of 3; one program per row.
+
+    The scoring kernel marked the row's candidates (scores >= the carried threshold)
+    in a bitmask, which ``_carry_count_kernel`` / ``_carry_expand_kernel`` turned into
+    their count (``counts`` [rows, E] per tile of words) and positions (``pos``
+    [rows, CAP], position order). When the count ``n`` lies in ``[k_top, CAP]`` the
     K-th largest among them is the row's K-th largest (everything outside is below the
-    threshold): an exact radix select on the candidates held in registers, then the
-    winners are written. Otherwise (first call: threshold -inf; too few or too many
-    candidates; a row with at most k_top valid keys) the fallback selects over the
-    whole score row. Either way the next threshold is set so that about ``k_next``
-    keys would pass it: on the candidate path by the secant through (threshold, n) and
-    (K-th score, k_top); on the fallback as the ``k_next``-th largest score itself.
-    carry [rows, 4] int32: threshold bits, the candidate counter (reset here),
-    fallbacks and calls (cumulative, for the caller's statistics).
-
-    MODE 2: the scoring kernel left a bitmask of the candidates (``_carry_mask``, cand
-    [rows, NW] words) instead of a list: its words are expanded here into positions
-    (``pos`` [rows, CAP] scratch, position order) and their scores gathered from the
-    score row."""
+    threshold): an exact radix select on the candidates' scores held in registers,
+    then the winners are written, and the next threshold is set by the secant through
+    (threshold, n) and (K-th score, k_top) to let about ``k_next`` keys through.
+    Otherwise (first call: threshold -inf; too few or too many candidates; a row with
+    at most k_top valid keys) the row's fallback flag is set and the radix passes,
+    gated on it, select over the whole row in parallel (``_select_from_scores(gate=)``)
+    and set the next threshold. carry [rows, CARRY_SLOTS] int32; fallbacks and calls
+    are cumulative (statistics)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    cbase = carry_ptr + row64 * 4
+    cbase = carry_ptr + row64 * 8
     thr = tl.load(cbase).to(tl.float32, bitcast=True)
-    if MODE == 2:
-        mask_row = cand_ptr + row64 * NW
-        pos_row = pos_ptr + row64 * CAP
-        w_hi = (hi + 31) // 32
-        n_c = k_eff * 0
-        if hi > lo:
-            if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-                w0 = lo // 32
-                while w0 < w_hi:
-                    n_c = _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP, WB)
-                    w0 += WB
-            else:
-                for w0 in range(lo // 32, w_hi, WB):
-                    n_c = _expand_words(mask_row, pos_row, w0, w_hi, n_c, CAP, WB)
-        tl.debug_barrier()  # the expanded positions are read back by other threads of the program
-    else:
-        n_c = tl.load(cbase + 1)
-    n_fb = tl.load(cbase + 2)
-    n_calls = tl.load(cbase + 3)
+    offs_e = tl.arange(0, BLOCK_E)
+    n_c = tl.sum(tl.load(counts_ptr + row64 * E + offs_e, mask=offs_e < E, other=0), axis=0)
+    pos_row = pos_ptr + row64 * CAP
     out_row = out_ptr + row64 * k_top
     ok = (k_eff == k_top) & (k_eff > 0) & (n_c >= k_eff) & (n_c <= CAP)
-    new_thr = thr
     if ok:
         offs = tl.arange(0, CAP)
         m = offs < n_c
-        if MODE == 2:
-            pos = tl.load(pos_row + offs, mask=m, other=0)
-            key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
-        else:
-            cand_row = cand_ptr + row64 * 2 * CAP
-            key = tl.load(cand_row + CAP + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
-            pos = tl.load(cand_row + offs, mask=m, other=-1)
+        pos = tl.load(pos_row + offs, mask=m, other=0)
+        key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
         t_key, k_rem = _radix_regs(key, m, k_eff, BITS)
         is_gt = (m & (key > t_key)).to(tl.int32)
         is_eq = (m & (key == t_key)).to(tl.int32)
@@ -1516,70 +1533,57 @@ def _carry_select_kernel(scores_ptr, carry_ptr, cand_ptr, out_ptr, lo_ptr, hi_pt
         # secant: n(thr) ~ k_top + rho (T - thr); place the next threshold at k_next
         gap = tl.maximum(t_f - thr, 0.0)
         new_thr = t_f - gap * ((k_next - k_eff).to(tl.float32) / tl.maximum(n_c - k_eff, 1).to(tl.float32))
+        qn = tl.load(cbase + 6).to(tl.float32, bitcast=True)
+        tl.store(cbase + 4, (new_thr / qn).to(tl.int32, bitcast=True))
     else:
-        n_fb += 1
-        n_valid = tl.maximum(hi - lo, 0)
-        new_thr = tl.full([], float("-inf"), tl.float32)
-        if k_eff > 0:
-            row_ptr = scores_ptr + row64 * L
-            k_b = tl.minimum(k_next, n_valid)
-            t_key, k_rem, b_key = _row_radix(row_ptr, lo, hi, k_eff, k_b, BLOCK, INTERPRET)
-            if k_next < n_valid:
-                new_thr = _key_f32(b_key)
-            n_gt = k_eff * 0
-            n_eq = k_eff - k_rem
-            start = (lo // BLOCK) * BLOCK
-            if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-                l0 = start
-                while l0 < hi:
-                    c_gt, c_eq = _row_emit_tile(row_ptr, out_row, l0, lo, hi, t_key, n_gt, n_eq, k_eff, BLOCK)
-                    n_gt += c_gt
-                    n_eq += c_eq
-                    l0 += BLOCK
-            else:
-                for l0 in range(start, hi, BLOCK):
-                    c_gt, c_eq = _row_emit_tile(row_ptr, out_row, l0, lo, hi, t_key, n_gt, n_eq, k_eff, BLOCK)
-                    n_gt += c_gt
-                    n_eq += c_eq
-        _pad_tail(out_row, k_eff, k_top, BLOCK, INTERPRET)
-    tl.store(cbase, new_thr.to(tl.int32, bitcast=True))
-    tl.store(cbase + 1, 0)
-    tl.store(cbase + 2, n_fb)
-    tl.store(cbase + 3, n_calls + 1)
+        tl.store(cbase + 5, 1)  # the gated radix passes select this row and set its threshold
+        tl.store(cbase + 2, tl.load(cbase + 2) + 1)
+        tl.store(cbase + 7, tl.load(cbase + 7) + ((n_c > CAP) & (thr > float("-inf"))).to(tl.int32))
+    tl.store(cbase + 3, tl.load(cbase + 3) + 1)
 
 
 _NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
+_NHIST = 3  # histograms per row: passes 0 and 1, and the carry fallback's pass 1 of its next-threshold rank
 
 
 def _new_workspace(rows: int, device: torch.device) -> torch.Tensor:
-    """Zeroed radix workspace: [2, rows, 256] histograms + [rows, 2] slot counters, in one
-    allocation so one memset clears it."""
-    return torch.zeros(_NPASS_GLOBAL * rows * _NBINS + 2 * rows, dtype=torch.int32, device=device)
+    """Zeroed radix workspace: [_NHIST, rows, 256] histograms + [rows, 2] slot counters,
+    in one allocation so one memset clears it."""
+    return torch.zeros(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=device)
 
 
 def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
-                        ws: torch.Tensor, *, hist0_done: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                        ws: torch.Tensor, *, hist0_done: bool, out: torch.Tensor | None = None,
+                        gate: torch.Tensor | None = None, k_next: int = 0, launch: dict | None = None) -> torch.Tensor:
     """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
     row). ``ws`` is the zeroed workspace of ``_new_workspace``, with the pass-0
     histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]:
-    ``out`` (contiguous, every slot written) when given."""
+    ``out`` (contiguous, every slot written) when given.
+
+    ``gate``: a threshold-carry state (``new_carry``): only the rows whose fallback
+    flag the carry select set are selected (the others' programs exit at once, so the
+    launches are static and graph-capturable), and each sets its next threshold aimed
+    at ``k_next`` keys. ``launch``: the kernels' launch options (default: PDL as the
+    select family's)."""
     rows, N = scores.shape
     if out is None:
         out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
     ties = torch.empty(rows, N, dtype=torch.int32, device=scores.device)  # [rows, N] positions, prefix used
     cfg = _select_config(scores.device)
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
-    meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), num_warps=nw)
+    gated = gate is not None
+    meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), GATED=gated, num_warps=nw)
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
                              per_sm=cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
-    pdl = pdl_kwargs(scores, "select")
+    pdl = pdl_kwargs(scores, "select") if launch is None else launch
+    g = gate if gated else ws  # never read when not gated
     for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, N, rows, k_top, chunk, PASS=p, **meta, **pdl)
-    cnt = ws[_NPASS_GLOBAL * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, N, rows, k_top, chunk, **meta, **pdl)
+        _radix_pass_kernel[grid](scores, ws, lo, hi, g, N, rows, k_top, k_next, chunk, PASS=p, **meta, **pdl)
+    cnt = ws[_NHIST * rows * _NBINS:]
+    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, g, N, rows, k_top, chunk, **meta, **pdl)
     tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, N, rows, k_top, **tie_meta, **pdl)
+    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, g, N, rows, k_top, k_next, **tie_meta, **pdl)
     return out
 
 
@@ -1606,10 +1610,12 @@ def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
 
 def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:
     """A fresh threshold-carry state for ``score_topk(..., carry=)``: int32
-    [B, Hkv, 4] = (threshold as float32 bits, candidate counter, fallbacks, calls); the
-    threshold starts at -inf, so the first call selects through the fallback and sets it."""
-    c = torch.zeros(batch, n_kv_heads, 4, dtype=torch.int32, device=device)
+    [B, Hkv, CARRY_SLOTS] (the slots: ``CARRY_SLOTS``); the threshold starts at -inf, so
+    the first call selects through the fallback and sets it."""
+    c = torch.zeros(batch, n_kv_heads, CARRY_SLOTS, dtype=torch.int32, device=device)
     c[..., 0] = _NEG_INF_BITS
+    c[..., 4] = _NEG_INF_BITS
+    c[..., 6] = _ONE_BITS
     return c
 
 
@@ -1617,77 +1623,85 @@ def reset_carry(carry: torch.Tensor) -> torch.Tensor:
     """Reset a carry state in place (a new sequence: its scores say nothing of the last)."""
     carry.zero_()
     carry[..., 0] = _NEG_INF_BITS
+    carry[..., 4] = _NEG_INF_BITS
+    carry[..., 6] = _ONE_BITS
     return carry
+
+
+def carry_threshold(carry: torch.Tensor) -> torch.Tensor:
+    """The next call's threshold in the last call's score units, float32 [B, Hkv]:
+    the carried threshold per unit of query norm times the last call's query norm."""
+    return carry[..., 4].view(torch.float32) * carry[..., 6].view(torch.float32)
 
 
 def carry_stats(carry: torch.Tensor) -> dict:
     """Host summary of a carry state (reads the device): calls and fallbacks summed
-    over rows, and the fallback fraction."""
-    c = carry.reshape(-1, 4).to("cpu", torch.int64)
-    calls, fb = int(c[:, 3].sum()), int(c[:, 2].sum())
-    return {"calls": calls, "fallbacks": fb, "fallback_rate": fb / calls if calls else 0.0}
+    over rows, the fallback fraction, and the fallbacks with too many candidates (the
+    others had too few, or were a row's first call or a row shorter than K)."""
+    c = carry.reshape(-1, CARRY_SLOTS).to("cpu", torch.int64)
+    calls, fb, many = int(c[:, 3].sum()), int(c[:, 2].sum()), int(c[:, 7].sum())
+    return {"calls": calls, "fallbacks": fb, "fallback_rate": fb / calls if calls else 0.0,
+            "fallbacks_too_many": many}
 
 
 _NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))
+_ONE_BITS = int(torch.tensor(1.0, dtype=torch.float32).view(torch.int32))
 
 
 def _check_carry(carry: torch.Tensor | None, B: int, Hkv: int, device: torch.device) -> None:
     if carry is None:
         return
-    if carry.shape != (B, Hkv, 4) or carry.dtype != torch.int32 or not carry.is_contiguous() \
+    if carry.shape != (B, Hkv, CARRY_SLOTS) or carry.dtype != torch.int32 or not carry.is_contiguous() \
             or carry.device != device:
-        raise ValueError(f"carry must be a contiguous int32 [B, Hkv, 4] = [{B}, {Hkv}, 4] tensor on {device} "
-                         f"(scoring.new_carry), got {carry.dtype} {tuple(carry.shape)} on {carry.device}")
+        raise ValueError(f"carry must be a contiguous int32 [B, Hkv, {CARRY_SLOTS}] = [{B}, {Hkv}, {CARRY_SLOTS}] "
+                         f"tensor on {device} (scoring.new_carry), got {carry.dtype} {tuple(carry.shape)} "
+                         f"on {carry.device}")
 
 
 def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
     """Launch config of the threshold-carry top-K; ``SELECT_CONFIG``'s ``carry_*`` keys override."""
     if _interpret() or device.type != "cuda":
-        cfg = dict(carry_block=256, carry_warps=1, carry_bits=8, carry_compact="mask", carry_words=64)
+        cfg = dict(carry_warps=1, carry_bits=8, carry_words=64, carry_expand_warps=1)
     else:
-        # run38 / run40 (bench_select --carry, H200): 16-bin digits select faster than 256-bin
-        # ones (15.6 vs 18.6 us at B=8 L=32k); the bitmask compaction costs the scoring 1.4-2.9 us
-        # where the list's atomics cost 10-17, for 6-13 us more in the select (expanding it):
-        # 76.4 vs 79.6 us per layer at B=8 L=32k, 120.3 vs 126.6 at B=16; 16 warps while one
-        # wave of rows fills the GPU, 8 beyond (two programs per SM: 136.3 vs 142.2 us at B=32 L=16k)
+        # bench_select --carry on an H200: 16-bin digits select faster than 256-bin ones (15.6 vs
+        # 18.6 us at B=8 L=32k); 16 warps while one wave of rows fills the GPU, 8 beyond (two
+        # programs per SM: 136.3 vs 142.2 us per layer at B=32 L=16k)
         warps = 16 if rows <= _sm_count(device) else 8
-        # under select_overlap (beside the next layer's scoring) 8 warps at every B (run47: a pack of 4
+        # under select_overlap (beside the next layer's scoring) 8 warps at every B (a pack of 4
         # layers 246 / 412 / 451 us at B=8 32k / B=16 32k / B=32 16k vs 252 / 419 / 452 with 16-16-8,
         # 355-562 with 4)
-        cfg = dict(carry_block=1024, carry_warps=max(4, min(warps, cap // 256)), carry_bits=4, carry_compact="mask",
-                   carry_words=512, carry_overlap_warps=max(4, min(8, cap // 256)))
+        cfg = dict(carry_warps=max(4, min(warps, cap // 256)), carry_bits=4, carry_words=512, carry_expand_warps=4,
+                   carry_overlap_warps=max(4, min(8, cap // 256)))
     cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
-    if cfg["carry_compact"] not in ("atomic", "mask"):
-        raise ValueError(f"SELECT_CONFIG['carry_compact'] must be 'atomic' or 'mask', got {cfg['carry_compact']!r}")
     if cfg["carry_bits"] not in (4, 8):
         raise ValueError(f"SELECT_CONFIG['carry_bits'] must be 4 or 8, got {cfg['carry_bits']}")
     return cfg
 
 
+_CARRY_NORM = {"sum_softmax": 0, "sum_logits": 1, "max_logits": 2}  # _carry_prep_kernel's NORM
+
+
 def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
                 hkv: int, score: bool = True, select: bool = True, margin: float | None = None) -> None:
-    """The threshold-carry top-K into ``idx`` [rows, k_top]: scoring with the candidate
-    compaction of ``SELECT_CONFIG["carry_compact"]`` (``mask``: a bitmask per row,
-    default; ``atomic``: a list per row), then ``_carry_select_kernel``. ``score`` /
-    ``select``: run only one half (the benchmark times them apart)."""
+    """The threshold-carry top-K into ``idx`` [rows, k_top]: this call's threshold from
+    the carried one and the query's norm (``_carry_prep_kernel``), scoring that marks
+    the candidates above it in a bitmask per row, ``_carry_select_kernel``, then the
+    radix passes gated on the rows it could not select (``_select_from_scores(gate=)``).
+    ``score`` / ``select``: run only one half (the benchmark times them apart)."""
     rows, L = scores.shape[0], k.shape[2]
     k_next, cap = carry_sizes(k_top, margin)
     cfg = _carry_config(cap, k.device, rows)
-    mode = {"atomic": 1, "mask": 2}[cfg["carry_compact"]]
     dev = k.device
-    if mode == 1:
-        nw = 0
-        cand = torch.empty(rows, 2, cap, dtype=torch.int32, device=dev)  # positions, order keys
-        pos = cand  # unused
-        cargs = (carry, cand, cap)
-    else:
-        nw = triton.cdiv(L + 2048, 32)  # tiles of up to 2048 positions may end past L
-        cand = torch.empty(rows, nw, dtype=torch.int32, device=dev)  # candidate bitmask words
-        pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # the select's expanded positions
-        cargs = (carry, cand, nw)
+    nw = triton.cdiv(L + 2048, 32)  # tiles of up to 2048 positions may end past L
+    mask = torch.empty(rows, nw, dtype=torch.int32, device=dev)  # the candidate bitmask words
     if score:
+        B, Hq, D = q.shape
+        G = Hq // hkv
+        _carry_prep_kernel[(rows,)](q, carry, q.stride(0), q.stride(1), q.stride(2), HKV=hkv, G=G,
+                                    G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
+                                    NORM=_CARRY_NORM[reduce], num_warps=1, **pdl_kwargs(q, "select"))
         _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
-                       full_row=False, hist=None, k_scale=k_scale, carry=cargs, carry_mode=mode)
+                       full_row=False, hist=None, k_scale=k_scale, carry=(carry, mask, nw))
     if select:
         side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
         if side is not None and _OVERLAP.index != _device_index(dev):
@@ -1702,13 +1716,21 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
             launch = dict(PDL=False, launch_pdl=False)
             side.wait_stream(torch.cuda.current_stream(dev))
             _OVERLAP.forked = True
+        wb = cfg["carry_words"]
+        n_e = triton.cdiv(nw, wb)  # tiles of bitmask words per row
+        block_e = triton.next_power_of_2(n_e)
         with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-            _carry_select_kernel[(rows,)](scores, carry, cand, idx, lo, hi, L, k_top, k_next, pos, nw, HKV=hkv,
-                                          CAP=cap, BLOCK=cfg["carry_block"], INTERPRET=_interpret(),
-                                          BITS=cfg["carry_bits"], MODE=mode, WB=cfg["carry_words"],
-                                          num_warps=warps, **launch)
+            counts = torch.empty(rows, n_e, dtype=torch.int32, device=dev)  # candidates per tile of words
+            pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # their positions
+            wmeta = dict(HKV=hkv, WB=wb, num_warps=cfg["carry_expand_warps"], **launch)
+            _carry_count_kernel[(rows, n_e)](mask, counts, lo, hi, L, nw, n_e, **wmeta)
+            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, lo, hi, L, nw, n_e, CAP=cap, BLOCK_E=block_e, **wmeta)
+            _carry_select_kernel[(rows,)](scores, carry, counts, idx, lo, hi, L, k_top, k_next, pos, n_e, HKV=hkv,
+                                          CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], num_warps=warps, **launch)
+            _select_from_scores(scores, lo, hi, k_top, hkv, _new_workspace(rows, dev), hist0_done=False,
+                                out=idx, gate=carry, k_next=k_next, launch=launch)
         if side is not None:  # the allocator reuses none of these before the side stream is done
-            for t in (scores, cand, pos, lo, hi, idx, carry):
+            for t in (scores, mask, lo, hi, idx, carry):
                 t.record_stream(side)
 
 

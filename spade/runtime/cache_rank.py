@@ -509,8 +509,10 @@ def _carry_account(state) -> dict[str, float]:
     carries = list(getattr(state, "carry", {}).values())
     if not carries:
         return {}
-    c = torch.stack([x.reshape(-1, 4).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
-    return {"topk_calls": float(c[3]), "topk_fallbacks": float(c[2])}
+    from spade.kernels.scoring import CARRY_SLOTS
+
+    c = torch.stack([x.reshape(-1, CARRY_SLOTS).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
+    return {"topk_calls": float(c[3]), "topk_fallbacks": float(c[2]), "topk_fallbacks_too_many": float(c[7])}
 
 
 def _key(policy: Policy, state, seq: int) -> tuple:

@@ -65,6 +65,7 @@ CACHE_STATS = (
     "recv_wait_ms_per_step",  # median time per step waiting for the inference rank's packs and STEP
     "topk_calls",  # threshold-carry top-K (policy topk: carry): selections made, summed over layers and rows
     "topk_fallbacks",  # ... of which took the whole-row fallback (NaN when no layer carries a threshold)
+    "topk_fallbacks_too_many",  # ... of those, with more candidates than the list holds (the rest: too few)
 )
 
 
