@@ -139,7 +139,7 @@ def rows_of(folder: Path, date: str = "", commit: str = "") -> list[dict]:
                 if not isinstance(r, dict) or "tpot_ms" not in r:
                     continue
                 p = _parse_row(name)
-                variant = [v for v in p["variant"]]
+                variant = p["variant"]
                 # optimal measured under the same variant (pdl=off, topk=radix, ...) when there is one
                 opt = None
                 for v in variant:
