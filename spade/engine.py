@@ -118,6 +118,7 @@ class Engine:
         self.device = resolve_device(m.device)
         self.dtype = resolve_dtype(m.dtype, self.device)
         check_kernels_env(self.device)
+        self._preflight_transport()
         # one generation at a time: the runtime's event loop and cache link serve one batch
         self._lock = threading.Lock()
         self._busy: int | None = None  # the thread inside generate(), if any
@@ -144,6 +145,19 @@ class Engine:
         from spade.runtime import build_runtime
 
         self.runtime = build_runtime(config, self.backend, self.policy)
+
+    def _preflight_transport(self) -> None:
+        """A spawned cache process listens on the transport's port: a port another
+        program holds fails here, before the model loads (under torchrun the cache rank
+        may already listen there, so only its own listening side checks)."""
+        rt = self.cfg.runtime
+        if rt.topology != "multiprocess":
+            return
+        from spade.runtime.asyncrt import torchrun_world
+        from spade.transports import TRANSPORTS
+
+        if not torchrun_world():
+            TRANSPORTS.get(rt.transport.name).preflight(rt.transport)
 
     # -- loading ------------------------------------------------------------
     def _load_backend(self, kind: str):
