@@ -229,3 +229,37 @@ def test_failure_mid_generation_carries_partial_results(engine, monkeypatch):
     assert all(r.finished == "error" for r in part)
     monkeypatch.undo()
     assert tokens(engine.generate(max_new_tokens=6)) == full  # the engine still works afterwards
+
+
+# ----------------------------------------------------------------------------- run JSON events
+def _run_with_hooks(monkeypatch, hooks, *over):
+    import spade.runtime as runtime
+    from spade.engine import run
+    from spade.runtime.asyncrt import AsyncRuntime
+
+    monkeypatch.setattr(runtime, "build_runtime", lambda cfg, be, pol: AsyncRuntime(cfg, be, pol, hooks=hooks))
+    return run(spade.load_config(None, overrides=[*TINY, "generation.max_new_tokens=10", *over]))
+
+
+def test_events_record_a_lost_cache_rank_and_dense_fallback(monkeypatch):
+    from spade.runtime.protocol import CacheHooks
+
+    s = _run_with_hooks(monkeypatch, CacheHooks(die_at_step=4), "runtime.on_late=full", "runtime.late_timeout_s=5")
+    assert s["status"] == "ok" and s["generated_tokens"] == [10, 10]
+    kinds = [e["event"] for e in s["events"]]
+    assert kinds[0] == "peer_lost" and s["events"][0]["on_late"] == "full" and s["events"][0]["reason"]
+    fb = next(e for e in s["events"] if e["event"] == "dense_fallback")
+    # prompt 16 tokens > theta 12: all 9 decode steps were meant to be sparse; the cache rank
+    # died when told about step 4, so steps from there on ran dense
+    assert fb["of_sparse_steps"] == s["decode_steps"] == 9
+    assert fb["steps"] == 9 - s["runtime_stats"]["sparse_steps"] and 0 < fb["steps"] < 9
+
+
+def test_events_record_late_packs_by_kind(monkeypatch):
+    from spade.runtime.protocol import CacheHooks
+
+    s = _run_with_hooks(monkeypatch, CacheHooks(stall_from_step=5), "runtime.on_late=stale")
+    late = next(e for e in s["events"] if e["event"] == "late_packs")
+    assert late["total"] == s["late_packs"] > 0 and late["stale"] + late["full"] + late["waited"] == late["total"]
+    assert late["stale"] > 0
+    assert not any(e["event"] in ("peer_lost", "dense_fallback") for e in s["events"])
