@@ -203,8 +203,9 @@ def check_converted(folder: Path, gguf_sha256: str, *, full: bool = False) -> st
         rec = json.loads(manifest.read_text())
         files = rec["files"]
         assert isinstance(files, dict) and files and rec.get("gguf_sha256") == gguf_sha256
-    except FileNotFoundError:
-        return f"no {MANIFEST} (converted by an older spade that recorded no file sizes)"
+    except FileNotFoundError:  # converted by an older spade, which recorded no file sizes
+        why = _adopt(folder, gguf_sha256)
+        return None if why is None else f"converted by an older spade without {MANIFEST}, and {why}"
     except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
         return f"{MANIFEST} is unreadable"
     for name, r in files.items():
@@ -216,6 +217,49 @@ def check_converted(folder: Path, gguf_sha256: str, *, full: bool = False) -> st
             return f"{name} has {st.st_size} bytes, the conversion wrote {r.get('size')}"
         if (full or st.st_mtime_ns != r.get("mtime_ns")) and _sha256([f]) != r.get("sha256"):
             return f"{name} was modified (its sha256 differs from the conversion's)"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Structural check of a ``.safetensors`` file (reads its header only): the file
+    must be exactly header + the tensor data the header describes. None when whole."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} has {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated (its header alone needs {n + 8} bytes, it has {size})"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} has an unreadable safetensors header ({type(e).__name__})"
+    if size != 8 + n + end:
+        return f"{path.name} has {size} bytes, its header describes {8 + n + end}"
+    return None
+
+
+def _adopt(folder: Path, gguf_sha256: str) -> str | None:
+    """A conversion by an older spade (marker, no manifest): adopt it when every
+    safetensors file is whole and config.json parses, writing the manifest (so a folder
+    shared with other processes is not converted again under them); else say why not."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors file"
+    for w in weights:
+        why = safetensors_problem(w)
+        if why is not None:
+            return why
+    try:
+        check_config_json(folder / "config.json")
+    except ModelError as e:
+        return str(e)
+    try:
+        write_marker(folder, gguf_sha256)
+    except OSError:
+        pass  # a read-only cache: trusted this time, checked again next time
     return None
 
 

@@ -77,6 +77,17 @@ def test_resolve_source_kinds(tmp_path):
 SHA = "ab" * 32
 
 
+def _weights() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(24)})
+
+
+WEIGHTS = _weights()
+N = len(WEIGHTS)
+
+
 @pytest.fixture
 def fake_model(tmp_path, monkeypatch):
     """A registered model whose conversion is a fast fake: it writes two files and
@@ -96,7 +107,7 @@ def fake_model(tmp_path, monkeypatch):
         tmp = out.with_name(out.name + ".partial")
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text('{"model_type": "llama"}')
-        (tmp / "model.safetensors").write_bytes(b"w" * 4096)
+        (tmp / "model.safetensors").write_bytes(WEIGHTS)
         registry.shutil.rmtree(out, ignore_errors=True)
         tmp.replace(out)
         registry.write_marker(out, SHA)
@@ -110,7 +121,7 @@ def test_marker_records_size_and_sha256_of_each_file(fake_model):
     out = registry.hf_folder("fakeconv")
     man = json.loads((out / registry.MANIFEST).read_text())
     w = man["files"]["model.safetensors"]
-    assert w["size"] == 4096 and w["sha256"] == hashlib.sha256(b"w" * 4096).hexdigest()
+    assert w["size"] == N and w["sha256"] == hashlib.sha256(WEIGHTS).hexdigest()
     assert set(man["files"]) == {"config.json", "model.safetensors"} and man["gguf_sha256"] == SHA
     assert (out / registry.MARKER).read_text() == SHA  # unchanged format: older spades still read it
     assert registry.hf_folder("fakeconv") == out  # trusted: no second conversion
@@ -118,12 +129,21 @@ def test_marker_records_size_and_sha256_of_each_file(fake_model):
     assert registry.verify_converted("fakeconv") is None
 
 
+def _flip_last_byte(f):
+    b = bytearray(f.read_bytes())
+    b[-1] ^= 0xFF
+    f.write_bytes(bytes(b))
+
+
 @pytest.mark.parametrize("damage, why", [
-    (lambda out: (out / "model.safetensors").write_bytes(b"w" * 100), "model.safetensors has 100 bytes"),
+    (lambda out: (out / "model.safetensors").write_bytes(WEIGHTS[:100]), "model.safetensors has 100 bytes"),
     (lambda out: (out / "model.safetensors").unlink(), "model.safetensors is missing"),
-    (lambda out: (out / "model.safetensors").write_bytes(b"x" * 4096), "model.safetensors was modified"),
-    (lambda out: (out / registry.MANIFEST).unlink(), "older spade"),
+    (lambda out: _flip_last_byte(out / "model.safetensors"), "model.safetensors was modified"),
     (lambda out: (out / registry.MANIFEST).write_text("{not json"), "unreadable"),
+    (lambda out: ((out / registry.MANIFEST).unlink(), (out / "model.safetensors").write_bytes(WEIGHTS[:-8])),
+     f"older spade without .spade-files.json, and model.safetensors has {N - 8} bytes, its header describes {N}"),
+    (lambda out: ((out / registry.MANIFEST).unlink(), (out / "model.safetensors").write_bytes(WEIGHTS[:20])),
+     "model.safetensors is truncated"),
 ])
 def test_damaged_cache_is_converted_again(fake_model, capsys, damage, why):
     out = registry.hf_folder("fakeconv")
@@ -133,7 +153,7 @@ def test_damaged_cache_is_converted_again(fake_model, capsys, damage, why):
     assert [c[0] for c in fake_model].count("convert") == 2
     err = capsys.readouterr().err
     assert why in err and "converting again" in err
-    assert registry.check_converted(out, SHA) is None and (out / "model.safetensors").stat().st_size == 4096
+    assert registry.check_converted(out, SHA) is None and (out / "model.safetensors").stat().st_size == N
 
 
 def test_same_size_edit_is_caught_by_full_verify_even_with_the_old_mtime(fake_model):
@@ -142,10 +162,30 @@ def test_same_size_edit_is_caught_by_full_verify_even_with_the_old_mtime(fake_mo
     out = registry.hf_folder("fakeconv")
     f = out / "model.safetensors"
     st = f.stat()
-    f.write_bytes(b"z" * 4096)
+    _flip_last_byte(f)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as recorded: the cheap check passes
     assert registry.check_converted(out, SHA) is None
     assert "was modified" in registry.verify_converted("fakeconv")
+
+
+def test_older_conversion_is_adopted_when_whole(fake_model):
+    """A folder converted by an older spade (marker, no manifest) whose safetensors are
+    whole is adopted (manifest written), not converted again under other readers."""
+    out = registry.hf_folder("fakeconv")
+    (out / registry.MANIFEST).unlink()
+    assert registry.hf_folder("fakeconv") == out
+    assert [c[0] for c in fake_model].count("convert") == 1
+    assert json.loads((out / registry.MANIFEST).read_text())["files"]["model.safetensors"]["size"] == N
+
+
+def test_safetensors_problem(tmp_path):
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(WEIGHTS)
+    assert registry.safetensors_problem(f) is None
+    f.write_bytes(WEIGHTS + b"x")
+    assert "its header describes" in registry.safetensors_problem(f)
+    f.write_bytes(b"\x05")
+    assert "too short" in registry.safetensors_problem(f)
 
 
 def test_damaged_cache_without_packages_says_the_command(fake_model, monkeypatch):
