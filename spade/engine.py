@@ -325,8 +325,8 @@ class Engine:
                  *, on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
         """Generate for ``prompts`` (default: the config's) as one batch.
 
-        A prompt is a str, a ``PromptConfig`` or a list of token ids; a bare str is one
-        prompt. ``max_new_tokens``: a positive int, or None for the config's value.
+        A prompt is a str, a ``PromptConfig`` or a list of token ids (used as given: no
+        chat template); a bare str is one prompt. ``max_new_tokens``: a positive int, or None for the config's value.
         ``on_text(row, delta)`` streams decoded text as tokens arrive.
 
         Thread-safe: concurrent calls (threads, ``asyncio.to_thread``) run one after
