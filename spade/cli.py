@@ -26,10 +26,58 @@ def _console():
     return Console(stderr=True, highlight=False)
 
 
+def _check_utf8(path) -> None:
+    """A config file must be UTF-8 text: name the file and the first bad byte."""
+    from spade.errors import ConfigError
+
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise ConfigError(f"--config {p}: is a directory; give a YAML file") from None
+    except FileNotFoundError:
+        return  # load_config says so
+    except OSError as e:
+        raise ConfigError(f"--config {p}: cannot read it: {e.strerror or e}") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{p}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} (line {line}, "
+                          f"column {col}); save the file as UTF-8") from None
+
+
 def _load(args):
     from spade.config import load_config
+    from spade.errors import ConfigError
 
+    if args.config:
+        _check_utf8(args.config)
+    for item in args.set or []:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 arrive as lone surrogates
+            ch = ord(item[e.start])
+            what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"a lone surrogate U+{ch:04X}"
+            raise ConfigError(f"--set {item.split('=', 1)[0]}: the value is not UTF-8 text ({what} at character "
+                              f"{e.start}); pass UTF-8 text") from None
     return load_config(args.config, overrides=args.set)
+
+
+def _precheck(cfg) -> None:
+    """What a run would trip on that the config schema cannot see: prompt text that is
+    not valid Unicode, SPADE_KERNELS=triton without a GPU. Nothing is loaded."""
+    import torch
+
+    from spade.engine import check_kernels_env, check_prompt_text
+
+    for i, p in enumerate(cfg.generation.prompts):
+        check_prompt_text(p.text, f"generation.prompts[{i}].text")
+    # the device as named (a GPU config validates on a laptop; run says if no GPU is there)
+    name = cfg.model.device
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    check_kernels_env(torch.device(auto if name == "auto" else name))
 
 
 def cmd_validate(args) -> int:
@@ -39,6 +87,7 @@ def cmd_validate(args) -> int:
     from spade.models.registry import resolve_source
 
     resolve_source(cfg.model.name)  # a known model name (nothing is loaded)
+    _precheck(cfg)
     print(f"{args.config}: ok")
     print(summary(cfg))
     return 0
@@ -46,11 +95,14 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from spade.engine import run
+    from spade.paths import check_output_file
     from spade.runtime.worker import maybe_serve
 
     maybe_serve()  # under torchrun, rank 1 becomes the cache rank here and exits
 
     cfg = _load(args)
+    _precheck(cfg)
+    out = check_output_file(args.out or "results/run.json", what="--out")  # before any work
     con = _console()
     con.print(f"[bold]spade run[/bold] {args.config or '(defaults)'}: model={cfg.model.name} "
               f"policy={cfg.policy.name} topology={cfg.runtime.topology} transport={cfg.runtime.transport.name}")
@@ -61,19 +113,60 @@ def cmd_run(args) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
 
-    with con.status("loading model and generating...", spinner="dots") if not stream else _Null():
-        summary = run(cfg, on_text=on_text if stream else None, progress=lambda m: con.print(f"[dim]{m}[/dim]"))
+    try:
+        with con.status("loading model and generating...", spinner="dots") if not stream else _Null():
+            summary = run(cfg, on_text=on_text if stream else None, progress=lambda m: con.print(f"[dim]{m}[/dim]"))
+    except BaseException as e:
+        if stream:
+            sys.stdout.write("\n")
+        return _run_failed(e, out)
     if stream:
         sys.stdout.write("\n")
     elif not args.quiet:
         for i, r in enumerate(summary["results"]):
             print(f"--- [{i}] ---\n{r['text']}")
     _print_summary(summary)
-    out = Path(args.out or "results/run.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    _write_json(out, summary)
     con.print(f"wrote {out}")
     return 0
+
+
+def _write_json(out: Path, summary: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(out)  # a reader never sees half a file
+
+
+def _run_failed(e: BaseException, out: Path) -> int:
+    """A run that failed after its output path was checked: write the partial JSON
+    (tokens so far, the error, the events) and print one line."""
+    from spade.errors import SpadeError
+
+    if isinstance(e, SystemExit):
+        raise e
+    partial = getattr(e, "partial_summary", None)
+    where = ""
+    if partial is not None:
+        try:
+            _write_json(out, partial)
+            n = partial.get("generated_tokens") or []
+            where = f" (partial results, {n} token(s) per prompt so far: {out})" if n else f" (see {out})"
+        except OSError as we:
+            where = f" (could not write the partial results to {out}: {we.strerror or we})"
+    if isinstance(e, KeyboardInterrupt):
+        _err(f"interrupted{where}")
+        return 130
+    if os.environ.get("SPADE_DEBUG") and not isinstance(e, SpadeError):
+        raise e
+    msg = " ".join(str(e).split()) or "(no message)"
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        _err(f"missing package '{e.name}': pip install {e.name}{where}")
+    elif isinstance(e, SpadeError):
+        _err(f"{msg}{where}")
+    else:
+        _err(f"the run failed: {type(e).__name__}: {msg}{where} (set SPADE_DEBUG=1 for the traceback)")
+    return 2
 
 
 class _Null:

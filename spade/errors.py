@@ -38,3 +38,17 @@ class PeerTimeout(TransportError):
 
 class PeerGone(TransportError):
     """The peer closed the connection or died."""
+
+
+class ArgumentError(SpadeError, ValueError):
+    """A library call got a bad argument value. The message names the argument,
+    the value and the fix."""
+
+
+class ArgumentTypeError(SpadeError, TypeError):
+    """A library call got an argument of the wrong type. The message names the
+    argument, what it got and what it takes."""
+
+
+class EngineClosedError(SpadeError, RuntimeError):
+    """The engine was closed; build a new one."""

@@ -1,5 +1,6 @@
 """The CLI: exit codes and one-line errors (no traceback wall)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,13 @@ def test_validate_ok(capsys):
     assert main(["validate", "--config", str(ROOT / "configs" / "cpu_tiny.yaml")]) == 0
     out = capsys.readouterr().out
     assert "ok" in out and "policy" in out and "asyncspade" in out
+
+
+@pytest.mark.parametrize("name", ["h100_qwen3_8b.yaml", "a100_qwen32b.yaml"])
+def test_validate_gpu_configs_anywhere(capsys, monkeypatch, name):
+    """validate checks the config, not this machine's devices: GPU configs pass on a CPU box."""
+    monkeypatch.delenv("SPADE_KERNELS", raising=False)
+    assert main(["validate", "--config", str(ROOT / "configs" / name)]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -54,3 +62,150 @@ def test_import_spade_needs_no_optional_packages():
             "print(bad); assert not bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------------------- issue 25: fail before work, keep the work
+TINY = ["model.name=tiny", "model.max_seq_len=96", "policy.budget=12", "policy.sink_tokens=2", "policy.recent_tokens=3",
+        "policy.window=4", "generation.max_new_tokens=6", "generation.stop_at_eos=false",
+        "generation.prompts=[{text: 'a b c d e f g h i j k l m n o p'}, {text: 'x y z'}]"]
+
+
+def _sets(over):
+    out = []
+    for o in over:
+        out += ["--set", o]
+    return out
+
+
+def _cli(args, env_over=None, drop=(), timeout=300):
+    import os
+
+    env = {**os.environ, "SPADE_KERNELS": "torch", **(env_over or {})}
+    for k in drop:
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "spade.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def _one_error_line(r) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("spade: error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("cmd", ["validate", "run"])
+def test_non_utf8_yaml_names_the_file_and_byte(tmp_path, cmd):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_bytes(b"model:\n  name: tiny\n# caf\xe9\n")
+    line = _one_error_line(_cli([cmd, "--config", str(cfg), "--out", str(tmp_path / "r.json")][: 3 if cmd == "validate"
+                                                                                              else 5]))
+    assert str(cfg) in line and "not UTF-8" in line and "byte 0xe9 at offset 25 (line 3, column 6)" in line
+
+
+@pytest.mark.parametrize("cmd", ["validate", "run"])
+def test_lone_surrogate_prompt_names_the_prompt(tmp_path, cmd):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text('model: {name: tiny}\ngeneration:\n  prompts:\n    - text: "fine"\n    - text: "a \\ud800 b"\n')
+    args = [cmd, "--config", str(cfg)] + (["--out", str(tmp_path / "r.json")] if cmd == "run" else [])
+    line = _one_error_line(_cli(args))
+    assert "generation.prompts[1].text" in line and "U+D800" in line and "at character 2" in line
+    assert not (tmp_path / "r.json").exists()  # refused before any work
+
+
+def test_non_utf8_override_is_one_line(tmp_path):
+    arg = b"generation.prompts=[{text: \"a\xff\"}]".decode("utf-8", "surrogateescape")
+    line = _one_error_line(_cli(["validate", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"), "--set", arg]))
+    assert "--set generation.prompts" in line and "byte 0xff" in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU case")
+@pytest.mark.parametrize("cmd", ["validate", "run"])
+def test_triton_kernels_on_cpu_is_one_line(tmp_path, cmd):
+    args = [cmd, "--config", str(ROOT / "configs" / "cpu_tiny.yaml"), *_sets(TINY)]
+    if cmd == "run":
+        args += ["--out", str(tmp_path / "r.json")]
+    r = _cli(args, {"SPADE_KERNELS": "triton"}, drop=("TRITON_INTERPRET",))
+    line = _one_error_line(r)
+    assert "SPADE_KERNELS=triton" in line and "CUDA GPU" in line and "TRITON_INTERPRET=1" in line
+    assert r.stderr.count("SPADE_KERNELS=triton") == 1 and "cache rank failed" not in r.stderr
+
+
+@pytest.mark.parametrize("out, why", [("/dev/null/x.json", "/dev/null is not a directory"),
+                                      ("{tmp}", "is a directory"),
+                                      ("{tmp}/file.txt/sub/r.json", "file.txt is not a directory")])
+def test_out_is_checked_before_the_model_loads(tmp_path, out, why):
+    (tmp_path / "file.txt").write_text("x")
+    out = out.format(tmp=tmp_path)
+    r = _cli(["run", *_sets(TINY), "--out", out])
+    line = _one_error_line(r)
+    assert f"--out {out}" in line and why in line
+    assert "loaded tiny" not in r.stderr  # nothing was loaded
+
+
+def test_run_json_records_backend_device_dtype_and_events(tmp_path):
+    out = tmp_path / "new" / "dir" / "r.json"
+    r = _cli(["run", "-q", *_sets(TINY), "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(out.read_text())
+    assert s["status"] == "ok" and "error" not in s
+    assert (s["backend"], s["device"], s["dtype"], s["kernels"]) == ("fast", "cpu", "float32", "torch")
+    assert s["events"] == [] and s["runtime_stats"]["sparse_steps"] > 0 and s["on_late"] == "wait"
+    assert s["generated_tokens"] == [6, 6]
+
+
+def _in_process_run(tmp_path, capsys, over=()):
+    out = tmp_path / "r.json"
+    rc = main(["run", "-q", *_sets([*TINY, *over]), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("spade: error:")]
+    return rc, lines, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_dead_cache_rank_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
+    """The cache rank dies at step 3 under on_late=wait: the run fails with one line and
+    the JSON keeps the tokens made before, the error and the events."""
+    import spade.runtime as runtime
+    from spade.runtime.asyncrt import AsyncRuntime
+    from spade.runtime.protocol import CacheHooks
+
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    monkeypatch.setattr(runtime, "build_runtime",
+                        lambda cfg, be, pol: AsyncRuntime(cfg, be, pol, hooks=CacheHooks(die_at_step=3)))
+    rc, lines, s = _in_process_run(tmp_path, capsys, ["runtime.late_timeout_s=5"])
+    assert rc == 2 and len(lines) == 1, lines
+    assert "partial results" in lines[0] and "r.json" in lines[0]
+    assert s["status"] == "failed" and s["error"]["type"] and s["error"]["message"]
+    assert s["backend"] == "fast" and s["device"] == "cpu" and s["dtype"] == "float32"
+    toks = s["generated_tokens"]
+    assert len(toks) == 2 and 0 < toks[0] < 6 and toks[0] == toks[1]  # some, not all
+    assert s["results"][0]["finished"] == "error" and len(s["results"][0]["token_ids"]) == toks[0]
+    assert s["events"][-1]["event"] == "error" and s["events"][-1]["tokens_generated"] == toks
+
+
+def test_any_failure_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
+    """A non-spade exception mid-generation (a bug): one line with its type, partial JSON."""
+    from spade.engine import Engine
+
+    real = Engine._sampler
+
+    def sampler(self, *a):
+        s, n = real(self, *a), [0]
+
+        def sample(logits):
+            n[0] += 1
+            if n[0] == 3:
+                raise KeyError("boom")
+            return s(logits)
+        return sample
+
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    monkeypatch.delenv("SPADE_DEBUG", raising=False)
+    monkeypatch.setattr(Engine, "_sampler", sampler)
+    rc, lines, s = _in_process_run(tmp_path, capsys)
+    assert rc == 2 and len(lines) == 1
+    assert "the run failed: KeyError: 'boom'" in lines[0] and "[2, 2] token(s) per prompt" in lines[0]
+    assert s["status"] == "failed" and s["error"] == {"type": "KeyError", "message": "'boom'"}
+    assert s["generated_tokens"] == [2, 2]

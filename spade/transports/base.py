@@ -115,6 +115,11 @@ class Transport(ABC):
         """(usable on this machine, why not / what it will use)."""
         return True, "ok"
 
+    @classmethod
+    def preflight(cls, cfg: Any) -> None:
+        """Checks made before a run loads anything (a bound port, ...): raise a
+        ``TransportError`` naming the setting to change. Nothing is connected."""
+
     # -- life cycle -------------------------------------------------------
     @abstractmethod
     async def connect(self, handshake: Handshake) -> Handshake:

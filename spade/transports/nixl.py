@@ -77,6 +77,7 @@ from spade.transports._framing import (
     alloc,
     byte_view,
     call_quietly,
+    check_port_free,
     check_sendable,
     deadline_after,
     encode_frame,
@@ -308,6 +309,12 @@ class NixlTransport(Transport):
             return False, f"NIXL is not importable ({e}); {_INSTALL}"
         return True, f"NIXL ({api.__name__.split('.')[0]})"
 
+    @classmethod
+    def preflight(cls, cfg: Any) -> None:
+        """The listening side's port must be free before the run starts (else the
+        inference side would connect to whatever holds it)."""
+        check_port_free(str(cfg.host), int(cfg.port), "nixl")
+
     @property
     def _timeout(self) -> float:
         return float(getattr(self.cfg, "timeout_s", 60.0))
@@ -384,6 +391,7 @@ class NixlTransport(Transport):
             else:
                 got.set_result((reader, writer))
 
+        check_port_free(host, port, "nixl")  # a clear error, not garbage frames on the peer's side
         try:
             self._server = await asyncio.start_server(on_conn, host=None, port=port, reuse_address=True)
         except OSError as e:

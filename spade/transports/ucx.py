@@ -55,6 +55,7 @@ from spade.transports._framing import (
     alloc,
     byte_view,
     call_quietly,
+    check_port_free,
     check_sendable,
     deadline_after,
     layout_of,
@@ -218,6 +219,12 @@ class UcxTransport(Transport):
             return False, f"ucxx is not importable ({type(e).__name__}: {e}); {_INSTALL}"
         return True, f"ucxx {ucxx.__version__} (UCX {ucxx.__ucx_version__})"
 
+    @classmethod
+    def preflight(cls, cfg: Any) -> None:
+        """The listening side's port must be free before the run starts (else the
+        inference side would connect to whatever holds it)."""
+        check_port_free(str(cfg.host), int(cfg.port), "ucx")
+
     @property
     def _timeout(self) -> float:
         return float(getattr(self.cfg, "timeout_s", 60.0))
@@ -274,6 +281,7 @@ class UcxTransport(Transport):
                 else:
                     got.set_result(ep)
 
+            check_port_free(host, port, "ucx")  # a clear error, not resets on the peer's side
             try:
                 self._listener = ucxx.create_listener(on_endpoint, port=port)
             except ucxx.exceptions.UCXError as e:

@@ -84,7 +84,7 @@ class Pair:
         try:
             return self._run(scenario, device, may_die=may_die, **params)
         except pytest.fail.Exception as e:
-            if "cannot listen on port" not in str(e):
+            if "cannot listen on port" not in str(e) and " in use on " not in str(e):
                 raise
         return self._run(scenario, device, may_die=may_die, **params)
 
