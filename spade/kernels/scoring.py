@@ -281,7 +281,8 @@ online statistics per tile element, reduced once per chunk, an experiment agains
 the per-tile cross-lane reductions); empty = the built-in heuristic."""
 SELECT_CONFIG: dict = {}
 """Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``, ``PER_SM``,
-``TIE_BLOCK``: the tile of the per-row tie kernel) and
+``TIE_BLOCK``: the tile of the per-row tie kernel; ``GATED_PER_SM``: programs per SM of the
+threshold-carry fallback's gated passes, default 1) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1); and of the
 threshold-carry top-K (``_carry_config``'s ``carry_*`` keys, ``carry_margin``; under
 ``select_overlap``: ``carry_overlap_warps``, the select's warps on the side stream, and
@@ -1113,13 +1114,15 @@ def _pick_digit(counts, k_rem):
 
 
 @triton.jit
-def _radix_state(hist_ptr, row64, n_rows, k_eff, NPASS: tl.constexpr):
+def _radix_state(hist_ptr, row64, n_rows, k_eff, NPASS: tl.constexpr, run=True):
     """Replay passes ``0..NPASS-1`` from the global histograms [4, n_rows, 256]:
-    the key prefix fixed so far and the rank left to fill."""
+    the key prefix fixed so far and the rank left to fill (``run`` False: a gated-off
+    row, whose histograms are not read)."""
     prefix = tl.full([], 0, tl.uint32)
     k_rem = k_eff
     for p in tl.static_range(NPASS):
-        counts = tl.load(hist_ptr + (p * n_rows + row64) * 256 + tl.arange(0, 256))
+        counts = tl.load(hist_ptr + (p * n_rows + row64) * 256 + tl.arange(0, 256),
+                         mask=tl.full([256], 1, tl.int1) & run, other=0)
         d, k_rem = _pick_digit(counts, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     return prefix, k_rem
@@ -1163,14 +1166,12 @@ def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
-def _gate(gate_ptr, row64, end, start, GATED: tl.constexpr):
-    """GATED (the threshold-carry top-K's fallback): ``end`` for a row whose select set
-    its fallback flag (slot 5 of its carry state), ``start`` (no work) for the others;
-    and whether the row runs."""
+def _gate(gate_ptr, row64, GATED: tl.constexpr):
+    """Whether the row runs: GATED (the threshold-carry top-K's fallback), only a row
+    whose select set its fallback flag (slot 5 of its carry state); else every row."""
     if GATED:
-        run = tl.load(gate_ptr + row64 * 8 + 5) != 0
-        return tl.where(run, end, start), run
-    return end, end >= start
+        return tl.load(gate_ptr + row64 * 8 + 5) != 0
+    return row64 >= 0
 
 
 @triton.jit
@@ -1188,19 +1189,19 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS)
+    run = _gate(gate_ptr, row64, GATED)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS, run)
     c0 = chunk * CHUNK
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where(k_eff > 0, end, start)
-    end, run = _gate(gate_ptr, row64, end, start, GATED)
+    end = tl.where((k_eff > 0) & run, end, start)
     row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
     acc_b = tl.zeros([256], dtype=tl.int32)
     prefix_b = prefix
     if GATED and PASS == 1:
         k_b = tl.maximum(tl.minimum(k_next, hi - lo), 1)
-        prefix_b, _kb = _radix_state(hist_ptr, row64, n_rows, k_b, 1)
+        prefix_b, _kb = _radix_state(hist_ptr, row64, n_rows, k_b, 1, run)
     if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
         l0 = start
         while l0 < end:
@@ -1247,13 +1248,13 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
+    run = _gate(gate_ptr, row64, GATED)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
     top16 = prefix >> 16
     c0 = chunk * CHUNK
     start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
     end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where(k_eff > 0, end, start)
-    end, run = _gate(gate_ptr, row64, end, start, GATED)
+    end = tl.where((k_eff > 0) & run, end, start)
     row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
     tie_row = tie_ptr + row64 * L
@@ -1312,12 +1313,12 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, g
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2)
+    run = _gate(gate_ptr, row64, GATED)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
     n_gt16 = k_eff - k_rem  # sure winners already written by _radix_split_kernel
     d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
-    n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1)  # elements tied on 16 bits
-    n_tie = tl.where(k_eff > 0, n_tie, 0)
-    n_tie, run = _gate(gate_ptr, row64, n_tie, 0, GATED)
+    n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1, mask=run, other=0)  # elements tied on 16 bits
+    n_tie = tl.where((k_eff > 0) & run, n_tie, 0)
     row_ptr = scores_ptr + row64 * L
     tie_row = tie_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
@@ -1487,8 +1488,8 @@ def _carry_prep_kernel(q_ptr, carry_ptr, stride_qb, stride_qh, stride_qd, HKV: t
 
 
 @triton.jit
-def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, L, k_top, k_next, pos_ptr, E,
-                         HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
+def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, ws_ptr, L, k_top, k_next, pos_ptr,
+                         E, n_rows, HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
                          BITS: tl.constexpr = 8, PDL: tl.constexpr = False):
     """Threshold-carry top-K, select side, step 3 of 3; one program per row.
 
@@ -1503,8 +1504,9 @@ def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_
     Otherwise (first call: threshold -inf; too few or too many candidates; a row with
     at most k_top valid keys) the row's fallback flag is set and the radix passes,
     gated on it, select over the whole row in parallel (``_select_from_scores(gate=)``)
-    and set the next threshold. carry [rows, CARRY_SLOTS] int32; fallbacks and calls
-    are cumulative (statistics)."""
+    and set the next threshold; this kernel zeroes the row's radix workspace (``ws``,
+    ``_new_workspace``'s layout) for them, so no memset runs when no row falls back.
+    carry [rows, CARRY_SLOTS] int32; fallbacks and calls are cumulative (statistics)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -1536,6 +1538,10 @@ def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_
         qn = tl.load(cbase + 6).to(tl.float32, bitcast=True)
         tl.store(cbase + 4, (new_thr / qn).to(tl.int32, bitcast=True))
     else:
+        offs_b = tl.arange(0, 256)
+        for p in tl.static_range(3):  # _NHIST histograms of this row
+            tl.store(ws_ptr + (p * n_rows + row64) * 256 + offs_b, tl.zeros([256], dtype=tl.int32))
+        tl.store(ws_ptr + 3 * n_rows * 256 + row64 * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
         tl.store(cbase + 5, 1)  # the gated radix passes select this row and set its threshold
         tl.store(cbase + 2, tl.load(cbase + 2) + 1)
         tl.store(cbase + 7, tl.load(cbase + 7) + ((n_c > CAP) & (thr > float("-inf"))).to(tl.int32))
@@ -1563,7 +1569,7 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     ``gate``: a threshold-carry state (``new_carry``): only the rows whose fallback
     flag the carry select set are selected (the others' programs exit at once, so the
     launches are static and graph-capturable), and each sets its next threshold aimed
-    at ``k_next`` keys. ``launch``: the kernels' launch options (default: PDL as the
+    at ``k_next`` keys; ``ws`` need be zeroed only in those rows (the carry select does). ``launch``: the kernels' launch options (default: PDL as the
     select family's)."""
     rows, N = scores.shape
     if out is None:
@@ -1573,8 +1579,10 @@ def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
     gated = gate is not None
     meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), GATED=gated, num_warps=nw)
+    # gated (a carry fallback, rare): one program per SM over the rows, so the launches cost
+    # little when no row runs
     chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
-                             per_sm=cfg.get("PER_SM", 4))
+                             per_sm=cfg.get("GATED_PER_SM", 1) if gated else cfg.get("PER_SM", 4))
     grid = (rows, n_chunks)
     pdl = pdl_kwargs(scores, "select") if launch is None else launch
     g = gate if gated else ws  # never read when not gated
@@ -1719,16 +1727,20 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
         wb = cfg["carry_words"]
         n_e = triton.cdiv(nw, wb)  # tiles of bitmask words per row
         block_e = triton.next_power_of_2(n_e)
+        after = pdl_kwargs(scores, "select")  # a kernel after another of this stream may overlap its tail
         with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             counts = torch.empty(rows, n_e, dtype=torch.int32, device=dev)  # candidates per tile of words
             pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # their positions
-            wmeta = dict(HKV=hkv, WB=wb, num_warps=cfg["carry_expand_warps"], **launch)
-            _carry_count_kernel[(rows, n_e)](mask, counts, lo, hi, L, nw, n_e, **wmeta)
-            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, lo, hi, L, nw, n_e, CAP=cap, BLOCK_E=block_e, **wmeta)
-            _carry_select_kernel[(rows,)](scores, carry, counts, idx, lo, hi, L, k_top, k_next, pos, n_e, HKV=hkv,
-                                          CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], num_warps=warps, **launch)
-            _select_from_scores(scores, lo, hi, k_top, hkv, _new_workspace(rows, dev), hist0_done=False,
-                                out=idx, gate=carry, k_next=k_next, launch=launch)
+            ws = torch.empty(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=dev)  # zeroed per row
+            wmeta = dict(HKV=hkv, WB=wb, num_warps=cfg["carry_expand_warps"])
+            _carry_count_kernel[(rows, n_e)](mask, counts, lo, hi, L, nw, n_e, **wmeta, **launch)
+            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, lo, hi, L, nw, n_e, CAP=cap, BLOCK_E=block_e,
+                                              **wmeta, **after)
+            _carry_select_kernel[(rows,)](scores, carry, counts, idx, lo, hi, ws, L, k_top, k_next, pos, n_e, rows,
+                                          HKV=hkv, CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], num_warps=warps,
+                                          **after)
+            _select_from_scores(scores, lo, hi, k_top, hkv, ws, hist0_done=False, out=idx, gate=carry,
+                                k_next=k_next, launch=after)
         if side is not None:  # the allocator reuses none of these before the side stream is done
             for t in (scores, mask, lo, hi, idx, carry):
                 t.record_stream(side)

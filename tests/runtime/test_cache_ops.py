@@ -34,19 +34,24 @@ _FREE = {
 """Ops that launch nothing by themselves (views, allocations; ``to`` without a copy)."""
 
 # Per pack of 3 layers (L = per layer, P = per pack).
+CARRY = {"triton::_carry_prep_kernel": 3, "triton::_carry_count_kernel": 3, "triton::_carry_expand_kernel": 3,
+         "triton::_carry_select_kernel": 3, "triton::_radix_pass_kernel": 6, "triton::_radix_split_kernel": 3,
+         "triton::_tie_select_kernel": 3}
+"""The threshold-carry top-K's launches per pack (every layer's, besides its scoring)."""
 EXPECTED = {
     "int4": {
-        # observe as radix; select: L: int4 scoring compacting the candidates above the carried
-        # threshold, the carry select (no workspace memset: the select resets its counter);
-        # P: as radix
+        # observe as radix; select: L: this call's threshold from the carried one and the
+        # query's norm, int4 scoring marking the candidates above it, the bitmask counted and
+        # expanded, the carry select (no workspace memset: it zeroes a falling-back row's), the
+        # radix passes gated on the rows that fell back (two passes, split, ties); P: as radix
         "observe": {"triton::_window_push_kernel": 3, "triton::_quantize4_append_kernel": 3},
-        "select": {"triton::_i8dot_score_kernel": 3, "triton::_carry_select_kernel": 3,
+        "select": {**CARRY, "triton::_i8dot_score_kernel": 3,
                    "triton::_ridge_kernel": 1, "aten::mul": 1, "aten::clamp": 1, "aten::sub": 1,
                    "aten::maximum": 1},
     },
     "exact": {
         "observe": {"aten::index_copy_": 3, "triton::_window_push_kernel": 3},
-        "select": {"aten::to": 3, "triton::_score_kernel": 3, "triton::_carry_select_kernel": 3,
+        "select": {**CARRY, "aten::to": 3, "triton::_score_kernel": 3,
                    "triton::_ridge_kernel": 1, "aten::clamp": 1, "aten::sub": 1, "aten::maximum": 1},
     },
     "int4/radix": {
