@@ -877,6 +877,10 @@ class InferenceSession:
                     continue
                 s.dense_flag[layer] = False
                 K = row[P.META_K]
+                if K == 0:  # sinks and recent window only (streaming): no indices travelled
+                    s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, 0, row[P.META_SINK], row[P.META_RECENT],
+                                     dev, kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
+                    continue
                 if mode == "delta":
                     s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, K, row[P.META_SINK], row[P.META_RECENT],
                                      dev, kv_start=self.ctx.kv_start)
