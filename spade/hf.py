@@ -35,7 +35,7 @@ Supported: decoder-only GQA models with full (not sliding-window) attention and
 the ``rotate_half`` RoPE: Llama (SmolLM2), Qwen2 (Qwen2.5, Qwen2.5-Coder), Qwen3.
 
 >>> import torch, spade.hf                                     # doctest: +SKIP
->>> from spade.config import OraclePolicyConfig
+>>> from spade.policies.oracle import OraclePolicyConfig
 >>> model = spade.hf.apply(model, OraclePolicyConfig(budget=64, sink_tokens=4, recent_tokens=8))
 >>> out = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
 >>> spade.hf.last_context(model).mean_attended()             # tokens attended per step
@@ -393,7 +393,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _full_config():
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
 
     return FullPolicyConfig()
 

@@ -27,7 +27,7 @@ same inputs in the same order as decoding does: the logits match token-by-token
 decoding to float rounding (``tests/models/test_teacher.py`` checks every
 policy against ``HFBackend``).
 
->>> from spade.config import OraclePolicyConfig                  # doctest: +SKIP
+>>> from spade.policies.oracle import OraclePolicyConfig                  # doctest: +SKIP
 >>> ppl = sparse_perplexity(model, ids, OraclePolicyConfig(budget=64), prefill_len=256)
 """
 

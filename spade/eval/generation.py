@@ -78,7 +78,7 @@ def parse_answer(text: str) -> str | None:
 
 def run_gsm8k(cfg: Gsm8kEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Greedy GSM8K under full attention and every policy/budget; writes ``gsm8k_<model>.json``."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
     from spade.eval import plots
     from spade.eval.decoding import agreement, chat_prompt, decode, encode_batch, prefill
     from spade.hf import HFBackend

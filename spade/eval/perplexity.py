@@ -171,7 +171,7 @@ def nll_and_argmax(model, ids: torch.Tensor, policy_cfg, prefill_len: int) -> tu
 @torch.no_grad()
 def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Perplexity of every configured policy and budget; writes ``perplexity_<model>.json``."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
 
     from spade.eval import plots
 

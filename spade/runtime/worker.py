@@ -61,7 +61,7 @@ async def serve(transport_cfg, device: str, *, parent_pid: int | None = None, in
 
 
 def _transport_from_env():
-    from spade.config import NcclTransportConfig
+    from spade.transports.nccl import NcclTransportConfig
 
     return NcclTransportConfig(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                master_port=int(os.environ.get("MASTER_PORT", "29517")))
@@ -79,11 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     init_method = None
     if args.transport:
-        from pydantic import TypeAdapter
+        from spade.config import transport_config
 
-        from spade.config import TransportConfig
-
-        tcfg = TypeAdapter(TransportConfig).validate_python(json.loads(args.transport))
+        tcfg = transport_config(json.loads(args.transport))
     else:
         if os.environ.get("RANK", "1") == "0":
             print("spade worker: rank 0 is the inference rank; run your program there", file=sys.stderr)

@@ -5,7 +5,9 @@ import json
 
 import torch
 
-from spade.config import AsyncSpadePolicyConfig, FullPolicyConfig, OraclePolicyConfig
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
 from spade.eval.config import Gsm8kEvalConfig
 from spade.eval.generation import gold_answer, load_gsm8k, parse_answer
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spade.config import OraclePolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
 from spade.eval.common import essay_token_segments
 from spade.eval.config import PerplexityEvalConfig
 
@@ -63,7 +63,7 @@ def test_prompt_cache_path_equals_teacher(smollm2):
     policies with per-step state (asyncspade's query window, TOVA's evictions;
     ``test_run_perplexity`` runs oracle/last/tova through this path too), and the cache is cropped back so the next policy starts from the
     same prompt (the policies run in a row on one ``PromptPass``)."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
     from spade.eval.common import policy_config
     from spade.eval.perplexity import PromptPass, continuation_nll, nll_and_argmax
 

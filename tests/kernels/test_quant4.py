@@ -354,7 +354,7 @@ def test_policy_int4_copy_and_selection(B, Hq, Hkv, starts, dtype, reduce, monke
 def test_policy_int4_config_and_growing_view(monkeypatch):
     """``score_keys`` accepts int4; a growing cache view rebuilds the copy with doubled
     capacity but keeps the prompt's smoothing (the copy's scale is fixed per sequence)."""
-    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies.asyncspade import AsyncSpadePolicyConfig
     from tests.policies.sim import DecodeSim, make_policy
 
     monkeypatch.setenv("SPADE_KERNELS", "torch")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spade.attention import AttentionContext, InlineSelector
-from spade.config import FullPolicyConfig
+from spade.policies.full import FullPolicyConfig
 from spade.errors import ConfigError, ModelError
 from spade.models.fast import FastArch, FastModel, _TORCH_OPS, triton_ops
 from spade.models.presets import PRESETS, preset_config

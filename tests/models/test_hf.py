@@ -15,14 +15,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import spade.hf as H
 from spade.attention import AttentionContext, InlineSelector
-from spade.config import (
-    AsyncSpadePolicyConfig,
-    FullPolicyConfig,
-    OraclePolicyConfig,
-    QuestPolicyConfig,
-    StreamingPolicyConfig,
-    TovaPolicyConfig,
-)
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
+from spade.policies.quest import QuestPolicyConfig
+from spade.policies.streaming import StreamingPolicyConfig
+from spade.policies.tova import TovaPolicyConfig
 from spade.errors import ModelError
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}

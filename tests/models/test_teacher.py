@@ -13,14 +13,12 @@ import torch
 import torch.nn.functional as F
 
 import spade.hf as H
-from spade.config import (
-    AsyncSpadePolicyConfig,
-    FullPolicyConfig,
-    OraclePolicyConfig,
-    QuestPolicyConfig,
-    StreamingPolicyConfig,
-    TovaPolicyConfig,
-)
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
+from spade.policies.quest import QuestPolicyConfig
+from spade.policies.streaming import StreamingPolicyConfig
+from spade.policies.tova import TovaPolicyConfig
 from spade.teacher import TeacherForcing, sparse_perplexity, teacher_forced_logits
 from tests.models.test_hf import (
     PROMPT,

@@ -501,7 +501,7 @@ def test_compressed_keys_observe_and_select_replay_in_a_cuda_graph(score_keys, r
     host sync, no host-side data-dependent shapes)."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the policies' conftest pins the torch refs
     from spade.policies.base import AttentionSpec
-    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies.asyncspade import AsyncSpadePolicyConfig
     from spade.policies import build_policy
 
     dev = torch.device("cuda")
