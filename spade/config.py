@@ -145,10 +145,19 @@ class RuntimeConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _reachable(self):
-        if self.topology == "multiprocess" and self.transport.name == "local":
+        name = self.transport.name
+        if self.topology == "multiprocess" and name == "local":
             raise ValueError(
                 "topology 'multiprocess' puts the cache rank in another process, which the 'local' "
                 "transport cannot reach: set runtime.transport.name to nccl, ucx or nixl"
+            )
+        if self.topology != "multiprocess" and name != "local":
+            where = "has no cache rank" if self.topology == "inline" else \
+                "keeps the cache rank in this process, over the in-process 'local' transport"
+            raise ValueError(
+                f"runtime.transport.name {name!r} is not used by runtime.topology {self.topology!r}, which "
+                f"{where}: set runtime.transport.name to local (or leave it out), or runtime.topology to "
+                f"multiprocess to run the cache rank in another process over {name}"
             )
         return self
 
