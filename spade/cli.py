@@ -151,35 +151,33 @@ BENCHES = {
     "tpot": ["benchmarks.bench_tpot"],
     "transports": ["benchmarks.bench_transports"],
 }
+"""``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
+source checkout (the folder is not part of the installed package)."""
+
+TAKES_CONFIG = {"tpot"}
+"""Benchmarks whose ``main`` takes ``--config`` (``spade bench KIND --config X.yaml``)."""
 
 
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
+    import importlib.util
 
     root = Path(__file__).resolve().parent.parent
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+        sys.path.insert(0, str(root))  # a source checkout: benchmarks/ sits beside spade/
+    if importlib.util.find_spec("benchmarks") is None:
+        _err(f"'spade bench {args.kind}' runs the benchmarks/ folder of a source checkout, which an installed "
+             "package does not include: run it from a clone of the spade repository")
+        return 2
+    if args.config and args.kind not in TAKES_CONFIG:
+        _err(f"'spade bench {args.kind}' takes no --config (only: {', '.join(sorted(TAKES_CONFIG))})")
+        return 2
     rc = 0
     for mod in BENCHES[args.kind]:
-        try:
-            m = importlib.import_module(mod)
-        except ImportError as e:
-            _err(f"benchmark module {mod} not found ({e}); run from a source checkout of spade")
-            return 2
-        argv = list(rest)
-        if args.config:
-            argv = ["--config", args.config, *argv] if "--config" in _accepted(m) else argv
+        m = importlib.import_module(mod)
+        argv = ["--config", args.config, *rest] if args.config else list(rest)
         rc = rc or (m.main(argv) or 0)
     return rc
-
-
-def _accepted(module) -> str:
-    try:
-        import inspect
-
-        return inspect.getsource(module)
-    except Exception:
-        return ""
 
 
 def cmd_eval(args) -> int:

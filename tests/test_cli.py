@@ -57,3 +57,25 @@ def test_import_spade_needs_no_optional_packages():
             "print(bad); assert not bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_bench_outside_a_checkout_is_one_clear_line(tmp_path):
+    # an installed package: spade/ without the benchmarks/ folder beside it
+    import shutil
+
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "spade", site / "spade", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-m", "spade.cli", "bench", "tpot", "--device", "cpu"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "source checkout" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_bench_config_only_where_declared(capsys):
+    from spade import cli
+
+    assert cli.TAKES_CONFIG <= set(cli.BENCHES)
+    assert main(["bench", "kernels", "--config", str(ROOT / "configs" / "cpu_tiny.yaml")]) == 2
+    assert "takes no --config" in capsys.readouterr().err
