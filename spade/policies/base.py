@@ -204,6 +204,31 @@ class Policy(ABC):
     def budget(self) -> int | None:
         return getattr(self.cfg, "budget", None)
 
+    # ------------------------------------------------------------------ optional capabilities
+    # The runtime calls these on every policy; the defaults do nothing extra.
+
+    @property
+    def rows(self) -> int | None:
+        """Newest prompt queries ``prefill`` reads (a cache rank is sent only these at
+        boot), or None for all of them. Default: None."""
+        return None
+
+    def selection_layout(self) -> tuple[int, int, int] | None:
+        """``(K_mid, n_sink, n_recent)`` of every sparse ``Selection`` this policy
+        returns, when its config fixes them up front (the runtime allocates the
+        selection buffers before the first step: CUDA graphs capture their addresses);
+        None when it does not. Default: from a ``SparseCommonConfig`` (middle = budget
+        minus sinks and recent window), else None."""
+        c = self.cfg
+        if isinstance(c, SparseCommonConfig):
+            return c.budget - c.sink_tokens - c.recent_tokens, c.sink_tokens, c.recent_tokens
+        return None
+
+    def predict_layers(self, state: PolicyState, layers: range) -> None:
+        """Prepare this step's ``select`` of every layer in ``layers`` (consecutive) at
+        once, e.g. one predictor launch for a cache rank's pack instead of one per layer.
+        ``select`` must return the same with or without this call. Default: nothing."""
+
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         return PolicyState(batch_size=batch_size, layers=[None] * self.spec.n_layers)
 

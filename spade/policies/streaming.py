@@ -36,6 +36,10 @@ class StreamingPolicy(Policy):
     name = "streaming"
     needs_current_query = False
 
+    def selection_layout(self) -> tuple[int, int, int]:
+        c = self.cfg  # no middle: the window takes every slot but the sinks
+        return 0, c.sink_tokens, c.budget - c.sink_tokens
+
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         state = super().new_state(batch_size, device)
         # one zero-width index tensor shared by every layer and step (no per-step alloc)

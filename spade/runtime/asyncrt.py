@@ -716,8 +716,8 @@ class InferenceSession:
             s.allocate(B, Hq, k0.shape[1], D, q0.dtype, k0.dtype, q0.device)
         else:
             s.shared = None
-        rows = getattr(self.policy, "rows", None)
-        W = min(T, int(rows)) if rows else T
+        rows = self.policy.rows
+        W = min(T, rows) if rows else T
         capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
         kv_start = self.ctx.kv_start
         setup = P.Setup(policy=self.policy.describe(), spec=P.spec_to_dict(be.spec), batch=B, prompt_len=T,
@@ -750,11 +750,11 @@ class InferenceSession:
             acks += 1
         s.boot.clear()
         # selection buffers up front (CUDA graphs capture their addresses)
-        cfgp = self.policy.cfg
-        K = getattr(cfgp, "budget", 0) - getattr(cfgp, "sink_tokens", 0) - getattr(cfgp, "recent_tokens", 0)
-        if K > 0 and hasattr(cfgp, "sink_tokens"):
+        layout = self.policy.selection_layout()
+        if layout is not None:
+            K, n_sink, n_recent = layout
             for layer in range(self.spec.n_layers):
-                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, cfgp.sink_tokens, cfgp.recent_tokens,
+                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
                                  be.device, kv_dtype=k0.dtype, D=D, kv_start=kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
 

@@ -256,7 +256,7 @@ class CacheRank:
         # a fixed-length view (static_len), so the policy's copy never needs a rebuild
         # from the store (it raises if it would).
         new_keys = (not s.shared_kv and s.static_len > 0 and vstore is None
-                    and bool(getattr(policy, "takes_new_keys", lambda st: False)(state)))
+                    and policy.takes_new_keys(state))
         append_k = not s.shared_kv and not new_keys
 
         def observe_pack(p: int, seq: int) -> None:
@@ -280,12 +280,10 @@ class CacheRank:
             l0, l1 = packs[p]
             state.seq_len = seq
             sels = []
-            predict_layers = getattr(policy, "predict_layers", None)
-            if predict_layers is not None:  # the pack's predictions in one launch (asyncspade)
-                predict_layers(state, range(l0, l1))
+            policy.predict_layers(state, range(l0, l1))  # e.g. asyncspade: the pack's predictions in one launch
             # the output rows of the last call of this pack: a policy that takes them writes
             # its indices there directly (select_takes_out); a fresh buffer below gets copies
-            rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
+            rows = out[p]["rows"] if p in out and policy.select_takes_out else None
             # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
             # on exit, before anything below reads the indices)
             with shared_derived(state), kernels.select_overlap(dev):
@@ -506,7 +504,7 @@ def _account(acct: dict[str, list[float]]) -> dict[str, float]:
 def _carry_account(state) -> dict[str, float]:
     """The threshold-carry top-K's calls and fallbacks of this generation, over every
     layer's state (one device read, at END); empty when no layer carries one."""
-    carries = list(getattr(state, "carry", {}).values())
+    carries = list(state.carry.values())
     if not carries:
         return {}
     c = torch.stack([x.reshape(-1, 4).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
