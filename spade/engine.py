@@ -110,7 +110,7 @@ class Engine:
         m = self.cfg.model
         max_batch = max(1, len(self.cfg.generation.prompts))
         if kind == "hf":
-            from spade.hf import HFBackend
+            from spade.models.hf import HFBackend
             from spade.models.registry import resolve_model
 
             return HFBackend.from_pretrained(str(resolve_model(m.name)), device=self.device, dtype=self.dtype)

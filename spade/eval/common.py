@@ -22,7 +22,7 @@ def load_model(name: str, device: str = "cpu") -> tuple[Any, Any]:
     """(transformers model in eval mode, tokenizer) for a registered offline model
     or a local folder; cached per process so sections share one load."""
     from spade.engine import resolve_device
-    from spade.hf import load_pretrained
+    from spade.models.hf import load_pretrained
 
     dev = str(resolve_device(device))
     key = (name, dev)

@@ -556,7 +556,7 @@ def run_selection(cfg: SelectionEvalConfig, out_dir: Path, device: str = "cpu") 
     """The whole measurement for every configured model; writes
     ``selection_<model>.json`` and plots under ``out_dir``."""
     from spade.eval import plots
-    from spade.hf import attention_spec
+    from spade.models.hf import attention_spec
     from spade.eval.capture import capture_qk
 
     results: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "models": {}}

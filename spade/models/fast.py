@@ -46,13 +46,12 @@ import torch.nn.functional as F
 
 from spade.envs import env_choice
 from spade.errors import ConfigError, ModelError
-from spade.models.base import DecodeBackend
+from spade.models.base import SUPPORTED_MODEL_TYPES, DecodeBackend
 from spade.policies.base import AttentionSpec, RopeSpec
 from spade.streams import indexed_device
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 #: RoPE variants whose frequencies do not depend on the sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

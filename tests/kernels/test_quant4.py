@@ -396,7 +396,7 @@ def test_int4_through_the_async_runtime_matches_inline(backend, monkeypatch):
     copy of the prompt's keys) gives the inline runtime's tokens."""
     from transformers import AutoModelForCausalLM
 
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.models.fast import FastModel
     from spade.models.presets import preset_config
     from spade.policies import build_policy

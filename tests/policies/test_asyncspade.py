@@ -562,7 +562,7 @@ def test_int8_through_the_async_runtime_matches_inline(backend, keys, monkeypatc
 
     from transformers import AutoModelForCausalLM
 
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.models.fast import FastModel
     from spade.models.presets import preset_config
     from spade.policies import build_policy

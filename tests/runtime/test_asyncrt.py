@@ -301,7 +301,7 @@ def test_hf_backend_growing_cache(prompt):
     own store and shows the policy the same cache length the inline run sees."""
     from transformers import AutoModelForCausalLM
 
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.models.presets import preset_config
 
     torch.manual_seed(0)
