@@ -525,7 +525,7 @@ def _sm_count(device: torch.device) -> int:
 # per thread (4 programs in 64K registers).
 _PROGRAMS_PER_SM = 3
 # The indexed path fills two of those three slots per SM: its gathers of scattered
-# 256-byte K/V rows run at ~2 TB/s whatever the grid (run29 sweep, B=8 L=32k K=2k,
+# 256-byte K/V rows run at ~2 TB/s whatever the grid (a launch sweep on an H200 pair, B=8 L=32k K=2k,
 # L2 flushed: 33.0-33.4 us at 2-4 splits x 64 (b, head) pairs, 34.8 at the 6 that
 # filling three slots gives, 40.3 at 16), so fewer, longer splits only save merge
 # work. ``SPADE_ATTN_PROGRAMS_PER_SM`` overrides it (read at launch: A/B runs).

@@ -54,15 +54,15 @@ __all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "
 PDL_MODES = ("auto", "all", "decode", "off")
 FAMILIES = ("decode", "select")
 DEFAULT_MODE = "all"
-"""What ``auto`` means. Session 6 (docs/gpu_runs/run35, Qwen3-8B shape, int4 scoring keys,
+"""What ``auto`` means. Measured on H200s (Qwen3-8B shape, int4 scoring keys,
 P=4, all three modes side by side): at B=8 L=32k K=2k the asynchronous rows gain ~0.22 ms
 per step from the decode family (local 5.31 ms with ``decode`` or ``all`` vs 5.53 ``off``),
 and PDL on the selection kernels then slowed the cache rank's radix top-K (at B=16 L=32k
 local 7.56 ``all`` vs 7.35 ``decode``): ``decode`` was the default. With the threshold-carry
 top-K (two selection kernels per layer instead of five) the selection family gains too:
 the cache rank's pack at B=16 L=32k 0.529 ms with ``all`` vs 0.538 ``decode`` (0.79x vs
-0.81x of the inference pack), at B=32 L=16k 0.647 vs 0.660 (run44), and B=8 L=32k is
-unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms, run45): ``all`` since session 7."""
+0.81x of the inference pack), at B=32 L=16k 0.647 vs 0.660, and B=8 L=32k is
+unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms): hence ``all``."""
 
 
 def pdl_mode() -> str:

@@ -81,7 +81,7 @@ def resolve_rope_aware(setting: bool | str, spec) -> bool:
 REFRESH_CARRY_MARGIN = 2.0
 """With ``refresh_every > 1`` the threshold-carry top-K's next threshold aims at this many
 times K candidates (the kernels' default is 1.5): the threshold is several steps old when
-it is next used. run56 (H200, colocated, B=8 L=32k, int4): top-K fallbacks 14% -> 6% at
+it is next used. Measured on an H200 (colocated, B=8 L=32k, int4): top-K fallbacks 14% -> 6% at
 N=2 and 27% -> 14% at N=4, TPOT -5% / -4%, p90 11-12 -> 7.7 ms; at N=1 the wider list
 (CAP 8192) costs more than it saves (+8%), so every-step selection keeps the default."""
 

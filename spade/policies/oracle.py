@@ -23,7 +23,7 @@ class OraclePolicyConfig(SparseCommonConfig):
     ``AsyncSpadePolicyConfig.topk``. ``radix`` by default here: the oracle scores with
     each step's own query, which on the random-weight benchmark model moves the K-th
     score too far for a carried threshold (the carry made the inline oracle 18.4 ms per
-    step vs 12.0 at B=8 L=32k, docs/perf.md session 7)."""
+    step vs 12.0 at B=8 L=32k, docs/perf.md)."""
 
 
 class OraclePolicy(Policy):
