@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -244,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         _err("interrupted")
         return 130
     except ModuleNotFoundError as e:
-        if os.environ.get("SPADE_DEBUG"):
+        from spade.envs import env
+
+        if env("SPADE_DEBUG") == "1":
             raise
         _err(f"missing package '{e.name}': pip install {e.name} (set SPADE_DEBUG=1 for the traceback)")
         return 2

@@ -125,13 +125,11 @@ class RuntimeConfig(ConfigSection):
     on_late: Literal["wait", "stale", "full"] = "wait"
     """What the inference rank does when a selection is not ready."""
     late_timeout_s: float = Field(30.0, gt=0)
-    cache_thread: Literal["auto", "thread", "coroutine"] = "auto"
-    """``colocated`` / ``local``: run the in-process cache rank on its own thread and
-    event loop (``thread``), or as a coroutine on the inference rank's loop (``coroutine``;
-    ``auto`` = coroutine). The coroutine keeps running while the token loop waits on the
-    device (it polls, ``InferenceSession.wait_device``); a thread competes for the GIL
-    with the inference rank's launches, and measured 0.7-0.8 ms per step slower at
-    B=8 L=32k K=2k on two H200s (docs/perf.md)."""
+    cache_thread: Literal["auto", "coroutine"] = "auto"
+    """``colocated`` / ``local``: the in-process cache rank is a coroutine on the inference
+    rank's event loop (``auto`` = ``coroutine``, the only choice), which keeps running while
+    the token loop polls the device (``InferenceSession.wait_device``). A thread of its own
+    (``thread``) was removed: it lost 0.7-0.8 ms per step to the coroutine (docs/tried.md)."""
     transport: Annotated[ConfigSection, _TRANSPORT_UNION] = Field(
         default_factory=lambda: TRANSPORTS.config("local")())
     """One of the registered transports (``spade transports``), picked by ``name``."""

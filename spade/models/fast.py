@@ -260,12 +260,9 @@ def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
     return make_linear(mode, M, w)
 
 
-FUSE_GLU_ENV = "SPADE_FUSE_GLU"
-
-
 def fuse_glu_default() -> bool:
     """``FastModel.fuse_glu``'s default: ``SPADE_FUSE_GLU`` = on (default) | off."""
-    return env_choice(FUSE_GLU_ENV, ("on", "off"), "on", aliases={"1": "on", "0": "off"}, error=ConfigError) == "on"
+    return env_choice("SPADE_FUSE_GLU", error=ConfigError) == "on"
 
 
 def triton_ops() -> dict[str, Callable]:

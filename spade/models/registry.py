@@ -18,13 +18,13 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spade.envs import env
 from spade.errors import ModelError
 
 
@@ -74,7 +74,7 @@ OFFLINE: dict[str, OfflineModel] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPADE_CACHE", Path.home() / ".cache" / "spade")).expanduser()
+    return Path(env("SPADE_CACHE")).expanduser()
 
 
 def _package_dir(module: str, model: OfflineModel) -> Path:

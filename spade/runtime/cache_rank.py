@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from spade import kernels
+from spade.envs import env
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
 from spade.policies.common import shared_derived
@@ -407,7 +408,7 @@ class CacheRank:
         """Replay each pack's work as a CUDA graph: on CUDA, with a cache of fixed
         shape (a static inference cache or a shared one), for ``indices`` and ``kv``
         (``delta`` encoding syncs the host). ``SPADE_CACHE_GRAPHS=0`` turns it off."""
-        return (self.device.type == "cuda" and self.use_graphs and os.environ.get("SPADE_CACHE_GRAPHS", "1") != "0"
+        return (self.device.type == "cuda" and self.use_graphs and env("SPADE_CACHE_GRAPHS") == "1"
                 and s.return_mode in ("indices", "kv") and (s.shared_kv or s.static_len > 0))
 
     def _run(self, key: tuple, fn, graphs_on: bool):

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from spade.envs import env
+
 
 def _default_device() -> str:
     if torch.cuda.is_available():
@@ -116,7 +118,7 @@ def _host_profiler():
     """``SPADE_HOST_PROFILE=<file>``: cProfile this cache process's host for its whole
     life (the inference process is profiled by ``bench_tpot --host-profile``); the
     table goes to ``<file>`` when it exits."""
-    if not os.environ.get("SPADE_HOST_PROFILE"):
+    if not env("SPADE_HOST_PROFILE"):
         return None
     import cProfile
 
@@ -139,7 +141,7 @@ def profile_table(prof, rows: int = 50) -> str:
 
 def _write_host_profile(prof) -> None:
     prof.disable()
-    path = os.environ["SPADE_HOST_PROFILE"]
+    path = env("SPADE_HOST_PROFILE")
     try:
         with open(path, "w") as f:
             f.write(f"cache process {os.getpid()}, host only (cProfile), its whole life\n{profile_table(prof)}")

@@ -72,6 +72,7 @@ import torch
 from pydantic import Field
 
 from spade.config import ConfigSection
+from spade.envs import env
 from spade.errors import MissingDependencyError, PeerGone, PeerTimeout, TransportError
 from spade.transports._framing import (
     Backoff,
@@ -362,7 +363,7 @@ class NixlTransport(Transport):
         # NOTE: NIXL's own progress thread delivered notifications ~80 ms late in
         # our loopback tests; the poller task progresses the agent instead (every
         # notification/state query does). Opt back in with progress_thread: true.
-        prog = bool(getattr(self.cfg, "progress_thread", False)) or os.environ.get("SPADE_NIXL_PROGRESS_THREAD") == "1"
+        prog = bool(getattr(self.cfg, "progress_thread", False)) or env("SPADE_NIXL_PROGRESS_THREAD") == "1"
         conf = api.nixl_agent_config(enable_prog_thread=prog, enable_listen_thread=False, backends=[backend])
         try:
             self._agent = api.nixl_agent(name, conf)

@@ -47,26 +47,6 @@ def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mod
     assert len(tr.step_times_s) == NEW - 1
 
 
-@pytest.mark.parametrize("topology,pack,mode", [("colocated", 2, "indices"), ("local", 1, "kv"), ("local", 3, "delta")])
-def test_cache_thread_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mode):
-    """The in-process cache rank on its own thread and event loop (runtime.cache_thread=thread,
-    the GPU default): messages cross the two loops, tokens stay exactly the inline ones."""
-    cfg = config(f"runtime.topology={topology}", f"runtime.pack_layers={pack}", f"runtime.return_mode={mode}",
-                 "runtime.cache_thread=thread")
-    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
-    try:
-        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
-        link = rt._link
-        assert link.thread is not None and link.thread.thread.is_alive()
-        assert link.thread.thread is not __import__("threading").current_thread()
-        tr2 = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)  # the thread serves a second generation
-    finally:
-        rt.close()
-    assert tr.tokens == inline_tokens == tr2.tokens
-    assert not link.thread.thread.is_alive()  # closing the runtime stops the thread
-    assert tr.stats["cache_host"]["packs"] > 0  # the END acknowledgement crossed the loops
-
-
 def test_generate_inside_a_running_event_loop(model, prompt, inline_tokens):
     """The synchronous API from a coroutine (a notebook cell, an async application's helper):
     the runtime runs its loop on a thread of its own, keeps it (and the cache link) for a
@@ -111,12 +91,6 @@ def test_generate_inside_a_loop_after_a_plain_call_names_agenerate(model, prompt
             asyncio.run(caller())
     finally:
         rt.close()
-
-
-def test_cache_thread_dead_rank_is_a_clear_error(model, prompt):
-    with pytest.raises(TransportError):
-        generate(model, prompt, "runtime.topology=colocated", "runtime.on_late=wait", "runtime.late_timeout_s=5",
-                 "runtime.cache_thread=thread", hooks=CacheHooks(die_at_step=9))
 
 
 def test_threshold_inside_the_span_and_reused_runtime(model, prompt):
