@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from spade.envs import env, triton_interpret
+from spade.envs import triton_interpret
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -513,8 +513,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch: ``linear_triton`` for CUDA tensors (``SPADE_KERNELS`` as in
     ``spade.kernels.use_triton``), ``linear_ref`` elsewhere (``out`` filled if given)."""
-    mode = env("SPADE_KERNELS")
-    if mode == "triton" or (mode == "auto" and x.is_cuda):
+    from spade.kernels import use_triton
+
+    if use_triton(x):
         return linear_triton(x, w, bias, out=out)
     y = linear_ref(x, w, bias)
     if out is not None:
