@@ -242,7 +242,7 @@ class AsyncAttentionContext(AttentionContext):
         if s.return_mode != "kv":
             return super().attend(layer, q, k_cache, v_cache, kv_lens)
         sel = s.selection(layer, q, k_cache, kv_lens)
-        if sel is None:
+        if sel is None or s.idx[layer].shape[-1] == 0:  # dense, or no middle (streaming): all local
             return super().attend(layer, q, k_cache, v_cache, kv_lens)
         idx = s.idx[layer]  # [B, Hkv, K]
         slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions

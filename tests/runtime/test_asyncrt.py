@@ -47,6 +47,26 @@ def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mod
     assert len(tr.step_times_s) == NEW - 1
 
 
+@pytest.mark.parametrize("mode", ["indices", "kv", "delta"])
+def test_selection_without_middle_tokens(model, prompt, mode):
+    """streaming selects no middle tokens (sinks and the recent window only): nothing
+    travels but the layout, and every return mode gives InlineRuntime's tokens."""
+    from spade.config import load_config
+
+    over = ["policy.name=streaming", f"policy.budget={BUDGET}", "policy.sink_tokens=2", "policy.recent_tokens=3"]
+    cfg = load_config(None, overrides=over)
+    want = InlineRuntime(cfg, model, build_policy(cfg.policy, model.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    cfg = load_config(None, overrides=[*over, "runtime.topology=colocated", "runtime.pack_layers=2",
+                                       f"runtime.return_mode={mode}"])
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
+    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+
+
 def test_generate_inside_a_running_event_loop(model, prompt, inline_tokens):
     """The synchronous API from a coroutine (a notebook cell, an async application's helper):
     the runtime runs its loop on a thread of its own, keeps it (and the cache link) for a
