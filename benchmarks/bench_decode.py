@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from spade.models.presets import preset_config
     from spade.policies.full import FullPolicy
     from spade.attention import InlineSelector
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

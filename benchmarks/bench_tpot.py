@@ -836,6 +836,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.batch, a.context, a.budget, a.iters = [2], [256], [64], 5
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
+    from spade.policies import POLICIES
+
+    if bad := [m for m in a.methods if m.split("/")[0] not in POLICIES and m != "optimal"]:
+        ap.error(f"--methods {','.join(bad)}: not a registered policy ({', '.join(POLICIES.names())}) or optimal")
     global POLL
     POLL = not a.blocking_sync
     a.cache_thread = [m.strip() for m in a.cache_thread.split(",") if m.strip()]

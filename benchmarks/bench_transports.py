@@ -119,16 +119,16 @@ def iters_for(nbytes: int, mode: str) -> tuple[int, int, int]:
 
 
 def _config(name: str, port: int, timeout_s: float):
-    from spade import config as C
+    from spade.transports import TRANSPORTS
 
     if name == "local":
-        return C.LocalTransportConfig()
+        return TRANSPORTS.config("local")()
     if name == "nccl":
-        return C.NcclTransportConfig(master_port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("nccl")(master_port=port, timeout_s=timeout_s)
     if name == "ucx":
-        return C.UcxTransportConfig(port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("ucx")(port=port, timeout_s=timeout_s)
     if name == "nixl":
-        return C.NixlTransportConfig(port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("nixl")(port=port, timeout_s=timeout_s)
     raise ValueError(name)
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from spade.eval.common import essay_token_segments
-    from spade.hf import load_pretrained
+    from spade.models.hf import load_pretrained
     from spade.kernels import quant as Q
 
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []

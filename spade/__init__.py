@@ -5,7 +5,8 @@
 >>> cfg.policy.name, cfg.policy.budget
 ('asyncspade', 128)
 
-Heavy modules (torch models, transports) load lazily on first use.
+Every module loads on first use (``spade.load_config`` brings pydantic; ``spade.Engine``
+torch, the models and the transports).
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from spade.config import SpadeConfig, load_config  # noqa: E402  (light: pydantic + yaml)
-from spade.errors import ConfigError, SpadeError  # noqa: E402
+from spade.errors import ConfigError, SpadeError  # noqa: E402  (no imports of its own)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from spade.config import SpadeConfig, load_config
     from spade.engine import Engine, GenerationResult, run
 
-_LAZY = {"Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine"}
+# Loaded on first use, so that ``import spade.envs`` (read by the kernels) stays light:
+# ``spade.config`` brings pydantic, ``spade.engine`` torch and the models.
+_LAZY = {"SpadeConfig": "spade.config", "load_config": "spade.config",
+         "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine"}
 
 
 def __getattr__(name: str):

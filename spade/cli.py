@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def _run_failed(e: BaseException, out: Path) -> int:
     if isinstance(e, KeyboardInterrupt):
         _err(f"interrupted{where}")
         return 130
-    if os.environ.get("SPADE_DEBUG") and not isinstance(e, SpadeError):
+    if _debug() and not isinstance(e, SpadeError):
         raise e
     msg = " ".join(str(e).split()) or "(no message)"
     if isinstance(e, ModuleNotFoundError) and e.name:
@@ -244,35 +243,33 @@ BENCHES = {
     "tpot": ["benchmarks.bench_tpot"],
     "transports": ["benchmarks.bench_transports"],
 }
+"""``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
+source checkout (the folder is not part of the installed package)."""
+
+TAKES_CONFIG = {"tpot"}
+"""Benchmarks whose ``main`` takes ``--config`` (``spade bench KIND --config X.yaml``)."""
 
 
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
+    import importlib.util
 
     root = Path(__file__).resolve().parent.parent
     if (root / "benchmarks").is_dir() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+        sys.path.insert(0, str(root))  # a source checkout: benchmarks/ sits beside spade/
+    if importlib.util.find_spec("benchmarks") is None:
+        _err(f"'spade bench {args.kind}' runs the benchmarks/ folder of a source checkout, which an installed "
+             "package does not include: run it from a clone of the spade repository")
+        return 2
+    if args.config and args.kind not in TAKES_CONFIG:
+        _err(f"'spade bench {args.kind}' takes no --config (only: {', '.join(sorted(TAKES_CONFIG))})")
+        return 2
     rc = 0
     for mod in BENCHES[args.kind]:
-        try:
-            m = importlib.import_module(mod)
-        except ImportError as e:
-            _err(f"benchmark module {mod} not found ({e}); run from a source checkout of spade")
-            return 2
-        argv = list(rest)
-        if args.config:
-            argv = ["--config", args.config, *argv] if "--config" in _accepted(m) else argv
+        m = importlib.import_module(mod)
+        argv = ["--config", args.config, *rest] if args.config else list(rest)
         rc = rc or (m.main(argv) or 0)
     return rc
-
-
-def _accepted(module) -> str:
-    try:
-        import inspect
-
-        return inspect.getsource(module)
-    except Exception:
-        return ""
 
 
 def cmd_eval(args) -> int:
@@ -321,6 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+
+def _debug() -> bool:
+    """``SPADE_DEBUG=1``: unexpected errors keep their traceback (a bad value counts as off)."""
+    from spade.envs import env
+
+    try:
+        return env("SPADE_DEBUG") == "1"
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from spade.errors import SpadeError
 
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         _err("interrupted")
         return 130
     except ModuleNotFoundError as e:
-        if os.environ.get("SPADE_DEBUG"):
+        if _debug():
             raise
         _err(f"missing package '{e.name}': pip install {e.name} (set SPADE_DEBUG=1 for the traceback)")
         return 2

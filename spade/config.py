@@ -23,14 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from spade.errors import ConfigError
+from spade.policies import POLICIES  # light: the registry, no policy module
+from spade.transports import TRANSPORTS  # light: the registry, no transport module
 
 
-class _Section(BaseModel):
+class ConfigSection(BaseModel):
+    """Base of every config section (a policy's or transport's too): unknown keys are
+    errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 # --------------------------------------------------------------------------- model
-class ModelConfig(_Section):
+class ModelConfig(ConfigSection):
     name: str = "smollm2-135m"
     """A registered offline model (``spade models``), a local HF folder, or a shape
     preset with random weights (``qwen3-8b``, ``qwen3-32b``, ``tiny``)."""
@@ -55,170 +60,53 @@ class ModelConfig(_Section):
     ``cublas``: always ``F.linear``; ``triton``: always the GEMV (batches up to 32)."""
 
 
-# --------------------------------------------------------------------------- policies
-GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
+# --------------------------------------------------------------------------- policies, transports
+class _RegistryUnion:
+    """A pydantic type: the discriminated union (on ``name``) of the config classes
+    registered in ``registry``. The union is built when the model using it is first
+    validated, so ``import spade`` imports no policy or transport module (nor torch);
+    ``_rebuild`` builds it again after a later ``register``."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def members(self) -> tuple:
+        out = []
+        for name in self.registry.names():
+            cls = self.registry.config(name)
+            field = getattr(cls, "model_fields", {}).get("name")
+            if field is None or field.default != name:
+                raise TypeError(f"{self.registry.kind} '{name}': its config class {cls.__qualname__} needs "
+                                f"a field name: Literal[{name!r}] = {name!r}")
+            out.append(cls)
+        return tuple(out)
+
+    def union(self) -> Any:
+        members = self.members()
+        if len(members) == 1:
+            return members[0]
+        return Annotated[Union[members], Field(discriminator="name")]
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return handler.generate_schema(self.union())
 
 
-class _SparseCommon(_Section):
-    budget: int = Field(256, gt=0)
-    """K: tokens attended per step per KV head, sinks and recent window included."""
-    sink_tokens: int = Field(4, ge=0)
-    recent_tokens: int = Field(16, ge=1)
-    """Most recent tokens always attended (the current token included)."""
-    group_reduce: GroupReduce = "sum_softmax"
-    """How the query heads of a GQA group are reduced into one score per KV head.
-
-    ``sum_softmax`` (default): each head's softmax over the row's own valid tokens,
-    summed over the group, so the selection maximises the attention mass the group
-    keeps; on real weights it kept more mass than ``sum_logits`` for every policy,
-    model and context measured (docs/fidelity.md). ``sum_logits`` / ``max_logits``
-    skip the per-head normaliser pass: the speed settings of the GPU configs."""
-
-    @model_validator(mode="after")
-    def _fits(self):
-        if self.sink_tokens + self.recent_tokens > self.budget:
-            raise ValueError(
-                f"sink_tokens ({self.sink_tokens}) + recent_tokens ({self.recent_tokens}) exceed "
-                f"budget ({self.budget}); raise budget or lower them"
-            )
-        return self
+_POLICY_UNION = _RegistryUnion(POLICIES)
+_TRANSPORT_UNION = _RegistryUnion(TRANSPORTS)
 
 
-class FullPolicyConfig(_Section):
-    name: Literal["full"] = "full"
+def policy_config(d: dict) -> ConfigSection:
+    """A policy section from a mapping; its ``name`` picks the registered config class."""
+    return POLICIES.config(d["name"]).model_validate(d)
 
 
-class OraclePolicyConfig(_SparseCommon):
-    name: Literal["oracle"] = "oracle"
-    topk: Literal["carry", "radix"] = "radix"
-    """How the GPU kernels find the exact top-K (the same selection either way): see
-    ``AsyncSpadePolicyConfig.topk``. ``radix`` by default here: the oracle scores with
-    each step's own query, which on the random-weight benchmark model moves the K-th
-    score too far for a carried threshold (the carry made the inline oracle 18.4 ms per
-    step vs 12.0 at B=8 L=32k, docs/perf.md session 7)."""
-
-
-class StreamingPolicyConfig(_SparseCommon):
-    name: Literal["streaming"] = "streaming"
-
-
-class QuestPolicyConfig(_Section):
-    name: Literal["quest"] = "quest"
-    budget: int = Field(256, gt=0)
-    page_size: int = Field(16, gt=0)
-    group_reduce: Literal["sum_logits", "max_logits"] = "sum_logits"
-
-    @model_validator(mode="after")
-    def _fits(self):
-        if self.budget < 2 * self.page_size:
-            raise ValueError(
-                f"budget ({self.budget}) must hold at least two pages of page_size ({self.page_size})"
-            )
-        return self
-
-
-class TovaPolicyConfig(_Section):
-    name: Literal["tova"] = "tova"
-    budget: int = Field(256, gt=1)
-    """Fixed cache size: tokens beyond it are evicted for good."""
-
-
-class AsyncSpadePolicyConfig(_SparseCommon):
-    name: Literal["asyncspade"] = "asyncspade"
-    predictor: Literal["last", "ridge", "softmax_ridge", "assembled"] = "assembled"
-    """How the next query is predicted from the window of recent queries."""
-    window: int = Field(16, ge=1, le=64)
-    """W: number of past queries the predictor regresses on."""
-    ridge_eps: float = Field(1e-2, gt=0)
-    """Ridge λ relative to the mean squared norm of the window's queries."""
-    rope_aware: bool | Literal["auto"] = "auto"
-    """Regress pre-RoPE queries and rotate the prediction to the next position.
-
-    ``auto`` (default): on when the model has plain (unscaled) rotary embeddings
-    (``spec.rope`` is set), off otherwise (no RoPE, or a scaled variant such as
-    llama3 or yarn that ``RopeSpec`` does not model); the choice is logged once at
-    INFO. ``true`` refuses such models with a ConfigError; ``false`` regresses the
-    post-RoPE queries as they are. On real weights the paper's ``assembled``
-    predictor beats ``last`` on overlap only with RoPE-aware prediction
-    (docs/fidelity.md)."""
-    topk: Literal["carry", "radix"] = "carry"
-    """How the GPU kernels find the exact top-K (the same selection either way).
-    ``carry`` (default): each layer carries the previous step's threshold; the scoring
-    kernel lists the keys scoring above it and one kernel selects among them, or over
-    the whole row when their count is off (the first sparse step included, ~3x the
-    radix path's time there): the predicted query moves little from step to step, so
-    the radix passes over every row are skipped (``spade.kernels.scoring``; 16-bin
-    digits in registers). ``radix``: radix passes over every row each step. The CPU
-    reference path ignores it."""
-    score_keys: Literal["exact", "int8", "int4"] = "exact"
-    """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the
-    policy (half the bytes of bf16 to read each step, so the cache rank keeps up with
-    the inference rank); attention still uses the exact keys. ``int4``: a packed
-    4-bit copy (a quarter of bf16's bytes), smoothed per channel by scales fitted on
-    the prompt's keys and folded into the query. Both cost a little selection
-    fidelity, int4 more (see docs/policies.md)."""
-    refresh_every: int = Field(1, ge=1, le=64)
-    """Select at the first sparse step and every N steps after it; the steps between
-    reuse the last selection, while the recent window keeps covering the newest tokens.
-    1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
-    cache rank that shares the inference GPU (``colocated``), whose reads compete with
-    the decode's — at some selection fidelity (docs/policies.md)."""
-
-
-PolicyConfig = Annotated[
-    Union[
-        FullPolicyConfig,
-        OraclePolicyConfig,
-        StreamingPolicyConfig,
-        QuestPolicyConfig,
-        TovaPolicyConfig,
-        AsyncSpadePolicyConfig,
-    ],
-    Field(discriminator="name"),
-]
-
-
-# --------------------------------------------------------------------------- transports
-class LocalTransportConfig(_Section):
-    name: Literal["local"] = "local"
-
-
-class NcclTransportConfig(_Section):
-    name: Literal["nccl"] = "nccl"
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """``auto``: nccl when both ranks are on CUDA, gloo otherwise."""
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(29517, gt=0, lt=65536)
-    timeout_s: float = Field(60.0, gt=0)
-
-
-class UcxTransportConfig(_Section):
-    name: Literal["ucx"] = "ucx"
-    host: str = "127.0.0.1"
-    port: int = Field(13517, gt=0, lt=65536)
-    timeout_s: float = Field(60.0, gt=0)
-
-
-class NixlTransportConfig(_Section):
-    name: Literal["nixl"] = "nixl"
-    backend: str = "UCX"
-    host: str = "127.0.0.1"
-    port: int = Field(13617, gt=0, lt=65536)
-    timeout_s: float = Field(60.0, gt=0)
-    slots: int = Field(2, ge=1)
-    """Receive slots registered per tag (messages in flight before back-pressure)."""
-    progress_thread: bool = False
-    """Use NIXL's own progress thread instead of spade's asyncio poller."""
-
-
-TransportConfig = Annotated[
-    Union[LocalTransportConfig, NcclTransportConfig, UcxTransportConfig, NixlTransportConfig],
-    Field(discriminator="name"),
-]
+def transport_config(d: dict) -> ConfigSection:
+    """A transport section from a mapping; its ``name`` picks the registered config class."""
+    return TRANSPORTS.config(d["name"]).model_validate(d)
 
 
 # --------------------------------------------------------------------------- runtime
-class RuntimeConfig(_Section):
+class RuntimeConfig(ConfigSection):
     topology: Literal["inline", "colocated", "local", "multiprocess"] = "colocated"
     """``colocated`` (default): cache rank on a side stream of the inference device (on a
     CPU the same machinery runs in one process, in order);
@@ -237,14 +125,16 @@ class RuntimeConfig(_Section):
     on_late: Literal["wait", "stale", "full"] = "wait"
     """What the inference rank does when a selection is not ready."""
     late_timeout_s: float = Field(30.0, gt=0)
-    cache_thread: Literal["auto", "thread", "coroutine"] = "auto"
-    """``colocated`` / ``local``: run the in-process cache rank on its own thread and
-    event loop (``thread``), or as a coroutine on the inference rank's loop (``coroutine``;
-    ``auto`` = coroutine). The coroutine keeps running while the token loop waits on the
-    device (it polls, ``InferenceSession.wait_device``); a thread competes for the GIL
-    with the inference rank's launches, and measured 0.7-0.8 ms per step slower at
-    B=8 L=32k K=2k on two H200s (docs/perf.md)."""
-    transport: TransportConfig = Field(default_factory=LocalTransportConfig)
+    cache_thread: Literal["auto", "coroutine"] = "auto"
+    """``colocated`` / ``local``: the in-process cache rank is a coroutine on the inference
+    rank's event loop (``auto`` = ``coroutine``, the only choice), which keeps running while
+    the token loop polls the device (``InferenceSession.wait_device``). A thread of its own
+    (``thread``) was removed: it lost 0.7-0.8 ms per step to the coroutine (docs/tried.md)."""
+    transport: Annotated[ConfigSection, _TRANSPORT_UNION] = Field(
+        default_factory=lambda: TRANSPORTS.config("local")())
+    """One of the registered transports (``spade transports``), picked by ``name``."""
+
+    model_config = ConfigDict(defer_build=True)  # the transport union is built on first use
 
     @field_validator("transport", mode="before")
     @classmethod
@@ -253,16 +143,25 @@ class RuntimeConfig(_Section):
 
     @model_validator(mode="after")
     def _reachable(self):
-        if self.topology == "multiprocess" and self.transport.name == "local":
+        name = self.transport.name
+        if self.topology == "multiprocess" and name == "local":
             raise ValueError(
                 "topology 'multiprocess' puts the cache rank in another process, which the 'local' "
                 "transport cannot reach: set runtime.transport.name to nccl, ucx or nixl"
+            )
+        if self.topology != "multiprocess" and name != "local":
+            where = "has no cache rank" if self.topology == "inline" else \
+                "keeps the cache rank in this process, over the in-process 'local' transport"
+            raise ValueError(
+                f"runtime.transport.name {name!r} is not used by runtime.topology {self.topology!r}, which "
+                f"{where}: set runtime.transport.name to local (or leave it out), or runtime.topology to "
+                f"multiprocess to run the cache rank in another process over {name}"
             )
         return self
 
 
 # --------------------------------------------------------------------------- generation
-class PromptConfig(_Section):
+class PromptConfig(ConfigSection):
     text: str = ""
     """The user message (or the whole prompt when chat_template is off)."""
     essay_tokens: int = Field(0, ge=0)
@@ -276,7 +175,7 @@ class PromptConfig(_Section):
         return self
 
 
-class GenerationConfig(_Section):
+class GenerationConfig(ConfigSection):
     prompts: list[PromptConfig] = Field(
         default_factory=lambda: [PromptConfig(text="Explain in three sentences why the sky is blue.")],
         min_length=1,
@@ -291,7 +190,7 @@ class GenerationConfig(_Section):
 
 
 # --------------------------------------------------------------------------- bench / eval
-class BenchConfig(_Section):
+class BenchConfig(ConfigSection):
     out_dir: str = "results"
     warmup: int = Field(5, ge=0)
     iters: int = Field(30, gt=0)
@@ -302,6 +201,17 @@ class BenchConfig(_Section):
     policies: list[str] = Field(
         default_factory=lambda: ["full", "quest", "tova", "oracle", "asyncspade", "optimal"]
     )
+    """Rows of ``spade bench tpot``: registered policies, and ``optimal`` (one fixed
+    selection of the budget, given for free: the floor of a sparse step)."""
+
+    @field_validator("policies")
+    @classmethod
+    def _registered(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name != "optimal" and name not in POLICIES:
+                raise ValueError(f"{name!r} is neither a registered policy ({', '.join(POLICIES.names())}) "
+                                 "nor 'optimal'")
+        return v
 
 
 from spade.eval.config import EvalConfig  # noqa: E402  (pydantic only: the measurement sections)
@@ -331,10 +241,12 @@ class SpadeConfig(BaseSettings):
         extra="forbid",
         validate_assignment=True,
         nested_model_default_partial_update=True,
+        defer_build=True,  # the policy union is built on first use
     )
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    policy: PolicyConfig = Field(default_factory=AsyncSpadePolicyConfig)
+    policy: Annotated[ConfigSection, _POLICY_UNION] = Field(default_factory=lambda: POLICIES.config("asyncspade")())
+    """One of the registered policies (``spade policies``), picked by ``name``."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
@@ -350,8 +262,6 @@ class SpadeConfig(BaseSettings):
     def _policy_registered(cls, v):
         if isinstance(v, dict):
             v = {"name": "asyncspade", **v}
-            from spade.policies import POLICIES
-
             if isinstance(v["name"], str) and v["name"] not in POLICIES:
                 raise ValueError(
                     f"unknown policy {v['name']!r}; choose one of: {', '.join(POLICIES.names())}"
@@ -360,6 +270,18 @@ class SpadeConfig(BaseSettings):
 
     def dump(self) -> dict:
         return self.model_dump(mode="json")
+
+
+def _rebuild() -> None:
+    """A policy or transport registered (or removed) after the unions were built:
+    build them again, so configs validate against the registries as they are now."""
+    for cls in (RuntimeConfig, SpadeConfig):  # inner first: SpadeConfig embeds RuntimeConfig
+        if cls.__pydantic_complete__:
+            cls.model_rebuild(force=True)
+
+
+POLICIES.on_change(_rebuild)
+TRANSPORTS.on_change(_rebuild)
 
 
 # --------------------------------------------------------------------------- loading
@@ -396,11 +318,15 @@ def parse_overrides(overrides: list[str] | dict[str, Any] | None) -> dict:
     return out
 
 
+_UNIONS = {"policy": POLICIES, "transport": TRANSPORTS}
+"""Config fields whose value is a registry's discriminated union."""
+
+
 def _fmt_loc(loc: tuple) -> str:
     parts: list[str] = []
     for i, p in enumerate(loc):
         # drop the discriminator tag pydantic inserts after union fields
-        if i > 0 and loc[i - 1] in ("policy", "transport") and p in _TAGS:
+        if i > 0 and loc[i - 1] in _UNIONS and p in _UNIONS[loc[i - 1]]:
             continue
         parts.append(f"[{p}]" if isinstance(p, int) else str(p))
     return ".".join(parts).replace(".[", "[")
@@ -409,31 +335,18 @@ def _fmt_loc(loc: tuple) -> str:
 def _allowed_keys(loc: tuple) -> list[str]:
     """Field names valid at ``loc`` (for 'did you mean' hints)."""
     model: Any = SpadeConfig
-    for p in loc[:-1]:
+    for i, p in enumerate(loc[:-1]):
         if isinstance(p, int):
+            continue
+        if i > 0 and loc[i - 1] in _UNIONS and p in _UNIONS[loc[i - 1]]:  # discriminator tag
+            model = _UNIONS[loc[i - 1]].config(p)
             continue
         fields = getattr(model, "model_fields", {})
         if p in fields:
             ann = fields[p].annotation
             args = getattr(ann, "__args__", ())
             model = next((a for a in args if hasattr(a, "model_fields")), ann)
-        else:  # discriminator tag
-            for m in _UNION_MEMBERS:
-                f = m.model_fields.get("name")
-                if f is not None and f.default == p:
-                    model = m
-                    break
     return list(getattr(model, "model_fields", {}))
-
-
-_UNION_MEMBERS = [
-    FullPolicyConfig, OraclePolicyConfig, StreamingPolicyConfig, QuestPolicyConfig,
-    TovaPolicyConfig, AsyncSpadePolicyConfig, LocalTransportConfig, NcclTransportConfig,
-    UcxTransportConfig, NixlTransportConfig,
-]
-
-
-_TAGS = {m.model_fields["name"].default for m in _UNION_MEMBERS}
 
 
 def format_validation_error(err: ValidationError, source: str = "config") -> str:
@@ -455,16 +368,12 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
     return "\n".join(lines)
 
 
-def _union_member(name: str, members: list) -> Any:
-    return next((m for m in members if m.model_fields["name"].default == name), None)
-
-
 def _retarget_unions(data: dict, cli: dict) -> dict:
     """When the CLI or the environment switches a policy/transport to another
     ``name``, the YAML's fields that the new one does not have are dropped (the
     ones it shares, e.g. ``budget``, are kept): ``--set policy.name=full`` on an
     asyncspade config must just work. Fields given on the CLI are never dropped."""
-    def switch(section: dict | None, cli_sec: dict | None, env_key: str, members: list) -> dict | None:
+    def switch(section: dict | None, cli_sec: dict | None, env_key: str, registry) -> dict | None:
         if not isinstance(section, dict):
             return section
         new = (cli_sec or {}).get("name") if isinstance(cli_sec, dict) else None
@@ -472,22 +381,20 @@ def _retarget_unions(data: dict, cli: dict) -> dict:
         old = section.get("name")
         if not new or new == old:
             return section
-        cls = _union_member(new, members)
-        if cls is None:
+        if new not in registry:
             return section  # unknown name: validation reports it
+        cls = registry.config(new)
         return {k: v for k, v in section.items() if k in cls.model_fields}
 
     data = dict(data)
-    pol_members = _UNION_MEMBERS[:6]
-    tr_members = _UNION_MEMBERS[6:]
     if "policy" in data:
-        data["policy"] = switch(data["policy"], cli.get("policy"), "SPADE_POLICY__NAME", pol_members)
+        data["policy"] = switch(data["policy"], cli.get("policy"), "SPADE_POLICY__NAME", POLICIES)
     rt = data.get("runtime")
     if isinstance(rt, dict) and "transport" in rt:
         rt = dict(rt)
         cli_rt = cli.get("runtime") if isinstance(cli.get("runtime"), dict) else {}
         rt["transport"] = switch(rt["transport"], cli_rt.get("transport"), "SPADE_RUNTIME__TRANSPORT__NAME",
-                                 tr_members)
+                                 TRANSPORTS)
         data["runtime"] = rt
     return data
 

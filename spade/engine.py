@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import operator
-import os
 import statistics
 import threading
 import time
@@ -41,11 +40,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _kernels_setting() -> str:
+    """``SPADE_KERNELS`` as the run used it (a bad value reads as itself: the run JSON
+    records what was set, the error is raised elsewhere)."""
+    from spade.envs import env
+
+    try:
+        return env("SPADE_KERNELS")
+    except ValueError:
+        return "invalid"
+
+
 def check_kernels_env(device: torch.device) -> None:
     """``SPADE_KERNELS=triton`` needs a GPU (or Triton's CPU interpreter): say so before
     the model loads, not as "0 active drivers" from the cache rank mid-generation."""
-    mode = os.environ.get("SPADE_KERNELS", "").strip().lower()
-    if mode != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+    from spade.envs import env_choice, triton_interpret
+
+    if env_choice("SPADE_KERNELS", error=ConfigError) != "triton" or triton_interpret():
         return
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError(
@@ -164,7 +175,7 @@ class Engine:
         m = self.cfg.model
         max_batch = max(1, len(self.cfg.generation.prompts))
         if kind == "hf":
-            from spade.hf import HFBackend
+            from spade.models.hf import HFBackend
             from spade.models.registry import resolve_model
 
             return HFBackend.from_pretrained(str(resolve_model(m.name)), device=self.device, dtype=self.dtype)
@@ -487,7 +498,7 @@ def summarize(cfg: SpadeConfig, results: list[GenerationResult], trace=None, *, 
         "backend": engine.backend_kind if engine is not None else cfg.model.backend,
         "device": str(engine.device) if engine is not None else cfg.model.device,
         "dtype": str(engine.dtype).removeprefix("torch.") if engine is not None else cfg.model.dtype,
-        "kernels": os.environ.get("SPADE_KERNELS", "auto") or "auto",
+        "kernels": _kernels_setting(),
         "policy": pol.name,
         "budget": getattr(pol, "budget", None),
         "topology": cfg.runtime.topology,

@@ -47,7 +47,8 @@ def test_precedence_cli_over_env_over_yaml(tmp_path, monkeypatch):
 def test_switch_policy_from_cli_keeps_other_sections(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("policy: {name: asyncspade, budget: 64, predictor: last}\n")
-    cfg = load_config(y, overrides=["policy.predictor=ridge", "runtime.transport.name=nccl"])
+    cfg = load_config(y, overrides=["policy.predictor=ridge", "runtime.topology=multiprocess",
+                                    "runtime.transport.name=nccl"])
     assert cfg.policy.predictor == "ridge" and cfg.runtime.transport.name == "nccl"
     assert cfg.runtime.transport.backend == "auto"
 
@@ -93,13 +94,33 @@ def test_missing_and_malformed_files(tmp_path):
 def test_switching_policy_drops_fields_the_new_one_lacks(tmp_path, monkeypatch):
     y = tmp_path / "c.yaml"
     y.write_text("policy: {name: asyncspade, budget: 64, predictor: last, window: 8}\n"
-                 "runtime: {transport: {name: nccl, master_port: 1234}}\n")
+                 "runtime: {topology: multiprocess, transport: {name: nccl, master_port: 1234}}\n")
     cfg = load_config(y, overrides=["policy.name=full"])
     assert cfg.policy.name == "full"
     cfg = load_config(y, overrides=["policy.name=quest"])
     assert (cfg.policy.name, cfg.policy.budget) == ("quest", 64)  # shared field kept
+    monkeypatch.setenv("SPADE_RUNTIME__TOPOLOGY", "colocated")
     monkeypatch.setenv("SPADE_RUNTIME__TRANSPORT__NAME", "local")
     assert load_config(y).runtime.transport.name == "local"
     # a field given explicitly for the new policy that it lacks is still an error
     with pytest.raises(ConfigError, match="policy.window"):
         load_config(y, overrides=["policy.name=full", "policy.window=3"])
+
+
+@pytest.mark.parametrize("topology", ["inline", "colocated", "local"])
+@pytest.mark.parametrize("transport", ["nccl", "ucx", "nixl"])
+def test_transport_the_topology_cannot_use_is_an_error(topology, transport, capsys):
+    over = [f"runtime.topology={topology}", f"runtime.transport.name={transport}"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides=over)
+    msg = str(e.value)
+    assert "runtime.transport.name" in msg and "runtime.topology" in msg
+    assert repr(transport) in msg and repr(topology) in msg
+    assert "set runtime.transport.name to local" in msg and "runtime.topology to multiprocess" in msg
+    from spade.cli import main
+
+    y = Path(__file__).resolve().parent.parent / "configs" / "cpu_tiny.yaml"
+    assert main(["validate", "--config", str(y), *[a for o in over for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err
+    assert "runtime.transport.name" in err and "runtime.topology" in err and "Traceback" not in err
+    assert load_config(None, overrides=["runtime.topology=multiprocess", f"runtime.transport.name={transport}"])

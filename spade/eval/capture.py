@@ -52,7 +52,7 @@ def capture_qk(model, input_ids: torch.Tensor) -> Captured:
     """One dense forward over ``input_ids`` [T] (a single sequence); returns the
     queries, keys and logits of every layer. The model's attention
     implementation is restored afterwards."""
-    from spade.hf import _attention_modules
+    from spade.models.hf import _attention_modules
 
     if input_ids.dim() != 1:
         raise ValueError(f"capture_qk takes one sequence [T]; got shape {tuple(input_ids.shape)}")

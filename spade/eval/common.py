@@ -22,7 +22,7 @@ def load_model(name: str, device: str = "cpu") -> tuple[Any, Any]:
     """(transformers model in eval mode, tokenizer) for a registered offline model
     or a local folder; cached per process so sections share one load."""
     from spade.engine import resolve_device
-    from spade.hf import load_pretrained
+    from spade.models.hf import load_pretrained
 
     dev = str(resolve_device(device))
     key = (name, dev)
@@ -100,20 +100,20 @@ def policy_config(entry: dict[str, Any], budget: int, *, sink_tokens: int, recen
     policies without them (quest, tova) ignore them. Quest's page size is capped
     at ``budget // 2`` so small budgets still hold two pages.
     """
-    from pydantic import TypeAdapter
-
-    from spade.config import PolicyConfig
+    from spade import config
+    from spade.policies import POLICIES
 
     d = dict(entry)
-    name = d["name"]
-    if name in ("oracle", "streaming", "asyncspade"):
+    fields = POLICIES.config(d["name"]).model_fields  # what this policy's section has
+    if "sink_tokens" in fields:
         d.setdefault("sink_tokens", sink_tokens)
+    if "recent_tokens" in fields:
         d.setdefault("recent_tokens", recent_tokens)
-    if name == "quest" and page_size_cap:
-        d["page_size"] = min(d.get("page_size", 16), max(1, budget // 2))
-    if name != "full":
+    if "page_size" in fields and page_size_cap:
+        d["page_size"] = min(d.get("page_size", fields["page_size"].default), max(1, budget // 2))
+    if "budget" in fields:
         d["budget"] = budget
-    return TypeAdapter(PolicyConfig).validate_python(d)
+    return config.policy_config(d)
 
 
 def check_policy_entries(entries: list[dict[str, Any]], section: str, *, sink_tokens: int, recent_tokens: int,

@@ -14,12 +14,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spade.policies import POLICIES  # light: the registry, no policy module
 
 GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
 Predictor = Literal["last", "ridge", "softmax_ridge", "assembled"]
-Baseline = Literal["oracle", "quest", "streaming", "tova"]
 PosInt = Annotated[int, Field(gt=0)]
+
+NOT_BASELINES = ("full", "asyncspade")
+"""Registered policies the selection measurement does not compare as baselines:
+``full`` attends everything, ``asyncspade`` is the measured policy (per predictor)."""
+
+
+def baseline_names() -> list[str]:
+    """Every registered policy the selection measurement can compare against."""
+    return [n for n in POLICIES.names() if n not in NOT_BASELINES]
 
 
 class _Section(BaseModel):
@@ -62,7 +72,10 @@ class SelectionEvalConfig(_Budgets):
     predictors: list[Predictor] = Field(default_factory=lambda: ["last", "ridge", "softmax_ridge", "assembled"])
     rope_aware: list[bool] = Field(default_factory=lambda: [False, True])
     group_reduces: list[GroupReduce] = Field(default_factory=lambda: ["sum_logits", "max_logits", "sum_softmax"])
-    baselines: list[Baseline] = Field(default_factory=lambda: ["oracle", "quest", "streaming", "tova"])
+    baselines: list[str] = Field(default_factory=baseline_names)
+    """Registered policies replayed beside asyncspade (default: all of them but full):
+    ``oracle`` is the exact top-K every overlap is measured against; a policy that
+    evicts (tova) is replayed along the sequence, the others at each position."""
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)
@@ -73,6 +86,15 @@ class SelectionEvalConfig(_Budgets):
     """Fig. 5: ridge weights applied with vs without the one-step shift."""
     batch_positions: int = Field(64, gt=0)
     """Decode positions replayed together as batch rows (memory vs speed)."""
+
+    @field_validator("baselines")
+    @classmethod
+    def _registered(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in baseline_names():
+                raise ValueError(f"{name!r} is not a baseline; choose from: {', '.join(baseline_names())} "
+                                 f"(registered policies but {' and '.join(NOT_BASELINES)})")
+        return v
 
     @model_validator(mode="after")
     def _start_inside(self):
@@ -182,6 +204,9 @@ class EvalConfig(_Section):
             for i, p in enumerate(getattr(self, sec).policies):
                 if not isinstance(p.get("name"), str):
                     raise ValueError(f"eval.{sec}.policies[{i}] needs a 'name' (e.g. asyncspade, quest)")
+                if p["name"] not in POLICIES:
+                    raise ValueError(f"eval.{sec}.policies[{i}].name: unknown policy {p['name']!r}; "
+                                     f"choose one of: {', '.join(POLICIES.names())}")
                 if "budget" in p:
                     raise ValueError(f"eval.{sec}.policies[{i}]: leave out 'budget' (eval.{sec}.budgets sets it)")
         return self

@@ -44,7 +44,7 @@ class Prefilled:
     attention_mask: torch.Tensor  # [B, T]
     logits: torch.Tensor  # [B, V] last prompt position
     recorder: _PrefillRecorder
-    snapshot: Any  # spade.hf.HFSnapshot: the backend right after the prompt
+    snapshot: Any  # spade.models.hf.HFSnapshot: the backend right after the prompt
     extra: dict = field(default_factory=dict)
 
     @property

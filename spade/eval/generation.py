@@ -78,10 +78,10 @@ def parse_answer(text: str) -> str | None:
 
 def run_gsm8k(cfg: Gsm8kEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Greedy GSM8K under full attention and every policy/budget; writes ``gsm8k_<model>.json``."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
     from spade.eval import plots
     from spade.eval.decoding import agreement, chat_prompt, decode, encode_batch, prefill
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.policies import build_policy
 
     check_policy_entries(cfg.policies, "gsm8k", sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,

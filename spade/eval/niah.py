@@ -44,10 +44,10 @@ def haystack_prompt(tokenizer, n_tokens: int, depth: float, secret: str) -> str:
 
 def run_niah(cfg: NiahEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Exact passphrase retrieval for every policy/budget/length/depth; writes ``niah_<model>.json``."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
     from spade.eval import plots
     from spade.eval.decoding import chat_prompt, decode, encode_batch, prefill
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.policies import build_policy
 
     check_policy_entries(cfg.policies, "niah", sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,

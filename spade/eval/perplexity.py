@@ -1,6 +1,6 @@
 """Measurement 2: perplexity of essay text under each policy vs full attention.
 
-``spade.teacher`` runs a whole sequence with every layer attending, at each
+``spade.eval.teacher`` runs a whole sequence with every layer attending, at each
 position ``t >= prefill_tokens``, exactly what the policy would select at decode
 step ``t`` (its logits match token-by-token sparse decoding), so one pass per
 (text, policy, budget) gives the perplexity of sparse decoding. Reported per
@@ -12,7 +12,7 @@ attended (the budget actually used).
 The dense prompt pass is the same for every policy, so it runs once per text
 (``PromptPass``: the HF KV cache, every layer's prompt queries and the last
 prompt logits); each policy then runs only the continuation tokens on top of
-that cache (``continuation_nll``), with ``spade.teacher.TeacherForcing``
+that cache (``continuation_nll``), with ``spade.eval.teacher.TeacherForcing``
 driving the policy exactly as in ``teacher_forced_logits``. At 4k tokens with
 half of them scored this halves the model's work per policy.
 """
@@ -53,7 +53,7 @@ class _ContinuationForcing:
     keys are the whole sequence [1, Hkv, T, D], the queries only positions
     ``P..T-1``; the prompt's queries come from the ``PromptPass``. The masks are
     ``TeacherForcing.masks`` of the whole sequence (rows ``>= P`` used), so the
-    policy sees the same calls as in ``spade.teacher``."""
+    policy sees the same calls as in ``spade.eval.teacher``."""
 
     def __init__(self, forcing, prompt_queries: dict[int, torch.Tensor]) -> None:
         self.forcing = forcing
@@ -62,7 +62,7 @@ class _ContinuationForcing:
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float | None) -> torch.Tensor:
         """``query`` [1, Hq, T - P, D], ``key``/``value`` [1, Hkv, T, D] -> [1, Hq, T - P, D]."""
-        from spade.teacher import _ROW_CHUNK
+        from spade.eval.teacher import _ROW_CHUNK
 
         P = self.forcing.prefill_len
         if key.shape[2] != P + query.shape[2]:
@@ -92,7 +92,7 @@ class PromptPass:
     def __init__(self, model, ids: torch.Tensor, prefill_len: int) -> None:
         from transformers import DynamicCache
 
-        from spade.hf import cache_kwarg, use_spade_attention
+        from spade.models.hf import cache_kwarg, use_spade_attention
 
         if not 1 <= prefill_len < ids.shape[0]:
             raise ValueError(f"prefill_len must be in [1, {ids.shape[0]}); got {prefill_len}")
@@ -114,8 +114,8 @@ class PromptPass:
         ``policy_cfg`` (row 0 is the dense prompt pass's), and the mean keys
         attended per (decode position, KV head, layer)."""
         from spade.eval.decoding import _crop_to
-        from spade.hf import _as_policy, cache_kwarg, attention_spec, use_spade_attention
-        from spade.teacher import TeacherForcing
+        from spade.models.hf import _as_policy, cache_kwarg, attention_spec, use_spade_attention
+        from spade.eval.teacher import TeacherForcing
 
         P, model = self.prefill_len, self.model
         dev = next(model.parameters()).device
@@ -125,7 +125,7 @@ class PromptPass:
         try:
             with use_spade_attention(model):
                 # every token is fed (the last one's logits are unused), so the policy
-                # runs the same steps as in ``spade.teacher`` (equal ``mean_attended``)
+                # runs the same steps as in ``spade.eval.teacher`` (equal ``mean_attended``)
                 out = model(input_ids=self.ids[P:].to(dev)[None], use_cache=True,
                             spade_forced=_ContinuationForcing(forcing, self.queries),
                             **{cache_kwarg(model.forward): self.cache})
@@ -157,9 +157,9 @@ def budgets_for(cfg: PerplexityEvalConfig) -> list[tuple[str, int]]:
 @torch.no_grad()
 def nll_and_argmax(model, ids: torch.Tensor, policy_cfg, prefill_len: int) -> tuple[float, torch.Tensor, float]:
     """Mean NLL of ``ids[prefill_len:]`` under sparse decoding with ``policy_cfg``
-    (as ``spade.teacher.sparse_perplexity`` computes it), the argmax predictions
+    (as ``spade.eval.teacher.sparse_perplexity`` computes it), the argmax predictions
     of those positions [T - prefill_len] and the mean keys attended per step."""
-    from spade.teacher import teacher_forced_logits
+    from spade.eval.teacher import teacher_forced_logits
 
     logits, forcing = teacher_forced_logits(model, ids, policy_cfg, prefill_len=prefill_len, return_forcing=True)
     T = ids.shape[0]
@@ -171,7 +171,7 @@ def nll_and_argmax(model, ids: torch.Tensor, policy_cfg, prefill_len: int) -> tu
 @torch.no_grad()
 def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu") -> dict:
     """Perplexity of every configured policy and budget; writes ``perplexity_<model>.json``."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
 
     from spade.eval import plots
 

@@ -63,13 +63,16 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, ti
 
 def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str]:
     """Summary bars, per-layer recall, GQA reductions, Fig. 4 and Fig. 5."""
+    from spade.eval.selection import baseline_reduces
+
     out: list[str] = []
     budgets = _budgets(rows)
     red = cfg.group_reduces[0]
     preds = [p for p in cfg.predictors]
+    others = [b for b in cfg.baselines if b != "oracle"]
     main = ([("oracle", red)] if "oracle" in cfg.baselines else []) + \
         [(f"asyncspade[{p}{',rope' if r else ''}]", red) for p in preds for r in cfg.rope_aware] + \
-        [(b, red if b == "quest" else "-") for b in ("quest", "streaming", "tova") if b in cfg.baselines]
+        [(b, red if red in baseline_reduces(b, [red]) else "-") for b in others]
     for metric in ("recall", "overlap"):
         fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(budgets) * len(main) / 3), 4.5))
         series = {}
@@ -85,8 +88,8 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
     # per-layer recall at the first budget
     b0 = budgets[0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    key = [(p, rd) for p, rd in main if p in ("oracle", "asyncspade[last]", "asyncspade[assembled]",
-                                              "asyncspade[assembled,rope]", "quest", "streaming", "tova")]
+    key = [(p, rd) for p, rd in main if not p.startswith("asyncspade[") or p in (
+        "asyncspade[last]", "asyncspade[assembled]", "asyncspade[assembled,rope]")]
     for (pol, rd), col in zip(key, _colors(len(key))):
         r = _get(rows, b0, pol, rd)
         if r is not None and "recall_per_layer" in r:

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from spade.eval.common import (budget_label, essay_token_segments, fraction_budget, load_model, progress, say,
-                               write_json)
+                               policy_config, write_json)
 from spade.eval.config import SelectionEvalConfig
+from spade.policies import POLICIES  # light: the registry
 
 
 # --------------------------------------------------------------------------- metric primitives
@@ -322,11 +323,8 @@ def _replay_layer(cfg: SelectionEvalConfig, spec, q: torch.Tensor, k: torch.Tens
                   acc: Acc) -> None:
     """All non-sequential policies at positions ``ts`` of one layer.
     ``q`` [Hq, T, D], ``k`` [Hkv, T, D] (the captured layer)."""
-    from spade.config import AsyncSpadePolicyConfig, QuestPolicyConfig, StreamingPolicyConfig
-    from spade.policies.asyncspade import AsyncSpadePolicy
+    from spade.policies.asyncspade import AsyncSpadePolicy, AsyncSpadePolicyConfig
     from spade.policies.common import middle_bounds
-    from spade.policies.quest import QuestPolicy
-    from spade.policies.streaming import StreamingPolicy
 
     dev = k.device
     B, T = len(ts), k.shape[1]
@@ -404,39 +402,68 @@ def _replay_layer(cfg: SelectionEvalConfig, spec, q: torch.Tensor, k: torch.Tens
                 record_ranked(f"{mode}[{'shift' if shift else 'no shift'}]", ref_reduce,
                               ranked(q_hat, [ref_reduce])[ref_reduce], ref[ref_reduce])
 
-    # quest (true query, page bounds of the prefix) and streaming: their own select, per budget group
+    # the other baselines (quest, streaming, ...): their own prefill + select with the true
+    # query and the prefix as the prompt, per budget group; evicting ones are replayed apart
+    at_positions = [b for b in cfg.baselines if b != "oracle" and not POLICIES.get(b).evicts]
     for label, budget in settings:
         for kb in sorted(set(budget.tolist())):
             rows = torch.nonzero(budget == kb).flatten()
             r = rows.to(dev)
             seq = int(ts[rows].max()) + 1
-            if "quest" in cfg.baselines:
-                for red in (x for x in reduces if x in ("sum_logits", "max_logits")):
-                    pol = QuestPolicy(QuestPolicyConfig(budget=kb, page_size=min(cfg.page_size, kb // 2),
-                                                        group_reduce=red), spec)
+            for name in at_positions:
+                for red in baseline_reduces(name, reduces):
+                    pol = _baseline(cfg, spec, name, kb, red)
                     st = _state(pol, len(r), seq - 1)
                     pol.prefill(st, 0, q_t[r, :, None], kc[: len(r)], kc[: len(r)], kv_pre[r])
                     st.seq_len = seq
                     sel = pol.select(st, 0, q_t[r], kc[: len(r)], kv_sel[r])
-                    record_mask(label, rows, kb, "quest", red, sel, ref[red])
-            if "streaming" in cfg.baselines:
-                pol = StreamingPolicy(StreamingPolicyConfig(budget=kb, **common), spec)
-                sel = pol.select(_state(pol, len(r), seq), 0, None, kc[: len(r)], kv_sel[r])
-                record_mask(label, rows, kb, "streaming", "-", sel, ref[ref_reduce])
+                    record_mask(label, rows, kb, name, red, sel, ref[red if red != "-" else ref_reduce])
 
 
-def _replay_tova(cfg: SelectionEvalConfig, spec, qs: list[torch.Tensor], ks: list[torch.Tensor], ts: torch.Tensor,
-                 budget: int, acc: Acc, ref_fn) -> None:
-    """TOVA along the whole sequence, every layer at once (layers as batch rows):
-    prompt ``[0, ts[0])``, then select/observe at each position; metrics at ``ts``."""
-    from spade.config import TovaPolicyConfig
-    from spade.policies.tova import TovaPolicy
+def baseline_reduces(name: str, reduces: list[str]) -> list[str]:
+    """The GQA reductions baseline ``name`` is measured with: those of ``reduces`` its
+    config accepts when its selection scores the query (quest: sum_logits, max_logits);
+    ``["-"]`` for one whose selection has no query scores (streaming, tova)."""
+    field = POLICIES.config(name).model_fields.get("group_reduce")
+    if field is None or not POLICIES.get(name).needs_current_query:
+        return ["-"]
+    from pydantic import TypeAdapter, ValidationError
+
+    ok = []
+    for red in reduces:
+        try:
+            TypeAdapter(field.annotation).validate_python(red)
+            ok.append(red)
+        except ValidationError:
+            pass
+    return ok
+
+
+def _baseline(cfg: SelectionEvalConfig, spec, name: str, budget: int, red: str):
+    """Baseline ``name`` (a registered policy) at ``budget``, reduction ``red`` ("-": its
+    default); its sinks, recent window and page size from the measurement's settings."""
+    from spade.policies import build_policy
+
+    entry: dict[str, Any] = {"name": name}
+    if red != "-":
+        entry["group_reduce"] = red
+    if "page_size" in POLICIES.config(name).model_fields:
+        entry["page_size"] = cfg.page_size
+    pcfg = policy_config(entry, budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
+    return build_policy(pcfg, spec)
+
+
+def _replay_evicting(cfg: SelectionEvalConfig, spec, name: str, qs: list[torch.Tensor], ks: list[torch.Tensor],
+                     ts: torch.Tensor, budget: int, acc: Acc, ref_fn) -> None:
+    """An evicting baseline (TOVA) along the whole sequence, every layer at once (layers
+    as batch rows): prompt ``[0, ts[0])``, then select/observe at each position; metrics
+    at ``ts``."""
 
     q_all = torch.stack(qs)  # [NL, Hq, T, D]
     k_all = torch.stack(ks)  # [NL, Hkv, T, D]
     NL, Hkv, T, _ = k_all.shape
     dev = k_all.device
-    pol = TovaPolicy(TovaPolicyConfig(budget=budget), spec)
+    pol = _baseline(cfg, spec, name, budget, "-")
     p0 = int(ts[0])
     st = _state(pol, NL, p0, dev)
     layers = torch.arange(NL)
@@ -451,8 +478,8 @@ def _replay_tova(cfg: SelectionEvalConfig, spec, qs: list[torch.Tensor], ks: lis
         if t in want:
             mask = attended_mask(sel, kv, T, Hkv)
             probs = true_probs(qt, k_all, kv, spec.softmax_scale)
-            acc.add((label, "tova", "-", "recall"), layers, recall_of(probs, mask))
-            acc.add((label, "tova", "-", "overlap"), layers, overlap_of(mask, ref_fn(qt, k_all, kv, budget)))
+            acc.add((label, name, "-", "recall"), layers, recall_of(probs, mask))
+            acc.add((label, name, "-", "overlap"), layers, overlap_of(mask, ref_fn(qt, k_all, kv, budget)))
         pol.observe(st, 0, qt, k_all, kv)
 
 
@@ -494,12 +521,19 @@ def evaluate_captured(cfg: SelectionEvalConfig, spec, qs: list[torch.Tensor], ks
             _replay_layer(cfg, spec, qs[layer], ks[layer], ts[c:c + cfg.batch_positions], layer, acc)
         if advance:
             advance()
-    if "tova" in cfg.baselines:
+    evicting = _evicting(cfg)
+    if evicting:
         ref_fn = _oracle_middle(cfg, spec)
         for b in cfg.budgets:
-            _replay_tova(cfg, spec, qs, ks, ts, b, acc, ref_fn)
+            for name in evicting:
+                _replay_evicting(cfg, spec, name, qs, ks, ts, b, acc, ref_fn)
             if advance:
                 advance()
+
+
+def _evicting(cfg: SelectionEvalConfig) -> list[str]:
+    """The baselines whose dropped tokens never come back (replayed along the sequence)."""
+    return [b for b in cfg.baselines if POLICIES.get(b).evicts]
 
 
 def summarize(acc: Acc) -> list[dict]:
@@ -522,7 +556,7 @@ def run_selection(cfg: SelectionEvalConfig, out_dir: Path, device: str = "cpu") 
     """The whole measurement for every configured model; writes
     ``selection_<model>.json`` and plots under ``out_dir``."""
     from spade.eval import plots
-    from spade.hf import attention_spec
+    from spade.models.hf import attention_spec
     from spade.eval.capture import capture_qk
 
     results: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "models": {}}
@@ -531,7 +565,7 @@ def run_selection(cfg: SelectionEvalConfig, out_dir: Path, device: str = "cpu") 
         spec = attention_spec(model)
         acc = Acc(spec.n_layers)
         texts = essay_token_segments(tok, cfg.context_tokens, cfg.n_texts)
-        n_steps = len(texts) * (spec.n_layers + (len(cfg.budgets) if "tova" in cfg.baselines else 0))
+        n_steps = len(texts) * (spec.n_layers + (len(cfg.budgets) if _evicting(cfg) else 0))
         with progress(f"selection {name}", n_steps) as advance:
             for i, ids in enumerate(texts):
                 cap = capture_qk(model, ids)

@@ -7,13 +7,13 @@ dispatch: Triton for CUDA tensors, the torch reference elsewhere. Set
 set before any kernel module is imported) or ``SPADE_KERNELS=torch`` to force
 the references.
 
-Kernels are leaves: they import nothing else of spade.
+Kernels are leaves: they import nothing else of spade but ``spade.envs`` (settings).
 
 Every Triton kernel of the suite takes a ``PDL`` constexpr and, on sm_90+ GPUs, can be
 launched with programmatic dependent launch (``spade.kernels.pdl``: it may start while
 the previous kernel of the stream finishes, and waits for it before touching data);
-by default the decode step's kernels are (``SPADE_PDL=decode``), the selection kernels
-are not (``all`` adds them, ``off`` turns it off).
+by default every kernel of the suite is (``SPADE_PDL=auto``, which means ``all``);
+``decode`` keeps it to the decode step's kernels, ``off`` turns it off.
 
 Shapes and conventions (all ops):
 
@@ -37,9 +37,10 @@ Shapes and conventions (all ops):
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from spade.envs import env
 
 __all__ = [
     "use_triton",
@@ -67,7 +68,7 @@ __all__ = [
 def use_triton(t: torch.Tensor) -> bool:
     """Dispatch rule: Triton for CUDA tensors unless ``SPADE_KERNELS=torch``;
     everywhere when ``SPADE_KERNELS=triton``."""
-    mode = os.environ.get("SPADE_KERNELS", "auto")
+    mode = env("SPADE_KERNELS")
     if mode == "torch":
         return False
     if mode == "triton":

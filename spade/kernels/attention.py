@@ -59,13 +59,12 @@ Example (CPU reference)::
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from spade.envs import env_choice
+from spade.envs import env, triton_interpret
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -85,7 +84,7 @@ _MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per 
 
 
 def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpret()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -268,16 +267,6 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
     return m_new, l_i, acc
 
 
-def _release_late() -> bool:
-    """``SPADE_ATTN_RELEASE`` = late (default) | early: where the decode attention lets the
-    next kernel (the output projection's GEMV) launch under PDL — after its loops, or at
-    its top. Late since session 10 (one H200, two rounds each): B=32 L=16k optimal
-    7.01 -> 6.93 ms and full 22.15 -> 21.85 (the split grid runs in several waves, and the
-    GEMV's programs launched at its top sat resident through them); B=8 unchanged
-    (5.24 either way)."""
-    return env_choice("SPADE_ATTN_RELEASE", ("early", "late"), "late") == "late"
-
-
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_LENS, KV_START, IDX,
@@ -292,7 +281,6 @@ def _decode_split_kernel(
     HAS_INDICES: tl.constexpr, IDX_LOOP: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
     STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr, PDL: tl.constexpr = False,
-    RELEASE_LATE: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -301,8 +289,6 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     grid_dep_wait(PDL)  # q and the newest K/V row come from the previous kernel (spade.kernels.pdl)
-    if not RELEASE_LATE:
-        grid_dep_release(PDL)
 
     kv_len = tl.load(KV_LENS + b).to(tl.int32)
     if HAS_START:
@@ -375,8 +361,11 @@ def _decode_split_kernel(
                                          stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
             if HAS_STATS:
                 n_att += tl.sum(valid.to(tl.int32), axis=0)
-    if RELEASE_LATE:  # SPADE_ATTN_RELEASE=late (default): the next kernel launches as the loops end
-        grid_dep_release(PDL)
+    # Release after the loops, not at the top: the next kernel (the output projection's GEMV,
+    # a large grid) launches as they end. Its programs, launched at the top, sat resident
+    # through the split grid's waves: on an H200, B=32 L=16k optimal 7.01 -> 6.93 ms, full
+    # 22.15 -> 21.85; B=8 unchanged (docs/tried.md).
+    grid_dep_release(PDL)
     if HAS_STATS:  # attention statistics with no launch of their own: [tokens, calls] int64
         tl.atomic_add(STATS, n_att.to(tl.int64), sem="relaxed")  # a counter: no ordering needed
         if COUNT_CALL:
@@ -525,7 +514,7 @@ def _sm_count(device: torch.device) -> int:
 # per thread (4 programs in 64K registers).
 _PROGRAMS_PER_SM = 3
 # The indexed path fills two of those three slots per SM: its gathers of scattered
-# 256-byte K/V rows run at ~2 TB/s whatever the grid (run29 sweep, B=8 L=32k K=2k,
+# 256-byte K/V rows run at ~2 TB/s whatever the grid (a launch sweep on an H200 pair, B=8 L=32k K=2k,
 # L2 flushed: 33.0-33.4 us at 2-4 splits x 64 (b, head) pairs, 34.8 at the 6 that
 # filling three slots gives, 40.3 at 16), so fewer, longer splits only save merge
 # work. ``SPADE_ATTN_PROGRAMS_PER_SM`` overrides it (read at launch: A/B runs).
@@ -549,12 +538,10 @@ def _launch_config(D_PAD: int, elem_size: int, index_mode: str = "tile") -> tupl
 
 
 def _programs_per_sm(indexed: bool) -> int:
-    raw = os.environ.get("SPADE_ATTN_PROGRAMS_PER_SM", "").strip()
-    if not raw:
+    n = env("SPADE_ATTN_PROGRAMS_PER_SM")
+    if n is None:
         return _PROGRAMS_PER_SM_INDEXED if indexed else _PROGRAMS_PER_SM
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"SPADE_ATTN_PROGRAMS_PER_SM must be an integer >= 1, got {raw!r}")
-    return int(raw)
+    return n
 
 
 def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device, *,
@@ -625,19 +612,16 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     global memory inside the main loop (no tile: no cross-thread row extraction,
     and no ``_MAX_CHUNK_BLOCKS`` limit, so fewer splits are allowed), leaving the
     software pipeliner to stage the index load ahead of the dependent K/V loads.
-    Same results either way; ignored on the dense path. ``None``: the environment's
-    ``SPADE_ATTN_INDEX_MODE`` (read at call time: a captured graph keeps the mode it
-    was captured with), else ``DEFAULT_INDEX_MODE``.
+    Same results either way; ignored on the dense path. ``None``: ``DEFAULT_INDEX_MODE``.
     """
     if index_mode is None:
-        index_mode = os.environ.get("SPADE_ATTN_INDEX_MODE", DEFAULT_INDEX_MODE)
+        index_mode = DEFAULT_INDEX_MODE
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
     _check_stats(stats, q.device)
     if combine not in ("fused", "kernel"):
         raise ValueError(f"combine must be 'fused' or 'kernel', got {combine!r}")
     if index_mode not in ("tile", "loop"):
-        raise ValueError(f"index_mode must be 'tile' or 'loop', got {index_mode!r} "
-                         "(argument index_mode or SPADE_ATTN_INDEX_MODE)")
+        raise ValueError(f"index_mode must be 'tile' or 'loop', got {index_mode!r}")
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     G_PAD = max(16, triton.next_power_of_2(G))
@@ -697,7 +681,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             HAS_INDICES=has_idx, IDX_LOOP=idx_loop, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
-            PDL=pdl, RELEASE_LATE=pdl and _release_late(), num_warps=num_warps, num_stages=num_stages,
+            PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             launch_pdl=pdl,
         )
         if splits > 1 and not fused:

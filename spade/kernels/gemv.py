@@ -53,7 +53,6 @@ to fp32 behind ``UPCAST``; everything else is the compiled code path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,7 +60,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled, prefetch_l2
+from spade.envs import triton_interpret
+from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
     "GEMV_OVERRIDES",
@@ -193,7 +193,7 @@ SMEM_BYTES = 232448
 
 def _interpret() -> bool:
     """True when Triton runs under its CPU interpreter (decided at launch time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpret()
 
 
 def _as_config(c) -> GemvConfig:
@@ -296,8 +296,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     VARIANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
-    GLU: tl.constexpr = False,
+    PDL: tl.constexpr = False, GLU: tl.constexpr = False,
 ):
     """``out[m, n] = sum_k x[m, k] * w[n, k] (+ b[n])`` for one ``BLOCK_N`` block of
     ``n`` and one K slice ``[pid_k * K_PER_SPLIT, (pid_k + 1) * K_PER_SPLIT)``
@@ -326,9 +325,6 @@ def _gemv_kernel(
         w_rows = w_ptr + (tl.minimum(offs_n, N - 1) + up_off).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     k_base = pid_k * K_PER_SPLIT
-    if PF_LINES > 0:  # PDL: this program's first weight lines to L2 while the previous kernel finishes
-        offs_pf = k_base + tl.arange(0, PF_LINES) * LINE_ELEMS
-        prefetch_l2(w_rows + offs_pf[None, :], (offs_pf[None, :] < K) & n_mask[:, None])
     grid_dep_wait(PDL)  # x is the previous kernel's output; out/ws may still be read by it
     if not GLU:
         grid_dep_release(PDL)
@@ -441,29 +437,6 @@ def _block_m(M: int, variant: str) -> int:
     return triton.next_power_of_2(M)
 
 
-def _prefetch_lines(k_per_split: int, block_k: int, elt: int) -> int:
-    """128-byte lines per weight row that a program prefetches to L2 before its PDL wait:
-    its first ``SPADE_GEMV_PREFETCH`` K tiles (default ``PREFETCH_TILES``; 0 disables),
-    within its K slice; a power of two (a ``tl.arange`` extent)."""
-    raw = os.environ.get("SPADE_GEMV_PREFETCH", "")
-    try:
-        tiles = PREFETCH_TILES if raw.strip() == "" else int(raw)
-    except ValueError:
-        raise ValueError(f"SPADE_GEMV_PREFETCH must be a number of K tiles (int >= 0), got {raw!r}") from None
-    if tiles < 0:
-        raise ValueError(f"SPADE_GEMV_PREFETCH must be >= 0, got {tiles}")
-    elems = min(k_per_split, tiles * block_k)
-    lines = elems * elt // 128
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
-
-
-PREFETCH_TILES = 0
-"""K tiles of weights per program prefetched to L2 before the PDL wait (``SPADE_GEMV_PREFETCH``).
-Off: 2 tiles measured no different from none in the whole step (B=8 L=32k K=2k on an H200
-pair, docs/gpu_runs/run32: optimal 5.365 vs 5.357 ms, within the spread), the previous kernel releasing
-its dependents only once its own programs are all resident."""
-
-
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """``y = x @ w.T (+ bias)`` for decode: ``x`` [M, K] with 1 <= M <= 32, ``w`` [N, K]
@@ -513,7 +486,6 @@ def _launch(x, w, bias, out, config, *, glu: bool) -> torch.Tensor:
         ws = cnt = out  # unused
     upcast = _interpret()
     pdl = pdl_enabled(x.device)
-    pf_lines = _prefetch_lines(k_per_split, block_k, w.element_size()) if pdl and not glu else 0
     _gemv_kernel[(n_blocks, split)](
         x, w, bias if bias is not None else out, out, ws, cnt,
         M, N, x.stride(0), w.stride(0), out.stride(0),
@@ -522,7 +494,7 @@ def _launch(x, w, bias, out, config, *, glu: bool) -> torch.Tensor:
         VARIANT=_VARIANT_CODE[cfg.variant], HAS_BIAS=bias is not None,
         EVEN_K=k_per_split * split == K, EVEN_N=N % rows == 0,
         UPCAST=upcast, IEEE=x.dtype == torch.float32 and not upcast,
-        PDL=pdl, PF_LINES=pf_lines, LINE_ELEMS=128 // w.element_size(), GLU=glu,
+        PDL=pdl, GLU=glu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return out
@@ -541,8 +513,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
            out: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch: ``linear_triton`` for CUDA tensors (``SPADE_KERNELS`` as in
     ``spade.kernels.use_triton``), ``linear_ref`` elsewhere (``out`` filled if given)."""
-    mode = os.environ.get("SPADE_KERNELS", "auto")
-    if mode == "triton" or (mode == "auto" and x.is_cuda):
+    from spade.kernels import use_triton
+
+    if use_triton(x):
         return linear_triton(x, w, bias, out=out)
     y = linear_ref(x, w, bias)
     if out is not None:

@@ -17,11 +17,10 @@ the wait returns when the predecessor has completed and its writes are visible).
 Every Triton kernel of this suite (the decode step's, the cache rank's, Quest's)
 follows one protocol, behind a ``PDL`` constexpr (launch keywords: ``pdl_kwargs``):
 
-* first ``grid_dep_wait`` (before any load of activations or store of results; work
-  that reads only constant data, e.g. prefetching this program's first weight tiles
-  to L2, may come before it), then ``grid_dep_release`` (so the *next* kernel's
-  programs are launched only once this one has all its programs resident and past
-  their wait: they fill SMs as this kernel's programs exit, never starve it);
+* first ``grid_dep_wait`` (before any load of activations or store of results), then
+  ``grid_dep_release`` (so the *next* kernel's programs are launched only once this one
+  has all its programs resident and past their wait: they fill SMs as this kernel's
+  programs exit, never starve it);
 * since every PDL kernel waits for its predecessor, and that one waited for its own,
   the stream order of the whole chain is kept; kernels launched without PDL (torch
   ops, cuBLAS) serialise as usual.
@@ -40,43 +39,41 @@ read at launch time, so a captured graph keeps the mode it was captured with
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from spade.envs import env_choice
+from spade import envs
 
 __all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
-           "grid_dep_wait", "grid_dep_release", "prefetch_l2"]
+           "grid_dep_wait", "grid_dep_release"]
 
-PDL_MODES = ("auto", "all", "decode", "off")
+PDL_MODES = envs.VARS["SPADE_PDL"].choices  # ("auto", "all", "decode", "off")
 FAMILIES = ("decode", "select")
 DEFAULT_MODE = "all"
-"""What ``auto`` means. Session 6 (docs/gpu_runs/run35, Qwen3-8B shape, int4 scoring keys,
+"""What ``auto`` means. Measured on H200s (Qwen3-8B shape, int4 scoring keys,
 P=4, all three modes side by side): at B=8 L=32k K=2k the asynchronous rows gain ~0.22 ms
 per step from the decode family (local 5.31 ms with ``decode`` or ``all`` vs 5.53 ``off``),
 and PDL on the selection kernels then slowed the cache rank's radix top-K (at B=16 L=32k
 local 7.56 ``all`` vs 7.35 ``decode``): ``decode`` was the default. With the threshold-carry
 top-K (two selection kernels per layer instead of five) the selection family gains too:
 the cache rank's pack at B=16 L=32k 0.529 ms with ``all`` vs 0.538 ``decode`` (0.79x vs
-0.81x of the inference pack), at B=32 L=16k 0.647 vs 0.660 (run44), and B=8 L=32k is
-unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms, run45): ``all`` since session 7."""
+0.81x of the inference pack), at B=32 L=16k 0.647 vs 0.660, and B=8 L=32k is
+unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms): hence ``all``."""
 
 
 def pdl_mode() -> str:
     """``SPADE_PDL`` resolved (``auto`` or unset: ``DEFAULT_MODE``), validated."""
-    mode = env_choice("SPADE_PDL", PDL_MODES, "auto")
+    mode = envs.env("SPADE_PDL")
     return DEFAULT_MODE if mode == "auto" else mode
 
 
 def capture_key() -> tuple[str, ...]:
     """The launch settings a CUDA graph records and the environment can change between
-    captures: ``SPADE_PDL``, ``SPADE_GEMV_PREFETCH``, ``SPADE_SELECT_OVERLAP`` and
-    ``SPADE_ATTN_RELEASE`` (graph caches key on it)."""
-    return (pdl_mode(), os.environ.get("SPADE_GEMV_PREFETCH", "").strip(),
-            os.environ.get("SPADE_SELECT_OVERLAP", "").strip(), os.environ.get("SPADE_ATTN_RELEASE", "").strip())
+    captures: the variables of ``spade.envs.VARS`` marked ``capture`` (graph caches key
+    on it)."""
+    return envs.capture_key()
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +90,7 @@ def pdl_enabled(device: torch.device, family: str = "decode") -> bool:
     mode = pdl_mode()
     if mode == "off" or (mode == "decode" and family != "decode"):
         return False
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or envs.triton_interpret():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
@@ -120,12 +117,3 @@ def grid_dep_release(PDL: tl.constexpr):
     called it or exited (a no-op without PDL)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 to fetch the lines at ``ptrs`` (where ``mask``); no registers are loaded.
-    One pointer per 128-byte line is enough. GPU only (inline PTX)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -699,12 +699,12 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
       runs the whole radix select on its row and writes the tokens
       (``_quest_row_select_kernel``; 2 launches). The default: fewest launches,
       and the fastest of the three at every shape of the kernels benchmark on an
-      H200 (run6, graph replay: 0.042 vs 0.061 ms at B=8 L=32k, 0.098 vs 0.115 ms
+      H200 (graph replay: 0.042 vs 0.061 ms at B=8 L=32k, 0.098 vs 0.115 ms
       at B=32 L=32k, 0.050 vs 0.060 ms at B=1 L=128k; equal at B=32 L=128k).
 
     No host synchronisation.
 
-    Why the select looked 2.6x slower in run3 than in run1 (0.468 vs 0.179 ms) after
+    Why the select once measured 2.6x slower than before (0.468 vs 0.179 ms) after
     the plan kernel came in (8abee53): its torch baseline, which that change does
     not touch, slowed down by about the same factor (0.317 -> 0.749 ms), and so
     did the page-score kernel (0.027 -> 0.046 ms) that it does not touch either.

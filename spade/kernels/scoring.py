@@ -113,14 +113,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from spade.envs import env_choice
+from spade.envs import env, triton_interpret
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
 
@@ -147,7 +146,7 @@ _NBINS = 256  # 8-bit radix digits, 4 passes over a 32-bit key
 
 def _interpret() -> bool:
     """True when Triton runs under its CPU interpreter (decided at launch time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpret()
 
 
 def _check_reduce(reduce: str) -> None:
@@ -1755,7 +1754,7 @@ def overlap_enabled(device: torch.device | str) -> bool:
     (``auto``/unset, ``on``, ``off``; ``auto`` means ``OVERLAP_DEFAULT``), and only on a
     CUDA device with compiled kernels (on a CPU and under the interpreter every kernel
     runs in order anyway)."""
-    mode = env_choice("SPADE_SELECT_OVERLAP", ("auto", "on", "off"), "auto")
+    mode = env("SPADE_SELECT_OVERLAP")
     on = OVERLAP_DEFAULT if mode == "auto" else mode == "on"
     return on and torch.device(device).type == "cuda" and not _interpret()
 

@@ -23,6 +23,11 @@ import torch
 
 from spade.policies.base import AttentionSpec
 
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""transformers ``model_type``s both backends run (full-attention GQA decoders with the
+``rotate_half`` RoPE; Mistral without a sliding window), each checked against
+transformers' own forward in tests/models."""
+
 
 class DecodeBackend(ABC):
     #: "hf" | "fast"

@@ -46,13 +46,12 @@ import torch.nn.functional as F
 
 from spade.envs import env_choice
 from spade.errors import ConfigError, ModelError
-from spade.models.base import DecodeBackend
+from spade.models.base import SUPPORTED_MODEL_TYPES, DecodeBackend
 from spade.policies.base import AttentionSpec, RopeSpec
 from spade.streams import indexed_device
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 #: RoPE variants whose frequencies do not depend on the sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -261,12 +260,9 @@ def _make_linear(mode: str, M: int, w: torch.Tensor) -> Callable:
     return make_linear(mode, M, w)
 
 
-FUSE_GLU_ENV = "SPADE_FUSE_GLU"
-
-
 def fuse_glu_default() -> bool:
     """``FastModel.fuse_glu``'s default: ``SPADE_FUSE_GLU`` = on (default) | off."""
-    return env_choice(FUSE_GLU_ENV, ("on", "off"), "on", aliases={"1": "on", "0": "off"}, error=ConfigError) == "on"
+    return env_choice("SPADE_FUSE_GLU", error=ConfigError) == "on"
 
 
 def triton_ops() -> dict[str, Callable]:

@@ -23,13 +23,13 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from spade.envs import env
 from spade.errors import ModelError
 
 
@@ -79,7 +79,7 @@ OFFLINE: dict[str, OfflineModel] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPADE_CACHE", Path.home() / ".cache" / "spade")).expanduser()
+    return Path(env("SPADE_CACHE")).expanduser()
 
 
 def check_cache_writable() -> Path:
@@ -87,7 +87,10 @@ def check_cache_writable() -> Path:
     from spade.paths import check_writable_dir
 
     d = cache_dir()
-    what = f"SPADE_CACHE={d}" if os.environ.get("SPADE_CACHE") else f"the model cache {d} (SPADE_CACHE unset)"
+    from spade.envs import VARS
+
+    unset = env("SPADE_CACHE") == VARS["SPADE_CACHE"].default
+    what = f"the model cache {d} (SPADE_CACHE unset)" if unset else f"SPADE_CACHE={d}"
     return check_writable_dir(d, what=what, fix="point SPADE_CACHE at a writable folder, e.g. "
                                                 "export SPADE_CACHE=/tmp/spade-cache")
 

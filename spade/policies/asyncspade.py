@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from spade.errors import ConfigError
-from spade.policies.base import Policy, PolicyState, Selection
 from spade import kernels
+from spade.errors import ConfigError
+from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
 from spade.policies.common import derived, is_dense, layer_carry, reset_carry, row_start, topk_selection
 from spade.policies.predictors import predict, rotate
 
@@ -79,9 +81,51 @@ def resolve_rope_aware(setting: bool | str, spec) -> bool:
 REFRESH_CARRY_MARGIN = 2.0
 """With ``refresh_every > 1`` the threshold-carry top-K's next threshold aims at this many
 times K candidates (the kernels' default is 1.5): the threshold is several steps old when
-it is next used. run56 (H200, colocated, B=8 L=32k, int4): top-K fallbacks 14% -> 6% at
+it is next used. Measured on an H200 (colocated, B=8 L=32k, int4): top-K fallbacks 14% -> 6% at
 N=2 and 27% -> 14% at N=4, TPOT -5% / -4%, p90 11-12 -> 7.7 ms; at N=1 the wider list
 (CAP 8192) costs more than it saves (+8%), so every-step selection keeps the default."""
+
+
+class AsyncSpadePolicyConfig(SparseCommonConfig):
+    name: Literal["asyncspade"] = "asyncspade"
+    predictor: Literal["last", "ridge", "softmax_ridge", "assembled"] = "assembled"
+    """How the next query is predicted from the window of recent queries."""
+    window: int = Field(16, ge=1, le=64)
+    """W: number of past queries the predictor regresses on."""
+    ridge_eps: float = Field(1e-2, gt=0)
+    """Ridge λ relative to the mean squared norm of the window's queries."""
+    rope_aware: bool | Literal["auto"] = "auto"
+    """Regress pre-RoPE queries and rotate the prediction to the next position.
+
+    ``auto`` (default): on when the model has plain (unscaled) rotary embeddings
+    (``spec.rope`` is set), off otherwise (no RoPE, or a scaled variant such as
+    llama3 or yarn that ``RopeSpec`` does not model); the choice is logged once at
+    INFO. ``true`` refuses such models with a ConfigError; ``false`` regresses the
+    post-RoPE queries as they are. On real weights the paper's ``assembled``
+    predictor beats ``last`` on overlap only with RoPE-aware prediction
+    (docs/fidelity.md)."""
+    topk: Literal["carry", "radix"] = "carry"
+    """How the GPU kernels find the exact top-K (the same selection either way).
+    ``carry`` (default): each layer carries the previous step's threshold; the scoring
+    kernel lists the keys scoring above it and one kernel selects among them, or over
+    the whole row when their count is off (the first sparse step included, ~3x the
+    radix path's time there): the predicted query moves little from step to step, so
+    the radix passes over every row are skipped (``spade.kernels.scoring``; 16-bin
+    digits in registers). ``radix``: radix passes over every row each step. The CPU
+    reference path ignores it."""
+    score_keys: Literal["exact", "int8", "int4"] = "exact"
+    """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the
+    policy (half the bytes of bf16 to read each step, so the cache rank keeps up with
+    the inference rank); attention still uses the exact keys. ``int4``: a packed
+    4-bit copy (a quarter of bf16's bytes), smoothed per channel by scales fitted on
+    the prompt's keys and folded into the query. Both cost a little selection
+    fidelity, int4 more (see docs/policies.md)."""
+    refresh_every: int = Field(1, ge=1, le=64)
+    """Select at the first sparse step and every N steps after it; the steps between
+    reuse the last selection, while the recent window keeps covering the newest tokens.
+    1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
+    cache rank that shares the inference GPU (``colocated``), whose reads compete with
+    the decode's — at some selection fidelity (docs/policies.md)."""
 
 
 @dataclass
@@ -137,7 +181,7 @@ class AsyncSpadePolicy(Policy):
     """AsyncSpade with a configurable predictor (``last``, ``ridge``,
     ``softmax_ridge``, ``assembled``) and optional RoPE-aware prediction.
 
-    >>> from spade.config import AsyncSpadePolicyConfig
+    >>> from spade.policies.asyncspade import AsyncSpadePolicyConfig
     >>> from spade.policies.base import AttentionSpec
     >>> pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2,
     ...                        predictor="last", window=2),

@@ -32,9 +32,44 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field, model_validator
+
+from spade.config import ConfigSection
+
+
+GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
+
+
+class SparseCommonConfig(ConfigSection):
+    """The fields of the token-level policies (oracle, streaming, asyncspade): the budget
+    and the always-attended sinks and recent window."""
+
+
+    budget: int = Field(256, gt=0)
+    """K: tokens attended per step per KV head, sinks and recent window included."""
+    sink_tokens: int = Field(4, ge=0)
+    recent_tokens: int = Field(16, ge=1)
+    """Most recent tokens always attended (the current token included)."""
+    group_reduce: GroupReduce = "sum_softmax"
+    """How the query heads of a GQA group are reduced into one score per KV head.
+
+    ``sum_softmax`` (default): each head's softmax over the row's own valid tokens,
+    summed over the group, so the selection maximises the attention mass the group
+    keeps; on real weights it kept more mass than ``sum_logits`` for every policy,
+    model and context measured (docs/fidelity.md). ``sum_logits`` / ``max_logits``
+    skip the per-head normaliser pass: the speed settings of the GPU configs."""
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.sink_tokens + self.recent_tokens > self.budget:
+            raise ValueError(
+                f"sink_tokens ({self.sink_tokens}) + recent_tokens ({self.recent_tokens}) exceed "
+                f"budget ({self.budget}); raise budget or lower them"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,31 @@ class Policy(ABC):
     @property
     def budget(self) -> int | None:
         return getattr(self.cfg, "budget", None)
+
+    # ------------------------------------------------------------------ optional capabilities
+    # The runtime calls these on every policy; the defaults do nothing extra.
+
+    @property
+    def rows(self) -> int | None:
+        """Newest prompt queries ``prefill`` reads (a cache rank is sent only these at
+        boot), or None for all of them. Default: None."""
+        return None
+
+    def selection_layout(self) -> tuple[int, int, int] | None:
+        """``(K_mid, n_sink, n_recent)`` of every sparse ``Selection`` this policy
+        returns, when its config fixes them up front (the runtime allocates the
+        selection buffers before the first step: CUDA graphs capture their addresses);
+        None when it does not. Default: from a ``SparseCommonConfig`` (middle = budget
+        minus sinks and recent window), else None."""
+        c = self.cfg
+        if isinstance(c, SparseCommonConfig):
+            return c.budget - c.sink_tokens - c.recent_tokens, c.sink_tokens, c.recent_tokens
+        return None
+
+    def predict_layers(self, state: PolicyState, layers: range) -> None:
+        """Prepare this step's ``select`` of every layer in ``layers`` (consecutive) at
+        once, e.g. one predictor launch for a cache rank's pack instead of one per layer.
+        ``select`` must return the same with or without this call. Default: nothing."""
 
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         return PolicyState(batch_size=batch_size, layers=[None] * self.spec.n_layers)

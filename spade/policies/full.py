@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from spade.config import ConfigSection
 from spade.policies.base import Policy
+
+
+class FullPolicyConfig(ConfigSection):
+    name: Literal["full"] = "full"
 
 
 class FullPolicy(Policy):

@@ -8,17 +8,29 @@ critical path (``needs_current_query = True``).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
 from spade.policies.common import is_dense, layer_carry, reset_carry, topk_selection
+
+
+class OraclePolicyConfig(SparseCommonConfig):
+    name: Literal["oracle"] = "oracle"
+    topk: Literal["carry", "radix"] = "radix"
+    """How the GPU kernels find the exact top-K (the same selection either way): see
+    ``AsyncSpadePolicyConfig.topk``. ``radix`` by default here: the oracle scores with
+    each step's own query, which on the random-weight benchmark model moves the K-th
+    score too far for a carried threshold (the carry made the inline oracle 18.4 ms per
+    step vs 12.0 at B=8 L=32k, docs/perf.md)."""
 
 
 class OraclePolicy(Policy):
     """Sinks + recent window + the top ``budget - sink - recent`` middle tokens of
     the current query's (group-reduced) scores.
 
-    >>> from spade.config import OraclePolicyConfig
+    >>> from spade.policies.oracle import OraclePolicyConfig
     >>> from spade.policies.base import AttentionSpec
     >>> pol = OraclePolicy(OraclePolicyConfig(budget=8, sink_tokens=1, recent_tokens=2),
     ...                    AttentionSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8))

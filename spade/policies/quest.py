@@ -16,12 +16,30 @@ tokens up to t-1; token t lies in the last page, which is always kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from spade import kernels
+from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import is_dense, last_token_keys
+
+
+class QuestPolicyConfig(ConfigSection):
+    name: Literal["quest"] = "quest"
+    budget: int = Field(256, gt=0)
+    page_size: int = Field(16, gt=0)
+    group_reduce: Literal["sum_logits", "max_logits"] = "sum_logits"
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.budget < 2 * self.page_size:
+            raise ValueError(
+                f"budget ({self.budget}) must hold at least two pages of page_size ({self.page_size})"
+            )
+        return self
 
 
 @dataclass
@@ -38,7 +56,7 @@ class QuestPolicy(Policy):
     sinks and no recent window (``n_sink = n_recent = 0``): the current token
     comes with the last page.
 
-    >>> from spade.config import QuestPolicyConfig
+    >>> from spade.policies.quest import QuestPolicyConfig
     >>> from spade.policies.base import AttentionSpec
     >>> pol = QuestPolicy(QuestPolicyConfig(budget=8, page_size=4),
     ...                   AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8))

@@ -8,16 +8,22 @@ only the lower bound the config checks).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from spade.policies.base import Policy, PolicyState, Selection
+from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
 from spade.policies.common import empty_indices, is_dense
+
+
+class StreamingPolicyConfig(SparseCommonConfig):
+    name: Literal["streaming"] = "streaming"
 
 
 class StreamingPolicy(Policy):
     """Sinks ``[s, s + sink)`` and the ``budget - sink`` most recent tokens.
 
-    >>> from spade.config import StreamingPolicyConfig
+    >>> from spade.policies.streaming import StreamingPolicyConfig
     >>> from spade.policies.base import AttentionSpec
     >>> pol = StreamingPolicy(StreamingPolicyConfig(budget=8, sink_tokens=2, recent_tokens=1),
     ...                       AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=2, head_dim=4))
@@ -29,6 +35,10 @@ class StreamingPolicy(Policy):
 
     name = "streaming"
     needs_current_query = False
+
+    def selection_layout(self) -> tuple[int, int, int]:
+        c = self.cfg  # no middle: the window takes every slot but the sinks
+        return 0, c.sink_tokens, c.budget - c.sink_tokens
 
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         state = super().new_state(batch_size, device)

@@ -25,12 +25,21 @@ positions (``-1`` = empty), the last slot is scratch for the incoming token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from spade import kernels
+from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import is_dense, row_start
+
+
+class TovaPolicyConfig(ConfigSection):
+    name: Literal["tova"] = "tova"
+    budget: int = Field(256, gt=1)
+    """Fixed cache size: tokens beyond it are evicted for good."""
 
 
 @dataclass
@@ -41,7 +50,7 @@ class TovaLayerState:
 class TovaPolicy(Policy):
     """TOVA eviction with a fixed budget of tokens per (row, layer).
 
-    >>> from spade.config import TovaPolicyConfig
+    >>> from spade.policies.tova import TovaPolicyConfig
     >>> from spade.policies.base import AttentionSpec
     >>> pol = TovaPolicy(TovaPolicyConfig(budget=4),
     ...                  AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8))

@@ -242,7 +242,7 @@ class AsyncAttentionContext(AttentionContext):
         if s.return_mode != "kv":
             return super().attend(layer, q, k_cache, v_cache, kv_lens)
         sel = s.selection(layer, q, k_cache, kv_lens)
-        if sel is None:
+        if sel is None or s.idx[layer].shape[-1] == 0:  # dense, or no middle (streaming): all local
             return super().attend(layer, q, k_cache, v_cache, kv_lens)
         idx = s.idx[layer]  # [B, Hkv, K]
         slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
@@ -260,14 +260,12 @@ class AsyncAttentionContext(AttentionContext):
 
 
 # ============================================================================ the link
-class CacheThread:
-    """A thread running its own event loop (uvloop when installed), for an in-process
-    cache rank: its host work (graph replays, copies, messages) then proceeds while the
-    inference thread waits on its device or launches its own work, instead of only at
-    the inference coroutine's ``await`` points. Coroutines are handed over with
-    ``submit``; the local transport delivers across the two loops thread-safely."""
+class LoopThread:
+    """A thread running its own event loop (uvloop when installed): where the runtime is
+    driven from inside a running event loop, its own loop runs here. Coroutines are
+    handed over with ``submit``."""
 
-    def __init__(self, name: str = "spade-cache-rank") -> None:
+    def __init__(self, name: str = "spade-runtime") -> None:
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -290,18 +288,6 @@ class CacheThread:
             self.thread.join(timeout_s)
 
 
-def _cache_thread_wanted(cfg) -> bool:
-    """``runtime.cache_thread``: ``auto`` is a coroutine. Measured at B=8 L=32k K=2k on two
-    H200s (docs/perf.md, session 5): the thread lost 0.7-0.8 ms per step to the coroutine
-    (late packs: its host work waits for the GIL while the inference thread launches);
-    the coroutine, with the token loop polling the device instead of blocking the
-    loop (``InferenceSession.wait_device``), came within 1.04x of optimal. On a shared
-    GPU a thread's CUDA graphs are off: a device-wide sync of the inference thread
-    would invalidate a capture in progress there."""
-    mode = getattr(getattr(cfg, "runtime", None), "cache_thread", "auto") if cfg is not None else "auto"
-    return mode == "thread"
-
-
 class CacheLink:
     """The inference rank's end of a runtime link, and the cache rank behind it
     (a coroutine of this process, or a process). Opened once, reused by every
@@ -317,7 +303,6 @@ class CacheLink:
         self.cache_transport: Any = None
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: CacheThread | None = None  # the in-process cache rank's own thread, if any
         self.closed = False
 
     @classmethod
@@ -340,15 +325,10 @@ class CacheLink:
                 link.shared = SharedKV()
             link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
             hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
-            if _cache_thread_wanted(cfg):
-                if cache_device.type == "cuda" and cache_device == inference_device:
-                    link.cache.use_graphs = False  # see _cache_thread_wanted: captures would not survive syncs
-                link.thread = CacheThread()
-                await asyncio.gather(t0.connect(hs), link.thread.submit(t1.connect(hs1)))
-                link.cache_task = link.thread.submit(link.cache.serve())
-            else:
-                await asyncio.gather(t0.connect(hs), t1.connect(hs1))
-                link.cache_task = asyncio.get_running_loop().create_task(link.cache.serve())
+            # the cache rank is a coroutine on this loop (a thread of its own lost to it:
+            # docs/tried.md); it runs while the token loop polls the device (wait_device)
+            await asyncio.gather(t0.connect(hs), t1.connect(hs1))
+            link.cache_task = asyncio.get_running_loop().create_task(link.cache.serve())
             link.transport, link.cache_transport = t0, t1
             return link
         if topology != "multiprocess":
@@ -426,13 +406,10 @@ class CacheLink:
                 await asyncio.sleep(0.05)
         for tr in (t, self.cache_transport):
             if tr is not None:
-                try:  # each endpoint closes on its own loop (the cache thread's, when it has one)
-                    on_thread = tr is self.cache_transport and self.thread is not None and self.thread.thread.is_alive()
-                    await asyncio.wait_for(self.thread.submit(tr.close()) if on_thread else tr.close(), timeout_s)
+                try:
+                    await asyncio.wait_for(tr.close(), timeout_s)
                 except Exception:
                     pass
-        if self.thread is not None:
-            self.thread.stop()
         self.kill()
 
     def kill(self) -> None:
@@ -499,7 +476,7 @@ class AsyncRuntime(Runtime):
         # a shared link lives on the loop that opened it
         self._loop: asyncio.AbstractEventLoop | None = link.loop if link is not None else loop
         self._owns_loop = link is None and loop is None
-        self._loop_thread: CacheThread | None = None  # the loop's thread, when run from inside a running loop
+        self._loop_thread: LoopThread | None = None  # the loop's thread, when run from inside a running loop
         dev = backend.device
         if rt.inference_device not in ("auto", "") and torch.device(rt.inference_device) != torch.device(dev):
             raise ConfigError(f"runtime.inference_device={rt.inference_device!r} but the model is on {dev}; "
@@ -586,7 +563,7 @@ class AsyncRuntime(Runtime):
             coro.close()
             raise RuntimeError("AsyncRuntime: called synchronously inside a running event loop, but the runtime's "
                                "link lives on another loop of this thread; use `await runtime.agenerate(...)`")
-        self._loop_thread = CacheThread(name="spade-runtime")
+        self._loop_thread = LoopThread(name="spade-runtime")
         self._loop = self._loop_thread.loop
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -716,8 +693,8 @@ class InferenceSession:
             s.allocate(B, Hq, k0.shape[1], D, q0.dtype, k0.dtype, q0.device)
         else:
             s.shared = None
-        rows = getattr(self.policy, "rows", None)
-        W = min(T, int(rows)) if rows else T
+        rows = self.policy.rows
+        W = min(T, rows) if rows else T
         capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
         kv_start = self.ctx.kv_start
         setup = P.Setup(policy=self.policy.describe(), spec=P.spec_to_dict(be.spec), batch=B, prompt_len=T,
@@ -750,11 +727,11 @@ class InferenceSession:
             acks += 1
         s.boot.clear()
         # selection buffers up front (CUDA graphs capture their addresses)
-        cfgp = self.policy.cfg
-        K = getattr(cfgp, "budget", 0) - getattr(cfgp, "sink_tokens", 0) - getattr(cfgp, "recent_tokens", 0)
-        if K > 0 and hasattr(cfgp, "sink_tokens"):
+        layout = self.policy.selection_layout()
+        if layout is not None:
+            K, n_sink, n_recent = layout
             for layer in range(self.spec.n_layers):
-                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, cfgp.sink_tokens, cfgp.recent_tokens,
+                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
                                  be.device, kv_dtype=k0.dtype, D=D, kv_start=kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
 
@@ -877,6 +854,10 @@ class InferenceSession:
                     continue
                 s.dense_flag[layer] = False
                 K = row[P.META_K]
+                if K == 0:  # sinks and recent window only (streaming): no indices travelled
+                    s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, 0, row[P.META_SINK], row[P.META_RECENT],
+                                     dev, kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
+                    continue
                 if mode == "delta":
                     s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, K, row[P.META_SINK], row[P.META_RECENT],
                                      dev, kv_start=self.ctx.kv_start)
@@ -978,7 +959,7 @@ class InferenceSession:
         Launching is host work only (asynchronous on the device)."""
         self._qkv_sent += 1
         cache = self.link.cache if self.link is not None else None
-        if cache is None or self.link.thread is not None:  # a cache thread launches on its own
+        if cache is None:
             return
         for _ in range(32):
             if cache.consumed - self._cache_base >= self._qkv_sent or self.peer_gone is not None:
@@ -1032,9 +1013,6 @@ class InferenceSession:
             return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(dev))
-        if self.link is not None and self.link.thread is not None:
-            ev.synchronize()
-            return
         while not ev.query():
             await asyncio.sleep(0)
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from spade import kernels
+from spade.envs import env
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
 from spade.policies.common import shared_derived
@@ -256,7 +257,7 @@ class CacheRank:
         # a fixed-length view (static_len), so the policy's copy never needs a rebuild
         # from the store (it raises if it would).
         new_keys = (not s.shared_kv and s.static_len > 0 and vstore is None
-                    and bool(getattr(policy, "takes_new_keys", lambda st: False)(state)))
+                    and policy.takes_new_keys(state))
         append_k = not s.shared_kv and not new_keys
 
         def observe_pack(p: int, seq: int) -> None:
@@ -280,12 +281,10 @@ class CacheRank:
             l0, l1 = packs[p]
             state.seq_len = seq
             sels = []
-            predict_layers = getattr(policy, "predict_layers", None)
-            if predict_layers is not None:  # the pack's predictions in one launch (asyncspade)
-                predict_layers(state, range(l0, l1))
+            policy.predict_layers(state, range(l0, l1))  # e.g. asyncspade: the pack's predictions in one launch
             # the output rows of the last call of this pack: a policy that takes them writes
             # its indices there directly (select_takes_out); a fresh buffer below gets copies
-            rows = out[p]["rows"] if p in out and getattr(policy, "select_takes_out", False) else None
+            rows = out[p]["rows"] if p in out and policy.select_takes_out else None
             # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
             # on exit, before anything below reads the indices)
             with shared_derived(state), kernels.select_overlap(dev):
@@ -409,7 +408,7 @@ class CacheRank:
         """Replay each pack's work as a CUDA graph: on CUDA, with a cache of fixed
         shape (a static inference cache or a shared one), for ``indices`` and ``kv``
         (``delta`` encoding syncs the host). ``SPADE_CACHE_GRAPHS=0`` turns it off."""
-        return (self.device.type == "cuda" and self.use_graphs and os.environ.get("SPADE_CACHE_GRAPHS", "1") != "0"
+        return (self.device.type == "cuda" and self.use_graphs and env("SPADE_CACHE_GRAPHS") == "1"
                 and s.return_mode in ("indices", "kv") and (s.shared_kv or s.static_len > 0))
 
     def _run(self, key: tuple, fn, graphs_on: bool):
@@ -506,7 +505,7 @@ def _account(acct: dict[str, list[float]]) -> dict[str, float]:
 def _carry_account(state) -> dict[str, float]:
     """The threshold-carry top-K's calls and fallbacks of this generation, over every
     layer's state (one device read, at END); empty when no layer carries one."""
-    carries = list(getattr(state, "carry", {}).values())
+    carries = list(state.carry.values())
     if not carries:
         return {}
     from spade.kernels.scoring import CARRY_SLOTS

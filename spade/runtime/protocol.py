@@ -169,10 +169,7 @@ def cmd(kind: int, a: int = 0, b: int = 0, c: int = 0) -> torch.Tensor:
 
 def policy_from_dict(d: dict, spec: AttentionSpec) -> Any:
     """Rebuild a policy from its config dump (the cache process has no config file)."""
-    from pydantic import TypeAdapter
-
-    from spade.config import PolicyConfig
+    from spade.config import policy_config
     from spade.policies import build_policy
 
-    cfg = TypeAdapter(PolicyConfig).validate_python(d)
-    return build_policy(cfg, spec)
+    return build_policy(policy_config(d), spec)

@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from spade.envs import env
+
 
 def _default_device() -> str:
     if torch.cuda.is_available():
@@ -61,7 +63,7 @@ async def serve(transport_cfg, device: str, *, parent_pid: int | None = None, in
 
 
 def _transport_from_env():
-    from spade.config import NcclTransportConfig
+    from spade.transports.nccl import NcclTransportConfig
 
     return NcclTransportConfig(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                master_port=int(os.environ.get("MASTER_PORT", "29517")))
@@ -79,11 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     init_method = None
     if args.transport:
-        from pydantic import TypeAdapter
+        from spade.config import transport_config
 
-        from spade.config import TransportConfig
-
-        tcfg = TypeAdapter(TransportConfig).validate_python(json.loads(args.transport))
+        tcfg = transport_config(json.loads(args.transport))
     else:
         if os.environ.get("RANK", "1") == "0":
             print("spade worker: rank 0 is the inference rank; run your program there", file=sys.stderr)
@@ -118,7 +118,7 @@ def _host_profiler():
     """``SPADE_HOST_PROFILE=<file>``: cProfile this cache process's host for its whole
     life (the inference process is profiled by ``bench_tpot --host-profile``); the
     table goes to ``<file>`` when it exits."""
-    if not os.environ.get("SPADE_HOST_PROFILE"):
+    if not env("SPADE_HOST_PROFILE"):
         return None
     import cProfile
 
@@ -141,7 +141,7 @@ def profile_table(prof, rows: int = 50) -> str:
 
 def _write_host_profile(prof) -> None:
     prof.disable()
-    path = os.environ["SPADE_HOST_PROFILE"]
+    path = env("SPADE_HOST_PROFILE")
     try:
         with open(path, "w") as f:
             f.write(f"cache process {os.getpid()}, host only (cProfile), its whole life\n{profile_table(prof)}")

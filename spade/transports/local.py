@@ -35,10 +35,11 @@ import asyncio
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
+from spade.config import ConfigSection
 from spade.errors import PeerGone, PeerTimeout, TransportError
 from spade.streams import stream_scope
 from spade.transports.base import Handshake, Transport
@@ -55,6 +56,10 @@ class _Rendezvous:
 
     lock = threading.Lock()
     waiting: dict[str, dict[int, tuple["LocalTransport", asyncio.Future, asyncio.AbstractEventLoop]]] = {}
+
+
+class LocalTransportConfig(ConfigSection):
+    name: Literal["local"] = "local"
 
 
 class LocalTransport(Transport):

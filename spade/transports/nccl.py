@@ -60,12 +60,14 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import logging
 
 import torch
+from pydantic import Field
 
+from spade.config import ConfigSection
 from spade.errors import PeerGone, PeerTimeout, TransportError
 from spade.transports.base import Handshake, Transport
 
@@ -170,6 +172,15 @@ class _TagQueue:
     waiters: collections.deque = field(default_factory=collections.deque)
 
 
+class NcclTransportConfig(ConfigSection):
+    name: Literal["nccl"] = "nccl"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """``auto``: nccl when both ranks are on CUDA, gloo otherwise."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29517, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+
+
 class NcclTransport(Transport):
     """See the module docstring. Extra keyword arguments: ``init_method`` (default
     ``tcp://master_addr:master_port``; ``env://`` under torchrun), ``max_inflight`` and
@@ -180,7 +191,7 @@ class NcclTransport(Transport):
     def __init__(self, cfg: Any = None, *, rank: int, world: int = 2, device: str | torch.device = "cpu",
                  init_method: str | None = None, max_inflight: int = 256, max_inflight_bytes: int = 4 << 30):
         if cfg is None:
-            from spade.config import NcclTransportConfig
+            from spade.transports.nccl import NcclTransportConfig
 
             cfg = NcclTransportConfig()
         super().__init__(cfg, rank=rank, world=world, device=device)

@@ -66,10 +66,13 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
+from pydantic import Field
 
+from spade.config import ConfigSection
+from spade.envs import env
 from spade.errors import MissingDependencyError, PeerGone, PeerTimeout, TransportError
 from spade.transports._framing import (
     Backoff,
@@ -258,10 +261,22 @@ class _Tx:
     staged: collections.deque = field(default_factory=collections.deque)  # _Staged, in seq order
 
 
+class NixlTransportConfig(ConfigSection):
+    name: Literal["nixl"] = "nixl"
+    backend: str = "UCX"
+    host: str = "127.0.0.1"
+    port: int = Field(13617, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+    slots: int = Field(2, ge=1)
+    """Receive slots registered per tag (messages in flight before back-pressure)."""
+    progress_thread: bool = False
+    """Use NIXL's own progress thread instead of spade's asyncio poller."""
+
+
 class NixlTransport(Transport):
     """Tagged tensor messages as NIXL WRITEs into pre-registered slots. See the module docstring.
 
-    >>> from spade.config import NixlTransportConfig
+    >>> from spade.transports.nixl import NixlTransportConfig
     >>> t = NixlTransport(NixlTransportConfig(port=13617), rank=1, device="cpu")  # cache side
     >>> t.name
     'nixl'
@@ -355,7 +370,7 @@ class NixlTransport(Transport):
         # NOTE: NIXL's own progress thread delivered notifications ~80 ms late in
         # our loopback tests; the poller task progresses the agent instead (every
         # notification/state query does). Opt back in with progress_thread: true.
-        prog = bool(getattr(self.cfg, "progress_thread", False)) or os.environ.get("SPADE_NIXL_PROGRESS_THREAD") == "1"
+        prog = bool(getattr(self.cfg, "progress_thread", False)) or env("SPADE_NIXL_PROGRESS_THREAD") == "1"
         conf = api.nixl_agent_config(enable_prog_thread=prog, enable_listen_thread=False, backends=[backend])
         try:
             self._agent = api.nixl_agent(name, conf)

@@ -44,10 +44,12 @@ import logging
 import os
 import struct
 import traceback
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable, Literal, Sequence
 
 import torch
+from pydantic import Field
 
+from spade.config import ConfigSection
 from spade.errors import MissingDependencyError, PeerGone, PeerTimeout, TransportError
 from spade.transports._framing import (
     FLAG_INLINE,
@@ -183,10 +185,17 @@ def _buf(t: torch.Tensor) -> Any:
     return b if b.is_cuda else b.numpy()
 
 
+class UcxTransportConfig(ConfigSection):
+    name: Literal["ucx"] = "ucx"
+    host: str = "127.0.0.1"
+    port: int = Field(13517, gt=0, lt=65536)
+    timeout_s: float = Field(60.0, gt=0)
+
+
 class UcxTransport(Transport):
     """Tagged tensor messages over UCX (ucxx asyncio API). See the module docstring.
 
-    >>> from spade.config import UcxTransportConfig
+    >>> from spade.transports.ucx import UcxTransportConfig
     >>> t = UcxTransport(UcxTransportConfig(port=13517), rank=1, device="cpu")  # cache side
     >>> t.name
     'ucx'

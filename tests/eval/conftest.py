@@ -17,7 +17,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_spec(smollm2):
-    from spade.hf import attention_spec
+    from spade.models.hf import attention_spec
 
     return attention_spec(smollm2[0])
 

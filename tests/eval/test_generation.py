@@ -5,7 +5,9 @@ import json
 
 import torch
 
-from spade.config import AsyncSpadePolicyConfig, FullPolicyConfig, OraclePolicyConfig
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
 from spade.eval.config import Gsm8kEvalConfig
 from spade.eval.generation import gold_answer, load_gsm8k, parse_answer
 
@@ -23,7 +25,7 @@ def test_gold_and_parsed_answers():
 
 def test_prefilled_decoding_equals_hf_generate(smollm2):
     from spade.eval.decoding import agreement, chat_prompt, decode, encode_batch, prefill
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.policies import build_policy
 
     model, tok = smollm2
@@ -75,7 +77,7 @@ def test_backend_snapshot_restore(smollm2):
     import pytest
 
     from spade.attention import AttentionContext, InlineSelector
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.policies import build_policy
 
     model, tok = smollm2

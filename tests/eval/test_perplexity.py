@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from spade.config import OraclePolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
 from spade.eval.common import essay_token_segments
 from spade.eval.config import PerplexityEvalConfig
 
 
 def test_nll_matches_sparse_perplexity(smollm2):
     from spade.eval.perplexity import nll_and_argmax
-    from spade.teacher import sparse_perplexity
+    from spade.eval.teacher import sparse_perplexity
 
     model, tok = smollm2
     ids = essay_token_segments(tok, 48, 1)[0]
@@ -59,11 +59,11 @@ def test_bad_policy_entry_fails_before_work(tmp_path):
 
 def test_prompt_cache_path_equals_teacher(smollm2):
     """The shared prompt pass + continuation (what run_perplexity uses) gives the
-    NLL, argmax and attended counts of ``spade.teacher`` on the whole text, for
+    NLL, argmax and attended counts of ``spade.eval.teacher`` on the whole text, for
     policies with per-step state (asyncspade's query window, TOVA's evictions;
     ``test_run_perplexity`` runs oracle/last/tova through this path too), and the cache is cropped back so the next policy starts from the
     same prompt (the policies run in a row on one ``PromptPass``)."""
-    from spade.config import FullPolicyConfig
+    from spade.policies.full import FullPolicyConfig
     from spade.eval.common import policy_config
     from spade.eval.perplexity import PromptPass, continuation_nll, nll_and_argmax
 

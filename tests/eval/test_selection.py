@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from spade import kernels
-from spade.config import AsyncSpadePolicyConfig, OraclePolicyConfig
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
 from spade.eval.config import SelectionEvalConfig
 from spade.eval.selection import (Acc, Ranked, attended_mask, evaluate_captured, fixed_mass, group_scores_multi,
                                   index_mask, ridge_predict_shift, summarize, true_probs)

@@ -344,17 +344,13 @@ def test_bad_combine_raises(device):
         A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), combine="tree")
 
 
-def test_bad_index_mode_raises(device, monkeypatch):
+def test_bad_index_mode_raises(device):
     q, k, v = _inputs(1, 2, 1, 16, 8, torch.float32, device)
     idx = torch.zeros(1, 1, 2, dtype=torch.int32, device=device)
     for mode in ("Tile", "gather", ""):
         with pytest.raises(ValueError, match="index_mode must be 'tile' or 'loop'"):
             A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), idx, index_mode=mode)
-    monkeypatch.setenv("SPADE_ATTN_INDEX_MODE", "gather")  # the default comes from the environment
-    with pytest.raises(ValueError, match="SPADE_ATTN_INDEX_MODE"):
-        A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), idx)
-    monkeypatch.setenv("SPADE_ATTN_INDEX_MODE", "loop")
-    lens = torch.tensor([8], device=device)
+    lens = torch.tensor([8], device=device)  # the default is the tile path
     torch.testing.assert_close(A.sparse_decode_attention_triton(q, k, v, lens, idx),
                                A.sparse_decode_attention_triton(q, k, v, lens, idx, index_mode="tile"))
 
@@ -631,8 +627,7 @@ for dt, has_idx, direct, fused, loop, pdl in [
     out[name] = build(A._decode_split_kernel, args, dict(
         G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=1 if loop else 8, DIRECT=direct, HAS_INDICES=has_idx,
         IDX_LOOP=loop, HAS_START=True, UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32",
-        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True, PDL=pdl,
-        RELEASE_LATE=False), nw, ns)
+        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True, PDL=pdl), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),
@@ -681,17 +676,6 @@ def test_kernels_build_for_hopper():
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
         assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)
-
-
-def test_release_position_from_the_environment(monkeypatch):
-    """``SPADE_ATTN_RELEASE``: late (the default) or early; anything else names the variable."""
-    monkeypatch.delenv("SPADE_ATTN_RELEASE", raising=False)
-    assert A._release_late()
-    monkeypatch.setenv("SPADE_ATTN_RELEASE", "early")
-    assert not A._release_late()
-    monkeypatch.setenv("SPADE_ATTN_RELEASE", "soon")
-    with pytest.raises(ValueError, match="SPADE_ATTN_RELEASE must be early or late, got 'soon'"):
-        A._release_late()
 
 
 def test_split_heuristic_per_path(monkeypatch):

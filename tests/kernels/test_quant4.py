@@ -354,7 +354,7 @@ def test_policy_int4_copy_and_selection(B, Hq, Hkv, starts, dtype, reduce, monke
 def test_policy_int4_config_and_growing_view(monkeypatch):
     """``score_keys`` accepts int4; a growing cache view rebuilds the copy with doubled
     capacity but keeps the prompt's smoothing (the copy's scale is fixed per sequence)."""
-    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies.asyncspade import AsyncSpadePolicyConfig
     from tests.policies.sim import DecodeSim, make_policy
 
     monkeypatch.setenv("SPADE_KERNELS", "torch")
@@ -396,7 +396,7 @@ def test_int4_through_the_async_runtime_matches_inline(backend, monkeypatch):
     copy of the prompt's keys) gives the inline runtime's tokens."""
     from transformers import AutoModelForCausalLM
 
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.models.fast import FastModel
     from spade.models.presets import preset_config
     from spade.policies import build_policy

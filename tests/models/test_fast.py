@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spade.attention import AttentionContext, InlineSelector
-from spade.config import FullPolicyConfig
+from spade.policies.full import FullPolicyConfig
 from spade.errors import ConfigError, ModelError
 from spade.models.fast import FastArch, FastModel, _TORCH_OPS, triton_ops
 from spade.models.presets import PRESETS, preset_config
@@ -141,6 +141,20 @@ def test_smollm2_stages_match_transformers(smollm2):
 def test_tiny_matches_transformers(name):
     """Qwen3 (QK-norm), Qwen2 (QKV bias, tied), Llama (llama3 RoPE scaling, MQA)."""
     hf = perturbed_hf(name)
+    fast = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=40)
+    ids, mask = left_padded([9, 4, 8], fast.vocab_size, torch.Generator().manual_seed(3))
+    compare_with_hf(fast, hf, ids, mask, steps=6, tol=1e-4)
+
+
+def test_tiny_mistral_matches_transformers():
+    """Mistral without a sliding window (a supported family of both backends)."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=256,
+                        rope_theta=5000.0, tie_word_embeddings=False, sliding_window=None)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     fast = FastModel.from_hf_model(hf, max_batch=3, max_seq_len=40)
     ids, mask = left_padded([9, 4, 8], fast.vocab_size, torch.Generator().manual_seed(3))
     compare_with_hf(fast, hf, ids, mask, steps=6, tol=1e-4)

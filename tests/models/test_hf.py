@@ -1,6 +1,6 @@
 """The HF path: spade attention registered with transformers, HFBackend, apply/generate.
 
-Fast tests use tiny random-weight Llama / Qwen2 / Qwen3 models (one per family);
+Fast tests use tiny random-weight Llama / Qwen2 / Qwen3 / Mistral models (one per family);
 ``slow`` tests use the real SmolLM2-135M-Instruct (loaded once per module).
 """
 
@@ -11,21 +11,20 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-import spade.hf as H
+import spade.models.hf as H
 from spade.attention import AttentionContext, InlineSelector
-from spade.config import (
-    AsyncSpadePolicyConfig,
-    FullPolicyConfig,
-    OraclePolicyConfig,
-    QuestPolicyConfig,
-    StreamingPolicyConfig,
-    TovaPolicyConfig,
-)
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
+from spade.policies.quest import QuestPolicyConfig
+from spade.policies.streaming import StreamingPolicyConfig
+from spade.policies.tova import TovaPolicyConfig
 from spade.errors import ModelError
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "mistral": lambda **kw: MistralConfig(sliding_window=None, **kw)}  # full attention only
 
 
 def tiny_model(family: str, *, n_kv: int = 2, seed: int = 0, layers: int = 3):
@@ -130,7 +129,7 @@ def test_sliding_window_model_is_refused():
 
 
 # --------------------------------------------------------------------------- exactness vs sdpa
-@pytest.mark.parametrize("family,n_kv", [("llama", 2), ("qwen2", 1), ("qwen3", 4)])
+@pytest.mark.parametrize("family,n_kv", [("llama", 2), ("qwen2", 1), ("qwen3", 4), ("mistral", 2)])
 def test_full_policy_matches_sdpa(family, n_kv):
     """Dense prefill + spade decode steps (full policy) == transformers' sdpa forward."""
     m = tiny_model(family, n_kv=n_kv)

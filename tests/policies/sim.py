@@ -153,12 +153,9 @@ class DecodeSim:
 
 
 def make_policy(name: str, sim: DecodeSim, **cfg) -> Policy:
-    from spade import config as C
+    from spade.policies import POLICIES
 
-    cls = {"full": C.FullPolicyConfig, "oracle": C.OraclePolicyConfig, "streaming": C.StreamingPolicyConfig,
-           "quest": C.QuestPolicyConfig, "tova": C.TovaPolicyConfig,
-           "asyncspade": C.AsyncSpadePolicyConfig}[name]
-    return build_policy(cls(**cfg), sim.spec)
+    return build_policy(POLICIES.config(name)(**cfg), sim.spec)
 
 
 def attended_sets(sel: Selection, kv_lens: torch.Tensor) -> list[list[set[int]]]:

@@ -501,7 +501,7 @@ def test_compressed_keys_observe_and_select_replay_in_a_cuda_graph(score_keys, r
     host sync, no host-side data-dependent shapes)."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the policies' conftest pins the torch refs
     from spade.policies.base import AttentionSpec
-    from spade.config import AsyncSpadePolicyConfig
+    from spade.policies.asyncspade import AsyncSpadePolicyConfig
     from spade.policies import build_policy
 
     dev = torch.device("cuda")
@@ -562,7 +562,7 @@ def test_int8_through_the_async_runtime_matches_inline(backend, keys, monkeypatc
 
     from transformers import AutoModelForCausalLM
 
-    from spade.hf import HFBackend
+    from spade.models.hf import HFBackend
     from spade.models.fast import FastModel
     from spade.models.presets import preset_config
     from spade.policies import build_policy

@@ -37,17 +37,17 @@ def native_threads() -> int:
 
 
 def make_config(name: str, port: int, timeout_s: float):
-    from spade import config as C
+    from spade.transports import TRANSPORTS
 
     if name == "local":
-        return C.LocalTransportConfig()
+        return TRANSPORTS.config("local")()
     if name == "nccl":
         # gloo on CPU; nccl when both ranks are on CUDA ("auto").
-        return C.NcclTransportConfig(backend="auto", master_port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("nccl")(backend="auto", master_port=port, timeout_s=timeout_s)
     if name == "ucx":
-        return C.UcxTransportConfig(port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("ucx")(port=port, timeout_s=timeout_s)
     if name == "nixl":
-        return C.NixlTransportConfig(port=port, timeout_s=timeout_s)
+        return TRANSPORTS.config("nixl")(port=port, timeout_s=timeout_s)
     raise ValueError(f"no contract config for transport {name!r}")
 
 

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from spade.config import NixlTransportConfig
+from spade.transports.nixl import NixlTransportConfig
 from spade.errors import TransportError
 from spade.transports import Handshake, availability
 from spade.transports._framing import free_port

@@ -8,7 +8,7 @@ position ``t >= prefill_len``, exactly what the policy would select at decode
 step ``t``:
 
 1. the layer's q/k/v of all positions are computed by the model's own
-   attention module (through the ``"spade"`` attention hook of ``spade.hf``,
+   attention module (through the ``"spade"`` attention hook of ``spade.models.hf``,
    keyword ``spade_forced``), from the *previous layer's sparse outputs*, so
    layer ``l`` sees what decoding would have fed it;
 2. the policy runs over these small per-layer tensors as decoding would call
@@ -27,7 +27,7 @@ same inputs in the same order as decoding does: the logits match token-by-token
 decoding to float rounding (``tests/models/test_teacher.py`` checks every
 policy against ``HFBackend``).
 
->>> from spade.config import OraclePolicyConfig                  # doctest: +SKIP
+>>> from spade.policies.oracle import OraclePolicyConfig                  # doctest: +SKIP
 >>> ppl = sparse_perplexity(model, ids, OraclePolicyConfig(budget=64), prefill_len=256)
 """
 
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from spade.attention import InlineSelector
-from spade.hf import _as_policy, attention_spec, use_spade_attention
+from spade.models.hf import _as_policy, attention_spec, use_spade_attention
 from spade.policies.base import AttentionSpec, Policy
 
 __all__ = ["teacher_forced_logits", "sparse_perplexity", "TeacherForcing"]

@@ -12,16 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import spade.hf as H
-from spade.config import (
-    AsyncSpadePolicyConfig,
-    FullPolicyConfig,
-    OraclePolicyConfig,
-    QuestPolicyConfig,
-    StreamingPolicyConfig,
-    TovaPolicyConfig,
-)
-from spade.teacher import TeacherForcing, sparse_perplexity, teacher_forced_logits
+import spade.models.hf as H
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.full import FullPolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
+from spade.policies.quest import QuestPolicyConfig
+from spade.policies.streaming import StreamingPolicyConfig
+from spade.policies.tova import TovaPolicyConfig
+from spade.eval.teacher import TeacherForcing, sparse_perplexity, teacher_forced_logits
 from tests.models.test_hf import (
     PROMPT,
     decode_logits,
