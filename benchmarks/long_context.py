@@ -127,15 +127,20 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[str]:
-    try:
-        import matplotlib
+    import matplotlib  # a dependency of spade
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # pragma: no cover - matplotlib is a dependency
-        print(f"plots skipped: {e}", file=sys.stderr)
-        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     files = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        p = out_dir / name
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        files.append(str(p))
+
     b1 = [r for r in rows if r["batch"] == 1]
     if b1:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -155,11 +160,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
         ax.set_title(f"decode step vs context, B=1, K={b1[0]['budget']} ({gpu})", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        p = out_dir / "long_context_b1.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        files.append(str(p))
+        save(fig, "long_context_b1.png")
     asy = [r for r in rows if r["method"] in ("local", "colocated") and r["vs_optimal"]]
     if asy:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -173,11 +174,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
         ax.set_ylabel("TPOT / optimal")
         ax.set_title("asyncspade against the optimal sparse step", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out_dir / "long_context_ratio.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        files.append(str(p))
+        save(fig, "long_context_ratio.png")
     return files
 
 

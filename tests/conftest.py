@@ -34,6 +34,17 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tests of many tiny ops (a decode step = hundreds of small kernels): one intra-op
+    thread is several times faster than two, and far faster when the cores are shared
+    (spinning worker threads). Use it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

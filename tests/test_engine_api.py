@@ -20,12 +20,7 @@ TINY = ["model.name=tiny", "model.max_seq_len=96", "policy.budget=12", "policy.s
         "generation.prompts=[{text: 'a b c d e f g h i j k l m n o p'}, {text: 'x y z'}]"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -343,6 +343,41 @@ def test_select_overlap_results_match_plain_calls(device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,L", [(1, 262147), (2, 524309)])
+def test_carry_on_256k_plus_rows_on_gpu(B, L):
+    """Rows of 256k-512k tokens on the GPU (bf16 keys, GQA 8:2, K=2k): a drifting query
+    whose norm swings by 5% per call selects exactly what float64 scores rank, through
+    a CUDA-graph replay too, and after the first call no row falls back."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(17)
+    q0 = torch.randn(B, 8, 64, generator=g)
+    k = torch.randn(B, 2, L, 64, generator=g).to(dev, torch.bfloat16)
+    lo = torch.full((B,), 4, dtype=torch.int32, device=dev)
+    hi = torch.tensor([L - 64, L - 1001][:B], dtype=torch.int32, device=dev)
+    k_top, carry = 1980, scoring.new_carry(B, 2, dev)
+    out = torch.empty(B, 2, k_top, dtype=torch.int32, device=dev)
+    qbuf = torch.empty(B, 8, 64, dtype=torch.bfloat16, device=dev)
+
+    def step(i):
+        q = (q0 + 0.02 * i * torch.randn(q0.shape, generator=g)) * (1.0 + 0.05 * (-1) ** i)
+        qbuf.copy_(q.to(torch.bfloat16))
+        return scoring.score_topk_triton(qbuf, k, lo, hi, k_top, carry=carry, out=out)
+
+    for i in range(3):
+        step(i)
+        _check_topk(out, _scores64(qbuf, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), k_top, atol=1e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scoring.score_topk_triton(qbuf, k, lo, hi, k_top, carry=carry, out=out)
+    for i in range(3, 5):
+        qbuf.copy_(((q0 + 0.02 * i * torch.randn(q0.shape, generator=g)) * (1.0 + 0.05 * (-1) ** i)).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_topk(out, _scores64(qbuf, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), k_top, atol=1e-3)
+    assert (_fallbacks(carry) == 1).all(), _fallbacks(carry)
+
+
+@pytest.mark.gpu
 def test_select_overlap_block_without_selects_captures():
     """A block that forks nothing (every selection of the pack reused, or dense) joins
     nothing: inside a CUDA-graph capture a join of the idle side stream would wait on a

@@ -86,15 +86,7 @@ def _no_grad():
         yield
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tests run many tiny ops (one decode step = hundreds of small kernels):
-    one intra-op thread is several times faster than two, and far faster when the
-    cores are shared (spinning worker threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spade.config import NixlTransportConfig, UcxTransportConfig
+from spade.transports.nixl import NixlTransportConfig
+from spade.transports.ucx import UcxTransportConfig
 from spade.errors import TransportError
 from spade.transports._framing import check_port_free, port_in_use
 from spade.transports.base import Handshake
