@@ -799,7 +799,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "of --profile's first row per topology; --profile still profiles optimal and full")
     ap.add_argument("--cache-thread", default="auto",
                     help="runtime.cache_thread of the colocated / local rows, comma-separated from "
-                         "auto,thread,coroutine: the first names the rows, each further one adds rows "
+                         "auto,coroutine: the first names the rows, each further one adds rows "
                          "suffixed /<mode>, side by side")
     ap.add_argument("--blocking-sync", action="store_true",
                     help="every row waits for the device between steps with torch.cuda.synchronize (an async "
@@ -843,8 +843,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     global POLL
     POLL = not a.blocking_sync
     a.cache_thread = [m.strip() for m in a.cache_thread.split(",") if m.strip()]
-    if not a.cache_thread or any(m not in ("auto", "thread", "coroutine") for m in a.cache_thread):
-        ap.error(f"--cache-thread takes auto,thread,coroutine (comma-separated); got {a.cache_thread}")
+    if not a.cache_thread or any(m not in ("auto", "coroutine") for m in a.cache_thread):
+        ap.error(f"--cache-thread takes auto,coroutine (comma-separated); got {a.cache_thread}")
     a.modes = [m for m in a.modes.split(",") if m]
     a.score_keys = [m for m in a.score_keys.split(",") if m]
     bad = [m for m in a.score_keys if m not in ("exact", "int8", "int4")]

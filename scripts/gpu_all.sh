@@ -49,8 +49,8 @@
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
-#              one run per AB_ENVS entry (VAR=VALUE: the indexed attention's programs per SM,
-#              the GEMV's L2 prefetch), to hold against the first run's default rows
+#              one run per AB_ENVS entry (VAR=VALUE, default: the indexed attention's programs per SM), to
+#              hold against the first run's default rows
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
@@ -139,7 +139,7 @@ for s in "${stages[@]}"; do
             --packs ${HEADLINE_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-30} \
             --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess --pdl ${PDL_MODES:-all,decode,off} \
             --profile-rows ${PDL_PROFILE:-none} --budget-s 270 --out "$OUT/bench_tpot_pdl.json"
-      for ab in ${AB_ENVS:-SPADE_ATTN_PROGRAMS_PER_SM=3 SPADE_GEMV_PREFETCH=2}; do
+      for ab in ${AB_ENVS:-SPADE_ATTN_PROGRAMS_PER_SM=3}; do
         run "bench_tpot_ab_${ab%%=*}" 200 env "$ab" python3 -m benchmarks.bench_tpot --batch 8 \
               --context 32768 --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --methods full,optimal,asyncspade/local --budget-s 170 --no-plots \
