@@ -114,7 +114,8 @@ GLU_CONFIGS = [None, GemvConfig(32, 64, 1, 4, 2, "dot"), GemvConfig(16, 64, 3, 4
 def test_glu_matches_reference_and_the_two_launches(device, cfg, M, I, dtype):
     """``linear_glu_triton`` (odd I: a ragged last block of gate / up rows; split-K configs)
     against the fp64 ``silu(x g^T) * (x u^T)``, against ``linear_glu_ref`` within a rounding
-    step, and bit for bit against the unfused GEMV followed by the SiLU-product kernel."""
+    step, and bit for bit against the unfused GEMV followed by the SiLU-product kernel (fp32 in
+    the interpreter: within a few ulps)."""
     x, w, _ = _inputs(M, 2 * I, K, dtype, device, bias=False)
     y = linear_glu_triton(x, w, config=cfg)
     assert y.shape == (M, I) and y.dtype == dtype
@@ -122,7 +123,11 @@ def test_glu_matches_reference_and_the_two_launches(device, cfg, M, I, dtype):
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(y.double(), F.silu(g) * u, rtol=tol, atol=tol)
     torch.testing.assert_close(y.float(), linear_glu_ref(x, w).float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(y, _silu_mul_two_step(linear_triton(x, w, config=cfg)), rtol=0, atol=0)
+    # bit for bit on a GPU; the interpreter's numpy evaluates the epilogue's exp on other array
+    # shapes than the elementwise kernel's (SIMD vs scalar lanes): a few fp32 ulps there
+    exact = device.type == "cuda" or dtype != torch.float32
+    torch.testing.assert_close(y, _silu_mul_two_step(linear_triton(x, w, config=cfg)),
+                               rtol=0 if exact else 4e-6, atol=0 if exact else 1e-6)
 
 
 def test_glu_out_and_bad_input(device):
