@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spade.kernels import scoring
+from spade.kernels import radix_topk
 
 CASES = [  # (B, H, N, K, ties)
     (3, 2, 200, 17, False),
@@ -22,7 +22,7 @@ CASES = [  # (B, H, N, K, ties)
 @pytest.fixture
 def small_tiles(monkeypatch):
     def use(tie_block: int) -> None:
-        monkeypatch.setattr(scoring, "SELECT_CONFIG", dict(BLOCK=16, MIN_CHUNK=16, PER_SM=4, TIE_BLOCK=tie_block))
+        monkeypatch.setattr(radix_topk, "SELECT_CONFIG", dict(BLOCK=16, MIN_CHUNK=16, PER_SM=4, TIE_BLOCK=tie_block))
     return use
 
 
@@ -37,8 +37,8 @@ def test_topk_from_scores_many_tiles(small_tiles, tie_block, B, H, N, K, ties, d
     lo = torch.tensor([3 + b for b in range(B)])
     hi = torch.tensor([N - 2 * b for b in range(B)])
     small_tiles(tie_block)
-    out = scoring.topk_from_scores_triton(s.to(device), lo.to(device), hi.to(device), K).cpu()  # [B, H, K]
-    ref = scoring.topk_from_scores_ref(s, lo, hi, K)
+    out = radix_topk.topk_from_scores_triton(s.to(device), lo.to(device), hi.to(device), K).cpu()  # [B, H, K]
+    ref = radix_topk.topk_from_scores_ref(s, lo, hi, K)
     assert out.shape == (B, H, K) and out.dtype == torch.int32
     for b in range(B):
         n_valid = min(K, int(hi[b] - lo[b]))
