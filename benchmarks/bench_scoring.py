@@ -233,7 +233,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> None:
-    from spade.kernels import quant, quest, scoring
+    from spade.kernels import quant, quest, radix_topk, scoring
 
     dev = DEVICE
     scale = D ** -0.5
@@ -330,21 +330,21 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
         K = max(ks)
         shp = dict(B=B, L=L, K=K)
         for fuse in (True, False):
-            scoring.SELECT_CONFIG.clear()
-            scoring.SELECT_CONFIG.update(fuse_hist=fuse)
+            radix_topk.SELECT_CONFIG.clear()
+            radix_topk.SELECT_CONFIG.update(fuse_hist=fuse)
             try:
                 out = scoring.score_topk_triton(q, k, lo, hi, K)
                 ok = dict(deficit=selection_deficit(out, naive_topk(q, k, lo, hi, K, scale), truth))
                 ms = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
             r.add("score_topk", "fuse_hist" if fuse else "separate_hist0", shp, ms, mid_bytes, **ok)
         for block, warps in ((1024, 4), (2048, 8), (4096, 8)):
-            scoring.SELECT_CONFIG.update(BLOCK=block, num_warps=warps)
+            radix_topk.SELECT_CONFIG.update(BLOCK=block, num_warps=warps)
             try:
                 ms = bench(lambda: scoring.score_topk_triton(q, k, lo, hi, K))
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
             r.add("score_topk", f"sel{block}w{warps}", shp, ms, mid_bytes)
         # sum_logits as a GEMV (group collapsed into one query): int8 default vs the
         # tensor-core tile path, bf16 keys through the GEMV, GEMV tile configs

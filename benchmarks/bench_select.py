@@ -75,15 +75,17 @@ def _graph_ms(fn, *, rep: int) -> float:
     return float(triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median"))
 
 
-def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
+def _stage_fns(q, k, ks, lo, hi, K: int):
     """Closures running the first n stages of ``score_topk_triton`` on preallocated
     buffers (n = 1..4: scoring with the pass-0 histogram, radix pass 1, split, ties),
     the stage names, and the buffer holding the result."""
+    from spade.kernels import common, radix_topk, scoring  # after main's TRITON_INTERPRET
+
     B, Hq, _ = q.shape
     _, Hkv, L, Dk = k.shape
     rows = B * Hkv
     dev = k.device
-    ws = scoring._new_workspace(rows, dev)
+    ws = radix_topk._new_workspace(rows, dev)
     scores = torch.empty(rows, L, dtype=torch.float32, device=dev)
     out = torch.empty(rows, K, dtype=torch.int32, device=dev)
     ties = torch.empty(rows, L, dtype=torch.int32, device=dev)
@@ -95,45 +97,47 @@ def _stage_fns(scoring, q, k, ks, lo, hi, K: int):
         ws.zero_()
         scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce="sum_logits",
                                full_row=False, hist=ws, k_scale=ks)
-        c = scoring._select_config(dev)
-        meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=scoring._interpret(), num_warps=c["num_warps"])
-        chunk, n_chunks = scoring._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
+        c = radix_topk._select_config(dev)
+        meta = dict(HKV=Hkv, BLOCK=c["BLOCK"], INTERPRET=common._interpret(), num_warps=c["num_warps"])
+        chunk, n_chunks = common._split(L, rows, dev, block=c["BLOCK"], min_chunk=c["MIN_CHUNK"],
                                          per_sm=c.get("PER_SM", 4))
         grid = (rows, n_chunks)
-        cnt = ws[scoring._NHIST * rows * scoring._NBINS:]
+        cnt = ws[radix_topk._NHIST * rows * radix_topk._NBINS:]
         if n >= 2:
-            scoring._radix_pass_kernel[grid](scores, ws, lo, hi, ws, L, rows, K, 0, chunk, PASS=1, **meta)
+            radix_topk._radix_pass_kernel[grid](scores, ws, lo, hi, ws, L, rows, K, 0, chunk, PASS=1, **meta)
         if n >= 3:
-            scoring._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, ws, L, rows, K, chunk, **meta)
+            radix_topk._radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, ws, L, rows, K, chunk, **meta)
         if n >= 4:
-            scoring._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, ws, L, rows, K, 0,
+            radix_topk._tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, ws, L, rows, K, 0,
                                                 **dict(meta, BLOCK=c.get("TIE_BLOCK", c["BLOCK"])))
 
     return run, names, out
 
 
-def _carry_fns(scoring, q, k, ks, lo, hi, K: int):
+def _carry_fns(q, k, ks, lo, hi, K: int):
     """Closures for the threshold-carry top-K (``score_topk(..., carry=)``) on preallocated
     buffers: ``run(n)`` runs scoring alone (n=1, no histogram), + the candidate compaction
     (n=2), + the carry select (n=3); ``run_fallback()`` resets the carry first, so every
     row takes the whole-row fallback. Returns (run, run_fallback, out, carry)."""
+    from spade.kernels import carry as carry_mod, scoring  # after main's TRITON_INTERPRET
+
     B, Hq, _ = q.shape
     _, Hkv, L, Dk = k.shape
     rows = B * Hkv
     dev = k.device
-    carry = scoring.new_carry(B, Hkv, dev)
+    carry = carry_mod.new_carry(B, Hkv, dev)
     scores = torch.empty(rows, L, dtype=torch.float32, device=dev)
     out = torch.empty(rows, K, dtype=torch.int32, device=dev)
     n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
     scale = scoring._default_scale(None, Dk)
-    neg_inf = scoring.new_carry(B, Hkv, dev)
+    neg_inf = carry_mod.new_carry(B, Hkv, dev)
 
     def run(n: int) -> None:
         if n == 1:
             scoring._launch_scores(q, k, scores.view(B, Hkv, L), lo, hi, n_lo, n_hi, scale=scale,
                                    reduce="sum_logits", full_row=False, hist=None, k_scale=ks)
             return
-        scoring._carry_topk(q, k, scores, lo, hi, n_lo, n_hi, K, carry, out, scale=scale, reduce="sum_logits",
+        carry_mod._carry_topk(q, k, scores, lo, hi, n_lo, n_hi, K, carry, out, scale=scale, reduce="sum_logits",
                             k_scale=ks, hkv=Hkv, select=n >= 3)
 
     def run_fallback() -> None:
@@ -143,30 +147,32 @@ def _carry_fns(scoring, q, k, ks, lo, hi, K: int):
     return run, run_fallback, out, carry
 
 
-def _overlap_fns(scoring, q, k, ks, lo, hi, K: int, layers: int):
+def _overlap_fns(q, k, ks, lo, hi, K: int, layers: int):
     """``layers`` consecutive layers of the threshold-carry top-K as a cache rank's pack
     runs them (own carry, scores and output per layer; the same keys and query):
     ``run(on)`` with ``select_overlap`` on or off, ``reset()`` their carries. Returns
     (run, reset, outs)."""
+    from spade.kernels import carry as carry_mod, overlap, scoring  # after main's TRITON_INTERPRET
+
     B = q.shape[0]
     _, Hkv, L, Dk = k.shape
     rows = B * Hkv
     dev = k.device
-    carries = [scoring.new_carry(B, Hkv, dev) for _ in range(layers)]
+    carries = [carry_mod.new_carry(B, Hkv, dev) for _ in range(layers)]
     scores = [torch.empty(rows, L, dtype=torch.float32, device=dev) for _ in range(layers)]
     outs = [torch.empty(rows, K, dtype=torch.int32, device=dev) for _ in range(layers)]
     n_lo, n_hi = scoring._norm_range(lo, hi, None, "sum_logits")
     scale = scoring._default_scale(None, Dk)
 
     def run(on: bool) -> None:
-        with scoring.select_overlap(dev, enabled=on):
+        with overlap.select_overlap(dev, enabled=on):
             for j in range(layers):
-                scoring._carry_topk(q, k, scores[j], lo, hi, n_lo, n_hi, K, carries[j], outs[j], scale=scale,
+                carry_mod._carry_topk(q, k, scores[j], lo, hi, n_lo, n_hi, K, carries[j], outs[j], scale=scale,
                                     reduce="sum_logits", k_scale=ks, hkv=Hkv)
 
     def reset() -> None:
         for c in carries:
-            scoring.reset_carry(c)
+            carry_mod.reset_carry(c)
 
     return run, reset, outs
 
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from spade.kernels import quant, scoring  # after TRITON_INTERPRET
+    from spade.kernels import carry as carry_mod, quant, radix_topk, scoring  # after TRITON_INTERPRET
 
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -264,27 +270,27 @@ def main(argv: list[str] | None = None) -> int:
             return float(((best - got).abs() / best.abs().clamp(min=1e-6)).max())
 
         def timed_stages(cfg: dict) -> dict | None:
-            scoring.SELECT_CONFIG.clear()
-            scoring.SELECT_CONFIG.update(cfg)
+            radix_topk.SELECT_CONFIG.clear()
+            radix_topk.SELECT_CONFIG.update(cfg)
             try:
-                run, names, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                run, names, out = _stage_fns(q, kk, ks, lo, hi, K)
                 run(len(names))
                 err = check(out)
                 if err > 1e-4:
                     return dict(error=f"selection deficit {err:.2e}")
                 ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in range(1, len(names) + 1)]
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
             stages = {f"{name}_ms": ms[0] if i == 0 else ms[i] - ms[i - 1] for i, name in enumerate(names)}
             return dict(stages, total_ms=ms[-1], select_ms=ms[-1] - ms[0], deficit=err)
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
         for cc in [c for c in args.carry.split(",") if c]:
-            scoring.SELECT_CONFIG.clear()
-            scoring.SELECT_CONFIG.update(_carry_cfg(cc))
+            radix_topk.SELECT_CONFIG.clear()
+            radix_topk.SELECT_CONFIG.update(_carry_cfg(cc))
             try:
-                run, run_fb, out, carry = _carry_fns(scoring, q, kk, ks, lo, hi, K)
+                run, run_fb, out, carry = _carry_fns(q, kk, ks, lo, hi, K)
                 run_fb()  # sets the threshold; then the steady state (the same query again)
                 run(3)
                 err = check(out)
@@ -293,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                 if err > 1e-4:
                     res = dict(error=f"selection deficit {err:.2e}")
                 else:
-                    st0 = scoring.carry_stats(carry)
+                    st0 = carry_mod.carry_stats(carry)
                     ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in (1, 2, 3)]
-                    st = scoring.carry_stats(carry)
+                    st = carry_mod.carry_stats(carry)
                     calls = st["calls"] - st0["calls"]
                     fb_ms = _graph_ms(run_fb, rep=rep)
                     res = dict(score_ms=ms[0], compact_ms=ms[1] - ms[0], carry_select_ms=ms[2] - ms[1],
@@ -305,21 +311,21 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
             record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=cc), **res))
         ov_specs = [o for o in args.overlap.split(",") if o] if args.carry else []
         serial_ms = None
         for spec in ["off"] + ov_specs if ov_specs else []:
             # a pack of layers with the select beside the next layer's scoring (select_overlap):
             # off, then each WARPS[:PRIORITY] on the side stream
-            scoring.SELECT_CONFIG.clear()
-            scoring.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
+            radix_topk.SELECT_CONFIG.clear()
+            radix_topk.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
             on = spec != "off"
             if on:
                 w, *pr = spec.split(":")
-                scoring.SELECT_CONFIG.update(carry_overlap_warps=int(w), carry_overlap_priority=int(pr[0]) if pr else 0)
+                radix_topk.SELECT_CONFIG.update(carry_overlap_warps=int(w), carry_overlap_priority=int(pr[0]) if pr else 0)
             try:
-                run, reset, outs = _overlap_fns(scoring, q, kk, ks, lo, hi, K, args.overlap_layers)
+                run, reset, outs = _overlap_fns(q, kk, ks, lo, hi, K, args.overlap_layers)
                 reset()
                 run(on)  # every layer's first call falls back and sets its threshold
                 run(on)
@@ -338,17 +344,17 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
             record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], overlap=spec,
                                                               layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
         for tc in tiles:
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
-            scoring.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
+            radix_topk.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
             scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns, **({"PER_SM": per_sm[0]} if per_sm
                                                                                    else {}))
             try:
-                run, run_fb, out, carry = _carry_fns(scoring, q, kk, ks, lo, hi, K)
+                run, run_fb, out, carry = _carry_fns(q, kk, ks, lo, hi, K)
                 run_fb()
                 run(3)
                 err = check(out)
@@ -358,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
-                scoring.SELECT_CONFIG.clear()
+                radix_topk.SELECT_CONFIG.clear()
                 for key in ("BLOCK_L", "num_warps", "num_stages", "PER_SM"):
                     scoring.GEMV_CONFIG.pop(key, None)
             record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], score_tile=tc), **res))
@@ -369,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             for bl, nw, ns in itertools.product((128, 256, 512), (4, 8), (3, 4)):
                 scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns)
                 try:
-                    run, names, out = _stage_fns(scoring, q, kk, ks, lo, hi, K)
+                    run, names, out = _stage_fns(q, kk, ks, lo, hi, K)
                     run(len(names))
                     err = check(out)
                     res = dict(error=f"selection deficit {err:.2e}") if err > 1e-4 else \

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from spade.kernels import scoring
+    from spade.kernels.carry import CARRY_MARGIN, carry_stats, new_carry
     from spade.policies.predictors import predict
 
     torch.manual_seed(0)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(layers) * len(methods) * len(budgets)
     for n, (layer, method, K) in enumerate(((lay, m, b) for lay in layers for m in methods for b in budgets)):
         q_all, k_all = qs[layer].float(), ks[layer].float()  # [Hq, T, D], [Hkv, T, D]
-        carry = scoring.new_carry(1, Hkv, "cpu")
+        carry = new_carry(1, Hkv, "cpu")
         k_top = K - a.sink - a.recent
         for t in range(first, a.context):
             if method == "oracle":
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             scoring.score_topk_triton(q[None], k_all[None, :, :t + 1], lo, hi, k_top, scale=scale,
                                       reduce=a.group_reduce, kv_lens=torch.tensor([t + 1]), carry=carry)
             if t == first:  # the first call always falls back (no threshold yet): count from the second on
-                base = scoring.carry_stats(carry)
-        st = scoring.carry_stats(carry)
+                base = carry_stats(carry)
+        st = carry_stats(carry)
         calls, fb = st["calls"] - base["calls"], st["fallbacks"] - base["fallbacks"]
         rows.append(dict(layer=layer, method=method, budget=K, calls=calls, fallbacks=fb,
                          fallback_rate=fb / calls if calls else 0.0))
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"meta": dict(model=model_name, context=a.context, steps=a.steps, budgets=budgets,
                                             sink=a.sink, recent=a.recent, window=a.window,
                                             group_reduce=a.group_reduce, layers=layers,
-                                            margin=scoring.CARRY_MARGIN, wall_s=time.time() - t_start),
+                                            margin=CARRY_MARGIN, wall_s=time.time() - t_start),
                                "summary": summary, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -98,11 +98,11 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     ``[lo, hi)``; without ``kv_lens`` it spans ``[lo, hi)``. int8 / packed int4 ``k``
     needs ``k_scale`` as in ``group_scores``. ``out`` (contiguous int32 [B, Hkv, k_top]):
     the result is written there (the Triton kernels write it directly) and ``out`` returned.
-    ``carry`` (``scoring.new_carry(B, Hkv, device)``, kept per layer across steps): the
+    ``carry`` (``carry.new_carry(B, Hkv, device)``, kept per layer across steps): the
     threshold-carry top-K (``scoring.score_topk_triton``): the same selection, found
     among the scores above the previous call's threshold instead of by radix passes
     over every row; ``carry_margin``: its next threshold aims at that many times
-    ``k_top`` candidates (``scoring.carry_sizes``; the reference ignores it)."""
+    ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it)."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
@@ -114,12 +114,12 @@ def select_overlap(device, enabled=None):
     """A context in which each threshold-carry ``score_topk(..., carry=)`` runs its
     top-K select on a side CUDA stream beside the next call's scoring; joined on exit
     (read no result inside). ``SPADE_SELECT_OVERLAP`` (auto / on / off) or ``enabled``
-    turns it on; a no-op off CUDA (``scoring.select_overlap``)."""
+    turns it on; a no-op off CUDA (``overlap.select_overlap``)."""
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
-    from spade.kernels import scoring
+    from spade.kernels import overlap
 
-    return scoring.select_overlap(device, enabled)
+    return overlap.select_overlap(device, enabled)
 
 
 def quest_build(k, kv_lens, page_size, *, kv_start=None):

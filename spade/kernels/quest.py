@@ -18,7 +18,7 @@ with ``q⁺ = max(q, 0)`` and ``q⁻ = min(q, 0)`` (exact, also in floating poin
 one of the two products is a signed zero). So the Triton kernel runs the G query
 heads of a group as the rows of two ``tl.dot`` against the page bounds, reading
 the metadata (2·P·D elements per row) once. ``quest_select`` reuses the exact
-radix top-K of ``spade.kernels.scoring`` on the page scores.
+radix top-K of ``spade.kernels.radix_topk`` on the page scores.
 
 As in scoring, the query is rounded to the bounds' dtype first (both paths).
 """
@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels import scoring
+from spade.kernels import radix_topk
+from spade.kernels.common import _check_rows, _interpret, _sm_count
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
-from spade.kernels.scoring import _check_rows, _default_scale, _interpret, _sm_count
+from spade.kernels.scoring import _default_scale
 
 __all__ = [
     "quest_build_ref",
@@ -180,7 +181,7 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv
     start, page_lo, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
     scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce, page_start=page_lo)
     # candidates: [page_lo, last) -- every valid page but the last (empty when last = -1)
-    others = scoring.topk_from_scores_ref(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
+    others = radix_topk.topk_from_scores_ref(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
     pages = torch.cat([last.view(B, 1, 1).expand(B, Hkv, 1).to(torch.int32), others], dim=-1)
     return _pages_to_tokens(pages, start, kv_lens.to(kmin.device).long(), page_size)
 
@@ -431,7 +432,7 @@ def _row_tile_keys(srow, l0, lo, hi, BLOCK: tl.constexpr):
     them are candidates ``[lo, hi)``."""
     offs = l0 + tl.arange(0, BLOCK)
     valid = (offs >= lo) & (offs < hi)
-    key = scoring._f32_key(tl.load(srow + offs, mask=valid, other=0.0))
+    key = radix_topk._f32_key(tl.load(srow + offs, mask=valid, other=0.0))
     return offs, key, valid
 
 
@@ -492,7 +493,7 @@ def _quest_row_select_kernel(
                 if p > 0:
                     valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
                 acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
-        d, k_rem = scoring._pick_digit(acc, k_rem)
+        d, k_rem = radix_topk._pick_digit(acc, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     # prefix is now the key of the k_eff-th best page: k_eff - k_rem pages beat it,
     # and the first k_rem pages equal to it fill the remaining slots
@@ -693,7 +694,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
     * ``"radix"``: the page-score kernel also derives each row's page
       range and writes the top-K's candidate range, then the multi-program radix
-      top-K of ``spade.kernels.scoring`` and an expansion kernel (6 launches);
+      top-K of ``spade.kernels.radix_topk`` and an expansion kernel (6 launches);
     * ``"radix_plan"``: the earlier path, with its own plan launch (7 launches);
     * ``"rowselect"``: the page-score kernel, then one program per (b, KV head)
       runs the whole radix select on its row and writes the tokens
@@ -758,7 +759,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                                                      **pdl_kwargs(start_t, "select"))
             page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
             _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=scale, reduce=reduce)
-        sel = scoring.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
+        sel = radix_topk.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:
         sel = out  # never read: n_sel - 1 == 0 slots
     BLOCK = min(1024, triton.next_power_of_2(n_out))

@@ -17,72 +17,9 @@ any group sum, so it runs in two kernels: per-head logits plus per-chunk online
 sums the normalised heads (the logits are G x 4 bytes per token: small next to
 the keys, so the keys are still read once).
 
-Why the top-K is built this way
--------------------------------
-The naive selection (``matmul`` + ``torch.topk``) is slower than the full
-attention it replaces. The floor is reading the keys of ``[lo, hi)`` once
-(256 bytes per token and KV head at d=128 in bf16). ``tl.topk`` gives values
-only, and a chunk-local top-K keeps nothing useful when K is comparable to the
-chunk, so the design is a *radix select on the score bits*:
-
-1. Stage 1 (split-L, one program per (b, KV head, chunk of L)) scores its chunk
-   and writes fp32 scores: 4 bytes per token and KV head, 1/64 of the key bytes
-   at d=128 bf16. It also builds the histogram of the top 8 bits of each score's
-   order-preserving uint32 key (``_f32_key``) in registers and adds it to a
-   per-row global histogram with 256 atomics per program (pass 0 fused).
-2. Stage 2 finds the exact K-th largest key of each row digit by digit (8-bit
-   digits, most significant first): pass p histograms digit p of the keys tied
-   with the prefix chosen so far, and the chosen digit is the largest whose
-   suffix count reaches the rank still to fill. Passes 0 and 1 run over whole
-   rows as (row, chunk) programs merging histograms with atomics (pass 0 fused
-   into stage 1). A split pass then writes the sure winners (top 16 key bits
-   above the K-th's) straight to the output and the 16-bit ties to a per-row
-   buffer; 16 bits resolve the score to 2^-7 relative, so for real score
-   distributions only a few dozen ties remain. A last one-program-per-row
-   kernel runs passes 2-3 on the ties alone, gets the exact threshold ``T`` and
-   the count ``r`` of elements equal to it to take, and writes the ties above
-   ``T``, the first ``r`` equal to it (ties broken by arrival order), then
-   ``-1`` padding.
-
-The 8-bit histograms cost instructions (``tl.histogram`` works by warp ballots
-per bin bit), so only one pass besides the fused one touches every score;
-everything after stage 1 reads fp32 scores, 4 bytes per token and KV head, from
-L2 mostly: two sweeps are 1/32 of the key bytes. Launches: a memset of the
-workspace, stage 1, pass 1, split, ties (plus the softmax finalize kernel for
-``sum_softmax``). Worst case (all scores equal) the tie buffer holds the whole
-row and the last kernel sweeps it three times per row: slower, still exact.
-
-Threshold-carry top-K (``score_topk(..., carry=)``; ``policy.topk: carry``)
----------------------------------------------------------------------------
-A caller that selects the same rows step after step (a layer of a decode) keeps a
-small state per row (``new_carry``): the threshold carried from the previous call,
-per unit of the query's norm. A one-program-per-row kernel scales it by this call's
-query norm (``_carry_prep_kernel``): scores move in proportion to the query's norm,
-and the count of keys above a fixed threshold moves exponentially in it, the faster
-the further in the tail the K-th score sits — on long rows a few percent of norm
-drift would empty or flood the candidate window. Stage 1 then skips the pass-0
-histogram and marks the positions scoring at or above the threshold in a bitmask
-(``_carry_mask``: one bit per position, no atomics). One program per row
-(``_carry_select_kernel``) expands the bitmask into the candidates' positions,
-gathers their scores and, when their count ``n`` lies in ``[k_top, CAP]``, finds the
-K-th largest among them with an in-register radix select (16-bin digits: 8 passes of
-a cheap histogram) — exact, since every key outside the list scores below the
-threshold — writes the winners, and aims the next threshold at ``CARRY_MARGIN *
-k_top`` candidates by the secant through (threshold, n) and (K-th score, k_top).
-Otherwise (the first call; the scores jumped; a row shorter than K) it flags the
-row, and the radix passes above, launched every call but gated on the flag (other
-rows' programs exit at once: a static, capturable launch sequence), select that row
-over its whole score row with many programs, and set its next threshold to the
-lowest score of the 16-bit bucket holding its ``CARRY_MARGIN * k_top``-th largest
-(a second pass-1 histogram, for that rank). Same result as the radix path; no
-full-row passes while consecutive calls score alike, and a fallback costs about the
-radix path's passes, at any row length.
-
-The select is one latency-bound program per row; the scoring is bandwidth-bound.
-Inside ``select_overlap`` (the cache rank wraps each pack's layers in one) every
-select goes to a side stream after its own scoring, so layer j's select runs
-beside layer j+1's scoring; the block joins on exit (run47, H200: a pack of four
-layers 0.88-0.93x of the serial time).
+The top-K over the scores: ``spade.kernels.radix_topk`` (exact radix select, the
+default) and ``spade.kernels.carry`` (threshold carry, ``carry=``); ``select_overlap``
+(``spade.kernels.overlap``) runs the carry's select beside the next call's scoring.
 
 Everything is sized from tensor shapes only (no host sync), so the ops can be
 captured in a CUDA graph.
@@ -110,18 +47,16 @@ by the caller): to these kernels an int4 copy is plain symmetric int4.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-import threading
-
 import torch
 import triton
 import triton.language as tl
 
-from spade.envs import env, triton_interpret
+from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
+from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
+from spade.kernels.radix_topk import (SELECT_CONFIG, _f32_key, _new_workspace, _select_from_scores,
+                                      topk_from_scores_ref, topk_from_scores_triton)
 
 __all__ = [
     "REDUCES",
@@ -133,20 +68,15 @@ __all__ = [
     "topk_from_scores_triton",
 ]
 
+
 REDUCES = ("sum_logits", "max_logits", "sum_softmax")
 _REDUCE_CODE = {"sum_logits": 0, "max_logits": 1}
 _LOGITS_MODE = 2  # stage-1 mode of sum_softmax: per-head logits + online stats
-_NBINS = 256  # 8-bit radix digits, 4 passes over a 32-bit key
 
 
 # ----------------------------------------------------------------------------------------------
 # Shared host-side helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _interpret() -> bool:
-    """True when Triton runs under its CPU interpreter (decided at launch time)."""
-    return triton_interpret()
 
 
 def _check_reduce(reduce: str) -> None:
@@ -169,16 +99,6 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
     if q.device != k.device:
         raise ValueError(f"q on {q.device} but k on {k.device}")
     return B, Hq, Hkv, L, D
-
-
-def _check_rows(t: torch.Tensor, B: int, name: str, device: torch.device | None = None) -> torch.Tensor:
-    """Validate a per-row [B] integer tensor; move it to ``device`` if given (the
-    kernels read it on the device)."""
-    if t.shape != (B,):
-        raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-    return t if device is None else t.to(device)
 
 
 def _default_scale(scale: float | None, D: int) -> float:
@@ -220,33 +140,6 @@ def _check_k_scale(k: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tenso
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """SMs of the device (a small stand-in under the interpreter, to keep grids tiny)."""
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int,
-           per_sm: int = 4) -> tuple[int, int]:
-    """Split rows of length ``n`` into chunks for a (row, chunk) grid.
-
-    Aims at about ``per_sm`` programs per SM (several waves, so the last partial
-    wave costs little), with chunks of at least ``min_chunk`` elements (rounded to
-    ``block``) so per-program work amortises its fixed costs (q load, histogram
-    atomics). Returns (chunk, n_chunks)."""
-    n = max(n, 1)
-    target = per_sm * _sm_count(device)
-    n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
-    chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block
-    return chunk, triton.cdiv(n, chunk)
-
-
 def _score_config(D: int, device: torch.device) -> dict:
     """Tile sizes of the scoring kernels. Overridable through ``SCORE_CONFIG`` (the
     benchmark sweeps it)."""
@@ -261,31 +154,11 @@ def _score_config(D: int, device: torch.device) -> dict:
     return cfg
 
 
-def _select_config(device: torch.device) -> dict:
-    if _interpret() or device.type != "cuda":
-        cfg = dict(BLOCK=256, num_warps=1, MIN_CHUNK=256)
-    else:
-        # best of bench_select's grid on an H200 (select 43 / 108 / 110 us at B=8 L=32k /
-        # B=8 L=128k / B=32 L=32k, K=2048, vs 46 / 131 / 118 us for 1024 x 4 warps, 4 per SM)
-        # (the tie kernel: 7 us with 512-element tiles, 13 us with 2048)
-        cfg = dict(BLOCK=2048, num_warps=4, MIN_CHUNK=1024, PER_SM=8, TIE_BLOCK=512)
-    cfg.update(SELECT_CONFIG)
-    return cfg
-
-
 SCORE_CONFIG: dict = {}
 """Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``, and ``LANE_STATS``: the ``sum_softmax``
 online statistics per tile element, reduced once per chunk, an experiment against
 the per-tile cross-lane reductions); empty = the built-in heuristic."""
-SELECT_CONFIG: dict = {}
-"""Overrides for the radix-select kernels (``BLOCK``, ``num_warps``, ``MIN_CHUNK``, ``PER_SM``,
-``TIE_BLOCK``: the tile of the per-row tie kernel; ``GATED_PER_SM``: programs per SM of the
-threshold-carry fallback's gated passes, default 1) and
-``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1); and of the
-threshold-carry top-K (``_carry_config``'s ``carry_*`` keys, ``carry_margin``; under
-``select_overlap``: ``carry_overlap_warps``, the select's warps on the side stream, and
-``carry_overlap_priority``, the side stream's priority)."""
 
 
 def _dot_flags(k: torch.Tensor) -> tuple[bool, bool]:
@@ -319,12 +192,6 @@ def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
     if k_scale is not None:
         logits = logits * k_scale.float()[:, :, None, :]  # [B, Hkv, 1, L]
     return logits
-
-
-def _range_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
-    """[B, L] bool: lo[b] <= p < hi[b]."""
-    pos = torch.arange(L, device=lo.device)
-    return (pos[None, :] >= lo.long()[:, None]) & (pos[None, :] < hi.long()[:, None])
 
 
 def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -372,22 +239,6 @@ def _norm_range(lo: torch.Tensor, hi: torch.Tensor, kv_lens: torch.Tensor | None
     return torch.minimum(start, lo), torch.maximum(kv, hi)
 
 
-def topk_from_scores_ref(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
-    """Reference exact top-K over ``scores`` [B, H, N] restricted to ``[lo, hi)`` per row
-    of the batch: int32 [B, H, k_top], ``-1`` padding."""
-    B, H, N = scores.shape
-    cand = _range_mask(lo.to(scores.device), hi.to(scores.device), N)  # [B, N]
-    s = torch.where(cand[:, None, :], scores, torch.tensor(float("-inf"), device=scores.device))
-    out = torch.full((B, H, k_top), -1, dtype=torch.int32, device=scores.device)
-    kk = min(k_top, N)
-    if kk == 0:
-        return out
-    _, idx = s.topk(kk, dim=-1)  # [B, H, kk]
-    ok = cand[:, None, :].expand(B, H, N).gather(2, idx)  # a valid candidate is never -inf
-    out[..., :kk] = torch.where(ok, idx, torch.full_like(idx, -1)).to(torch.int32)
-    return out
-
-
 def _check_out(out: torch.Tensor | None, B: int, Hkv: int, k_top: int, device: torch.device) -> None:
     """``score_topk``'s ``out``: int32 [B, Hkv, k_top], contiguous, on the keys' device."""
     if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32 or not out.is_contiguous()
@@ -430,16 +281,6 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
 
 
 @triton.jit
-def _f32_key(x):
-    """Order-preserving map of float32 to uint32 (larger float -> larger key):
-    flip every bit of negatives, set the sign bit of non-negatives."""
-    bits = x.to(tl.uint32, bitcast=True)
-    neg = (bits >> 31) == 1
-    # NOTE: ``bits ^ 0xFFFFFFFF`` rather than ``~bits``: the interpreter's uint32 invert overflows.
-    return tl.where(neg, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-
-
-@triton.jit
 def _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr):
     """The candidate range ``[lo, hi)`` of batch row ``b``, the end ``c1`` of chunk
     ``chunk`` and the tiles ``[start, end)`` a scoring program walks: the whole chunk
@@ -475,51 +316,6 @@ def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, mask_row,
     if CARRY:
         _carry_mask(r, offs_l, valid, thr, mask_row)
     return hist
-
-
-@triton.jit
-def _carry_mask(r, offs_l, valid, thr, mask_row):
-    """Threshold-carry top-K, scoring side: one bit per position of the tile (valid and
-    ``>= thr``) into the row's candidate bitmask ``mask_row`` (int32 words, word
-    ``p // 32`` bit ``p % 32``): no atomics, no scan; the select kernel expands it.
-    Tiles start at multiples of 32 (BLOCK_L is), so each word belongs to one tile."""
-    BL: tl.constexpr = r.shape[0]
-    is_c = (valid & (r >= thr)).to(tl.int32)
-    bits = tl.reshape(is_c, [BL // 32, 32]) << tl.arange(0, 32)[None, :]
-    words = tl.sum(bits, axis=1)  # distinct bits: the sum is their OR (int32 wraps on bit 31, as OR does)
-    w = tl.min(tl.reshape(offs_l, [BL // 32, 32]), axis=1) // 32
-    tl.store(mask_row + w, words)
-
-
-CARRY_SLOTS = 8
-"""int32 slots per row of a threshold-carry state (``new_carry``): 0 the threshold the
-scoring marks with (float32 bits, in score units: ``_carry_prep_kernel`` writes it as
-slot 4 times slot 6), 1 unused, 2 fallbacks, 3 calls, 4 the carried threshold per unit
-of query norm (float32 bits), 5 the row's fallback flag (set by the select, cleared by
-the fallback), 6 this call's query norm (float32 bits), 7 fallbacks with too many
-candidates (the rest had too few, or were first calls / short rows)."""
-
-
-@triton.jit
-def _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY: tl.constexpr):
-    """The carried threshold of row ``row64`` (slot 0 of ``CARRY_SLOTS``) and its
-    candidate bitmask row (cand [rows, NW] int32 words)."""
-    if CARRY:
-        thr = tl.load(carry_ptr + row64 * 8).to(tl.float32, bitcast=True)
-    else:
-        thr = 0.0
-    return thr, cand_ptr + row64 * NW
-
-
-@triton.jit
-def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The G query heads of KV head ``h`` as a zero-padded [G_PAD, BLOCK_D] tile."""
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
-    mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
-    return tl.load(base + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -1096,747 +892,12 @@ def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor,
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Triton: exact top-K by radix select on the score bits
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _pick_digit(counts, k_rem):
-    """Given the histogram ``counts`` [256] of the current digit among the elements
-    still tied on the prefix, and the rank ``k_rem`` (>= 1) still to fill, return the
-    digit holding the k_rem-th largest element and the rank left inside that digit."""
-    ge = tl.cumsum(counts, axis=0, reverse=True)  # elements with digit >= i: non-increasing in i
-    d = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1  # the largest i with ge[i] >= k_rem
-    gt = tl.sum(tl.where(ge < k_rem, counts, 0), axis=0)  # elements with digit > d
-    return d, k_rem - gt
-
-
-@triton.jit
-def _radix_state(hist_ptr, row64, n_rows, k_eff, NPASS: tl.constexpr, run=True):
-    """Replay passes ``0..NPASS-1`` from the global histograms [4, n_rows, 256]:
-    the key prefix fixed so far and the rank left to fill (``run`` False: a gated-off
-    row, whose histograms are not read)."""
-    prefix = tl.full([], 0, tl.uint32)
-    k_rem = k_eff
-    for p in tl.static_range(NPASS):
-        counts = tl.load(hist_ptr + (p * n_rows + row64) * 256 + tl.arange(0, 256),
-                         mask=tl.full([256], 1, tl.int1) & run, other=0)
-        d, k_rem = _pick_digit(counts, k_rem)
-        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-    return prefix, k_rem
-
-
-@triton.jit
-def _row_bounds(lo_ptr, hi_ptr, b, L, k_top):
-    """Clamped candidate range of batch row ``b`` and the number to select there."""
-    lo = tl.maximum(tl.load(lo_ptr + b).to(tl.int32), 0)
-    hi = tl.minimum(tl.load(hi_ptr + b).to(tl.int32), L)
-    n_valid = tl.maximum(hi - lo, 0)
-    return lo, hi, tl.minimum(n_valid, k_top)
-
-
-@triton.jit
-def _hist_tile(row_ptr, l0, lo, hi, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram [256] of digit PASS of the keys in one tile tied with ``prefix`` on
-    the higher digits."""
-    offs = l0 + tl.arange(0, BLOCK)
-    valid = (offs >= lo) & (offs < hi)
-    key = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0))
-    if PASS > 0:
-        valid = valid & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
-    digit = ((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32)
-    return tl.histogram(digit, 256, mask=valid)
-
-
-@triton.jit
-def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Write -1 into slots [k_eff, k_top)."""
-    s0 = (k_eff // BLOCK) * BLOCK
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        while s0 < k_top:
-            offs = s0 + tl.arange(0, BLOCK)
-            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
-            s0 += BLOCK
-    else:
-        for t0 in range(s0, k_top, BLOCK):
-            offs = t0 + tl.arange(0, BLOCK)
-            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
-
-
-@triton.jit
-def _gate(gate_ptr, row64, GATED: tl.constexpr):
-    """Whether the row runs: GATED (the threshold-carry top-K's fallback), only a row
-    whose select set its fallback flag (slot 5 of its carry state); else every row."""
-    if GATED:
-        return tl.load(gate_ptr + row64 * 8 + 5) != 0
-    return row64 >= 0
-
-
-@triton.jit
-def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top, k_next, CHUNK,
-                       HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Pass PASS (0 or 1) over one chunk of a row: histogram of digit PASS of the
-    keys tied with the prefix so far, added into hist[PASS, row]. GATED (the
-    threshold-carry fallback; only rows whose flag is set run): pass 1 also histograms
-    the keys tied with the pass-0 digit of the ``k_next``-th largest into hist[2, row],
-    from which ``_tie_select_kernel`` sets the row's next carried threshold."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS, run)
-    c0 = chunk * CHUNK
-    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where((k_eff > 0) & run, end, start)
-    row_ptr = scores_ptr + row64 * L
-    acc = tl.zeros([256], dtype=tl.int32)
-    acc_b = tl.zeros([256], dtype=tl.int32)
-    prefix_b = prefix
-    if GATED and PASS == 1:
-        k_b = tl.maximum(tl.minimum(k_next, hi - lo), 1)
-        prefix_b, _kb = _radix_state(hist_ptr, row64, n_rows, k_b, 1, run)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
-            if GATED and PASS == 1:
-                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(start, end, BLOCK):
-            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
-            if GATED and PASS == 1:
-                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
-    tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc, mask=acc > 0)
-    if GATED and PASS == 1:
-        tl.atomic_add(hist_ptr + (2 * n_rows + row64) * 256 + tl.arange(0, 256), acc_b, mask=acc_b > 0)
-
-
-@triton.jit
-def _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK: tl.constexpr):
-    """One tile of ``_radix_split_kernel``: positions whose key's top 16 bits beat
-    ``top16`` go to the output, those equal to it to the tie buffer; slots come from
-    the row's two atomic counters plus the rank inside the tile."""
-    offs = l0 + tl.arange(0, BLOCK)
-    valid = (offs >= lo) & (offs < hi)
-    key16 = _f32_key(tl.load(row_ptr + offs, mask=valid, other=0.0)) >> 16
-    is_gt = (valid & (key16 > top16)).to(tl.int32)
-    is_tie = (valid & (key16 == top16)).to(tl.int32)
-    base_gt = tl.atomic_add(cnt_row, tl.sum(is_gt, axis=0))
-    base_tie = tl.atomic_add(cnt_row + 1, tl.sum(is_tie, axis=0))
-    tl.store(out_row + base_gt + tl.cumsum(is_gt, axis=0) - 1, offs, mask=is_gt != 0)
-    tl.store(tie_row + base_tie + tl.cumsum(is_tie, axis=0) - 1, offs, mask=is_tie != 0)
-
-
-@triton.jit
-def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top,
-                        CHUNK, HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                        GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """After passes 0-1 (the top 16 key bits of the K-th largest are known): write the
-    sure winners (top 16 bits larger) to the output and the 16-bit ties to a per-row
-    buffer, whose length the pass-1 histogram already gives (typically a few dozen)."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
-    top16 = prefix >> 16
-    c0 = chunk * CHUNK
-    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where((k_eff > 0) & run, end, start)
-    row_ptr = scores_ptr + row64 * L
-    out_row = out_ptr + row64 * k_top
-    tie_row = tie_ptr + row64 * L
-    cnt_row = cnt_ptr + row64 * 2
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(start, end, BLOCK):
-            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
-
-
-@triton.jit
-def _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram of digit PASS (2 or 3) over one tile of the tie buffer."""
-    offs = t0 + tl.arange(0, BLOCK)
-    m = offs < n_tie
-    pos = tl.load(tie_row + offs, mask=m, other=0)
-    key = _f32_key(tl.load(row_ptr + pos, mask=m, other=0.0))
-    m = m & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
-    return tl.histogram(((key >> (24 - 8 * PASS)) & 0xFF).to(tl.int32), 256, mask=m)
-
-
-@triton.jit
-def _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, thr, slot_gt, slot_eq, k_eff, BLOCK: tl.constexpr):
-    """Write the tie-buffer entries of one tile with key > thr at ``slot_gt + rank`` and
-    those == thr at ``slot_eq + rank`` (while < k_eff); returns the two counts."""
-    offs = t0 + tl.arange(0, BLOCK)
-    m = offs < n_tie
-    pos = tl.load(tie_row + offs, mask=m, other=0)
-    key = _f32_key(tl.load(row_ptr + pos, mask=m, other=0.0))
-    is_gt = (m & (key > thr)).to(tl.int32)
-    is_eq = (m & (key == thr)).to(tl.int32)
-    s_gt = slot_gt + tl.cumsum(is_gt, axis=0) - 1
-    s_eq = slot_eq + tl.cumsum(is_eq, axis=0) - 1
-    tl.store(out_row + s_gt, pos, mask=is_gt != 0)
-    tl.store(out_row + s_eq, pos, mask=(is_eq != 0) & (s_eq < k_eff))
-    return tl.sum(is_gt, axis=0), tl.sum(is_eq, axis=0)
-
-
-@triton.jit
-def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top, k_next,
-                       HKV: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """One program per row: passes 2-3 over the 16-bit ties only, then the exact
-    threshold T: ties with key > T, then the first ones equal to T, fill the slots
-    after the sure winners; -1 padding after k_eff. GATED (the threshold-carry
-    fallback): only rows whose flag is set run; each sets its next carried threshold
-    (per unit of query norm) to the lowest score of the 16-bit bucket holding its
-    ``k_next``-th largest (hist[2]), so that about ``k_next`` keys pass it, and clears
-    its flag."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
-    n_gt16 = k_eff - k_rem  # sure winners already written by _radix_split_kernel
-    d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
-    n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1, mask=run, other=0)  # elements tied on 16 bits
-    n_tie = tl.where((k_eff > 0) & run, n_tie, 0)
-    row_ptr = scores_ptr + row64 * L
-    tie_row = tie_ptr + row64 * L
-    out_row = out_ptr + row64 * k_top
-    for p in tl.static_range(2, 4):
-        acc = tl.zeros([256], dtype=tl.int32)
-        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-            t0 = n_tie * 0
-            while t0 < n_tie:
-                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
-                t0 += BLOCK
-        else:
-            for t0 in range(0, n_tie, BLOCK):
-                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
-        d, k_rem = _pick_digit(acc, k_rem)
-        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-    n_gt = n_gt16
-    n_eq = k_eff - k_rem  # the first slot of the ties equal to T
-    if INTERPRET:
-        t0 = n_tie * 0
-        while t0 < n_tie:
-            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
-            n_gt += c_gt
-            n_eq += c_eq
-            t0 += BLOCK
-    else:
-        for t0 in range(0, n_tie, BLOCK):
-            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
-            n_gt += c_gt
-            n_eq += c_eq
-    _pad_tail(out_row, tl.where(run, k_eff, k_top), k_top, BLOCK, INTERPRET)
-    if GATED:
-        if run:
-            n_valid = tl.maximum(hi - lo, 0)
-            k_b = tl.maximum(tl.minimum(k_next, n_valid), 1)
-            c0 = tl.load(hist_ptr + row64 * 256 + tl.arange(0, 256))
-            d0b, rem_b = _pick_digit(c0, k_b)
-            c1 = tl.load(hist_ptr + (2 * n_rows + row64) * 256 + tl.arange(0, 256))
-            d1b, rem_b = _pick_digit(c1, rem_b)
-            key_b = (d0b.to(tl.uint32) << 24) | (d1b.to(tl.uint32) << 16)
-            thr = _key_f32(key_b)
-            thr = tl.where(k_next < n_valid, thr, float("-inf"))
-            cbase = gate_ptr + row64 * 8
-            qn = tl.load(cbase + 6).to(tl.float32, bitcast=True)
-            tl.store(cbase + 4, (thr / qn).to(tl.int32, bitcast=True))
-            tl.store(cbase + 5, 0)
-
-
-@triton.jit
-def _key_f32(key):
-    """Inverse of ``_f32_key``: the float32 whose order key is ``key`` (uint32)."""
-    bits = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _radix_regs(key, m, k_rem, BITS: tl.constexpr):
-    """Exact radix select in registers: the order key ``T`` of the ``k_rem``-th largest
-    of ``key`` [BLOCK] (uint32) where ``m``, and how many elements equal to ``T`` to take.
-    BITS-wide digits (8 or 4; 32 / BITS passes): ``tl.histogram`` costs per element about
-    one ballot per digit bit plus a few ops per bin a lane owns, so 16 bins take about a
-    quarter of 256's work per pass, for twice the passes."""
-    prefix = tl.full([], 0, tl.uint32)
-    for p in tl.static_range(32 // BITS):
-        if p == 0:
-            mp = m
-        else:
-            mp = m & ((key >> (32 - BITS * p)) == (prefix >> (32 - BITS * p)))
-        digit = ((key >> (32 - BITS * (p + 1))) & ((1 << BITS) - 1)).to(tl.int32)
-        counts = tl.histogram(digit, 1 << BITS, mask=mp)
-        d, k_rem = _pick_digit(counts, k_rem)
-        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (p + 1)))
-    return prefix, k_rem
-
-
-@triton.jit
-def _popc32(w):
-    """Set bits of each int32 word (byte sums: no overflowing products in the interpreter)."""
-    x = w.to(tl.uint32, bitcast=True)
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return ((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)).to(tl.int32)
-
-
-@triton.jit
-def _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB: tl.constexpr, HKV: tl.constexpr):
-    """Program ``tl.program_id(1)``'s tile of WB bitmask words of row ``row`` (those
-    meeting ``[lo, hi)``; others 0) and their absolute word indices."""
-    lo, hi, _k = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, 1)
-    wi = tl.program_id(1) * WB + tl.arange(0, WB)
-    m = (wi >= lo // 32) & (wi < (hi + 31) // 32) & (hi > lo)
-    word = tl.load(mask_ptr + row.to(tl.int64) * NW + wi, mask=m, other=0)
-    return word, wi
-
-
-@triton.jit
-def _carry_count_kernel(mask_ptr, counts_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.constexpr, WB: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """Threshold-carry top-K, select side, step 1 of 3; grid (rows, E): the candidates
-    marked in each tile of WB bitmask words, into counts [rows, E]."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    word, wi = _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB, HKV)
-    tl.store(counts_ptr + row.to(tl.int64) * E + tl.program_id(1), tl.sum(_popc32(word), axis=0))
-
-
-@triton.jit
-def _carry_expand_kernel(mask_ptr, counts_ptr, pos_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.constexpr,
-                         WB: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
-    """Threshold-carry top-K, select side, step 2 of 3; grid (rows, E): each tile of WB
-    bitmask words writes the positions of its set bits to the row's ``pos`` [rows, CAP]
-    from the slot the tiles before it end at (the counts' prefix sum: the list is in
-    position order, the same on every run), those past CAP dropped. Many programs per
-    row: one program expanding a 512k-token row's 16k words alone took ~90 us."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    e = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    base = tl.sum(tl.load(counts_ptr + row64 * E + offs_e, mask=offs_e < e, other=0), axis=0)
-    if base < CAP:
-        word, wi = _mask_words(mask_ptr, lo_ptr, hi_ptr, row, L, NW, WB, HKV)
-        pc = _popc32(word)
-        slot = base + tl.cumsum(pc, axis=0) - pc
-        pos_row = pos_ptr + row64 * CAP
-        for j in tl.static_range(32):
-            b = (word >> j) & 1
-            tl.store(pos_row + slot, wi * 32 + j, mask=(b != 0) & (slot < CAP))
-            slot += b
-
-
-@triton.jit
-def _carry_prep_kernel(q_ptr, carry_ptr, stride_qb, stride_qh, stride_qd, HKV: tl.constexpr, G: tl.constexpr,
-                       G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Threshold-carry top-K, before the scoring; one program per row. The carried
-    threshold is kept per unit of the query's norm (slot 4 of ``CARRY_SLOTS``): a
-    predicted query that grows or shrinks moves every score, and the K-th, in
-    proportion (exactly so for keys without a preferred direction), while the
-    candidate count above a fixed threshold moves exponentially in it — the further in
-    the tail the K-th score sits (long rows), the faster. So this call's threshold
-    (slot 0, what the scoring marks with) is slot 4 times this call's query norm
-    (slot 6). NORM 1 (``sum_logits``): the norm of the group's summed query, which is
-    what scores; NORM 2 (``max_logits``): the root of the heads' summed squared norms;
-    NORM 0 (``sum_softmax``, whose scores are normalised probabilities): 1."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    cbase = carry_ptr + row64 * 8
-    if NORM == 0:
-        qn = tl.full([], 1.0, tl.float32)
-    else:
-        q = _load_group_q(q_ptr, row // HKV, row % HKV, stride_qb, stride_qh, stride_qd, G, G_PAD, D,
-                          BLOCK_D).to(tl.float32)  # [G_PAD, BLOCK_D]
-        if NORM == 1:
-            qs = tl.sum(q, axis=0)
-            qn = tl.sqrt(tl.sum(qs * qs, axis=0))
-        else:
-            qn = tl.sqrt(tl.sum(tl.sum(q * q, axis=1), axis=0))
-        qn = tl.maximum(qn, 1e-30)  # a zero query (padding): -inf * qn stays -inf, never NaN
-    thr_n = tl.load(cbase + 4).to(tl.float32, bitcast=True)
-    tl.store(cbase, (thr_n * qn).to(tl.int32, bitcast=True))
-    tl.store(cbase + 6, qn.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, ws_ptr, L, k_top, k_next, pos_ptr,
-                         E, n_rows, HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BITS: tl.constexpr = 8, PDL: tl.constexpr = False):
-    """Threshold-carry top-K, select side, step 3 of 3; one program per row.
-
-    The scoring kernel marked the row's candidates (scores >= the carried threshold)
-    in a bitmask, which ``_carry_count_kernel`` / ``_carry_expand_kernel`` turned into
-    their count (``counts`` [rows, E] per tile of words) and positions (``pos``
-    [rows, CAP], position order). When the count ``n`` lies in ``[k_top, CAP]`` the
-    K-th largest among them is the row's K-th largest (everything outside is below the
-    threshold): an exact radix select on the candidates' scores held in registers,
-    then the winners are written, and the next threshold is set by the secant through
-    (threshold, n) and (K-th score, k_top) to let about ``k_next`` keys through.
-    Otherwise (first call: threshold -inf; too few or too many candidates; a row with
-    at most k_top valid keys) the row's fallback flag is set and the radix passes,
-    gated on it, select over the whole row in parallel (``_select_from_scores(gate=)``)
-    and set the next threshold; this kernel zeroes the row's radix workspace (``ws``,
-    ``_new_workspace``'s layout) for them, so no memset runs when no row falls back.
-    carry [rows, CARRY_SLOTS] int32; fallbacks and calls are cumulative (statistics)."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    cbase = carry_ptr + row64 * 8
-    thr = tl.load(cbase).to(tl.float32, bitcast=True)
-    offs_e = tl.arange(0, BLOCK_E)
-    n_c = tl.sum(tl.load(counts_ptr + row64 * E + offs_e, mask=offs_e < E, other=0), axis=0)
-    pos_row = pos_ptr + row64 * CAP
-    out_row = out_ptr + row64 * k_top
-    ok = (k_eff == k_top) & (k_eff > 0) & (n_c >= k_eff) & (n_c <= CAP)
-    if ok:
-        offs = tl.arange(0, CAP)
-        m = offs < n_c
-        pos = tl.load(pos_row + offs, mask=m, other=0)
-        key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
-        t_key, k_rem = _radix_regs(key, m, k_eff, BITS)
-        is_gt = (m & (key > t_key)).to(tl.int32)
-        is_eq = (m & (key == t_key)).to(tl.int32)
-        s_gt = tl.cumsum(is_gt, axis=0) - 1
-        s_eq = (k_eff - k_rem) + tl.cumsum(is_eq, axis=0) - 1
-        tl.store(out_row + s_gt, pos, mask=is_gt != 0)
-        tl.store(out_row + s_eq, pos, mask=(is_eq != 0) & (s_eq < k_eff))
-        t_f = _key_f32(t_key)
-        # secant: n(thr) ~ k_top + rho (T - thr); place the next threshold at k_next
-        gap = tl.maximum(t_f - thr, 0.0)
-        new_thr = t_f - gap * ((k_next - k_eff).to(tl.float32) / tl.maximum(n_c - k_eff, 1).to(tl.float32))
-        qn = tl.load(cbase + 6).to(tl.float32, bitcast=True)
-        tl.store(cbase + 4, (new_thr / qn).to(tl.int32, bitcast=True))
-    else:
-        offs_b = tl.arange(0, 256)
-        for p in tl.static_range(3):  # _NHIST histograms of this row
-            tl.store(ws_ptr + (p * n_rows + row64) * 256 + offs_b, tl.zeros([256], dtype=tl.int32))
-        tl.store(ws_ptr + 3 * n_rows * 256 + row64 * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
-        tl.store(cbase + 5, 1)  # the gated radix passes select this row and set its threshold
-        tl.store(cbase + 2, tl.load(cbase + 2) + 1)
-        tl.store(cbase + 7, tl.load(cbase + 7) + ((n_c > CAP) & (thr > float("-inf"))).to(tl.int32))
-    tl.store(cbase + 3, tl.load(cbase + 3) + 1)
-
-
-_NPASS_GLOBAL = 2  # passes histogrammed over whole rows; passes 2-3 only see the 16-bit ties
-_NHIST = 3  # histograms per row: passes 0 and 1, and the carry fallback's pass 1 of its next-threshold rank
-
-
-def _new_workspace(rows: int, device: torch.device) -> torch.Tensor:
-    """Zeroed radix workspace: [_NHIST, rows, 256] histograms + [rows, 2] slot counters,
-    in one allocation so one memset clears it."""
-    return torch.zeros(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=device)
-
-
-def _select_from_scores(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, hkv: int,
-                        ws: torch.Tensor, *, hist0_done: bool, out: torch.Tensor | None = None,
-                        gate: torch.Tensor | None = None, k_next: int = 0, launch: dict | None = None) -> torch.Tensor:
-    """Stage 2 over ``scores`` [rows, N] fp32 (rows = B * hkv; ``lo``/``hi`` per batch
-    row). ``ws`` is the zeroed workspace of ``_new_workspace``, with the pass-0
-    histogram already accumulated when ``hist0_done``. Returns int32 [rows, k_top]:
-    ``out`` (contiguous, every slot written) when given.
-
-    ``gate``: a threshold-carry state (``new_carry``): only the rows whose fallback
-    flag the carry select set are selected (the others' programs exit at once, so the
-    launches are static and graph-capturable), and each sets its next threshold aimed
-    at ``k_next`` keys; ``ws`` need be zeroed only in those rows (the carry select does). ``launch``: the kernels' launch options (default: PDL as the
-    select family's)."""
-    rows, N = scores.shape
-    if out is None:
-        out = torch.empty(rows, k_top, dtype=torch.int32, device=scores.device)
-    ties = torch.empty(rows, N, dtype=torch.int32, device=scores.device)  # [rows, N] positions, prefix used
-    cfg = _select_config(scores.device)
-    BLOCK, nw = cfg["BLOCK"], cfg["num_warps"]
-    gated = gate is not None
-    meta = dict(HKV=hkv, BLOCK=BLOCK, INTERPRET=_interpret(), GATED=gated, num_warps=nw)
-    # gated (a carry fallback, rare): one program per SM over the rows, so the launches cost
-    # little when no row runs
-    chunk, n_chunks = _split(N, rows, scores.device, block=BLOCK, min_chunk=cfg["MIN_CHUNK"],
-                             per_sm=cfg.get("GATED_PER_SM", 1) if gated else cfg.get("PER_SM", 4))
-    grid = (rows, n_chunks)
-    pdl = pdl_kwargs(scores, "select") if launch is None else launch
-    g = gate if gated else ws  # never read when not gated
-    for p in range(1 if hist0_done else 0, _NPASS_GLOBAL):
-        _radix_pass_kernel[grid](scores, ws, lo, hi, g, N, rows, k_top, k_next, chunk, PASS=p, **meta, **pdl)
-    cnt = ws[_NHIST * rows * _NBINS:]
-    _radix_split_kernel[grid](scores, ws, cnt, out, ties, lo, hi, g, N, rows, k_top, chunk, **meta, **pdl)
-    tie_meta = dict(meta, BLOCK=cfg.get("TIE_BLOCK", BLOCK))  # one program per row walks the short tie list
-    _tie_select_kernel[(rows,)](scores, ws, out, ties, lo, hi, g, N, rows, k_top, k_next, **tie_meta, **pdl)
-    return out
-
-
-CARRY_MARGIN = 1.5
-"""Threshold-carry top-K: the next threshold aims at ``CARRY_MARGIN * k_top`` candidates
-(``SELECT_CONFIG["carry_margin"]`` overrides); the candidate list holds 1.25x that."""
-
-
-def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
-    """(k_next, CAP) of the threshold-carry top-K for ``k_top``: the candidates the next
-    threshold aims at (> k_top) and the capacity of the candidate list (a power of two:
-    the select kernel holds it in registers). ``margin``: the caller's (a policy that
-    selects every few steps wants more slack), else ``SELECT_CONFIG["carry_margin"]``,
-    else ``CARRY_MARGIN``."""
-    if margin is None:
-        margin = float(SELECT_CONFIG.get("carry_margin", CARRY_MARGIN))
-    margin = float(margin)
-    if not margin > 1.0:
-        raise ValueError(f"the carry margin must be > 1 (argument carry_margin or SELECT_CONFIG['carry_margin']), "
-                         f"got {margin}")
-    k_next = max(k_top + 1, math.ceil(margin * k_top))
-    return k_next, triton.next_power_of_2(math.ceil(1.25 * k_next))
-
-
-def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:
-    """A fresh threshold-carry state for ``score_topk(..., carry=)``: int32
-    [B, Hkv, CARRY_SLOTS] (the slots: ``CARRY_SLOTS``); the threshold starts at -inf, so
-    the first call selects through the fallback and sets it."""
-    c = torch.zeros(batch, n_kv_heads, CARRY_SLOTS, dtype=torch.int32, device=device)
-    c[..., 0] = _NEG_INF_BITS
-    c[..., 4] = _NEG_INF_BITS
-    c[..., 6] = _ONE_BITS
-    return c
-
-
-def reset_carry(carry: torch.Tensor) -> torch.Tensor:
-    """Reset a carry state in place (a new sequence: its scores say nothing of the last)."""
-    carry.zero_()
-    carry[..., 0] = _NEG_INF_BITS
-    carry[..., 4] = _NEG_INF_BITS
-    carry[..., 6] = _ONE_BITS
-    return carry
-
-
-def carry_threshold(carry: torch.Tensor) -> torch.Tensor:
-    """The next call's threshold in the last call's score units, float32 [B, Hkv]:
-    the carried threshold per unit of query norm times the last call's query norm."""
-    return carry[..., 4].view(torch.float32) * carry[..., 6].view(torch.float32)
-
-
-def carry_stats(carry: torch.Tensor) -> dict:
-    """Host summary of a carry state (reads the device): calls and fallbacks summed
-    over rows, the fallback fraction, and the fallbacks with too many candidates (the
-    others had too few, or were a row's first call or a row shorter than K)."""
-    c = carry.reshape(-1, CARRY_SLOTS).to("cpu", torch.int64)
-    calls, fb, many = int(c[:, 3].sum()), int(c[:, 2].sum()), int(c[:, 7].sum())
-    return {"calls": calls, "fallbacks": fb, "fallback_rate": fb / calls if calls else 0.0,
-            "fallbacks_too_many": many}
-
-
-_NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))
-_ONE_BITS = int(torch.tensor(1.0, dtype=torch.float32).view(torch.int32))
-
-
-def _check_carry(carry: torch.Tensor | None, B: int, Hkv: int, device: torch.device) -> None:
-    if carry is None:
-        return
-    if carry.shape != (B, Hkv, CARRY_SLOTS) or carry.dtype != torch.int32 or not carry.is_contiguous() \
-            or carry.device != device:
-        raise ValueError(f"carry must be a contiguous int32 [B, Hkv, {CARRY_SLOTS}] = [{B}, {Hkv}, {CARRY_SLOTS}] "
-                         f"tensor on {device} (scoring.new_carry), got {carry.dtype} {tuple(carry.shape)} "
-                         f"on {carry.device}")
-
-
-def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
-    """Launch config of the threshold-carry top-K; ``SELECT_CONFIG``'s ``carry_*`` keys override."""
-    if _interpret() or device.type != "cuda":
-        cfg = dict(carry_warps=1, carry_bits=8, carry_words=64, carry_expand_warps=1)
-    else:
-        # bench_select --carry on an H200: 16-bin digits select faster than 256-bin ones (15.6 vs
-        # 18.6 us at B=8 L=32k); 16 warps while one wave of rows fills the GPU, 8 beyond (two
-        # programs per SM: 136.3 vs 142.2 us per layer at B=32 L=16k)
-        warps = 16 if rows <= _sm_count(device) else 8
-        # under select_overlap (beside the next layer's scoring) 8 warps at every B (a pack of 4
-        # layers 246 / 412 / 451 us at B=8 32k / B=16 32k / B=32 16k vs 252 / 419 / 452 with 16-16-8,
-        # 355-562 with 4)
-        cfg = dict(carry_warps=max(4, min(warps, cap // 256)), carry_bits=4, carry_words=512, carry_expand_warps=4,
-                   carry_overlap_warps=max(4, min(8, cap // 256)))
-    cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
-    if cfg["carry_bits"] not in (4, 8):
-        raise ValueError(f"SELECT_CONFIG['carry_bits'] must be 4 or 8, got {cfg['carry_bits']}")
-    return cfg
-
-
-_CARRY_NORM = {"sum_softmax": 0, "sum_logits": 1, "max_logits": 2}  # _carry_prep_kernel's NORM
-
-
-def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
-                hkv: int, score: bool = True, select: bool = True, margin: float | None = None) -> None:
-    """The threshold-carry top-K into ``idx`` [rows, k_top]: this call's threshold from
-    the carried one and the query's norm (``_carry_prep_kernel``), scoring that marks
-    the candidates above it in a bitmask per row, ``_carry_select_kernel``, then the
-    radix passes gated on the rows it could not select (``_select_from_scores(gate=)``).
-    ``score`` / ``select``: run only one half (the benchmark times them apart)."""
-    rows, L = scores.shape[0], k.shape[2]
-    k_next, cap = carry_sizes(k_top, margin)
-    cfg = _carry_config(cap, k.device, rows)
-    dev = k.device
-    nw = triton.cdiv(L + 2048, 32)  # tiles of up to 2048 positions may end past L
-    mask = torch.empty(rows, nw, dtype=torch.int32, device=dev)  # the candidate bitmask words
-    if score:
-        B, Hq, D = q.shape
-        G = Hq // hkv
-        _carry_prep_kernel[(rows,)](q, carry, q.stride(0), q.stride(1), q.stride(2), HKV=hkv, G=G,
-                                    G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
-                                    NORM=_CARRY_NORM[reduce], num_warps=1, **pdl_kwargs(q, "select"))
-        _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
-                       full_row=False, hist=None, k_scale=k_scale, carry=(carry, mask, nw))
-    if select:
-        side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
-        if side is not None and _OVERLAP.index != _device_index(dev):
-            side = None  # a block opened for another device: run in order here
-        if side is None:
-            warps, launch = cfg["carry_warps"], pdl_kwargs(scores, "select")
-        else:
-            # select_overlap: this layer's select on the side stream, after its scoring; the
-            # caller's stream goes on to the next layer's scoring at once. No PDL across the
-            # streams' event edge.
-            warps = int(cfg.get("carry_overlap_warps", 0)) or cfg["carry_warps"]
-            launch = dict(PDL=False, launch_pdl=False)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            _OVERLAP.forked = True
-        wb = cfg["carry_words"]
-        n_e = triton.cdiv(nw, wb)  # tiles of bitmask words per row
-        block_e = triton.next_power_of_2(n_e)
-        after = pdl_kwargs(scores, "select")  # a kernel after another of this stream may overlap its tail
-        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-            counts = torch.empty(rows, n_e, dtype=torch.int32, device=dev)  # candidates per tile of words
-            pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # their positions
-            ws = torch.empty(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=dev)  # zeroed per row
-            wmeta = dict(HKV=hkv, WB=wb, num_warps=cfg["carry_expand_warps"])
-            _carry_count_kernel[(rows, n_e)](mask, counts, lo, hi, L, nw, n_e, **wmeta, **launch)
-            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, lo, hi, L, nw, n_e, CAP=cap, BLOCK_E=block_e,
-                                              **wmeta, **after)
-            _carry_select_kernel[(rows,)](scores, carry, counts, idx, lo, hi, ws, L, k_top, k_next, pos, n_e, rows,
-                                          HKV=hkv, CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], num_warps=warps,
-                                          **after)
-            _select_from_scores(scores, lo, hi, k_top, hkv, ws, hist0_done=False, out=idx, gate=carry,
-                                k_next=k_next, launch=after)
-        if side is not None:  # the allocator reuses none of these before the side stream is done
-            for t in (scores, mask, lo, hi, idx, carry):
-                t.record_stream(side)
-
-
-_OVERLAP = threading.local()  # .side: the side stream of an active select_overlap block
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def overlap_enabled(device: torch.device | str) -> bool:
-    """Whether ``select_overlap`` on ``device`` overlaps: ``SPADE_SELECT_OVERLAP``
-    (``auto``/unset, ``on``, ``off``; ``auto`` means ``OVERLAP_DEFAULT``), and only on a
-    CUDA device with compiled kernels (on a CPU and under the interpreter every kernel
-    runs in order anyway)."""
-    mode = env("SPADE_SELECT_OVERLAP")
-    on = OVERLAP_DEFAULT if mode == "auto" else mode == "on"
-    return on and torch.device(device).type == "cuda" and not _interpret()
-
-
-OVERLAP_DEFAULT = True
-"""``SPADE_SELECT_OVERLAP=auto``: whether ``select_overlap`` blocks overlap. On since run47
-(1x H200, int4 keys, K=2048, P=4): a pack's selection 0.89x / 0.93x / 0.88x of the serial one
-at B=8 32k / B=16 32k / B=32 16k, the cache rank's pack 0.52x / 0.75x / 0.75x of the inference
-pack (Table 3) vs 0.56x / 0.79x / 0.84x."""
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = _device_index(device)
-    prio = int(SELECT_CONFIG.get("carry_overlap_priority", 0))
-    key = (index, prio)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=index, priority=prio)
-    return _SIDE_STREAMS[key]
-
-
-@contextlib.contextmanager
-def select_overlap(device: torch.device | str, enabled: bool | None = None):
-    """Within the block, each threshold-carry select kernel (``score_topk(..., carry=)``)
-    runs on a side stream after its own scoring, so the caller's stream goes straight
-    on to the next call's scoring: layer j's select (one program per row, latency-bound)
-    runs beside layer j+1's scoring (bandwidth-bound). On exit the current stream waits
-    for the side stream: the indices (and the carries) are ready there, not before —
-    read no ``score_topk`` result inside the block. Each call's scores must be its own
-    buffer (``score_topk_triton`` allocates one per call). Capturable in a CUDA graph
-    (a fork and a join of the capturing stream). A no-op on a CPU, under the
-    interpreter, when ``enabled`` is False or (``enabled=None``) ``overlap_enabled`` says
-    no, and nested in another block (the outer one joins). Calls on another device, or
-    launched from another stream than the one current at entry, are not covered: the
-    join waits on the entry stream only (calls on another device run in order).
-
-    >>> with select_overlap(k.device):  # doctest: +SKIP
-    ...     idx = [score_topk_triton(q[j], k[j], lo, hi, K, carry=c[j]) for j in range(4)]
-    """
-    dev = torch.device(device)
-    on = overlap_enabled(dev) if enabled is None else (
-        bool(enabled) and dev.type == "cuda" and not _interpret())
-    if not on or getattr(_OVERLAP, "side", None) is not None:
-        yield
-        return
-    cur = torch.cuda.current_stream(dev)
-    _OVERLAP.side, _OVERLAP.index, _OVERLAP.forked = _side_stream(dev), _device_index(dev), False
-    try:
-        yield
-    finally:
-        side, _OVERLAP.side = _OVERLAP.side, None
-        # join only what was forked: a block that launched nothing on the side stream
-        # (every selection reused or dense) must not make a capturing stream wait on a
-        # stream outside its capture (that invalidates the capture)
-        if _OVERLAP.forked:
-            cur.wait_stream(side)
-
-
-def topk_from_scores_triton(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int) -> torch.Tensor:
-    """Exact top-K of precomputed scores [B, H, N] (fp32) restricted to ``[lo, hi)``
-    per batch row: int32 [B, H, k_top], ``-1`` padding, order unspecified."""
-    B, H, N = scores.shape
-    lo = _check_rows(lo, B, "lo", scores.device)
-    hi = _check_rows(hi, B, "hi", scores.device)
-    if k_top < 0:
-        raise ValueError(f"k_top must be >= 0, got {k_top}")
-    if k_top == 0 or B * H == 0:
-        return torch.full((B, H, k_top), -1, dtype=torch.int32, device=scores.device)
-    s = scores.float().contiguous().view(B * H, N)
-    ws = _new_workspace(B * H, scores.device)
-    return _select_from_scores(s, lo, hi, k_top, H, ws, hist0_done=False).view(B, H, k_top)
-
-
 def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, *,
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       carry: torch.Tensor | None = None, carry_margin: float | None = None) -> torch.Tensor:
-    """Fused scoring + exact top-K (see the module docstring): int32 [B, Hkv, k_top],
+    """Fused scoring + exact top-K (the radix select: ``spade.kernels.radix_topk``): int32 [B, Hkv, k_top],
     written straight into ``out`` (contiguous int32 [B, Hkv, k_top]) when given, which
     is then returned (no copy). int8 ``k`` (``spade.kernels.quant``) with its
     ``k_scale`` [B, Hkv, L] reads half the key bytes of bf16.

@@ -110,7 +110,7 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     kernel lists the keys scoring above it and one kernel selects among them, or over
     the whole row when their count is off (the first sparse step included, ~3x the
     radix path's time there): the predicted query moves little from step to step, so
-    the radix passes over every row are skipped (``spade.kernels.scoring``; 16-bin
+    the radix passes over every row are skipped (``spade.kernels.carry``; 16-bin
     digits in registers). ``radix``: radix passes over every row each step. The CPU
     reference path ignores it."""
     score_keys: Literal["exact", "int8", "int4"] = "exact"

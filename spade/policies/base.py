@@ -169,7 +169,7 @@ class PolicyState:
     """[B] int32 first valid cache position per row (left padding), or None."""
     stats: dict[str, float] = field(default_factory=dict)
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per layer: the threshold-carry top-K state (``spade.kernels.scoring.new_carry``)
+    """Per layer: the threshold-carry top-K state (``spade.kernels.carry.new_carry``)
     of policies with ``topk: carry`` (``spade.policies.common.layer_carry``)."""
     memo: dict | None = None
     """Inside ``spade.policies.common.shared_derived`` (a cache rank's pack): tensors

@@ -118,7 +118,7 @@ def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor
         return c
     if k_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    from spade.kernels.scoring import new_carry
+    from spade.kernels.carry import new_carry
 
     c = state.carry[layer] = new_carry(B, H, k_cache.device)
     return c
@@ -129,7 +129,7 @@ def reset_carry(state: PolicyState, layer: int) -> None:
     so a captured graph holding the tensor stays valid)."""
     c = state.carry.get(layer)
     if c is not None:
-        from spade.kernels.scoring import reset_carry as _reset
+        from spade.kernels.carry import reset_carry as _reset
 
         _reset(c)
 

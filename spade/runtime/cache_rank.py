@@ -508,7 +508,7 @@ def _carry_account(state) -> dict[str, float]:
     carries = list(state.carry.values())
     if not carries:
         return {}
-    from spade.kernels.scoring import CARRY_SLOTS
+    from spade.kernels.carry import CARRY_SLOTS
 
     c = torch.stack([x.reshape(-1, CARRY_SLOTS).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
     return {"topk_calls": float(c[3]), "topk_fallbacks": float(c[2]), "topk_fallbacks_too_many": float(c[7])}

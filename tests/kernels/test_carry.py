@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from spade import kernels
-from spade.kernels import quant, scoring
+from spade.kernels import overlap, quant, radix_topk, scoring
+from spade.kernels.carry import carry_sizes, carry_stats, carry_threshold, new_carry, reset_carry
+from spade.kernels.common import _interpret
 from tests.kernels.test_scoring import REDUCES, _bounds, _check_topk, _inputs, _norm, _scores64
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
@@ -26,7 +28,7 @@ HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 @pytest.fixture(autouse=True)
 def _default_configs():
     yield
-    scoring.SELECT_CONFIG.clear()
+    radix_topk.SELECT_CONFIG.clear()
     scoring.GEMV_CONFIG.clear()
 
 
@@ -50,7 +52,7 @@ def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, sha
     q0, k, kv_lens, kv_start = _inputs(B, *heads, L, D, torch.float32, device, seed=3)
     lo, hi = _bounds(kv_lens, kv_start, 2, 3)
     k_top = 17
-    carry = scoring.new_carry(B, heads[1], device)
+    carry = new_carry(B, heads[1], device)
     g = torch.Generator().manual_seed(5)
     for step in range(5):
         q = q0 + 0.03 * step * torch.randn(q0.shape, generator=g).to(device)
@@ -61,7 +63,7 @@ def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, sha
         assert (carry[..., 1] == 0).all(), "the candidate counter is reset for the next call"
         assert (carry[..., 3].cpu() == step + 1).all()
     assert (_fallbacks(carry) == 1).all(), _fallbacks(carry)  # the first call only
-    stats = scoring.carry_stats(carry)
+    stats = carry_stats(carry)
     assert stats["calls"] == 5 * B * heads[1] and stats["fallbacks"] == B * heads[1]
 
 
@@ -75,7 +77,7 @@ def test_carry_follows_the_query_norm(jump, device):
     q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=9)
     lo, hi = _bounds(kv_lens, kv_start, 1, 1)
     k_top = 12
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     for qi in (q, q * 1.001, q * jump, q * jump * 1.001):
         out, _ = _run(qi, k, lo, hi, k_top, "sum_logits", None, carry)
         _check_topk(out, _scores64(qi, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), k_top, atol=1e-5)
@@ -103,14 +105,14 @@ def test_carry_falls_back_when_the_scores_jump(first, then, many, device):
     lo = torch.tensor([1, 0], device=device)
     hi = torch.tensor([L - 1, L - 7], device=device)
     q = torch.zeros(B, 4, D, device=device)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     for step, ch in enumerate((first, first, then, then)):
         qi = q.clone()
         qi[..., ch] = 1.0 + 0.001 * step
         out = scoring.score_topk_triton(qi, k, lo, hi, k_top, carry=carry)
         _check_topk(out, _scores64(qi, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), k_top, atol=1e-5)
         assert (_fallbacks(carry) == (1 if step < 2 else 2)).all(), (step, _fallbacks(carry))
-    assert scoring.carry_stats(carry)["fallbacks_too_many"] == (2 * B if many else 0)
+    assert carry_stats(carry)["fallbacks_too_many"] == (2 * B if many else 0)
 
 
 def test_carry_fallback_in_some_rows_only(device):
@@ -121,7 +123,7 @@ def test_carry_fallback_in_some_rows_only(device):
     k = _aniso_keys(B, L, D, device, seed=21)
     lo = torch.tensor([0, 3, 10], device=device)
     hi = torch.tensor([L, L - 5, 1200], device=device)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     for step in range(3):
         qi = torch.zeros(B, 4, D, device=device)
         qi[..., 0] = 1.0 + 0.001 * step
@@ -143,8 +145,8 @@ def test_carry_on_long_rows_tracks_a_drifting_norm(device):
     B, L, D, k_top = 1, 24000, 16, 64
     q0, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=5)
     lo, hi = _bounds(kv_lens, kv_start, 4, 16)
-    k_next, cap = scoring.carry_sizes(k_top)
-    carry = scoring.new_carry(B, 2, device)
+    k_next, cap = carry_sizes(k_top)
+    carry = new_carry(B, 2, device)
     g = torch.Generator().manual_seed(8)
     for step in range(6):
         q = (q0 + 0.01 * step * torch.randn(q0.shape, generator=g).to(device)) * (1.0 + 0.06 * (-1) ** step)
@@ -152,7 +154,7 @@ def test_carry_on_long_rows_tracks_a_drifting_norm(device):
         true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
         _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-4)
         if step == 0:  # the fallback's next threshold, in this call's score units
-            passed = (true >= scoring.carry_threshold(carry).cpu().double()[..., None]).sum(-1)
+            passed = (true >= carry_threshold(carry).cpu().double()[..., None]).sum(-1)
             assert ((passed >= k_next) & (passed <= cap)).all(), (passed, k_next, cap)
     assert (_fallbacks(carry) == 1).all(), _fallbacks(carry)
 
@@ -168,7 +170,7 @@ def test_carry_edge_cases(case, device):
         hi[1] = lo[1]
     n_valid = (hi - lo).cpu()
     k_top = {"one": 1, "all": L + 3, "equal": int(n_valid.min()), "empty": 7}[case]
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
     for step in range(3):
         buf = torch.full((B, 2, k_top), 99, dtype=torch.int32, device=device)
@@ -206,7 +208,7 @@ def test_carry_on_every_scoring_kernel(keys, reduce, device):
     k, q = k.to(device), q.to(device)
     kw = {n: t.to(device) for n, t in kw.items()}
     lo, hi = _bounds(kv_lens, kv_start, 2, 2)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     k_top = 23
     for step in range(3):
         qs = (q.float() * (1 + 0.01 * step)).to(q.dtype)
@@ -224,7 +226,7 @@ def test_carry_ties(device):
     k = torch.ones(B, 2, L, D, device=device)
     lo = torch.tensor([3, 0], device=device)
     hi = torch.tensor([80, 90], device=device)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
     for _ in range(3):
         _check_topk(scoring.score_topk_triton(q, k, lo, hi, 10, carry=carry), true, lo.cpu(), hi.cpu(), 10,
@@ -240,27 +242,27 @@ def test_carry_state_is_checked_and_reset(device):
         for fn in (scoring.score_topk_ref, scoring.score_topk_triton):
             with pytest.raises(ValueError, match=r"carry must be .*\[2, 2, 8\]"):
                 fn(q, k, lo, hi, 5, carry=bad)
-    carry = scoring.new_carry(2, 2, device)
-    assert torch.isinf(scoring.carry_threshold(carry)).all()
+    carry = new_carry(2, 2, device)
+    assert torch.isinf(carry_threshold(carry)).all()
     kernels.score_topk(q, k, lo, hi, 5, carry=carry)  # the public op passes it on (ref: left as it is)
     scoring.score_topk_triton(q, k, lo, hi, 5, carry=carry)
-    assert torch.isfinite(scoring.carry_threshold(carry)).all()
-    scoring.reset_carry(carry)
-    assert torch.equal(carry, scoring.new_carry(2, 2, device))
+    assert torch.isfinite(carry_threshold(carry)).all()
+    reset_carry(carry)
+    assert torch.equal(carry, new_carry(2, 2, device))
     with pytest.raises(ValueError, match="carry_margin"):
-        scoring.SELECT_CONFIG["carry_margin"] = 1.0
-        scoring.carry_sizes(10)
+        radix_topk.SELECT_CONFIG["carry_margin"] = 1.0
+        carry_sizes(10)
 
 
 def test_carry_sizes():
-    assert scoring.carry_sizes(1980) == (2970, 4096)
-    assert scoring.carry_sizes(1) == (2, 4)
-    k_next, cap = scoring.carry_sizes(100)
+    assert carry_sizes(1980) == (2970, 4096)
+    assert carry_sizes(1) == (2, 4)
+    k_next, cap = carry_sizes(100)
     assert k_next == 150 and cap == 256
-    assert scoring.carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
+    assert carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
     for bad in (1.0, 0.5, float("nan")):
         with pytest.raises(ValueError, match="carry margin must be > 1"):
-            scoring.carry_sizes(100, bad)
+            carry_sizes(100, bad)
 
 
 def test_carry_margin_stays_exact_and_aims_wider(device):
@@ -272,14 +274,14 @@ def test_carry_margin_stays_exact_and_aims_wider(device):
     lo, hi = _bounds(kv_lens, kv_start, 2, 3)
     passed = {}
     for margin in (None, 3.0):
-        carry = scoring.new_carry(B, 2, device)
+        carry = new_carry(B, 2, device)
         g = torch.Generator().manual_seed(6)
         for step in range(4):
             q = q0 + 0.02 * step * torch.randn(q0.shape, generator=g).to(device)
             out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry, carry_margin=margin)
             true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
             _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
-        thr = scoring.carry_threshold(carry).cpu().double()  # [B, Hkv]
+        thr = carry_threshold(carry).cpu().double()  # [B, Hkv]
         passed[margin] = (true >= thr[..., None]).sum(-1).double().mean().item()  # keys the last threshold lets by
     assert passed[3.0] > passed[None] > k_top
 
@@ -287,17 +289,17 @@ def test_carry_margin_stays_exact_and_aims_wider(device):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_carry_radix_digit_width(bits, device):
     """The in-register select with 4-bit digits (8 passes of 16 bins) or 8-bit (4 of 256)."""
-    scoring.SELECT_CONFIG["carry_bits"] = bits
+    radix_topk.SELECT_CONFIG["carry_bits"] = bits
     B, L, D = 2, 500, 16
     q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=13)
     lo, hi = _bounds(kv_lens, kv_start, 1, 1)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     for step in range(3):
         qi = q * (1 + 0.002 * step)
         out, _ = _run(qi, k, lo, hi, 31, "sum_logits", None, carry)
         _check_topk(out, _scores64(qi, k, "sum_logits", lo.cpu(), hi.cpu()), lo.cpu(), hi.cpu(), 31, atol=1e-5)
     assert (_fallbacks(carry) == 1).all()
-    scoring.SELECT_CONFIG["carry_bits"] = 6
+    radix_topk.SELECT_CONFIG["carry_bits"] = 6
     with pytest.raises(ValueError, match="carry_bits"):
         scoring.score_topk_triton(q, k, lo, hi, 31, carry=carry)
 
@@ -306,14 +308,14 @@ def test_carry_radix_digit_width(bits, device):
 def test_carry_select_through_tie_groups(bits, device):
     """Integer scores (0/1 keys, a ones query): a handful of distinct values, so K cuts
     through a group of equal scores and the select's bins hold many keys: still exact."""
-    scoring.SELECT_CONFIG["carry_bits"] = bits
+    radix_topk.SELECT_CONFIG["carry_bits"] = bits
     B, L, D = 2, 300, 16
     g = torch.Generator().manual_seed(3)
     k = torch.randint(0, 2, (B, 2, L, D), generator=g).float().to(device)
     q = torch.ones(B, 4, D, device=device)
     lo = torch.tensor([5, 0], device=device)
     hi = torch.tensor([290, 300], device=device)
-    carry = scoring.new_carry(B, 2, device)
+    carry = new_carry(B, 2, device)
     true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
     for k_top in (40, 40, 41, 90):
         out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry)
@@ -328,18 +330,18 @@ def test_select_overlap_results_match_plain_calls(device, monkeypatch):
     B, L, k_top = 2, 301, 17
     q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, 16, torch.float32, device, seed=11)
     lo, hi = _bounds(kv_lens, kv_start, 2, 3)
-    plain = [scoring.score_topk_triton(q, k, lo, hi, k_top, carry=scoring.new_carry(B, 2, device))
+    plain = [scoring.score_topk_triton(q, k, lo, hi, k_top, carry=new_carry(B, 2, device))
              for _ in range(2)]
     monkeypatch.setenv("SPADE_SELECT_OVERLAP", "on")
-    assert scoring.overlap_enabled(device) == (torch.device(device).type == "cuda" and not scoring._interpret())
-    carries = [scoring.new_carry(B, 2, device) for _ in range(2)]
-    with kernels.select_overlap(device), scoring.select_overlap(device, enabled=True):
+    assert overlap.overlap_enabled(device) == (torch.device(device).type == "cuda" and not _interpret())
+    carries = [new_carry(B, 2, device) for _ in range(2)]
+    with kernels.select_overlap(device), overlap.select_overlap(device, enabled=True):
         got = [scoring.score_topk_triton(q, k, lo, hi, k_top, carry=c) for c in carries]
     for a, b in zip(plain, got):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
     monkeypatch.setenv("SPADE_SELECT_OVERLAP", "sometimes")
     with pytest.raises(ValueError, match="SPADE_SELECT_OVERLAP"):
-        scoring.overlap_enabled("cuda")
+        overlap.overlap_enabled("cuda")
 
 
 @pytest.mark.gpu
@@ -354,7 +356,7 @@ def test_carry_on_256k_plus_rows_on_gpu(B, L):
     k = torch.randn(B, 2, L, 64, generator=g).to(dev, torch.bfloat16)
     lo = torch.full((B,), 4, dtype=torch.int32, device=dev)
     hi = torch.tensor([L - 64, L - 1001][:B], dtype=torch.int32, device=dev)
-    k_top, carry = 1980, scoring.new_carry(B, 2, dev)
+    k_top, carry = 1980, new_carry(B, 2, dev)
     out = torch.empty(B, 2, k_top, dtype=torch.int32, device=dev)
     qbuf = torch.empty(B, 8, 64, dtype=torch.bfloat16, device=dev)
 
@@ -386,12 +388,12 @@ def test_select_overlap_block_without_selects_captures():
     x = torch.zeros(4, device=dev)
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm), scoring.select_overlap(dev, enabled=True):
+    with torch.cuda.stream(warm), overlap.select_overlap(dev, enabled=True):
         x.add_(1)
     torch.cuda.current_stream().wait_stream(warm)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        with scoring.select_overlap(dev, enabled=True):
+        with overlap.select_overlap(dev, enabled=True):
             x.add_(1)
     graph.replay()
     torch.cuda.synchronize()
@@ -412,16 +414,16 @@ def test_select_overlap_on_gpu_matches_serial(warps):
     lo = torch.full((B,), 4, dtype=torch.int32, device=dev)
     hi = torch.tensor([L - 16, L - 700, 1000], dtype=torch.int32, device=dev)
     if warps:
-        scoring.SELECT_CONFIG.update(carry_overlap_warps=warps)
+        radix_topk.SELECT_CONFIG.update(carry_overlap_warps=warps)
 
     def pack(carries, outs, on):
-        with scoring.select_overlap(dev, enabled=on):
+        with overlap.select_overlap(dev, enabled=on):
             for j in range(n_layers):
                 scoring.score_topk_triton(qs[j], ks[j], lo, hi, k_top, carry=carries[j], out=outs[j])
 
-    ref_c = [scoring.new_carry(B, Hkv, dev) for _ in range(n_layers)]
+    ref_c = [new_carry(B, Hkv, dev) for _ in range(n_layers)]
     ref_o = [torch.empty(B, Hkv, k_top, dtype=torch.int32, device=dev) for _ in range(n_layers)]
-    ov_c = [scoring.new_carry(B, Hkv, dev) for _ in range(n_layers)]
+    ov_c = [new_carry(B, Hkv, dev) for _ in range(n_layers)]
     ov_o = [torch.empty(B, Hkv, k_top, dtype=torch.int32, device=dev) for _ in range(n_layers)]
     for step in range(3):  # the first step falls back, the next take the candidates
         pack(ref_c, ref_o, False)

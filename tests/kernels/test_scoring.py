@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spade import kernels
-from spade.kernels import scoring
+from spade.kernels import radix_topk, scoring
 
 REDUCES = scoring.REDUCES
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
@@ -116,7 +116,7 @@ def _default_configs():
     """Tests that override the launch configs must not leak them."""
     yield
     scoring.SCORE_CONFIG.clear()
-    scoring.SELECT_CONFIG.clear()
+    radix_topk.SELECT_CONFIG.clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_score_topk_stage2_chunks(fuse, device):
     """Stage 2 with and without the fused pass-0 histogram, over tiny tiles so each row
     spans several chunks (atomic histograms, slot counters and tie buffers)."""
     scoring.SCORE_CONFIG.update(BLOCK_L=16, MIN_CHUNK=16)
-    scoring.SELECT_CONFIG.update(fuse_hist=fuse, BLOCK=32, MIN_CHUNK=32)
+    radix_topk.SELECT_CONFIG.update(fuse_hist=fuse, BLOCK=32, MIN_CHUNK=32)
     q, k, kv_lens, kv_start = _inputs(2, 4, 2, 75, 16, torch.float32, device, seed=5)
     lo, hi = _bounds(kv_lens, kv_start, 1, 1)
     true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
@@ -253,7 +253,7 @@ def test_score_topk_ties(device):
     """Many exactly equal scores: the tie at the threshold must be cut to exactly K
     (and the 16-bit tie buffer then holds a large part of the row). Keys take values
     in {-1, 0, 1} along one axis, so scores are exact multiples of one number."""
-    scoring.SELECT_CONFIG.update(BLOCK=32, MIN_CHUNK=32)
+    radix_topk.SELECT_CONFIG.update(BLOCK=32, MIN_CHUNK=32)
     B, Hq, Hkv, L, D = 2, 2, 1, 50, 16
     q = torch.zeros(B, Hq, D, device=device)
     q[..., 0] = 1.0
@@ -269,24 +269,6 @@ def test_score_topk_ties(device):
     # all scores equal (q = 0): any K positions, but exactly K of them
     out = scoring.score_topk_triton(torch.zeros_like(q), k, lo, hi, 13)
     _check_topk(out, torch.zeros_like(true), lo.cpu(), hi.cpu(), 13, atol=0.0)
-
-
-def test_topk_from_scores_close_values(device):
-    """Scores that share their top 16 bits (many 16-bit ties) but differ below:
-    passes 2-3 must order them exactly."""
-    B, H, N = 2, 3, 200
-    base = torch.full((B, H, N), 1.5)
-    scores = base + torch.randint(0, 5000, (B, H, N)) * 2.0 ** -22  # same exponent, low mantissa bits differ
-    scores[0, 0, :7] = 1.5 + 2.0 ** -10  # a few clearly above the pack
-    scores = scores.to(device)
-    lo = torch.tensor([3, 0], device=device)
-    hi = torch.tensor([200, 150], device=device)
-    for k_top in (1, 10, 64):
-        out = scoring.topk_from_scores_triton(scores, lo, hi, k_top)
-        ref = scoring.topk_from_scores_ref(scores, lo, hi, k_top)
-        true = scores.double().cpu()
-        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=0.0)
-        torch.testing.assert_close(_sel_sum(out, true), _sel_sum(ref, true), rtol=0, atol=0)
 
 
 def test_score_topk_empty_ranges_and_zero_k(device):

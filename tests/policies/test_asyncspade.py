@@ -697,7 +697,7 @@ def test_topk_carry_selects_what_radix_selects(name, score_keys, monkeypatch):
     give the same selections step after step; after the first step the carry mostly takes
     its candidate path; a new prompt (prefill) resets the layer's carried threshold in place."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")
-    from spade.kernels.scoring import carry_stats
+    from spade.kernels.carry import carry_stats
 
     sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 5], prompt_len=60, steps=5, seed=17, n_layers=2)
     kw = dict(budget=20, sink_tokens=2, recent_tokens=3, group_reduce="sum_logits")

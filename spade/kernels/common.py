@@ -1,0 +1,72 @@
+"""Host helpers and one Triton helper shared by the selection kernels (``scoring``,
+``radix_topk``, ``carry``, ``quest``): input checks, grid sizing, the candidate-range
+mask of the references, and the group-query tile load."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from spade.envs import triton_interpret
+
+
+def _interpret() -> bool:
+    """True when Triton runs under its CPU interpreter (decided at launch time)."""
+    return triton_interpret()
+
+
+def _check_rows(t: torch.Tensor, B: int, name: str, device: torch.device | None = None) -> torch.Tensor:
+    """Validate a per-row [B] integer tensor; move it to ``device`` if given (the
+    kernels read it on the device)."""
+    if t.shape != (B,):
+        raise ValueError(f"{name} must have shape [{B}], got {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t if device is None else t.to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of the device (a small stand-in under the interpreter, to keep grids tiny)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int,
+           per_sm: int = 4) -> tuple[int, int]:
+    """Split rows of length ``n`` into chunks for a (row, chunk) grid.
+
+    Aims at about ``per_sm`` programs per SM (several waves, so the last partial
+    wave costs little), with chunks of at least ``min_chunk`` elements (rounded to
+    ``block``) so per-program work amortises its fixed costs (q load, histogram
+    atomics). Returns (chunk, n_chunks)."""
+    n = max(n, 1)
+    target = per_sm * _sm_count(device)
+    n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
+    chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block
+    return chunk, triton.cdiv(n, chunk)
+
+
+def _range_mask(lo: torch.Tensor, hi: torch.Tensor, L: int) -> torch.Tensor:
+    """[B, L] bool: lo[b] <= p < hi[b]."""
+    pos = torch.arange(L, device=lo.device)
+    return (pos[None, :] >= lo.long()[:, None]) & (pos[None, :] < hi.long()[:, None])
+
+
+@triton.jit
+def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The G query heads of KV head ``h`` as a zero-padded [G_PAD, BLOCK_D] tile."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+    return tl.load(base + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
