@@ -1006,7 +1006,7 @@ def run(argv: list[str] | None = None) -> dict:
                 model = None
                 free_memory()
                 continue
-            from spade.runtime.asyncrt import new_event_loop
+            from spade.runtime.link import new_event_loop
 
             shared: dict = {"loop": new_event_loop()}
             lin_kernels = model.linear_kernels(B)

@@ -164,7 +164,7 @@ class Engine:
         rt = self.cfg.runtime
         if rt.topology != "multiprocess":
             return
-        from spade.runtime.asyncrt import torchrun_world
+        from spade.runtime.link import torchrun_world
         from spade.transports import TRANSPORTS
 
         if not torchrun_world():

@@ -323,101 +323,133 @@ def _replay_layer(cfg: SelectionEvalConfig, spec, q: torch.Tensor, k: torch.Tens
                   acc: Acc) -> None:
     """All non-sequential policies at positions ``ts`` of one layer.
     ``q`` [Hq, T, D], ``k`` [Hkv, T, D] (the captured layer)."""
-    from spade.policies.asyncspade import AsyncSpadePolicy, AsyncSpadePolicyConfig
-    from spade.policies.common import middle_bounds
+    _LayerReplay(cfg, spec, q, k, ts, layer, acc).run()
 
-    dev = k.device
-    B, T = len(ts), k.shape[1]
-    Hkv, D = k.shape[0], k.shape[2]
-    tsd = ts.to(dev)
-    kc = k[None].expand(B, *k.shape)  # [B, Hkv, T, D] shared cache (a view)
-    kv_sel = (tsd + 1).to(torch.int32)  # cache length at step t (token t included)
-    kv_pre = tsd.to(torch.int32)  # the "prompt" before step t
-    q_t = q[:, tsd].transpose(0, 1).contiguous()  # [B, Hq, D]
-    probs = true_probs(q_t, kc, kv_sel, spec.softmax_scale)  # [B, Hkv, G, T]
-    fmass = fixed_mass(probs, kv_sel, cfg.sink_tokens, cfg.recent_tokens)
-    settings = _budget_settings(cfg, ts)
-    n_fixed = cfg.sink_tokens + cfg.recent_tokens
-    kmax = max(int(b.max()) for _, b in settings) - n_fixed
-    lo, hi = middle_bounds(kv_sel, None, cfg.sink_tokens, cfg.recent_tokens)
-    reduces = list(cfg.group_reduces)
-    ref_reduce = reduces[0]
-    common = dict(sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
 
-    def ranked(qv: torch.Tensor, reds: list[str]) -> dict[str, Ranked]:
-        scores = group_scores_multi(qv, k, kv_sel, spec.softmax_scale, reds)
-        return {red: Ranked(s, lo, hi, kmax) for red, s in scores.items()}
+class _LayerReplay:
+    """``_replay_layer``'s shared setup (the true attention, budgets, the oracle's
+    ranking) and one method per family of policies it records into ``acc``."""
 
-    def record_ranked(policy: str, red: str, rk: Ranked, ref: Ranked) -> None:
-        for label, budget in settings:
-            kt = (budget - n_fixed).to(dev)
-            acc.add((label, policy, red, "recall"), layer, rk.recall(probs, fmass, kt))
+    def __init__(self, cfg: SelectionEvalConfig, spec, q: torch.Tensor, k: torch.Tensor, ts: torch.Tensor,
+                 layer: int, acc: Acc) -> None:
+        from spade.policies.common import middle_bounds
+
+        self.cfg, self.spec, self.q, self.k, self.ts, self.layer, self.acc = cfg, spec, q, k, ts, layer, acc
+        dev = self.dev = k.device
+        B = self.B = len(ts)
+        self.T = k.shape[1]
+        self.Hkv, self.D = k.shape[0], k.shape[2]
+        tsd = self.tsd = ts.to(dev)
+        self.kc = k[None].expand(B, *k.shape)  # [B, Hkv, T, D] shared cache (a view)
+        kv_sel = self.kv_sel = (tsd + 1).to(torch.int32)  # cache length at step t (token t included)
+        self.kv_pre = tsd.to(torch.int32)  # the "prompt" before step t
+        self.q_t = q[:, tsd].transpose(0, 1).contiguous()  # [B, Hq, D]
+        self.probs = true_probs(self.q_t, self.kc, kv_sel, spec.softmax_scale)  # [B, Hkv, G, T]
+        self.fmass = fixed_mass(self.probs, kv_sel, cfg.sink_tokens, cfg.recent_tokens)
+        self.settings = _budget_settings(cfg, ts)
+        self.n_fixed = cfg.sink_tokens + cfg.recent_tokens
+        self.kmax = max(int(b.max()) for _, b in self.settings) - self.n_fixed
+        self.lo, self.hi = middle_bounds(kv_sel, None, cfg.sink_tokens, cfg.recent_tokens)
+        self.reduces = list(cfg.group_reduces)
+        self.ref_reduce = self.reduces[0]
+        self.common = dict(sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
+        self.ref: dict[str, Ranked] = {}
+
+    def ranked(self, qv: torch.Tensor, reds: list[str]) -> dict[str, Ranked]:
+        scores = group_scores_multi(qv, self.k, self.kv_sel, self.spec.softmax_scale, reds)
+        return {red: Ranked(s, self.lo, self.hi, self.kmax) for red, s in scores.items()}
+
+    def record_ranked(self, policy: str, red: str, rk: Ranked, ref: Ranked) -> None:
+        acc, layer = self.acc, self.layer
+        for label, budget in self.settings:
+            kt = (budget - self.n_fixed).to(self.dev)
+            acc.add((label, policy, red, "recall"), layer, rk.recall(self.probs, self.fmass, kt))
             acc.add((label, policy, red, "overlap"), layer, rk.overlap(ref, kt))
 
-    def record_mask(label: str, rows: torch.Tensor, budget: int, policy: str, red: str, sel, ref: Ranked) -> None:
+    def record_mask(self, label: str, rows: torch.Tensor, budget: int, policy: str, red: str, sel,
+                    ref: Ranked) -> None:
+        acc, layer, dev, probs, T = self.acc, self.layer, self.dev, self.probs, self.T
         r = rows.to(dev)
-        mask = attended_mask(sel, kv_sel[r], T, Hkv)
+        mask = attended_mask(sel, self.kv_sel[r], T, self.Hkv)
         acc.add((label, policy, red, "recall"), layer,
                 torch.einsum("bhgl,bhl->bhg", probs[r], mask.to(probs.dtype)).mean(dim=(1, 2)))
-        kt = torch.full((len(r),), budget - n_fixed, device=dev)[:, None, None]
+        kt = torch.full((len(r),), budget - self.n_fixed, device=dev)[:, None, None]
         ref_mid = ref.rank[r, :, :T] < kt
         acc.add((label, policy, red, "overlap"), layer,
                 _mean_heads((mask & ref_mid).sum(-1).double(), ref_mid.sum(-1).double()))
 
-    # oracle: exact top-K of the true query, the reference of every overlap
-    ref = ranked(q_t, reduces)
-    if "oracle" in cfg.baselines:
-        for red in reduces:
-            record_ranked("oracle", red, ref[red], ref[red])
+    def run(self) -> None:
+        # oracle: exact top-K of the true query, the reference of every overlap
+        ref = self.ref = self.ranked(self.q_t, self.reduces)
+        if "oracle" in self.cfg.baselines:
+            for red in self.reduces:
+                self.record_ranked("oracle", red, ref[red], ref[red])
+        win = self._asyncspade()
+        self._stale()
+        if self.cfg.shift_ablation:
+            self._shift_ablation(win)
+        self._baselines()
 
-    # asyncspade: the policy's own prefill + predict_query (the W+1 queries before t)
-    R = cfg.window + 1
-    win = torch.stack([q[:, int(t) - R:int(t)] for t in ts.tolist()])  # [B, Hq, R, D]
-    for pred in cfg.predictors:
-        for rope in cfg.rope_aware:
-            if rope and spec.rope is None:
-                continue
-            pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=max(cfg.budgets), predictor=pred,
-                                                          window=cfg.window, ridge_eps=cfg.ridge_eps,
-                                                          rope_aware=rope, **common), spec)
-            st = _state(pol, B, int(ts.max()), dev)
-            pol.prefill(st, 0, win, kc, kc, kv_pre)
-            st.seq_len += 1  # the decode step at t: the window holds q_{t-W-1} .. q_{t-1}
-            q_hat = pol.predict_query(st, 0, kv_sel)  # [B, Hq, D]
-            for red, rk in ranked(q_hat, reduces).items():
-                record_ranked(_asy_label(pred, rope), red, rk, ref[red])
+    def _asyncspade(self) -> torch.Tensor:
+        """The policy's own prefill + predict_query (the W+1 queries before t); returns
+        that window [B, Hq, W+1, D]."""
+        from spade.policies.asyncspade import AsyncSpadePolicy, AsyncSpadePolicyConfig
 
-    # Fig. 4: the top-K of a stale query q_{t-d} vs that of q_t
-    for d in cfg.distances:
-        q_old = q[:, tsd - d].transpose(0, 1).contiguous()
-        record_ranked(f"stale[d={d}]", ref_reduce, ranked(q_old, [ref_reduce])[ref_reduce],
-                      ref[ref_reduce])
+        cfg, spec, q, ts, B, dev, kc = self.cfg, self.spec, self.q, self.ts, self.B, self.dev, self.kc
+        R = cfg.window + 1
+        win = torch.stack([q[:, int(t) - R:int(t)] for t in ts.tolist()])  # [B, Hq, R, D]
+        for pred in cfg.predictors:
+            for rope in cfg.rope_aware:
+                if rope and spec.rope is None:
+                    continue
+                pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=max(cfg.budgets), predictor=pred,
+                                                              window=cfg.window, ridge_eps=cfg.ridge_eps,
+                                                              rope_aware=rope, **self.common), spec)
+                st = _state(pol, B, int(ts.max()), dev)
+                pol.prefill(st, 0, win, kc, kc, self.kv_pre)
+                st.seq_len += 1  # the decode step at t: the window holds q_{t-W-1} .. q_{t-1}
+                q_hat = pol.predict_query(st, 0, self.kv_sel)  # [B, Hq, D]
+                for red, rk in self.ranked(q_hat, self.reduces).items():
+                    self.record_ranked(_asy_label(pred, rope), red, rk, self.ref[red])
+        return win
 
-    # Fig. 5: ridge predictions with vs without the one-step shift (post-RoPE, as the paper)
-    if cfg.shift_ablation:
+    def _stale(self) -> None:
+        """Fig. 4: the top-K of a stale query q_{t-d} vs that of q_t."""
+        ref_reduce = self.ref_reduce
+        for d in self.cfg.distances:
+            q_old = self.q[:, self.tsd - d].transpose(0, 1).contiguous()
+            self.record_ranked(f"stale[d={d}]", ref_reduce, self.ranked(q_old, [ref_reduce])[ref_reduce],
+                               self.ref[ref_reduce])
+
+    def _shift_ablation(self, win: torch.Tensor) -> None:
+        """Fig. 5: ridge predictions with vs without the one-step shift (post-RoPE, as the paper)."""
+        B, D, R, ref_reduce = self.B, self.D, self.cfg.window + 1, self.ref_reduce
         flat = win.reshape(B * win.shape[1], R, D)
         for mode in ("ridge", "assembled"):
             for shift in (True, False):
-                q_hat = ridge_predict_shift(flat, mode, cfg.ridge_eps, shift=shift).view(B, -1, D)
-                record_ranked(f"{mode}[{'shift' if shift else 'no shift'}]", ref_reduce,
-                              ranked(q_hat, [ref_reduce])[ref_reduce], ref[ref_reduce])
+                q_hat = ridge_predict_shift(flat, mode, self.cfg.ridge_eps, shift=shift).view(B, -1, D)
+                self.record_ranked(f"{mode}[{'shift' if shift else 'no shift'}]", ref_reduce,
+                                   self.ranked(q_hat, [ref_reduce])[ref_reduce], self.ref[ref_reduce])
 
-    # the other baselines (quest, streaming, ...): their own prefill + select with the true
-    # query and the prefix as the prompt, per budget group; evicting ones are replayed apart
-    at_positions = [b for b in cfg.baselines if b != "oracle" and not POLICIES.get(b).evicts]
-    for label, budget in settings:
-        for kb in sorted(set(budget.tolist())):
-            rows = torch.nonzero(budget == kb).flatten()
-            r = rows.to(dev)
-            seq = int(ts[rows].max()) + 1
-            for name in at_positions:
-                for red in baseline_reduces(name, reduces):
-                    pol = _baseline(cfg, spec, name, kb, red)
-                    st = _state(pol, len(r), seq - 1)
-                    pol.prefill(st, 0, q_t[r, :, None], kc[: len(r)], kc[: len(r)], kv_pre[r])
-                    st.seq_len = seq
-                    sel = pol.select(st, 0, q_t[r], kc[: len(r)], kv_sel[r])
-                    record_mask(label, rows, kb, name, red, sel, ref[red if red != "-" else ref_reduce])
+    def _baselines(self) -> None:
+        """The other baselines (quest, streaming, ...): their own prefill + select with the true
+        query and the prefix as the prompt, per budget group; evicting ones are replayed apart."""
+        cfg, spec, ts, dev, kc, q_t = self.cfg, self.spec, self.ts, self.dev, self.kc, self.q_t
+        at_positions = [b for b in cfg.baselines if b != "oracle" and not POLICIES.get(b).evicts]
+        for label, budget in self.settings:
+            for kb in sorted(set(budget.tolist())):
+                rows = torch.nonzero(budget == kb).flatten()
+                r = rows.to(dev)
+                seq = int(ts[rows].max()) + 1
+                for name in at_positions:
+                    for red in baseline_reduces(name, self.reduces):
+                        pol = _baseline(cfg, spec, name, kb, red)
+                        st = _state(pol, len(r), seq - 1)
+                        pol.prefill(st, 0, q_t[r, :, None], kc[: len(r)], kc[: len(r)], self.kv_pre[r])
+                        st.seq_len = seq
+                        sel = pol.select(st, 0, q_t[r], kc[: len(r)], self.kv_sel[r])
+                        self.record_mask(label, rows, kb, name, red, sel,
+                                         self.ref[red if red != "-" else self.ref_reduce])
 
 
 def baseline_reduces(name: str, reduces: list[str]) -> list[str]:

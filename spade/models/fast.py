@@ -186,8 +186,8 @@ def _hf_names(i: int) -> dict[str, str]:
 # Plain-torch versions follow transformers' op order and rounding (RMSNorm in
 # float32, cast back, then the weight multiply in the model dtype; RoPE with cos/sin
 # cast to the model dtype), so on CPU in float32 the fast path matches the HF model
-# to rounding noise. The Triton versions compute the same formulas with one
-# rounding per stored value.
+# to rounding noise. The Triton versions (spade.kernels.elementwise) compute the
+# same formulas with one rounding per stored value.
 
 def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (transformers' LlamaRMSNorm arithmetic)."""
@@ -266,152 +266,13 @@ def fuse_glu_default() -> bool:
 
 
 def triton_ops() -> dict[str, Callable]:
-    """The Triton versions of the three elementwise ops, built on first use (so that
-    importing this module never imports triton, and ``TRITON_INTERPRET`` set by a
-    test harness before the first call is honoured)."""
+    """The Triton versions of the three elementwise ops (``spade.kernels.elementwise``),
+    imported on first use (so that importing this module never imports triton, and
+    ``TRITON_INTERPRET`` set by a test harness before the first call is honoured)."""
     global _TRITON_OPS
     if _TRITON_OPS is not None:
         return _TRITON_OPS
-    import triton
-    import triton.language as tl
-
-    from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
-
-    # The kernels below call these two @triton.jit helpers; Triton resolves a kernel's
-    # callees among its module's globals (the interpreter ignores closures).
-    globals().update(grid_dep_wait=grid_dep_wait, grid_dep_release=grid_dep_release)
-
-    @triton.jit
-    def _add_rms_norm_kernel(X, DELTA, W, OUT, stride_x, stride_d, stride_o, N, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # One program per row: x (+= delta), then y = w * (x * rsqrt(mean(x^2) + eps)).
-        grid_dep_wait(PDL)  # programmatic dependent launch: see spade.kernels.pdl
-        grid_dep_release(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        m = offs < N
-        x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
-        if HAS_DELTA:
-            d = tl.load(DELTA + row * stride_d + offs, mask=m, other=0.0)
-            x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
-            tl.store(X + row * stride_x + offs, x, mask=m)
-        xf = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-        # Round the normalised value to the model dtype before the weight multiply,
-        # as the reference does.
-        y = (xf * r).to(OUT.dtype.element_ty).to(tl.float32) * w
-        tl.store(OUT + row * stride_o + offs, y.to(OUT.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _qkv_rope_store_kernel(QKV, QN, KN, COS, SIN, POS, WIDX, QOUT, KC, VC,
-                               stride_qkv, stride_qo_b, stride_qo_h,
-                               stride_kc_b, stride_kc_h, stride_kc_l,
-                               stride_vc_b, stride_vc_h, stride_vc_l,
-                               stride_cs, HQ, HKV, eps,
-                               D: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                               BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        # Grid (B, Hq + 2 Hkv): one head vector per program. q heads: norm, rotate,
-        # store to QOUT; k heads: norm, rotate, store to the cache at WIDX; v heads:
-        # copy to the cache at WIDX.
-        grid_dep_wait(PDL)
-        grid_dep_release(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        offs = tl.arange(0, BLOCK_D)
-        m = offs < D
-        base = QKV + b * stride_qkv + h.to(tl.int64) * D
-        x = tl.load(base + offs, mask=m, other=0.0)
-        w_idx = tl.load(WIDX).to(tl.int64)
-        if h < HQ + HKV:
-            in_rot = offs < ROT
-            partner = tl.where(in_rot, tl.where(offs < HALF, offs + HALF, offs - HALF), offs)
-            xp = tl.load(base + partner, mask=m, other=0.0)
-            xf = x.to(tl.float32)
-            xpf = xp.to(tl.float32)
-            if HAS_NORM:
-                is_q = h < HQ
-                r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-                w = tl.where(is_q, tl.load(QN + offs, mask=m, other=0.0), tl.load(KN + offs, mask=m, other=0.0))
-                wp = tl.where(is_q, tl.load(QN + partner, mask=m, other=0.0),
-                              tl.load(KN + partner, mask=m, other=0.0))
-                xf = ((xf * r).to(QKV.dtype.element_ty).to(tl.float32) * w.to(tl.float32))
-                xf = xf.to(QKV.dtype.element_ty).to(tl.float32)
-                xpf = ((xpf * r).to(QKV.dtype.element_ty).to(tl.float32) * wp.to(tl.float32))
-                xpf = xpf.to(QKV.dtype.element_ty).to(tl.float32)
-            p = tl.load(POS + b).to(tl.int64)
-            c = tl.load(COS + p * stride_cs + offs, mask=m & in_rot, other=1.0)
-            s = tl.load(SIN + p * stride_cs + offs, mask=m & in_rot, other=0.0)
-            sign = tl.where(offs < HALF, -1.0, 1.0)
-            y = xf * c + sign * xpf * s
-            if h < HQ:
-                tl.store(QOUT + b * stride_qo_b + h.to(tl.int64) * stride_qo_h + offs,
-                         y.to(QOUT.dtype.element_ty), mask=m)
-            else:
-                hk = (h - HQ).to(tl.int64)
-                tl.store(KC + b * stride_kc_b + hk * stride_kc_h + w_idx * stride_kc_l + offs,
-                         y.to(KC.dtype.element_ty), mask=m)
-        else:
-            hv = (h - HQ - HKV).to(tl.int64)
-            tl.store(VC + b * stride_vc_b + hv * stride_vc_h + w_idx * stride_vc_l + offs,
-                     x.to(VC.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        grid_dep_wait(PDL)
-        grid_dep_release(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < I
-        g = tl.load(GU + b * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(GU + b * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
-        tl.store(OUT + b * stride_o + offs, (sg * u).to(OUT.dtype.element_ty), mask=m)
-
-    def _warps(block: int) -> int:
-        return int(min(16, max(1, block // 512)))
-
-    def add_rms_norm_triton(x, delta, w, eps):
-        B, N = x.shape
-        assert x.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
-        out = torch.empty_like(x)
-        block = triton.next_power_of_2(N)
-        pdl = pdl_enabled(x.device)
-        _add_rms_norm_kernel[(B,)](
-            x, delta if delta is not None else x, w, out, x.stride(0),
-            delta.stride(0) if delta is not None else 0, out.stride(0), N, float(eps),
-            HAS_DELTA=delta is not None, BLOCK=block, PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
-        return out
-
-    def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv):
-        B = qkv.shape[0]
-        D = k_cache.shape[-1]
-        rot = cos_tab.shape[-1]
-        assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-        assert cos_tab.stride(1) == 1 and cos_tab.stride() == sin_tab.stride()
-        q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
-        has_norm = q_norm is not None
-        pdl = pdl_enabled(qkv.device)
-        _qkv_rope_store_kernel[(B, n_q + 2 * n_kv)](
-            qkv, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos_tab, sin_tab, pos, widx,
-            q_out, k_cache, v_cache, qkv.stride(0), q_out.stride(0), q_out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            cos_tab.stride(0), n_q, n_kv, float(eps),
-            D=D, ROT=rot, HALF=rot // 2, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), PDL=pdl,
-            num_warps=1, launch_pdl=pdl)
-        return q_out
-
-    def silu_mul_triton(gu):
-        B, two_i = gu.shape
-        n = two_i // 2
-        assert gu.stride(1) == 1
-        out = torch.empty(B, n, dtype=gu.dtype, device=gu.device)
-        block = min(2048, triton.next_power_of_2(n))
-        pdl = pdl_enabled(gu.device)
-        _silu_mul_kernel[(B, triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=block,
-                                                     PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
-        return out
+    from spade.kernels.elementwise import add_rms_norm_triton, qkv_rope_store_triton, silu_mul_triton
 
     _TRITON_OPS = {"add_rms_norm": add_rms_norm_triton, "qkv_rope_store": qkv_rope_store_triton,
                    "silu_mul": silu_mul_triton}

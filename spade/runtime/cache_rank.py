@@ -187,221 +187,7 @@ class CacheRank:
 
     # ------------------------------------------------------------------ one generation
     async def _generation(self, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> None:
-        t = self.t
-        spec = P.spec_from_dict(s.spec)
-        policy = self.policy if self.policy is not None else P.policy_from_dict(s.policy, spec)
-        hooks = P.CacheHooks(**s.hooks)
-        B, T = s.batch, s.prompt_len
-        dev = self.device
-        dt = P.dtype_of(s.dtype)
-        Hkv, D = spec.n_kv_heads, spec.head_dim
-        n_layers = spec.n_layers
-        packs = P.packs_of(n_layers, s.pack_layers)
-        self.stats["generations"] += 1
-        with self._on():
-            state = policy.new_state(B, dev)
-            state.kv_start = kv_start
-            state.seq_len = T
-            if s.shared_kv:
-                if self.shared is None:
-                    raise TransportError("cache rank: shared KV requested but this cache rank is not in-process")
-                kstore = vstore = None
-            else:
-                kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
-                # Values only for the kv return mode (the cache rank gathers them): no policy
-                # that selects ahead reads values, so the other modes neither store nor ship
-                # them (half the store, half the boot traffic). Those policies get an empty
-                # [B, Hkv, 0, D] value tensor: reading it would fail loudly.
-                vstore = ([torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
-                          if s.return_mode == "kv" else None)
-                no_v = torch.empty(B, Hkv, 0, D, dtype=dt, device=dev)
-
-        def view(layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """What the inline policy would see as the cache at length ``seq``."""
-            if s.shared_kv:
-                return self.shared.refs[layer]
-            n = s.static_len or seq
-            return kstore[layer][:, :, :n], (vstore[layer][:, :, :n] if vstore is not None else no_v)
-
-        for layer in range(n_layers):
-            msg = await t.recv("boot")
-            with self._on():
-                q_tail = msg[0]
-                if not s.shared_kv:
-                    kstore[layer][:, :, :T].copy_(msg[1])
-                    if vstore is not None:
-                        vstore[layer][:, :, :T].copy_(msg[2])
-                k, v = view(layer, T)
-                policy.prefill(state, layer, q_tail, k, v, kv_lens)
-            del msg, q_tail
-            await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
-
-        prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
-        stalled = False
-        acct: dict[str, list[float]] = {"host": [], "send": [], "wait": []}  # this generation's host time (s)
-        self.generation_stats = {}
-        # fixed device buffers: inputs copied in per pack, outputs read out per pack,
-        # so that a pack's work can be replayed as a CUDA graph
-        graphs_on = self._graphs_enabled(s)
-        self._graphs = {}
-        q_in: dict[int, list[torch.Tensor]] = {}
-        parts: dict[int, tuple] = {}
-        out: dict[int, dict] = {}
-        Hq = spec.n_q_heads
-        with self._on():
-            kv_obs = kv_lens.clone()
-            kv_sel = kv_lens.clone()
-            pos_buf = torch.zeros(1, dtype=torch.int64, device=dev)
-        # Keys the policy never reads back (compressed scoring keys, no kv gathers) go
-        # straight from the received pack into observe: no append to the store. Only with
-        # a fixed-length view (static_len), so the policy's copy never needs a rebuild
-        # from the store (it raises if it would).
-        new_keys = (not s.shared_kv and s.static_len > 0 and vstore is None
-                    and policy.takes_new_keys(state))
-        append_k = not s.shared_kv and not new_keys
-
-        def observe_pack(p: int, seq: int) -> None:
-            l0, l1 = packs[p]
-            state.seq_len = seq
-            qb = parts[p]  # (q, k, v) views of the pack's input buffers
-            for j, layer in enumerate(range(l0, l1)):
-                if append_k:  # append the step's k, v at the device-side position
-                    kstore[layer].index_copy_(2, pos_buf, qb[1][j].unsqueeze(2))
-                    if vstore is not None:
-                        vstore[layer].index_copy_(2, pos_buf, qb[2][j].unsqueeze(2))
-                k, _ = view(layer, seq)
-                if new_keys:
-                    policy.observe(state, layer, qb[0][j], k, kv_obs, k_new=qb[1][j])
-                else:
-                    policy.observe(state, layer, qb[0][j], k, kv_obs)
-
-        def select_pack(p: int, seq: int) -> tuple:
-            """Selections of pack ``p`` at cache length ``seq`` into the pack's output
-            buffers; returns the host facts of the message (dense flags, sinks, K)."""
-            l0, l1 = packs[p]
-            state.seq_len = seq
-            sels = []
-            policy.predict_layers(state, range(l0, l1))  # e.g. asyncspade: the pack's predictions in one launch
-            # the output rows of the last call of this pack: a policy that takes them writes
-            # its indices there directly (select_takes_out); a fresh buffer below gets copies
-            rows = out[p]["rows"] if p in out and policy.select_takes_out else None
-            # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
-            # on exit, before anything below reads the indices)
-            with shared_derived(state), kernels.select_overlap(dev):
-                for j, layer in enumerate(range(l0, l1)):
-                    k, _ = view(layer, seq)
-                    if rows is None:
-                        sels.append(policy.select(state, layer, None, k, kv_sel))
-                    else:
-                        sels.append(policy.select(state, layer, None, k, kv_sel, out=rows[j]))
-            K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
-            info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
-                         for sel in sels) + (K,)
-            if K == 0:
-                return info
-            o = out.get(p)
-            n = l1 - l0
-            if o is None or o["idx"].shape[-1] != K:
-                o = out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
-                o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
-                if s.return_mode == "kv":
-                    o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
-                    o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
-            idx = o["idx"]
-            for j, sel in enumerate(sels):
-                if sel is None:
-                    idx[j].fill_(-1)  # no selection: all -1
-                elif sel.indices is not o["rows"][j]:  # (written in place otherwise)
-                    w = sel.indices.shape[2]
-                    if w < K:
-                        idx[j, :, :, w:].fill_(-1)  # a narrower selection leaves -1 padding
-                    idx[j, :, :, :w].copy_(sel.indices)
-                if sel is not None:
-                    if s.return_mode == "kv":
-                        k, v = view(l0 + j, seq)
-                        kk, vv = kernels.gather_kv(k, v, idx[j])
-                        o["k"][j].copy_(kk)
-                        o["v"][j].copy_(vv)
-            return info
-
-        sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
-
-        async def select_and_send(p: int, step: int, seq: int) -> None:
-            nonlocal stalled, sel_seq
-            if hooks.stall_from_step is not None and step >= hooks.stall_from_step:
-                stalled = True
-                return
-            if hooks.delay_s > 0 and step >= hooks.delay_from_step:
-                await asyncio.sleep(hooks.delay_s)
-            t0 = time.perf_counter()
-            with self._on():
-                if seq != sel_seq:  # the step's first pack (later packs select at the same length)
-                    torch.add(kv_lens, seq - T, out=kv_sel)
-                    sel_seq = seq
-                key = ("select", p, _key(policy, state, seq))
-                info = self._run(key, lambda: select_pack(p, seq), graphs_on)
-                tensors = self._encode(info, out.get(p), p, step, seq, s, view, prev, packs[p][0])
-            t1 = time.perf_counter()
-            self.stats["select_host_s"] += t1 - t0
-            self.stats["selections"] += 1
-            await t.send("sel", tensors)
-            acct["send"].append(time.perf_counter() - t1)
-            return t1 - t0
-
-        if T + 1 > s.theta:
-            for p in range(len(packs)):
-                await select_and_send(p, 1, T + 1)
-        while True:
-            tw = time.perf_counter()
-            msg = await t.recv("ctl")
-            waited = time.perf_counter() - tw
-            c = msg[0].tolist()
-            if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
-                end = torch.full((1, P.META), -1, dtype=torch.int64)
-                self.generation_stats = {**_account(acct), **_carry_account(state)}
-                await t.send("sel", [end, P.stats_tensor(self.generation_stats)])
-                if dev.type == "cuda":  # buffers of this generation were used on several streams
-                    torch.cuda.synchronize(dev)
-                self._graphs = {}
-                return
-            if c[0] == P.SHUTDOWN:
-                raise _Shutdown()
-            if c[0] != P.STEP:
-                raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
-            seq, step = c[1], c[2]
-            if hooks.die_at_step is not None and step >= hooks.die_at_step:
-                if not self.in_process:
-                    os._exit(17)  # a crashed cache process, no goodbye
-                await t.close()
-                raise PeerGone("cache rank: died on purpose (test hook)")
-            with self._on():
-                if append_k:
-                    pos_buf.fill_(seq - 1)
-                torch.add(kv_lens, seq - T, out=kv_obs)
-            for p in range(len(packs)):
-                tw = time.perf_counter()
-                msg = await t.recv("qkv")
-                t0 = time.perf_counter()
-                waited += t0 - tw
-                with self._on():
-                    if p not in q_in:
-                        q_in[p] = [torch.empty_like(x) for x in msg]
-                        if len(msg) == 1 and msg[0].shape[2] == Hq + 2 * Hkv:  # fused [n, B, Hq + 2 Hkv, D]
-                            f = q_in[p][0]
-                            parts[p] = (f[:, :, :Hq], f[:, :, Hq:Hq + Hkv], f[:, :, Hq + Hkv:])
-                        else:  # [q, k, v] or [q] (shared cache)
-                            parts[p] = tuple(q_in[p])
-                    for dst, src in zip(q_in[p], msg):
-                        dst.copy_(src, non_blocking=True)
-                    del msg
-                    self._run(("observe", p, _key(policy, state, seq)), lambda: observe_pack(p, seq), graphs_on)
-                host = time.perf_counter() - t0
-                self.stats["packs"] += 1
-                if seq + 1 > s.theta and not stalled:
-                    host += await select_and_send(p, step + 1, seq + 1) or 0.0
-                acct["host"].append(host)
-                self.consumed += 1
-            acct["wait"].append(waited)
+        await _Generation(self, s, kv_lens, kv_start).run()
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graphs_enabled(self, s: P.Setup) -> bool:
@@ -490,6 +276,265 @@ class CacheRank:
             vals[j, :, :, :c] = vals_l[j]
         meta[:, P.META_C] = C
         return [meta, slots, vals]
+
+
+class _Generation:
+    """One generation on the cache rank (``CacheRank._generation``): the boot (the
+    prompt's KV and last queries), the first selections, then per step each pack's
+    observe and the next step's select and send, until END. Host state of the
+    generation lives here; the cache rank's stats, graphs and counters on ``rank``."""
+
+    def __init__(self, rank: CacheRank, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None):
+        self.rank = rank
+        self.t = rank.t
+        self.s = s
+        self.kv_lens = kv_lens
+        spec = P.spec_from_dict(s.spec)
+        self.spec = spec
+        policy = self.policy = rank.policy if rank.policy is not None else P.policy_from_dict(s.policy, spec)
+        self.hooks = P.CacheHooks(**s.hooks)
+        B, T = self.B, self.T = s.batch, s.prompt_len
+        dev = self.dev = rank.device
+        dt = self.dt = P.dtype_of(s.dtype)
+        Hkv, D = self.Hkv, self.D = spec.n_kv_heads, spec.head_dim
+        n_layers = self.n_layers = spec.n_layers
+        self.packs = P.packs_of(n_layers, s.pack_layers)
+        rank.stats["generations"] += 1
+        self.kstore = self.vstore = self.no_v = None
+        with rank._on():
+            state = self.state = policy.new_state(B, dev)
+            state.kv_start = kv_start
+            state.seq_len = T
+            if s.shared_kv:
+                if rank.shared is None:
+                    raise TransportError("cache rank: shared KV requested but this cache rank is not in-process")
+            else:
+                self.kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                # Values only for the kv return mode (the cache rank gathers them): no policy
+                # that selects ahead reads values, so the other modes neither store nor ship
+                # them (half the store, half the boot traffic). Those policies get an empty
+                # [B, Hkv, 0, D] value tensor: reading it would fail loudly.
+                self.vstore = ([torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                               if s.return_mode == "kv" else None)
+                self.no_v = torch.empty(B, Hkv, 0, D, dtype=dt, device=dev)
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the inline policy would see as the cache at length ``seq``."""
+        s = self.s
+        if s.shared_kv:
+            return self.rank.shared.refs[layer]
+        n = s.static_len or seq
+        return (self.kstore[layer][:, :, :n],
+                (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
+
+    async def run(self) -> None:
+        await self._boot()
+        self._buffers()
+        T, s = self.T, self.s
+        if T + 1 > s.theta:
+            for p in range(len(self.packs)):
+                await self._select_and_send(p, 1, T + 1)
+        while True:
+            tw = time.perf_counter()
+            msg = await self.t.recv("ctl")
+            waited = time.perf_counter() - tw
+            c = msg[0].tolist()
+            if c[0] == P.END:  # acknowledge: the inference rank drains "sel" up to this marker
+                await self._end()
+                return
+            if c[0] == P.SHUTDOWN:
+                raise _Shutdown()
+            if c[0] != P.STEP:
+                raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
+            await self._step(c[1], c[2], waited)
+
+    async def _boot(self) -> None:
+        """The prompt's K/V (unless shared) and last queries, layer by layer, into ``policy.prefill``."""
+        t, s, T, rank = self.t, self.s, self.T, self.rank
+        for layer in range(self.n_layers):
+            msg = await t.recv("boot")
+            with rank._on():
+                q_tail = msg[0]
+                if not s.shared_kv:
+                    self.kstore[layer][:, :, :T].copy_(msg[1])
+                    if self.vstore is not None:
+                        self.vstore[layer][:, :, :T].copy_(msg[2])
+                k, v = self.view(layer, T)
+                self.policy.prefill(self.state, layer, q_tail, k, v, self.kv_lens)
+            del msg, q_tail
+            await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
+
+    def _buffers(self) -> None:
+        """The generation's host state and the fixed device buffers: inputs copied in per
+        pack, outputs read out per pack, so that a pack's work can be replayed as a CUDA graph."""
+        s, rank = self.s, self.rank
+        self.prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
+        self.stalled = False
+        self.acct: dict[str, list[float]] = {"host": [], "send": [], "wait": []}  # this generation's host time (s)
+        rank.generation_stats = {}
+        self.graphs_on = rank._graphs_enabled(s)
+        rank._graphs = {}
+        self.q_in: dict[int, list[torch.Tensor]] = {}
+        self.parts: dict[int, tuple] = {}
+        self.out: dict[int, dict] = {}
+        self.Hq = self.spec.n_q_heads
+        with rank._on():
+            self.kv_obs = self.kv_lens.clone()
+            self.kv_sel = self.kv_lens.clone()
+            self.pos_buf = torch.zeros(1, dtype=torch.int64, device=self.dev)
+        # Keys the policy never reads back (compressed scoring keys, no kv gathers) go
+        # straight from the received pack into observe: no append to the store. Only with
+        # a fixed-length view (static_len), so the policy's copy never needs a rebuild
+        # from the store (it raises if it would).
+        self.new_keys = (not s.shared_kv and s.static_len > 0 and self.vstore is None
+                         and self.policy.takes_new_keys(self.state))
+        self.append_k = not s.shared_kv and not self.new_keys
+        self.sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
+
+    def _observe_pack(self, p: int, seq: int) -> None:
+        l0, l1 = self.packs[p]
+        policy, state = self.policy, self.state
+        state.seq_len = seq
+        qb = self.parts[p]  # (q, k, v) views of the pack's input buffers
+        for j, layer in enumerate(range(l0, l1)):
+            if self.append_k:  # append the step's k, v at the device-side position
+                self.kstore[layer].index_copy_(2, self.pos_buf, qb[1][j].unsqueeze(2))
+                if self.vstore is not None:
+                    self.vstore[layer].index_copy_(2, self.pos_buf, qb[2][j].unsqueeze(2))
+            k, _ = self.view(layer, seq)
+            if self.new_keys:
+                policy.observe(state, layer, qb[0][j], k, self.kv_obs, k_new=qb[1][j])
+            else:
+                policy.observe(state, layer, qb[0][j], k, self.kv_obs)
+
+    def _select_pack(self, p: int, seq: int) -> tuple:
+        """Selections of pack ``p`` at cache length ``seq`` into the pack's output
+        buffers; returns the host facts of the message (dense flags, sinks, K)."""
+        l0, l1 = self.packs[p]
+        policy, state, out = self.policy, self.state, self.out
+        state.seq_len = seq
+        sels = []
+        policy.predict_layers(state, range(l0, l1))  # e.g. asyncspade: the pack's predictions in one launch
+        # the output rows of the last call of this pack: a policy that takes them writes
+        # its indices there directly (select_takes_out); a fresh buffer below gets copies
+        rows = out[p]["rows"] if p in out and policy.select_takes_out else None
+        # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
+        # on exit, before anything below reads the indices)
+        with shared_derived(state), kernels.select_overlap(self.dev):
+            for j, layer in enumerate(range(l0, l1)):
+                k, _ = self.view(layer, seq)
+                if rows is None:
+                    sels.append(policy.select(state, layer, None, k, self.kv_sel))
+                else:
+                    sels.append(policy.select(state, layer, None, k, self.kv_sel, out=rows[j]))
+        K = max((sel.indices.shape[2] for sel in sels if sel is not None), default=0)
+        info = tuple((sel is None, 0 if sel is None else sel.n_sink, 0 if sel is None else sel.n_recent)
+                     for sel in sels) + (K,)
+        if K == 0:
+            return info
+        self._fill_out(p, seq, sels, K)
+        return info
+
+    def _fill_out(self, p: int, seq: int, sels: list, K: int) -> None:
+        """Pack ``p``'s output buffers (made or remade for width ``K``): the indices, -1 padded,
+        and in the kv return mode the gathered K/V."""
+        l0, l1 = self.packs[p]
+        s, dev, dt, B, Hkv, D = self.s, self.dev, self.dt, self.B, self.Hkv, self.D
+        o = self.out.get(p)
+        n = l1 - l0
+        if o is None or o["idx"].shape[-1] != K:
+            o = self.out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
+            o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
+            if s.return_mode == "kv":
+                o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
+                o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
+        idx = o["idx"]
+        for j, sel in enumerate(sels):
+            if sel is None:
+                idx[j].fill_(-1)  # no selection: all -1
+            elif sel.indices is not o["rows"][j]:  # (written in place otherwise)
+                w = sel.indices.shape[2]
+                if w < K:
+                    idx[j, :, :, w:].fill_(-1)  # a narrower selection leaves -1 padding
+                idx[j, :, :, :w].copy_(sel.indices)
+            if sel is not None:
+                if s.return_mode == "kv":
+                    k, v = self.view(l0 + j, seq)
+                    kk, vv = kernels.gather_kv(k, v, idx[j])
+                    o["k"][j].copy_(kk)
+                    o["v"][j].copy_(vv)
+
+    async def _select_and_send(self, p: int, step: int, seq: int) -> None:
+        hooks, rank = self.hooks, self.rank
+        if hooks.stall_from_step is not None and step >= hooks.stall_from_step:
+            self.stalled = True
+            return
+        if hooks.delay_s > 0 and step >= hooks.delay_from_step:
+            await asyncio.sleep(hooks.delay_s)
+        t0 = time.perf_counter()
+        with rank._on():
+            if seq != self.sel_seq:  # the step's first pack (later packs select at the same length)
+                torch.add(self.kv_lens, seq - self.T, out=self.kv_sel)
+                self.sel_seq = seq
+            key = ("select", p, _key(self.policy, self.state, seq))
+            info = rank._run(key, lambda: self._select_pack(p, seq), self.graphs_on)
+            tensors = rank._encode(info, self.out.get(p), p, step, seq, self.s, self.view, self.prev,
+                                   self.packs[p][0])
+        t1 = time.perf_counter()
+        rank.stats["select_host_s"] += t1 - t0
+        rank.stats["selections"] += 1
+        await self.t.send("sel", tensors)
+        self.acct["send"].append(time.perf_counter() - t1)
+        return t1 - t0
+
+    async def _step(self, seq: int, step: int, waited: float) -> None:
+        """One decode step: each pack's q/k/v in, observed, and the next step's selection out."""
+        t, s, rank, hooks = self.t, self.s, self.rank, self.hooks
+        if hooks.die_at_step is not None and step >= hooks.die_at_step:
+            if not rank.in_process:
+                os._exit(17)  # a crashed cache process, no goodbye
+            await t.close()
+            raise PeerGone("cache rank: died on purpose (test hook)")
+        with rank._on():
+            if self.append_k:
+                self.pos_buf.fill_(seq - 1)
+            torch.add(self.kv_lens, seq - self.T, out=self.kv_obs)
+        q_in, parts, Hq, Hkv = self.q_in, self.parts, self.Hq, self.Hkv
+        for p in range(len(self.packs)):
+            tw = time.perf_counter()
+            msg = await t.recv("qkv")
+            t0 = time.perf_counter()
+            waited += t0 - tw
+            with rank._on():
+                if p not in q_in:
+                    q_in[p] = [torch.empty_like(x) for x in msg]
+                    if len(msg) == 1 and msg[0].shape[2] == Hq + 2 * Hkv:  # fused [n, B, Hq + 2 Hkv, D]
+                        f = q_in[p][0]
+                        parts[p] = (f[:, :, :Hq], f[:, :, Hq:Hq + Hkv], f[:, :, Hq + Hkv:])
+                    else:  # [q, k, v] or [q] (shared cache)
+                        parts[p] = tuple(q_in[p])
+                for dst, src in zip(q_in[p], msg):
+                    dst.copy_(src, non_blocking=True)
+                del msg
+                rank._run(("observe", p, _key(self.policy, self.state, seq)), lambda: self._observe_pack(p, seq),
+                          self.graphs_on)
+            host = time.perf_counter() - t0
+            rank.stats["packs"] += 1
+            if seq + 1 > s.theta and not self.stalled:
+                host += await self._select_and_send(p, step + 1, seq + 1) or 0.0
+            self.acct["host"].append(host)
+            rank.consumed += 1
+        self.acct["wait"].append(waited)
+
+    async def _end(self) -> None:
+        """END: the generation's stats after the end marker; free the generation's graphs."""
+        rank, dev = self.rank, self.dev
+        end = torch.full((1, P.META), -1, dtype=torch.int64)
+        rank.generation_stats = {**_account(self.acct), **_carry_account(self.state)}
+        await self.t.send("sel", [end, P.stats_tensor(rank.generation_stats)])
+        if dev.type == "cuda":  # buffers of this generation were used on several streams
+            torch.cuda.synchronize(dev)
+        rank._graphs = {}
 
 
 def _account(acct: dict[str, list[float]]) -> dict[str, float]:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         init_method = "env://"
     device = args.device or _default_device()
     try:
-        from spade.runtime.asyncrt import new_event_loop
+        from spade.runtime.link import new_event_loop
 
         loop = new_event_loop()
         prof = _host_profiler()

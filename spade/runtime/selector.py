@@ -1,0 +1,173 @@
+"""The inference rank's selector: where each layer's selection comes from.
+
+``AsyncSelector`` copies each layer's (q, k_new, v_new) into the pack buffers the
+cache rank receives, and hands back what the cache rank selected one step ahead
+(plus sinks and the recent window); ``AsyncAttentionContext`` attends the ``kv``
+return mode. ``theta_eff`` and ``is_async_policy`` decide when and whether the
+cache rank selects at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade import kernels
+from spade.attention import AttentionContext
+from spade.kernels.stage import stage_qkv
+from spade.policies.base import Policy, Selection
+from spade.policies.common import last_token_keys
+from spade.runtime.cache_rank import SharedKV
+
+
+def theta_eff(theta: int, policy: Policy) -> int:
+    """Steps with cache length ``<= theta_eff`` decode densely (0 means the budget)."""
+    b = policy.budget
+    return max(int(theta), int(b)) if b is not None else int(theta)
+
+
+def is_async_policy(policy: Policy) -> bool:
+    """Whether the policy can select one step ahead on a cache rank."""
+    return not policy.needs_current_query and policy.budget is not None
+
+
+# ============================================================================ inference rank
+class AsyncSelector:
+    """The inference rank's ``Selector``: hands out the cache rank's selections and
+    stages each layer's (q, k_new, v_new) for the pack message."""
+
+    def __init__(self, spec, packs: list[tuple[int, int]], *, stage_kv: bool, shared: SharedKV | None,
+                 return_mode: str):
+        self.spec = spec
+        self.packs = packs
+        self.where = {}  # layer -> (pack, slot in pack)
+        for p, (l0, l1) in enumerate(packs):
+            for j, layer in enumerate(range(l0, l1)):
+                self.where[layer] = (p, j)
+        self.stage_kv = stage_kv
+        self.shared = shared
+        self.return_mode = return_mode
+        n = spec.n_layers
+        self.cur: list[Selection | None] = [None] * n  # what selection() returns this step
+        self.sel: list[Selection | None] = [None] * n  # fixed-buffer selection per layer
+        self.idx: list[torch.Tensor | None] = [None] * n  # [B, Hkv, K] int32
+        self.k_sel: list[torch.Tensor | None] = [None] * n  # kv mode: [B, Hkv, K, D]
+        self.v_sel: list[torch.Tensor | None] = [None] * n
+        self.dense_flag = [False] * n  # the cache rank said "no selection" (policy returned None)
+        self.key: tuple = ()
+        self.seq_len = 0
+        self.kv_start: torch.Tensor | None = None
+        self.boot: dict[int, tuple] = {}
+        self.q_buf: list[torch.Tensor] = []  # per pack [n, B, Hq, D] (views of pack_buf when fused)
+        self.k_buf: list[torch.Tensor] = []  # per pack [n, B, Hkv, D]
+        self.v_buf: list[torch.Tensor] = []
+        self.pack_buf: list[torch.Tensor] = []  # per pack [n, B, Hq + 2 Hkv, D]: one message tensor
+        self.kv_lens0: torch.Tensor | None = None
+        self.g_lens: torch.Tensor | None = None  # kv mode: [B] = K
+        self.slot_ar: torch.Tensor | None = None  # kv mode: [K]
+        self.no_idx: torch.Tensor | None = None  # kv mode: [B, Hkv, 1] of -1
+
+    # ------------------------------------------------------------------ Selector protocol
+    def begin_step(self, seq_len, kv_start):
+        self.seq_len = seq_len
+        self.kv_start = kv_start
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        return self.cur[layer]
+
+    def after(self, layer, q, k_cache, v_cache, kv_lens):
+        p, j = self.where[layer]
+        if self.pack_buf and q.dim() == 3 and k_cache.shape[0] == q.shape[0]:
+            # one launch: q and the newest k/v row (device-side position) into the pack slot
+            stage_qkv(q, k_cache, v_cache, kv_lens, self.pack_buf[p][j])
+        else:
+            self.q_buf[p][j].copy_(q)
+            if self.stage_kv:  # device-side gather at kv_lens - 1: graph-safe
+                self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens))
+                self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens))
+        if self.shared is not None:
+            self.shared.refs[layer] = (k_cache, v_cache)
+
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+        if not self.q_buf:
+            self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
+            self.kv_lens0 = kv_lens.clone()
+        self.boot[layer] = (q, k_cache, v_cache)
+        if self.shared is not None:
+            self.shared.refs[layer] = (k_cache, v_cache)
+
+    # ------------------------------------------------------------------ runtime side
+    def graph_key(self) -> tuple:
+        return self.key
+
+    def allocate(self, B: int, Hq: int, Hkv: int, D: int, q_dtype, kv_dtype, device) -> None:
+        """Per-pack staging buffers. With K/V to ship and one dtype, q, k and v are
+        head ranges of one [n, B, Hq + 2 Hkv, D] tensor: one message tensor per pack
+        (one NCCL send instead of three)."""
+        self.q_buf, self.k_buf, self.v_buf, self.pack_buf = [], [], [], []
+        for l0, l1 in self.packs:
+            n = l1 - l0
+            if self.stage_kv and q_dtype == kv_dtype:
+                buf = torch.zeros(n, B, Hq + 2 * Hkv, D, dtype=q_dtype, device=device)
+                self.pack_buf.append(buf)
+                self.q_buf.append(buf[:, :, :Hq])
+                self.k_buf.append(buf[:, :, Hq:Hq + Hkv])
+                self.v_buf.append(buf[:, :, Hq + Hkv:])
+                continue
+            self.q_buf.append(torch.zeros(n, B, Hq, D, dtype=q_dtype, device=device))
+            if self.stage_kv:
+                self.k_buf.append(torch.zeros(n, B, Hkv, D, dtype=kv_dtype, device=device))
+                self.v_buf.append(torch.zeros(n, B, Hkv, D, dtype=kv_dtype, device=device))
+
+    def pack_tensors(self, p: int) -> list[torch.Tensor]:
+        """The "qkv" message of pack ``p``: [qkv] fused, [q, k, v], or [q] (shared cache)."""
+        if self.pack_buf:
+            return [self.pack_buf[p]]
+        if self.stage_kv:
+            return [self.q_buf[p], self.k_buf[p], self.v_buf[p]]
+        return [self.q_buf[p]]
+
+    def ensure_buffers(self, layer: int, B: int, H: int, K: int, n_sink: int, n_recent: int, device,
+                       kv_dtype=None, D: int = 0, kv_start=None) -> None:
+        idx = self.idx[layer]
+        if idx is not None and idx.shape == (B, H, K) and self.sel[layer].n_sink == n_sink \
+                and self.sel[layer].n_recent == n_recent:
+            return
+        self.idx[layer] = torch.full((B, H, K), -1, dtype=torch.int32, device=device)
+        self.sel[layer] = Selection(indices=self.idx[layer], n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+        if self.return_mode == "kv":
+            self.k_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
+            self.v_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
+            if self.g_lens is None or self.g_lens.numel() != B or int(self.slot_ar.numel()) != K:
+                self.g_lens = torch.full((B,), K, dtype=torch.int64, device=device)
+                self.slot_ar = torch.arange(K, dtype=torch.int32, device=device)
+                self.no_idx = torch.full((B, H, 1), -1, dtype=torch.int32, device=device)
+
+
+class AsyncAttentionContext(AttentionContext):
+    """``AttentionContext`` whose graph key is the runtime's, and which attends the
+    ``kv`` return mode: the gathered middle tokens (sent by the cache rank) and
+    the sinks + recent window of the local cache, merged exactly."""
+
+    def graph_key(self) -> tuple:
+        return self.selector.graph_key()
+
+    def attend(self, layer, q, k_cache, v_cache, kv_lens):
+        s = self.selector
+        if s.return_mode != "kv":
+            return super().attend(layer, q, k_cache, v_cache, kv_lens)
+        sel = s.selection(layer, q, k_cache, kv_lens)
+        if sel is None or s.idx[layer].shape[-1] == 0:  # dense, or no middle (streaming): all local
+            return super().attend(layer, q, k_cache, v_cache, kv_lens)
+        idx = s.idx[layer]  # [B, Hkv, K]
+        slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
+        scale = self.spec.softmax_scale
+        stats = self.layer_stats(layer, q, k_cache)  # the two launches add their tokens; one counts the call
+        out_a, lse_a = kernels.sparse_decode_attention(q, s.k_sel[layer], s.v_sel[layer], s.g_lens, slots,
+                                                       scale=scale, return_lse=True, stats=stats, count_call=False)
+        kv_start = sel.kv_start if sel.kv_start is not None else self.kv_start
+        out_b, lse_b = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, s.no_idx, n_sink=sel.n_sink,
+                                                       n_recent=sel.n_recent, scale=scale, kv_start=kv_start,
+                                                       return_lse=True, stats=stats)
+        out, _ = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b)
+        s.after(layer, q, k_cache, v_cache, kv_lens)
+        return out

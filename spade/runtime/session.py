@@ -1,0 +1,528 @@
+"""One generation on the inference rank: ``InferenceSession`` (begin / step / end).
+
+Prefill and bootstrap of the cache rank, the per-step pack loop, the receiver of
+selections and what happens when one is late or the cache rank is gone (see
+``spade.runtime.asyncrt``'s docstring for the modes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from spade.attention import AttentionContext, ThresholdSelector
+from spade.errors import PeerGone, PeerTimeout, TransportError
+from spade.runtime import protocol as P
+from spade.runtime.base import GenerationTrace, _sync
+from spade.runtime.cache_rank import delta_apply
+from spade.runtime.link import CacheLink
+from spade.runtime.selector import AsyncAttentionContext, AsyncSelector
+from spade.streams import stream_scope
+
+if TYPE_CHECKING:
+    from spade.runtime.asyncrt import AsyncRuntime
+
+log = logging.getLogger(__name__)
+
+#: prompt layers in flight before the cache rank acknowledges (bounds staging memory)
+BOOT_AHEAD = 2
+
+
+@dataclass
+class _StepState:
+    index: int = 0  # decode steps done
+    sparse: bool = False
+
+
+class InferenceSession:
+    """The inference rank's side of one generation."""
+
+    def __init__(self, rt: AsyncRuntime, link: CacheLink | None):
+        self.rt = rt
+        self.link = link
+        self.be = rt.backend
+        self.policy = rt.policy
+        spec = self.be.spec
+        self.spec = spec
+        self.P = rt.pack_layers
+        self.packs = P.packs_of(spec.n_layers, self.P)
+        self.graphs = self.be.device.type == "cuda" and bool(getattr(self.be, "use_cuda_graphs", False))
+        self.step_state = _StepState()
+        self.late_packs = 0
+        self.stats: dict[str, Any] = {
+            "topology": rt.topology, "return_mode": rt.return_mode, "on_late": rt.on_late,
+            "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
+            "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
+            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0,
+        }
+        self.host_step_ms: collections.deque[float] = collections.deque(maxlen=4096)
+        """Host time inside each ``step()`` (launches, transport, waits for late packs; the
+        device runs behind it), newest last: near the TPOT means the host sets the pace."""
+        self.arrived = [0] * len(self.packs)  # newest step whose selection reached this host, per pack
+        self.ever = [False] * len(self.packs)
+        # Selections that arrived but are not applied yet, per pack, in arrival order:
+        # (meta rows, message tensors, CUDA event on the landing stream or None). They
+        # are applied right before the pack that uses them (``_ensure``), so the
+        # compute stream waits for the cache rank's work of step t only at the pack of
+        # step t+1 that needs it, never in the middle of step t.
+        self.pending: list[list[tuple]] = [[] for _ in self.packs]
+        self._land_stream = None  # CUDA: the stream selections land on (``Transport.recv_stream``)
+        self._qkv_sent = 0
+        self._cache_base = 0
+        self._recv_task: asyncio.Task | None = None
+        self._recv_error: BaseException | None = None
+        self._end_seen: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self.peer_gone: str | None = None
+        self.ctx: AttentionContext | None = None
+        self.prefill_time_s = 0.0
+        self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
+                                                             return_mode=rt.return_mode)
+
+    # ------------------------------------------------------------------ begin
+    async def begin(self, prefill_fn: Callable[[AttentionContext], torch.Tensor], *, batch: int,
+                    max_new_tokens: int = 0) -> torch.Tensor:
+        """Run ``prefill_fn(ctx)`` (dense, reports each layer to ``ctx.prefill``) and
+        boot the cache rank. Returns the prefill logits."""
+        be = self.be
+        if self.rt.sync_policy:
+            state = self.policy.new_state(batch, be.device)
+            self.ctx = AttentionContext(be.spec, ThresholdSelector(self.policy, state, self.rt.theta),
+                                        device=be.device)
+            _sync(be.device)
+            t0 = time.perf_counter()
+            logits = prefill_fn(self.ctx)
+            _sync(be.device)
+            self.prefill_time_s = time.perf_counter() - t0
+            return logits
+        link = self.link
+        link.check()
+        if be.device.type == "cuda":
+            self._land_stream = torch.cuda.Stream(device=be.device)
+            link.transport.recv_stream = self._land_stream
+        if link.cache is not None:
+            self._cache_base = link.cache.consumed
+        shared = link.shared
+        self.sel.shared = shared
+        self.ctx = AsyncAttentionContext(be.spec, self.sel, device=be.device)
+        _sync(be.device)
+        t0 = time.perf_counter()
+        logits = prefill_fn(self.ctx)
+        _sync(be.device)
+        self.prefill_time_s = time.perf_counter() - t0
+        if len(self.sel.boot) != self.spec.n_layers:
+            raise RuntimeError("the backend's prefill did not report every layer to ctx.prefill; the cache rank "
+                               "needs the prompt's KV and queries")
+        await self._boot(max_new_tokens)
+        self._wake = asyncio.Event()
+        self._end_seen = asyncio.Event()
+        self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+        return logits
+
+    async def _boot(self, max_new_tokens: int) -> None:
+        be, s = self.be, self.sel
+        T = be.seq_len
+        q0, k0, _ = s.boot[0]
+        B, Hq, _, D = q0.shape
+        static_len = k0.shape[2] if k0.shape[2] > T else 0  # a growing cache (HF) has exactly T
+        # colocated + static cache: the cache rank reads our cache, only queries travel;
+        # otherwise (growing caches included) it keeps its own store
+        shared_kv = self.link.shared is not None and static_len > 0
+        if shared_kv:  # queries only
+            s.stage_kv = False
+            s.allocate(B, Hq, k0.shape[1], D, q0.dtype, k0.dtype, q0.device)
+        else:
+            s.shared = None
+        rows = self.policy.rows
+        W = min(T, rows) if rows else T
+        capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
+        kv_start = self.ctx.kv_start
+        setup = P.Setup(policy=self.policy.describe(), spec=P.spec_to_dict(be.spec), batch=B, prompt_len=T,
+                        capacity=capacity, static_len=static_len, dtype=P.dtype_name(k0.dtype),
+                        q_dtype=P.dtype_name(q0.dtype), pack_layers=self.P, return_mode=self.rt.return_mode,
+                        theta=self.rt.theta, q_tail=W, shared_kv=shared_kv, has_kv_start=kv_start is not None,
+                        hooks=self.rt.hooks.to_dict())
+        msg = [P.cmd(P.BOOT, B, T), setup.to_tensor(), s.kv_lens0]
+        if kv_start is not None:
+            msg.append(kv_start)
+        await self._send("ctl", msg)
+        # The prompt's KV can be most of a GPU: at most BOOT_AHEAD layers travel
+        # unacknowledged, so neither side stages the whole cache at once.
+        acks = 0
+        for layer in range(self.spec.n_layers):
+            q, k, v = s.boot[layer]
+            q_tail = q[:, :, q.shape[2] - W:].contiguous()
+            if shared_kv:
+                await self._send("boot", [q_tail])
+            else:
+                kv = [k[:, :, :T].contiguous()]
+                if self.rt.return_mode == "kv":  # values only where the cache rank gathers them
+                    kv.append(v[:, :, :T].contiguous())
+                await self._send("boot", [q_tail, *kv])
+            while layer + 1 - acks > BOOT_AHEAD:
+                await self._boot_ack()
+                acks += 1
+        while acks < self.spec.n_layers:
+            await self._boot_ack()
+            acks += 1
+        s.boot.clear()
+        # selection buffers up front (CUDA graphs capture their addresses)
+        layout = self.policy.selection_layout()
+        if layout is not None:
+            K, n_sink, n_recent = layout
+            for layer in range(self.spec.n_layers):
+                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
+                                 be.device, kv_dtype=k0.dtype, D=D, kv_start=kv_start)
+        self._kv_dtype, self._B, self._D = k0.dtype, B, D
+
+    async def _boot_ack(self) -> None:
+        if self.peer_gone is not None:
+            return
+        try:
+            await self.link.transport.recv("boot_ack", timeout=max(120.0, self.rt.late_timeout_s))
+        except TransportError as e:
+            await self._on_peer_failure(e)
+
+    # ------------------------------------------------------------------ transport helpers
+    async def _send(self, tag: str, tensors: list[torch.Tensor]) -> None:
+        if self.peer_gone is not None:
+            return
+        try:
+            await self.link.transport.send(tag, tensors)
+        except TransportError as e:
+            await self._on_peer_failure(e)
+
+    async def _on_peer_failure(self, e: BaseException) -> None:
+        """A dead or failed cache rank: raise with its reason, or (stale/full) go dense."""
+        reason = await self._cache_error()
+        if self.rt.on_late == "wait" or not isinstance(e, (PeerGone, PeerTimeout, TransportError)):
+            if reason:
+                raise TransportError(f"the cache rank failed: {reason}") from e
+            raise e
+        if self.peer_gone is None:
+            self.peer_gone = reason or f"{type(e).__name__}: {e}"
+            self.stats["peer_gone"] = self.peer_gone
+            log.warning("cache rank lost (%s); decoding densely from here (on_late=%s)", self.peer_gone,
+                        self.rt.on_late)
+
+    async def _cache_error(self) -> str | None:
+        try:
+            self.link.check()
+        except TransportError as e:
+            return str(e)
+        try:
+            got = await self.link.transport.recv("err", timeout=0.2)
+            return P.tensor_text(got[0]).strip().splitlines()[0]
+        except Exception:
+            return None
+
+    async def _receiver(self) -> None:
+        """Apply every arriving selection at once (device copies on the inference
+        stream, ordered after the packs already launched), newest wins."""
+        t = self.link.transport
+        try:
+            while True:
+                msg = await t.recv("sel")
+                meta = msg[0].tolist()
+                if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
+                    if len(msg) > 1:  # the cache rank's host account of the generation
+                        self.stats["cache_host"] = P.stats_from_tensor(msg[1])
+                    self._end_seen.set()
+                    return
+                p = meta[0][P.META_PACK]
+                if self._land_stream is not None and self.rt.return_mode != "delta":
+                    # Copy into the fixed buffers right away, on the landing stream: the
+                    # buffers' last readers (pack p of the step before) finished before the
+                    # cache rank could produce this message (it waited on that pack's q/k/v),
+                    # so only the pack that uses it waits, on the event (no copy on the
+                    # compute stream).
+                    with torch.cuda.device(self.be.device), stream_scope(self._land_stream):
+                        self._apply(meta, msg)
+                        ev = torch.cuda.Event()
+                        ev.record(self._land_stream)
+                    self.pending[p] = [(None, None, ev)]
+                else:
+                    ev = None
+                    if self._land_stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(self._land_stream)
+                    if self.rt.return_mode != "delta":  # newest wins; delta messages build on each other
+                        self.pending[p].clear()
+                    self.pending[p].append((meta, msg, ev))
+                self.arrived[p] = max(self.arrived[p], meta[0][P.META_STEP])
+                self.ever[p] = True
+                self.stats["sel_messages"] += 1
+                self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._recv_error = e
+            self._wake.set()
+
+    def _apply_pending(self, p: int) -> None:
+        """Apply pack ``p``'s arrived selections on the compute stream (device-side
+        wait on their landing events; no host wait)."""
+        q = self.pending[p]
+        if not q:
+            return
+        cur = torch.cuda.current_stream(self.be.device) if self._land_stream is not None else None
+        for meta, msg, ev in q:
+            if cur is not None:
+                cur.wait_event(ev)
+            if msg is None:  # already copied into the fixed buffers on the landing stream
+                continue
+            if cur is not None:
+                for t in msg:
+                    if t.is_cuda:
+                        t.record_stream(cur)
+            self._apply(meta, msg)
+        q.clear()
+
+    def _apply(self, meta: list[list[int]], msg: list[torch.Tensor]) -> None:
+        s = self.sel
+        p = meta[0][P.META_PACK]
+        l0, _ = self.packs[p]
+        mode = self.rt.return_mode
+        dev = self.be.device
+        with torch.no_grad():
+            for j, row in enumerate(meta):
+                layer = l0 + j
+                if row[P.META_DENSE]:
+                    s.dense_flag[layer] = True
+                    if s.idx[layer] is not None and mode == "delta":
+                        s.idx[layer].fill_(-1)
+                    continue
+                s.dense_flag[layer] = False
+                K = row[P.META_K]
+                if K == 0:  # sinks and recent window only (streaming): no indices travelled
+                    s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, 0, row[P.META_SINK], row[P.META_RECENT],
+                                     dev, kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
+                    continue
+                if mode == "delta":
+                    s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, K, row[P.META_SINK], row[P.META_RECENT],
+                                     dev, kv_start=self.ctx.kv_start)
+                    delta_apply(s.idx[layer], msg[1][j], msg[2][j])
+                    continue
+                s.ensure_buffers(layer, self._B, self.spec.n_kv_heads, K, row[P.META_SINK], row[P.META_RECENT],
+                                 dev, kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
+                s.idx[layer].copy_(msg[1][j], non_blocking=True)
+                if mode == "kv":
+                    s.k_sel[layer].copy_(msg[2][j], non_blocking=True)
+                    s.v_sel[layer].copy_(msg[3][j], non_blocking=True)
+
+    # ------------------------------------------------------------------ one step
+    def _use(self, p: int, fresh: bool) -> None:
+        """Make pack ``p``'s layers hand out their fixed-buffer selections."""
+        self._apply_pending(p)
+        s = self.sel
+        l0, l1 = self.packs[p]
+        for layer in range(l0, l1):
+            if s.dense_flag[layer] or s.sel[layer] is None:
+                if self.graphs:
+                    raise TransportError(
+                        f"the cache rank sent no selection for layer {layer} on a sparse step; with CUDA graphs "
+                        "every layer of a sparse step needs one (is runtime.sparse_threshold below the budget?)")
+                s.cur[layer] = None
+            else:
+                s.cur[layer] = s.sel[layer]
+
+    def _dense(self, p: int) -> None:
+        l0, l1 = self.packs[p]
+        for layer in range(l0, l1):
+            self.sel.cur[layer] = None
+
+    async def _ensure(self, p: int, step: int) -> None:
+        """Put pack ``p``'s selection for ``step`` in place, or apply ``on_late``."""
+        if self.peer_gone is not None:
+            self._dense(p)
+            return
+        for _ in range(4):  # let already-delivered messages (and an in-process cache rank) run
+            if self.arrived[p] >= step or self._recv_error is not None:
+                break
+            await asyncio.sleep(0)
+        if self._recv_error is not None:
+            await self._on_peer_failure(self._recv_error)
+            self._dense(p)
+            return
+        if self.arrived[p] >= step:
+            self._use(p, True)
+            return
+        self.late_packs += 1
+        mode = self.rt.on_late
+        if mode == "stale" or (mode == "full" and self.graphs):
+            if self.ever[p]:
+                self.stats["stale_packs"] += 1
+                self._use(p, False)
+                return
+            if not self.graphs:
+                self.stats["full_packs"] += 1
+                self._dense(p)
+                return
+        elif mode == "full":
+            self.stats["full_packs"] += 1
+            self._dense(p)
+            return
+        # wait (bounded)
+        self.stats["waited_packs"] += 1
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.rt.late_timeout_s
+        while self.arrived[p] < step:
+            if self._recv_error is not None:
+                await self._on_peer_failure(self._recv_error)
+                self._dense(p)
+                return
+            try:
+                self.link.check()
+            except TransportError as e:
+                await self._on_peer_failure(e)
+                self._dense(p)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                await self._on_peer_failure(PeerTimeout(
+                    f"the cache rank did not deliver the selection of step {step} pack {p} within "
+                    f"runtime.late_timeout_s={self.rt.late_timeout_s:g}s"))
+                self._dense(p)
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+        self.stats["wait_s"] += time.perf_counter() - t0
+        self._use(p, True)
+
+    async def _yield_to_cache(self) -> None:
+        """Let an in-process cache rank launch its work for the pack just posted
+        (its coroutine shares this thread: without a yield it would only run when
+        this step next waits, i.e. after the step, serialising the two ranks).
+        Launching is host work only (asynchronous on the device)."""
+        self._qkv_sent += 1
+        cache = self.link.cache if self.link is not None else None
+        if cache is None:
+            return
+        for _ in range(32):
+            if cache.consumed - self._cache_base >= self._qkv_sent or self.peer_gone is not None:
+                return
+            if self.link.cache_task is not None and self.link.cache_task.done():
+                return
+            await asyncio.sleep(0)
+
+    async def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step; returns the logits [B, V]."""
+        be, ctx = self.be, self.ctx
+        if self.rt.sync_policy:
+            return be.decode(tokens, ctx)
+        t_host = time.perf_counter()  # host time of the step (it does not wait for the device)
+        seq = be.seq_len + 1
+        st = self.step_state
+        st.index += 1
+        step = st.index
+        st.sparse = seq > self.rt.theta and self.peer_gone is None
+        if st.sparse:
+            self.stats["sparse_steps"] += 1
+        s = self.sel
+        s.key = ("sparse", self.rt.return_mode) if st.sparse else ("dense",)
+        if not st.sparse:
+            for layer in range(self.spec.n_layers):
+                s.cur[layer] = None
+        gen = be.decode_stages(tokens, ctx, self.P)
+        for p in range(len(self.packs)):
+            if st.sparse:  # (a cache rank lost mid-step under graphs: the step's packs keep their buffers)
+                await self._ensure(p, step)
+            got = next(gen)
+            if got != p:
+                raise RuntimeError(f"backend yielded pack {got}, expected {p} (pack_layers={self.P})")
+            if p == 0:  # after the first pack's launch: the device starts the step while the host sends
+                await self._send("ctl", [P.cmd(P.STEP, seq, step)])
+            await self._send("qkv", s.pack_tensors(p))
+            await self._yield_to_cache()
+        for _ in gen:  # exhaust (graph capture happens here on a new key)
+            raise RuntimeError("backend yielded more packs than expected")
+        self.host_step_ms.append(1e3 * (time.perf_counter() - t_host))
+        return be.last_logits
+
+    async def wait_device(self) -> None:
+        """Wait until the inference device has run everything launched so far on its
+        current stream (the step's logits included) *without blocking the event loop*:
+        an event polled between yields, so the receiver (and an in-process cache
+        coroutine) keep running while the device finishes the step. With a cache
+        thread the wait blocks instead (``Event.synchronize`` releases the GIL to it)."""
+        dev = self.be.device
+        if dev.type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        while not ev.query():
+            await asyncio.sleep(0)
+
+    async def token_loop(self, first_logits: torch.Tensor, *, max_new_tokens: int, sample_fn,
+                         on_token=None) -> tuple[list[list[int]], list[float]]:
+        """``spade.runtime.base.timed_loop`` with an asynchronous step."""
+        B = first_logits.shape[0]
+        rows: list[list[int]] = [[] for _ in range(B)]
+        times: list[float] = []
+        logits = first_logits
+        for i in range(max_new_tokens):
+            nxt = sample_fn(logits)
+            host = nxt.to("cpu")
+            for b in range(B):
+                rows[b].append(int(host[b]))
+            stop = on_token(i, host) if on_token is not None else False
+            if stop or i == max_new_tokens - 1:
+                break
+            await self.wait_device()
+            t0 = time.perf_counter()
+            logits = await self.step(nxt)
+            await self.wait_device()
+            times.append(time.perf_counter() - t0)
+        return rows, times
+
+    async def end(self) -> None:
+        """Tell the cache rank the generation is over and drain its last messages."""
+        if self.rt.sync_policy or self.link is None:
+            return
+        if self.peer_gone is None and self._recv_task is not None and not self._recv_task.done():
+            await self._send("ctl", [P.cmd(P.END)])
+            if self.peer_gone is None:
+                try:
+                    await asyncio.wait_for(self._end_seen.wait(), max(10.0, self.rt.late_timeout_s))
+                except asyncio.TimeoutError:
+                    log.warning("the cache rank did not acknowledge the end of the generation")
+        if self._recv_task is not None and not self._recv_task.done():
+            self._recv_task.cancel()
+            try:
+                await self._recv_task
+            except BaseException:
+                pass
+        if self.peer_gone is not None and self.rt._owns_link:
+            await self.link.close()
+
+    async def abort(self) -> None:
+        """After a failure mid-generation: stop receiving; the cache rank may be
+        mid-step, so an owned link is closed (the next generation opens a new one)."""
+        if self._recv_task is not None and not self._recv_task.done():
+            self._recv_task.cancel()
+            try:
+                await self._recv_task
+            except BaseException:
+                pass
+        if self.link is not None and self.rt._owns_link:
+            try:
+                await asyncio.wait_for(self.link.close(timeout_s=5.0), 15.0)
+            except BaseException:
+                self.link.kill()
+
+    def trace(self, rows: list[list[int]], times: list[float]) -> GenerationTrace:
+        self.stats["late_packs"] = self.late_packs
+        if self.link is not None and self.link.cache is not None:
+            self.stats["cache_rank"] = dict(self.link.cache.stats)
+        return GenerationTrace(tokens=rows, step_times_s=times, prefill_time_s=self.prefill_time_s,
+                               mean_attended=self.ctx.mean_attended() if self.ctx is not None else 0.0,
+                               late_packs=self.late_packs, stats=dict(self.stats))
