@@ -1,4 +1,4 @@
-"""The cache rank's small ops: launches per pack of ``observe_pack`` / ``select_pack``,
+"""The cache rank's small ops: launches per pack of ``_Generation._observe_pack`` / ``_select_pack``,
 pinned on CPU with ``torch.profiler`` (Triton kernels under the interpreter), so that a
 change adding per-layer launches to the hot path shows up here.
 
@@ -99,7 +99,7 @@ def _launches(prof) -> collections.Counter:
 @pytest.mark.skipif(not INTERPRET, reason="counts Triton launches through the CPU interpreter's launcher")
 @pytest.mark.parametrize("keys", ["int4", "exact", "int4/radix", "exact/radix"])
 def test_cache_rank_launches_per_pack(keys, monkeypatch):
-    """Launches of one steady-state ``observe_pack`` and ``select_pack`` (3 layers):
+    """Launches of one steady-state ``_observe_pack`` and ``_select_pack`` (3 layers):
 
     ``policy.topk=carry`` (the default): the radix path's memset, pass, split and tie
     kernels become one select kernel: int4 2 + 2 per layer + 5 per pack = 17 per pack of
