@@ -173,6 +173,16 @@ def _gate(gate_ptr, row64, GATED: tl.constexpr):
 
 
 @triton.jit
+def _chunk_tiles(chunk, CHUNK, lo, hi, work, BLOCK: tl.constexpr):
+    """The tiles ``[start, end)`` program ``chunk`` of a (row, chunk) grid walks over the
+    row's ``[lo, hi)``: none (``end == start``) where ``work`` is False."""
+    c0 = chunk * CHUNK
+    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
+    end = tl.minimum(c0 + CHUNK, hi)
+    return start, tl.where(work, end, start)
+
+
+@triton.jit
 def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows, k_top, k_next, CHUNK,
                        HKV: tl.constexpr, PASS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
                        GATED: tl.constexpr = False, PDL: tl.constexpr = False):
@@ -189,10 +199,7 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows
     lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
     run = _gate(gate_ptr, row64, GATED)
     prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS, run)
-    c0 = chunk * CHUNK
-    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where((k_eff > 0) & run, end, start)
+    start, end = _chunk_tiles(chunk, CHUNK, lo, hi, (k_eff > 0) & run, BLOCK)
     row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
     acc_b = tl.zeros([256], dtype=tl.int32)
@@ -249,10 +256,7 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     run = _gate(gate_ptr, row64, GATED)
     prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
     top16 = prefix >> 16
-    c0 = chunk * CHUNK
-    start = tl.maximum(c0, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(c0 + CHUNK, hi)
-    end = tl.where((k_eff > 0) & run, end, start)
+    start, end = _chunk_tiles(chunk, CHUNK, lo, hi, (k_eff > 0) & run, BLOCK)
     row_ptr = scores_ptr + row64 * L
     out_row = out_ptr + row64 * k_top
     tie_row = tie_ptr + row64 * L

@@ -495,24 +495,23 @@ class InferenceSession:
                     await asyncio.wait_for(self._end_seen.wait(), max(10.0, self.rt.late_timeout_s))
                 except asyncio.TimeoutError:
                     log.warning("the cache rank did not acknowledge the end of the generation")
+        await self._stop_recv()
+        if self.peer_gone is not None and self.rt._owns_link:
+            await self.link.close()
+
+    async def _stop_recv(self) -> None:
+        """Cancel the task receiving the cache rank's messages, if it runs, and wait for it."""
         if self._recv_task is not None and not self._recv_task.done():
             self._recv_task.cancel()
             try:
                 await self._recv_task
             except BaseException:
                 pass
-        if self.peer_gone is not None and self.rt._owns_link:
-            await self.link.close()
 
     async def abort(self) -> None:
         """After a failure mid-generation: stop receiving; the cache rank may be
         mid-step, so an owned link is closed (the next generation opens a new one)."""
-        if self._recv_task is not None and not self._recv_task.done():
-            self._recv_task.cancel()
-            try:
-                await self._recv_task
-            except BaseException:
-                pass
+        await self._stop_recv()
         if self.link is not None and self.rt._owns_link:
             try:
                 await asyncio.wait_for(self.link.close(timeout_s=5.0), 15.0)
