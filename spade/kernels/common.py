@@ -1,6 +1,7 @@
-"""Host helpers and one Triton helper shared by the selection kernels (``scoring``,
+"""Host helpers and Triton helpers shared by the selection kernels (``scoring``,
 ``radix_topk``, ``carry``, ``quest``): input checks, grid sizing, the candidate-range
-mask of the references, and the group-query tile load."""
+mask of the references and the group-query tile load; and the loop bound every
+kernel of the package uses for loops over a tensor range (``loop_bound``)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,16 @@ def _load_group_q(q_ptr, b, h, stride_qb, stride_qh, stride_qd,
     base = q_ptr + b.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
     return tl.load(base + offs_g[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+
+
+@triton.jit
+def loop_bound(x, INTERPRET: tl.constexpr):
+    """``x`` (a scalar) as a bound of a kernel's ``range()`` loop: ``x`` itself when
+    compiled, so the loop and its software pipelining stay as written; a Python int
+    under the interpreter, whose ``range()`` cannot take its scalars (one-element
+    arrays, which numpy 2 no longer converts to int). Kernels write one loop,
+    ``for l0 in range(loop_bound(lo, INTERPRET), loop_bound(hi, INTERPRET), BLOCK)``,
+    not a compiled ``for`` and an interpreted ``while`` twin."""
+    if INTERPRET:
+        return x.handle.data.item()  # NOTE: interpreter tensors wrap numpy arrays
+    return x

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels import radix_topk
-from spade.kernels.common import _check_rows, _interpret, _sm_count
+from spade.kernels.common import _check_rows, _interpret, _sm_count, loop_bound
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.scoring import _default_scale
 
@@ -357,16 +357,9 @@ def _quest_scores_kernel(
     orow = row.to(tl.int64) * P
     p_start = pblk * CHUNK
     p_end = tl.minimum(p_start + CHUNK, P)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        p0 = p_start
-        while p0 < p_end:
-            _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
-                              offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
-            p0 += BLOCK_P
-    else:
-        for p0 in range(p_start, p_end, BLOCK_P):
-            _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
-                              offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
+    for p0 in range(loop_bound(p_start, INTERPRET), loop_bound(p_end, INTERPRET), BLOCK_P):
+        _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
+                          offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
 
 
 @triton.jit
@@ -479,20 +472,11 @@ def _quest_row_select_kernel(
     k_rem = k_eff
     for p in tl.static_range(4):
         acc = tl.zeros([256], dtype=tl.int32)
-        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-            l0 = t_start
-            while l0 < t_end:
-                offs, key, valid = _row_tile_keys(srow, l0, page_lo, cand_hi, BLOCK)
-                if p > 0:
-                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-                acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
-                l0 += BLOCK
-        else:
-            for l0 in range(t_start, t_end, BLOCK):
-                offs, key, valid = _row_tile_keys(srow, l0, page_lo, cand_hi, BLOCK)
-                if p > 0:
-                    valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-                acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
+        for l0 in range(loop_bound(t_start, INTERPRET), loop_bound(t_end, INTERPRET), BLOCK):
+            offs, key, valid = _row_tile_keys(srow, l0, page_lo, cand_hi, BLOCK)
+            if p > 0:
+                valid = valid & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+            acc += tl.histogram(((key >> (24 - 8 * p)) & 0xFF).to(tl.int32), 256, mask=valid)
         d, k_rem = radix_topk._pick_digit(acc, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     # prefix is now the key of the k_eff-th best page: k_eff - k_rem pages beat it,
@@ -504,35 +488,16 @@ def _quest_row_select_kernel(
     n_gt = k_rem * 0
     n_eq = k_eff - k_rem
     prow = pages_ptr + row64 * (n_sel - 1)
-    if INTERPRET:
-        l0 = t_start
-        while l0 < t_end:
-            n_gt, n_eq = _emit_pages(srow, prow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(t_start, t_end, BLOCK):
-            n_gt, n_eq = _emit_pages(srow, prow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, BLOCK)
+    for l0 in range(loop_bound(t_start, INTERPRET), loop_bound(t_end, INTERPRET), BLOCK):
+        n_gt, n_eq = _emit_pages(srow, prow, l0, page_lo, cand_hi, prefix, n_gt, n_eq, k_eff, BLOCK)
     tl.debug_barrier()  # the scratch was written by other threads of this program
-    if INTERPRET:
-        e0 = k_eff * 0
-        while e0 < k_eff:
-            _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E)
-            e0 += BLOCK_E
-    else:
-        for e0 in range(0, k_eff, BLOCK_E):
-            _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E)
+    for e0 in range(0, loop_bound(k_eff, INTERPRET), BLOCK_E):
+        _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E)
     # slots of pages that do not exist (fewer candidates than n_sel - 1): -1
     s0 = (1 + k_eff) * page_size
-    if INTERPRET:
-        t0 = (s0 // BLOCK) * BLOCK
-        while t0 < n_out:
-            o = t0 + tl.arange(0, BLOCK)
-            tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=(o >= s0) & (o < n_out))
-            t0 += BLOCK
-    else:
-        for t0 in range((s0 // BLOCK) * BLOCK, n_out, BLOCK):
-            o = t0 + tl.arange(0, BLOCK)
-            tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=(o >= s0) & (o < n_out))
+    for t0 in range(loop_bound((s0 // BLOCK) * BLOCK, INTERPRET), loop_bound(n_out, INTERPRET), BLOCK):
+        o = t0 + tl.arange(0, BLOCK)
+        tl.store(orow + o, tl.full([BLOCK], -1, tl.int32), mask=(o >= s0) & (o < n_out))
 
 
 @triton.jit

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.common import _check_rows, _interpret, _range_mask, _split
+from spade.kernels.common import _check_rows, _interpret, _range_mask, _split, loop_bound
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 
 __all__ = ["SELECT_CONFIG", "topk_from_scores_ref", "topk_from_scores_triton"]
@@ -152,15 +152,9 @@ def _hist_tile(row_ptr, l0, lo, hi, prefix, PASS: tl.constexpr, BLOCK: tl.conste
 def _pad_tail(out_row_ptr, k_eff, k_top, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Write -1 into slots [k_eff, k_top)."""
     s0 = (k_eff // BLOCK) * BLOCK
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        while s0 < k_top:
-            offs = s0 + tl.arange(0, BLOCK)
-            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
-            s0 += BLOCK
-    else:
-        for t0 in range(s0, k_top, BLOCK):
-            offs = t0 + tl.arange(0, BLOCK)
-            tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
+    for t0 in range(loop_bound(s0, INTERPRET), loop_bound(k_top, INTERPRET), BLOCK):
+        offs = t0 + tl.arange(0, BLOCK)
+        tl.store(out_row_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= k_eff) & (offs < k_top))
 
 
 @triton.jit
@@ -207,18 +201,10 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows
     if GATED and PASS == 1:
         k_b = tl.maximum(tl.minimum(k_next, hi - lo), 1)
         prefix_b, _kb = _radix_state(hist_ptr, row64, n_rows, k_b, 1, run)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
-            if GATED and PASS == 1:
-                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(start, end, BLOCK):
-            acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
-            if GATED and PASS == 1:
-                acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK):
+        acc += _hist_tile(row_ptr, l0, lo, hi, prefix, PASS, BLOCK)
+        if GATED and PASS == 1:
+            acc_b += _hist_tile(row_ptr, l0, lo, hi, prefix_b, PASS, BLOCK)
     tl.atomic_add(hist_ptr + (PASS * n_rows + row64) * 256 + tl.arange(0, 256), acc, mask=acc > 0)
     if GATED and PASS == 1:
         tl.atomic_add(hist_ptr + (2 * n_rows + row64) * 256 + tl.arange(0, 256), acc_b, mask=acc_b > 0)
@@ -261,14 +247,8 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     out_row = out_ptr + row64 * k_top
     tie_row = tie_ptr + row64 * L
     cnt_row = cnt_ptr + row64 * 2
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
-            l0 += BLOCK
-    else:
-        for l0 in range(start, end, BLOCK):
-            _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK):
+        _split_tile(row_ptr, out_row, tie_row, cnt_row, l0, lo, hi, top16, BLOCK)
 
 
 @triton.jit
@@ -326,30 +306,16 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, g
     out_row = out_ptr + row64 * k_top
     for p in tl.static_range(2, 4):
         acc = tl.zeros([256], dtype=tl.int32)
-        if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-            t0 = n_tie * 0
-            while t0 < n_tie:
-                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
-                t0 += BLOCK
-        else:
-            for t0 in range(0, n_tie, BLOCK):
-                acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
+        for t0 in range(0, loop_bound(n_tie, INTERPRET), BLOCK):
+            acc += _tie_hist_tile(row_ptr, tie_row, t0, n_tie, prefix, p, BLOCK)
         d, k_rem = _pick_digit(acc, k_rem)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     n_gt = n_gt16
     n_eq = k_eff - k_rem  # the first slot of the ties equal to T
-    if INTERPRET:
-        t0 = n_tie * 0
-        while t0 < n_tie:
-            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
-            n_gt += c_gt
-            n_eq += c_eq
-            t0 += BLOCK
-    else:
-        for t0 in range(0, n_tie, BLOCK):
-            c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
-            n_gt += c_gt
-            n_eq += c_eq
+    for t0 in range(0, loop_bound(n_tie, INTERPRET), BLOCK):
+        c_gt, c_eq = _tie_emit_tile(row_ptr, out_row, tie_row, t0, n_tie, prefix, n_gt, n_eq, k_eff, BLOCK)
+        n_gt += c_gt
+        n_eq += c_eq
     _pad_tail(out_row, tl.where(run, k_eff, k_top), k_top, BLOCK, INTERPRET)
     if GATED:
         if run:

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
-from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split
+from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, loop_bound
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
 from spade.kernels.radix_topk import (SELECT_CONFIG, _f32_key, _new_workspace, _select_from_scores,
@@ -439,22 +439,11 @@ def _score_kernel(
     else:
         m_run = tl.full([G_PAD], float("-inf"), tl.float32)
         s_run = tl.zeros([G_PAD], dtype=tl.float32)
-    if INTERPRET:
-        # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
-        # kernel keeps the for loop so the software pipeliner can stage the key loads.
-        l0 = start
-        while l0 < end:
-            hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
-                                             G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
-                                             IEEE, KINT8, LANE_STATS, KINT4, CARRY)
-            l0 += BLOCK_L
-    else:
-        for l0 in range(start, end, BLOCK_L):
-            hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
-                                             G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
-                                             IEEE, KINT8, LANE_STATS, KINT4, CARRY)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+        hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+                                         stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
+                                         G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                         IEEE, KINT8, LANE_STATS, KINT4, CARRY)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
             m_lane = m_run
@@ -514,16 +503,9 @@ def _softmax_finalize_kernel(
     inv_z = tl.where(z_all > 0, 1.0 / tl.where(z_all > 0, z_all, 1.0), 0.0)
 
     hist = tl.zeros([256], dtype=tl.int32)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
-                                  cand_row, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
-            l0 += BLOCK_L
-    else:
-        for l0 in range(start, end, BLOCK_L):
-            hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
-                                  cand_row, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+        hist = _finalize_tile(logit_ptr, out_ptr, row64, l0, lo, hi, c1, L, m_safe, inv_z, hist, thr,
+                              cand_row, G, G_PAD, BLOCK_L, FULL_ROW, HIST, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)  # scores fill few bins
 
@@ -585,18 +567,10 @@ def _gemv_score_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     hist = tl.zeros([256], dtype=tl.int32)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
-                              KINT4, CARRY)
-            l0 += BLOCK_L
-    else:
-        for l0 in range(start, end, BLOCK_L):
-            hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
-                              stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
-                              KINT4, CARRY)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+        hist = _gemv_tile(qs, qs2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
+                          stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L, KINT8, FULL_ROW, HIST,
+                          KINT4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -669,18 +643,10 @@ def _i8dot_score_kernel(
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     hist = tl.zeros([256], dtype=tl.int32)
-    if INTERPRET:  # NOTE: no tensor bounds in the interpreter's range()
-        l0 = start
-        while l0 < end:
-            hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
-            l0 += BLOCK_L
-    else:
-        for l0 in range(start, end, BLOCK_L):
-            hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                               stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+        hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+                           stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
+                           FULL_ROW, HIST, KINT4, ASM4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
