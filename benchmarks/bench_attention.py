@@ -23,21 +23,20 @@ before every call (a 512 MiB memset, which also hides the host's launch time).
 
 ``--sweep-sparse`` runs only a launch-configuration sweep of the sparse kernel at
 B=8, L=32k, K=2k (Hkv=8, G=4, d=128, bf16, 4 sinks, 64 recent, random unsorted
-middle indices as above): every index_mode x num_splits x BLOCK_N x num_warps x
-num_stages that compiles, each timed by CUDA-graph replay with L2 flushed before
-every replay, checked against the default call's output, printed as a sorted table
-(us, TB/s of selected K+V bytes, x the byte floor) with the best config per index
-mode and the default's time, and written to ``--out`` (rewritten after every
-config). The most informative configs come first (each mode's default launch
-config over every split count, then every launch config at the heuristic split
-count, then the rest), and ``--budget-s`` bounds the wall time: the sweep stops
+middle indices as above): every num_splits x BLOCK_N x num_warps x num_stages
+that compiles, each timed by CUDA-graph replay with L2 flushed before every
+replay, checked against the default call's output, printed as a sorted table
+(us, TB/s of selected K+V bytes, x the byte floor) with the best config and the
+default's time, and written to ``--out`` (rewritten after every config). The
+most informative configs come first (the default launch config over every split
+count, then every launch config at the heuristic split count, then the rest), and ``--budget-s`` bounds the wall time: the sweep stops
 starting configs when it runs out and writes what it has.
 
     python -m benchmarks.bench_attention --sweep-sparse --budget-s 150 --out results/gpu/attn_sweep.json
 
 ``python -m benchmarks.kernels`` runs these kernels over the same grid with their
-variants side by side (fused vs two-launch split merge, single split, CUDA-graph
-replay, sorted / contiguous indices) next to the Quest and scoring kernels.
+variants side by side (single split, CUDA-graph replay, sorted / contiguous
+indices) next to the Quest and scoring kernels.
 """
 
 from __future__ import annotations
@@ -60,13 +59,12 @@ SMOKE = dict(HQ=4, HKV=2, D=16, N_RECENT=8)  # --smoke: tiny shapes that run any
 # (BLOCK_N, num_warps, num_stages) tried at the headline shape (not with --smoke)
 TUNE_CONFIGS = [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
                 (128, 8, 3)]
-# --sweep-sparse: the shape and the grid (the index_mode="loop" path needs 5 stages for
-# two K/V buffers, 7 for three: see spade.kernels.attention._launch_config)
+# --sweep-sparse: the shape and the grid
 SWEEP_SHAPE = dict(B=8, L=32768, K=2048, HKV=8, G=4, D=128, N_SINK=4, N_RECENT=64)
 SWEEP_SMOKE_SHAPE = dict(B=2, L=256, K=64, HKV=2, G=2, D=16, N_SINK=4, N_RECENT=8)
-SWEEP_GRID = dict(modes="tile,loop", splits="1,2,3,4,6,8,12,16", block_n="32,64,128", warps="2,4,8",
+SWEEP_GRID = dict(splits="1,2,3,4,6,8,12,16", block_n="32,64,128", warps="2,4,8",
                   stages="2,3,4,5,7")
-SWEEP_SMOKE_GRID = dict(modes="tile,loop", splits="1", block_n="16", warps="4", stages="2")  # + heuristic splits
+SWEEP_SMOKE_GRID = dict(splits="1", block_n="16", warps="4", stages="2")  # + heuristic splits
 SWEEP_RESERVE_S = 10.0  # of --budget-s, kept for the statistics rows and the last write
 
 
@@ -175,18 +173,18 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def sweep_order(modes, splits, block_ns, warps, stages, defaults: dict, heuristic: int) -> list[tuple]:
-    """Every (mode, splits, block_n, warps, stages), most informative first: each
-    mode's default launch config over every split count, then every launch config
-    at the heuristic split count, then the rest (split counts nearest the heuristic's
-    first, the modes interleaved), so a budget cut keeps the comparisons that matter."""
+def sweep_order(splits, block_ns, warps, stages, default: tuple, heuristic: int) -> list[tuple]:
+    """Every (splits, block_n, warps, stages), most informative first: the default
+    launch config (block_n, warps, stages) over every split count, then every launch
+    config at the heuristic split count, then the rest (split counts nearest the
+    heuristic's first), so a budget cut keeps the comparisons that matter."""
     def near(S):
         return (abs(math.log(S / max(heuristic, 1))), S)
 
-    combos = [(m, S, bn, nw, ns) for S in sorted(splits, key=near) for bn in block_ns for nw in warps
-              for ns in stages for m in modes]
-    first = [c for c in combos if c[2:] == defaults[c[0]]]
-    second = [c for c in combos if c[1] == heuristic and c not in first]
+    combos = [(S, bn, nw, ns) for S in sorted(splits, key=near) for bn in block_ns for nw in warps
+              for ns in stages]
+    first = [c for c in combos if c[1:] == tuple(default)]
+    second = [c for c in combos if c[0] == heuristic and c not in first]
     taken = set(first) | set(second)
     return first + second + [c for c in combos if c not in taken]
 
@@ -216,6 +214,9 @@ def _graph_time(timer: Timer, fn, dev) -> tuple[float, object, str]:
     return ms, out, "graph"
 
 
+_CFG_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")  # a sweep row's launch config
+
+
 def run_sparse_sweep(args, dev) -> int:
     """The --sweep-sparse run (see the module docstring); returns the exit status."""
     from spade.kernels import attention
@@ -230,7 +231,6 @@ def run_sparse_sweep(args, dev) -> int:
     hq = hkv * G
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elem = torch.finfo(dtype).bits // 8
-    modes = [m.strip() for m in (args.sweep_modes or grid["modes"]).split(",") if m.strip()]
     splits = _ints(args.sweep_splits or grid["splits"])
     block_ns = _ints(args.sweep_block_n or grid["block_n"])
     warps = _ints(args.sweep_warps or grid["warps"])
@@ -254,8 +254,8 @@ def run_sparse_sweep(args, dev) -> int:
     stats = torch.zeros(2, dtype=torch.int64, device=dev) if args.sweep_stats else None
     t_max = n_sink + k_mid + n_recent
     d_pad = max(16, d)
-    defaults = {m: attention._launch_config(d_pad, elem, m) for m in ("tile", "loop")}
-    heuristic = attention.choose_num_splits(B * hkv, t_max, defaults["tile"][0], dev, indexed=True)
+    default = attention._launch_config(d_pad, elem)
+    heuristic = attention.choose_num_splits(B * hkv, t_max, default[0], dev, indexed=True)
     if heuristic not in splits:
         splits.append(heuristic)
 
@@ -268,12 +268,9 @@ def run_sparse_sweep(args, dev) -> int:
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
 
     def measure(tag: str, stats_t=stats, **cfg) -> dict:
-        row = dict(tag=tag, **{k_: cfg.get(k_) for k_ in ("index_mode", "num_splits", "block_n", "num_warps",
-                                                          "num_stages")}, stats=stats_t is not None)
-        mode = cfg.get("index_mode", "tile")
-        bn = cfg.get("block_n") or defaults[mode][0]
-        row["eff_splits"] = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=cfg.get("num_splits"),
-                                                  tile=mode == "tile", indexed=True)[0]
+        row = dict(tag=tag, **{k_: cfg.get(k_) for k_ in _CFG_KEYS}, stats=stats_t is not None)
+        bn = cfg.get("block_n") or default[0]
+        row["eff_splits"] = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=cfg.get("num_splits"))[0]
         t_call = time.time()
         try:
             ms, out, how = _graph_time(timer, lambda: call(stats_t, **cfg), dev)
@@ -290,7 +287,7 @@ def run_sparse_sweep(args, dev) -> int:
     meta = dict(device=name, hbm_bytes_per_s=bw, dtype=str(dtype), smoke=smoke, torch=torch.__version__,
                 shape=dict(shp, HQ=hq, k_mid=k_mid, sorted=bool(args.sweep_sorted)), sel_bytes=sel_bytes,
                 floor_us=floor_us, iters=iters, l2_flush=not args.no_flush, budget_s=args.budget_s,
-                heuristic_splits=heuristic, launch_defaults={m: list(c) for m, c in defaults.items()},
+                heuristic_splits=heuristic, launch_default=list(default),
                 stats_on=stats is not None, default_rel_err_vs_torch=torch_err, tol_max_abs=tol)
     out_path = Path(args.out or "results/attn_sweep.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,8 +295,7 @@ def run_sparse_sweep(args, dev) -> int:
 
     def write(complete: bool) -> None:
         timed = [r for r in rows if "us" in r and r["tag"] == "sweep" and r["ok"]]
-        best = {m: min((r for r in timed if r["index_mode"] == m), key=lambda r: r["us"], default=None)
-                for m in modes}
+        best = min(timed, key=lambda r: r["us"], default=None)
         out_path.write_text(json.dumps(dict(meta, rows=rows, best=best, complete=complete,
                                             wall_s=time.time() - t0), indent=1))
 
@@ -308,57 +304,55 @@ def run_sparse_sweep(args, dev) -> int:
           f"default rel err vs torch {_fmt(torch_err)}", flush=True)
     rows.append(measure("default"))
     write(False)
-    order = sweep_order(modes, splits, block_ns, warps, stages, defaults, heuristic)
+    order = sweep_order(splits, block_ns, warps, stages, default, heuristic)
     print(f"{len(order)} configs queued, budget {args.budget_s:.0f} s", flush=True)
     seen: set[tuple] = set()
     complete = True
-    for i, (m, S, bn, nw, ns) in enumerate(order):
+    for i, (S, bn, nw, ns) in enumerate(order):
         if time.time() > deadline - SWEEP_RESERVE_S * (not smoke):
             complete = False
             print(f"budget: stopped after {i} of {len(order)} configs", flush=True)
             break
-        eff = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=S, tile=m == "tile", indexed=True)[0]
-        if (m, eff, bn, nw, ns) in seen:  # the tile path raised S to a count already timed
+        eff = attention.plan_splits(B * hkv, t_max, bn, dev, num_splits=S)[0]
+        if (eff, bn, nw, ns) in seen:  # the index tile's cap raised S to a count already timed
             continue
-        seen.add((m, eff, bn, nw, ns))
-        r = measure("sweep", index_mode=m, num_splits=S, block_n=bn, num_warps=nw, num_stages=ns)
+        seen.add((eff, bn, nw, ns))
+        r = measure("sweep", num_splits=S, block_n=bn, num_warps=nw, num_stages=ns)
         rows.append(r)
-        print(f"[{i + 1}/{len(order)} {time.time() - t0:.0f}s] {m} S={S}({r['eff_splits']}) bn={bn} w={nw} s={ns}: "
+        print(f"[{i + 1}/{len(order)} {time.time() - t0:.0f}s] S={S}({r['eff_splits']}) bn={bn} w={nw} s={ns}: "
               + (f"{r['us']:.2f} us err {r['max_abs_err']:.1e}" if "us" in r else r["error"][:100]), flush=True)
         write(False)
         if "error" in r and "CUDA error" in r["error"]:  # the context is gone: keep what we have
             complete = False
             break
 
-    # the runtime's calls count statistics (track_stats): the default and each mode's
-    # best again with stats on (or off, where the sweep ran with them)
+    # the runtime's calls count statistics (track_stats): the default and the best
+    # again with stats on (or off, where the sweep ran with them)
     timed = [r for r in rows if "us" in r and r["tag"] == "sweep" and r["ok"]]
     other_stats = None if stats is not None else torch.zeros(2, dtype=torch.int64, device=dev)
     extra = [("default", {})]
-    for m in modes:
-        b = min((r for r in timed if r["index_mode"] == m), key=lambda r: r["us"], default=None)
-        if b is not None:
-            extra.append((f"best_{m}", {k_: b[k_] for k_ in ("index_mode", "num_splits", "block_n", "num_warps",
-                                                              "num_stages")}))
+    b = min(timed, key=lambda r: r["us"], default=None)
+    if b is not None:
+        extra.append(("best", {k_: b[k_] for k_ in _CFG_KEYS}))
     for tag, cfg in extra:
         if time.time() > deadline and not smoke:
             break
         rows.append(measure(f"{tag}_stats_{'off' if other_stats is None else 'on'}", stats_t=other_stats, **cfg))
     write(complete)
-    _print_sweep(rows, meta, modes, complete, args.sweep_show)
+    _print_sweep(rows, meta, complete, args.sweep_show)
     print(f"wrote {out_path} ({time.time() - t0:.0f} s)")
     return 0
 
 
-def _print_sweep(rows: list[dict], meta: dict, modes: list[str], complete: bool, show: int) -> None:
+def _print_sweep(rows: list[dict], meta: dict, complete: bool, show: int) -> None:
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     errs = [r for r in rows if "error" in r]
-    head = ["tag", "mode", "splits", "eff", "bn", "warps", "stages", "us", "TB/s", "x_floor", "max_err", "ok"]
-    widths = [20, 5, 6, 4, 4, 5, 6, 9, 6, 7, 8, 5]
+    head = ["tag", "splits", "eff", "bn", "warps", "stages", "us", "TB/s", "x_floor", "max_err", "ok"]
+    widths = [20, 6, 4, 4, 5, 6, 9, 6, 7, 8, 5]
     print("\n" + " ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
 
     def line(r):
-        vals = [r["tag"], r.get("index_mode") or "tile", r.get("num_splits") or "auto", r["eff_splits"],
+        vals = [r["tag"], r.get("num_splits") or "auto", r["eff_splits"],
                 r.get("block_n") or "auto", r.get("num_warps") or "auto", r.get("num_stages") or "auto",
                 f"{r['us']:.2f}", f"{r['tb_s']:.2f}", f"{r['x_floor']:.2f}", f"{r['max_abs_err']:.1e}", r["ok"]]
         return " ".join(f"{str(v):>{w}}" for v, w in zip(vals, widths))
@@ -370,7 +364,7 @@ def _print_sweep(rows: list[dict], meta: dict, modes: list[str], complete: bool,
     if errs:
         kinds = sorted({r["error"].split(":")[0] for r in errs})
         print(f"{len(errs)} configs failed ({', '.join(kinds)}), e.g. "
-              + ", ".join(f"{r['index_mode']} bn{r['block_n']} w{r['num_warps']} s{r['num_stages']}" for r in errs[:4]))
+              + ", ".join(f"S{r['num_splits']} bn{r['block_n']} w{r['num_warps']} s{r['num_stages']}" for r in errs[:4]))
     bad = [r for r in timed if not r["ok"]]
     if bad:
         print(f"WARNING: {len(bad)} configs differ from the default's output by more than {meta['tol_max_abs']}")
@@ -378,13 +372,12 @@ def _print_sweep(rows: list[dict], meta: dict, modes: list[str], complete: bool,
           f"{'all configs tried' if complete else 'budget or error cut the sweep short'}")
     for r in timed:
         if r["tag"] == "default":
-            print(f"default (the runtime's call: tile, launcher heuristics):\n{line(r)}")
+            print(f"default (the runtime's call: launcher heuristics):\n{line(r)}")
     for r in rows:
         if "stats_" in r["tag"] and "us" in r:
             print(f"{r['tag']}: {r['us']:.2f} us")
-    for m in modes:
-        best = next((r for r in timed if r["tag"] == "sweep" and r["ok"] and r["index_mode"] == m), None)
-        print(f"best {m}:\n" + (line(best) if best else "none"))
+    best = next((r for r in timed if r["tag"] == "sweep" and r["ok"]), None)
+    print("best:\n" + (line(best) if best else "none"))
 
 
 # ----------------------------------------------------------------------------- main
@@ -400,11 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny shapes on any device (CPU: Triton interpreter); checks the script, not speed")
     sw = ap.add_argument_group("sparse launch-configuration sweep (--sweep-sparse)")
     sw.add_argument("--sweep-sparse", action="store_true",
-                    help="run only the sparse kernel's index_mode x splits x BLOCK_N x warps x stages sweep at "
+                    help="run only the sparse kernel's splits x BLOCK_N x warps x stages sweep at "
                          "B=8 L=32k K=2k (--smoke: tiny shapes, a few configs)")
     sw.add_argument("--budget-s", type=float, default=150.0,
                     help="wall-time bound of the sweep: no config starts after it (one compile may overrun)")
-    sw.add_argument("--sweep-modes", default=None, help=f"index modes (default {SWEEP_GRID['modes']})")
     sw.add_argument("--sweep-splits", default=None,
                     help=f"split counts (default {SWEEP_GRID['splits']}, plus the heuristic's)")
     sw.add_argument("--sweep-block-n", default=None, help=f"BLOCK_N values (default {SWEEP_GRID['block_n']})")

@@ -6,15 +6,14 @@ first). Per shape:
 
 * ``sparse_attn``: decode attention through index lists (4 sinks + K-68 random
   middle tokens + a 64-token recent window), side by side: ``fused`` (the split
-  merge inside the one launch, the default), ``kernel`` (the earlier two-launch
-  merge), ``single`` (one split per (b, KV head): no merge at all), ``fused_graph``
+  merge inside the one launch), ``single`` (one split per (b, KV head): no merge at all), ``fused_graph``
   (replayed from a CUDA graph: no host launch gaps), vs ``torch`` (``gather`` +
   SDPA); floor = the selected K/V bytes. Diagnostic rows: ``fused_sorted``
   (sorted indices), ``fused_contig`` (one contiguous run: the sequential access
   the floor assumes), ``torch_contig`` (SDPA over K contiguous tokens): the gap
   between ``fused`` and ``fused_contig`` is the cost of random rows in DRAM, not
   of the kernel;
-* ``dense_attn``: the ``indices=None`` path (``fused`` / ``kernel``) vs SDPA; floor
+* ``dense_attn``: the ``indices=None`` path (``fused``) vs SDPA; floor
   = the whole cache;
 * ``gather``: ``gather_kv`` vs ``torch.gather``; floor = read + write;
 * ``quest_scores``: Quest page scores (page 16) vs two torch matmuls; floor = the
@@ -27,7 +26,7 @@ first). Per shape:
   floor = the page metadata bytes.
 
 ``--sweep`` adds, per shape, the attention kernel at split counts
-{1, 2, 4, 8, 16, 32} x {fused, kernel} merges and, at the headline shape, its
+{1, 2, 4, 8, 16, 32} and, at the headline shape, its
 launch configs (BLOCK_N, warps, stages); at three shapes the Quest score
 kernel's and row-select kernel's tile configs (``spade.kernels.quest.QUEST_CONFIG``).
 
@@ -249,10 +248,8 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
                                                         n_recent=n_recent if idx is not None else 0, **kw)
 
     # dense decode attention (the `full` policy) vs SDPA over the whole cache
-    for comb in ("fused", "kernel"):
-        err = _safe_err(lambda: attn(combine=comb), lambda: torch_dense(q, k, v))
-        rec.add("dense_attn", comb, dict(shape, K=L), lambda: timer(lambda: attn(combine=comb)), kv_bytes, bw,
-                rel_err=err)
+    err = _safe_err(lambda: attn(), lambda: torch_dense(q, k, v))
+    rec.add("dense_attn", "fused", dict(shape, K=L), lambda: timer(lambda: attn()), kv_bytes, bw, rel_err=err)
     rec.add("dense_attn", "torch", dict(shape, K=L), lambda: timer(lambda: torch_dense(q, k, v)), kv_bytes, bw)
 
     n_pages = (L + page - 1) // page
@@ -286,14 +283,12 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
         idx_full = full_index(mid, L, n_sink, n_recent)
         sel_bytes = 2 * B * hkv * K * d * elem
         err = _safe_err(lambda: attn(mid), lambda: torch_sparse(q, k, v, idx_full))
-        variants = {"fused": dict(combine="fused"), "kernel": dict(combine="kernel"), "single": dict(num_splits=1)}
+        variants = {"fused": dict(), "single": dict(num_splits=1)}
         for name, kw in variants.items():
             e = err if name == "fused" else _safe_err(lambda: attn(mid, **kw), lambda: torch_sparse(q, k, v, idx_full))
             rec.add("sparse_attn", name, kshape, lambda: timer(lambda: attn(mid, **kw)), sel_bytes, bw, rel_err=e)
         if graphs:
-            for name in ("fused", "kernel"):
-                rec.add("sparse_attn", f"{name}_graph", kshape, lambda: timer.graph(lambda: attn(mid, combine=name)),
-                        sel_bytes, bw)
+            rec.add("sparse_attn", "fused_graph", kshape, lambda: timer.graph(lambda: attn(mid)), sel_bytes, bw)
         rec.add("sparse_attn", "torch", kshape, lambda: timer(lambda: torch_sparse(q, k, v, idx_full)), sel_bytes, bw)
         # How much is the memory system's, not the kernel's: the same kernel on sorted
         # middle indices (DRAM locality) and on one contiguous run of them (the
@@ -308,9 +303,8 @@ def run_shape(rec: Recorder, timer: Timer, bw: float, B: int, L: int, cfg: dict,
         del mid_sorted, mid_contig, kc, vc
         if sweep:
             for S in SPLIT_SWEEP:
-                for comb in ("fused", "kernel"):
-                    rec.add("sparse_attn", f"S{S}_{comb}", kshape,
-                            lambda: timer(lambda: attn(mid, num_splits=S, combine=comb)), sel_bytes, bw)
+                rec.add("sparse_attn", f"S{S}_fused", kshape, lambda: timer(lambda: attn(mid, num_splits=S)),
+                        sel_bytes, bw)
             if (B, L, K) == cfg.get("HEADLINE"):
                 for bn, nw, ns in ATTN_CONFIGS:
                     kw = dict(block_n=bn, num_warps=nw, num_stages=ns)

@@ -28,20 +28,18 @@ The Triton kernel is flash-decoding with split-K:
   then a function of the loop counter alone, so the software pipeliner keeps
   several blocks of K/V rows in flight exactly as on the dense path (an index
   load inside the loop would serialise index -> K/V latency on every block,
-  unless the pipeliner stages it ahead). The alternative ``index_mode="loop"``
-  (constexpr ``IDX_LOOP``) does just that: each block loads its own indices from
-  global memory inside the loop, with no tile to build or extract rows from (a
-  cross-thread reduction per block) and no cap on a split's chunk; it is kept
-  beside the tile path for GPU timings (``bench_attention --sweep-sparse``);
+  unless the pipeliner stages it ahead: an in-loop index path measured slower,
+  docs/tried.md);
 * each split keeps an online softmax (base-2 exponentials, the scale folded with
   ``log2(e)``) and writes its normalised output and log-sum-exp; the splits are
   merged with the log-sum-exp trick (skipped when one split suffices, e.g. at
   large batch). By default the merge runs inside the same launch: each split
   bumps an atomic counter of its (b, KV head) after writing its partial, and the
   last one to arrive merges all of them ("last block reduces"). At small K the
-  kernel is latency-bound (a few microseconds of work per program), so the
-  second launch of the earlier two-kernel path (``combine="kernel"``, kept for
-  comparison) was a visible share of the step.
+  kernel is latency-bound (a few microseconds of work per program), so a
+  second launch is a visible share of the step. A separate merge kernel remains
+  only as the fallback where the arrival counters cannot be made (the first call
+  of a stream inside a CUDA-graph capture, ``_split_counters``).
 
 The number of splits is chosen from ``B * Hkv`` and the SM count so that the grid
 fills the GPU (decode attention is bound by HBM bandwidth: every SM must be
@@ -65,6 +63,7 @@ import triton
 import triton.language as tl
 
 from spade.envs import env, triton_interpret
+from spade.kernels.common import loop_bound
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -78,8 +77,6 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 64
-DEFAULT_INDEX_MODE = "tile"
-"""``sparse_decode_attention_triton``'s index path when the caller names none."""
 _MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per thread at 64 x 32)
 
 
@@ -195,7 +192,7 @@ def _virtual_positions(offs, end, n_sink_b, s, sink_end, recent_start, K_MID, i_
     """Cache positions of the virtual slots ``offs`` (a tile of any shape) of this
     (b, KV head)'s sequence ``sinks ++ middle ++ recent``, int32, ``-1`` where nothing
     is attended: slots at or past ``end``, empty (-1) middle slots, and middle
-    indices outside ``[sink_end, recent_start)``. Both index paths go through it."""
+    indices outside ``[sink_end, recent_start)``."""
     in_range = offs < end
     is_sink = offs < n_sink_b
     mid_j = offs - n_sink_b
@@ -212,7 +209,7 @@ def _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_
                      MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cache positions of this split's whole chunk of the virtual sequence, as a
     [MAX_BLOCKS, BLOCK_N] int32 tile (row i = block i), ``-1`` where nothing is
-    attended (the tile index path). Loading every index up front keeps index loads
+    attended. Loading every index up front keeps index loads
     out of the main loop: each block's K/V addresses are then a pure function of
     the loop counter, so the software pipeliner can keep several blocks of K/V rows
     in flight."""
@@ -221,19 +218,12 @@ def _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_
 
 
 @triton.jit
-def _block_rows(pos2d, blk, j0, end, s, i_base, n_sink_b, sink_end, recent_start, K_MID, stride_ik,
-                MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr,
-                IDX_LOOP: tl.constexpr):
+def _block_rows(pos2d, blk, j0, end, s, MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr):
     """(positions int64 [BLOCK_N], valid [BLOCK_N]) of block ``blk`` (virtual start ``j0``):
-    row ``blk`` of the preloaded tile, or (``IDX_LOOP``) the block's own slots,
-    its middle indices loaded here from global memory."""
+    row ``blk`` of the preloaded tile, or a plain position range on the dense path."""
     if HAS_INDICES:
-        if IDX_LOOP:
-            pos = _virtual_positions(j0 + tl.arange(0, BLOCK_N), end, n_sink_b, s, sink_end, recent_start,
-                                     K_MID, i_base, stride_ik)
-        else:
-            rows = tl.arange(0, MAX_BLOCKS)[:, None]
-            pos = tl.sum(tl.where(rows == blk, pos2d, 0), 0)  # row blk of the tile
+        rows = tl.arange(0, MAX_BLOCKS)[:, None]
+        pos = tl.sum(tl.where(rows == blk, pos2d, 0), 0)  # row blk of the tile
         valid = pos >= 0
     else:
         offs = j0 + tl.arange(0, BLOCK_N)
@@ -278,7 +268,7 @@ def _decode_split_kernel(
     Hkv, Hq, K_MID, N_SINK, N_RECENT, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, NUM_SPLITS, DIRECT: tl.constexpr,
-    HAS_INDICES: tl.constexpr, IDX_LOOP: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
     STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -310,10 +300,9 @@ def _decode_split_kernel(
     # Balanced contiguous chunk of the virtual sequence, whole blocks each.
     chunk = tl.cdiv(tl.cdiv(T, NUM_SPLITS), BLOCK_N) * BLOCK_N
     if HAS_INDICES:
-        if not IDX_LOOP:
-            # the launcher sizes MAX_BLOCKS to hold a chunk; the clamp only guards memory
-            # against kv_lens beyond the cache capacity (a caller error)
-            chunk = tl.minimum(chunk, MAX_BLOCKS * BLOCK_N)
+        # the launcher sizes MAX_BLOCKS to hold a chunk; the clamp only guards memory
+        # against kv_lens beyond the cache capacity (a caller error)
+        chunk = tl.minimum(chunk, MAX_BLOCKS * BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, T)
 
@@ -335,32 +324,18 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
 
-    if HAS_INDICES and not IDX_LOOP:
+    if HAS_INDICES:
         pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
                                  MAX_BLOCKS, BLOCK_N)
     else:
         pos2d = 0
     n_att = tl.zeros([], tl.int32)  # tokens this program attends (HAS_STATS)
-    if INTERPRET:
-        # NOTE: the interpreter cannot take tensor bounds in range(); the compiled
-        # kernel keeps the for loop, which the software pipeliner can stage.
-        j0 = start
-        while j0 < end:
-            pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, i_base, n_sink_b, sink_end,
-                                     recent_start, K_MID, stride_ik, MAX_BLOCKS, BLOCK_N, HAS_INDICES, IDX_LOOP)
-            m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                         stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
-            if HAS_STATS:
-                n_att += tl.sum(valid.to(tl.int32), axis=0)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(start, end, BLOCK_N):
-            pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, i_base, n_sink_b, sink_end,
-                                     recent_start, K_MID, stride_ik, MAX_BLOCKS, BLOCK_N, HAS_INDICES, IDX_LOOP)
-            m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                         stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
-            if HAS_STATS:
-                n_att += tl.sum(valid.to(tl.int32), axis=0)
+    for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
+        pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, MAX_BLOCKS, BLOCK_N, HAS_INDICES)
+        m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                     stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
+        if HAS_STATS:
+            n_att += tl.sum(valid.to(tl.int32), axis=0)
     # Release after the loops, not at the top: the next kernel (the output projection's GEMV,
     # a large grid) launches as they end. Its programs, launched at the top, sat resident
     # through the split grid's waves: on an H200, B=32 L=16k optimal 7.01 -> 6.93 ms, full
@@ -521,20 +496,16 @@ _PROGRAMS_PER_SM = 3
 _PROGRAMS_PER_SM_INDEXED = 2
 
 
-def _launch_config(D_PAD: int, elem_size: int, index_mode: str = "tile") -> tuple[int, int, int]:
+def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). BLOCK_N rows of K and V are 32 KiB at
     d=128 bf16; three stages double-buffer them (the indexed path's addresses come
     from its preloaded index tile, so it pipelines like the dense one). Three
     programs per SM then keep ~100-200 KiB per SM in flight, more than HBM
-    latency x bandwidth per SM. ``index_mode="loop"`` takes five stages: its K/V
-    loads sit one pipeline level below the index load, and Triton's pipeliner
-    splits the stages between the levels, so K/V get ``(stages - 1) // 2`` buffers
-    (an sm_90 build shows one buffer at 3-4 stages, two at 5, as the tile path
-    has at 3)."""
+    latency x bandwidth per SM."""
     if _interpret():
         return 16, 4, 1
     block_n = max(16, min(128, (64 * 128 * 2) // (D_PAD * elem_size)))
-    return block_n, 4, 5 if index_mode == "loop" else 3
+    return block_n, 4, 3
 
 
 def _programs_per_sm(indexed: bool) -> int:
@@ -559,20 +530,18 @@ def choose_num_splits(n_pairs: int, t_max: int, block_n: int, device: torch.devi
 
 
 def plan_splits(n_pairs: int, t_max: int, block_n: int, device: torch.device, *, num_splits: int | None = None,
-                tile: bool = True, indexed: bool | None = None) -> tuple[int, int]:
+                indexed: bool = True) -> tuple[int, int]:
     """(splits, MAX_BLOCKS) the launcher uses: ``num_splits`` or the heuristic's
-    choice (``indexed``: the indexed path's, default ``tile``); on the tile index path
-    (``tile``) raised so that a split's chunk of
+    choice; on the indexed path (``indexed``) raised so that a split's chunk of
     indices fits the preloaded tile (at most ``_MAX_CHUNK_BLOCKS`` blocks), with
-    MAX_BLOCKS the tile's rows (1 elsewhere); at most ``_MAX_SPLITS``."""
-    indexed = tile if indexed is None else indexed
+    MAX_BLOCKS the tile's rows (1 on the dense path); at most ``_MAX_SPLITS``."""
     splits = num_splits if num_splits is not None else choose_num_splits(n_pairs, t_max, block_n, device,
                                                                          indexed=indexed)
-    if tile:  # a split's index chunk is preloaded whole: at most _MAX_CHUNK_BLOCKS blocks
+    if indexed:  # a split's index chunk is preloaded whole: at most _MAX_CHUNK_BLOCKS blocks
         splits = max(splits, triton.cdiv(triton.cdiv(t_max, block_n), _MAX_CHUNK_BLOCKS))
     splits = int(max(1, min(splits, _MAX_SPLITS)))
     max_blocks = 1
-    if tile:
+    if indexed:
         max_blocks = triton.next_power_of_2(max(1, triton.cdiv(triton.cdiv(t_max, splits), block_n)))
     return splits, max_blocks
 
@@ -583,51 +552,34 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    kv_start: torch.Tensor | None = None, return_lse: bool = False,
                                    num_splits: int | None = None, block_n: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
-                                   combine: str = "fused", stats: torch.Tensor | None = None,
-                                   count_call: bool = True, index_mode: str | None = None):
+                                   stats: torch.Tensor | None = None, count_call: bool = True):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
     heuristics (tests, tuning; ``benchmarks.bench_attention`` sweeps them); on the
-    indexed path with ``index_mode="tile"`` ``num_splits`` is raised where a split's
-    chunk of indices would exceed ``_MAX_CHUNK_BLOCKS`` blocks (the preloaded index
-    tile; ``plan_splits`` gives the count used). No host
+    indexed path ``num_splits`` is raised where a split's chunk of indices would
+    exceed ``_MAX_CHUNK_BLOCKS`` blocks (the preloaded index tile; ``plan_splits``
+    gives the count used). No host
     synchronisation: safe to capture in a CUDA graph (after a first warm-up call
     has compiled the kernels and made the split counters).
 
-    ``combine`` picks how several splits are merged: ``"fused"`` (default) lets the
-    last split of each (b, KV head) merge them inside the one launch (an atomic
-    counter per pair, reset by that split); ``"kernel"`` is the earlier two-launch
-    path (a separate merge kernel), kept for side-by-side benchmarks. The fused
-    counters are kept per (device, stream); a capture that is the first call of
-    its stream (or batch size) falls back to the two-launch merge.
+    Several splits are merged inside the one launch: the last split of each
+    (b, KV head) to finish merges them (an atomic counter per pair, reset by that
+    split). The counters are kept per (device, stream); a capture that is the first
+    call of its stream (or batch size) falls back to a separate merge kernel.
 
     ``stats`` (int64 [2]): attention statistics kept inside the launch (one atomic
     per program, no kernel of their own): tokens attended summed over (b, KV head),
     and one call when ``count_call``.
-
-    ``index_mode`` picks how the indexed path reads its index list: ``"tile"``
-    (default) preloads a split's whole chunk of indices as one register tile and
-    extracts each block's row from it; ``"loop"`` loads each block's indices from
-    global memory inside the main loop (no tile: no cross-thread row extraction,
-    and no ``_MAX_CHUNK_BLOCKS`` limit, so fewer splits are allowed), leaving the
-    software pipeliner to stage the index load ahead of the dependent K/V loads.
-    Same results either way; ignored on the dense path. ``None``: ``DEFAULT_INDEX_MODE``.
     """
-    if index_mode is None:
-        index_mode = DEFAULT_INDEX_MODE
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
     _check_stats(stats, q.device)
-    if combine not in ("fused", "kernel"):
-        raise ValueError(f"combine must be 'fused' or 'kernel', got {combine!r}")
-    if index_mode not in ("tile", "loop"):
-        raise ValueError(f"index_mode must be 'tile' or 'loop', got {index_mode!r}")
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     G_PAD = max(16, triton.next_power_of_2(G))
     D_PAD = max(16, triton.next_power_of_2(D))
     interp = _interpret()
-    bn, nw, ns = _launch_config(D_PAD, k.element_size(), index_mode if indices is not None else "tile")
+    bn, nw, ns = _launch_config(D_PAD, k.element_size())
     bn = block_n or bn
     num_warps = num_warps or nw
     num_stages = num_stages or ns
@@ -646,9 +598,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         t_max = L
         idx_t = kv_lens  # never read
         si = (0, 0, 0)
-    idx_loop = has_idx and index_mode == "loop"
-    splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits,
-                                     tile=has_idx and not idx_loop, indexed=has_idx)
+    splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits, indexed=has_idx)
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
@@ -662,9 +612,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dot_prec = "ieee" if upcast else "tf32"  # ignored for 16-bit operands
     kv_start_t = kv_start if kv_start is not None else kv_lens
 
-    fused = combine == "fused" and splits > 1
+    fused = splits > 1
     counter = _split_counters(B * Hkv, q.device) if fused else None
-    if counter is None:  # not fused, or first seen inside a graph capture (see _split_counters)
+    if counter is None:  # one split, or first seen inside a graph capture (see _split_counters)
         fused, counter = False, kv_lens  # never read
 
     if B * Hkv == 0 and stats is not None and count_call:
@@ -678,7 +628,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             Hkv, Hq, k_mid, n_sink, n_recent, scale * _LOG2E,
             G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BLOCK_N=bn, MAX_BLOCKS=max_blocks, NUM_SPLITS=splits,
             DIRECT=splits == 1,
-            HAS_INDICES=has_idx, IDX_LOOP=idx_loop, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
+            HAS_INDICES=has_idx, HAS_START=kv_start is not None, UPCAST=upcast, DOT_PREC=dot_prec,
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
             PDL=pdl, num_warps=num_warps, num_stages=num_stages,

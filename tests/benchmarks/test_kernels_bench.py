@@ -40,8 +40,8 @@ def test_tiny_rows(tiny_run):
     assert doc["tiny"] and doc["copy_bytes_per_s"] > 0
     rows = [r for r in doc["rows"] if "skipped" not in r]
     have = {(r["op"], r["impl"]) for r in rows}
-    want = {("dense_attn", i) for i in ("fused", "kernel", "torch")}
-    want |= {("sparse_attn", i) for i in ("fused", "kernel", "single", "torch", "fused_sorted", "fused_contig",
+    want = {("dense_attn", i) for i in ("fused", "torch")}
+    want |= {("sparse_attn", i) for i in ("fused", "single", "torch", "fused_sorted", "fused_contig",
                                           "torch_contig")}
     want |= {("gather", "triton"), ("gather", "torch"), ("quest_scores", "triton"), ("quest_scores", "torch")}
     want |= {("quest_select", i) for i in ("radix", "radix_plan", "rowselect", "torch")}
@@ -98,7 +98,7 @@ def test_sweep_rows(tmp_path, monkeypatch):
     assert KB.main(["--tiny", "--shapes", SHAPE, "--sweep", "--iters", "1", "--out", str(out), "--no-scoring"]) == 0
     rows = json.loads(out.read_text())["rows"]
     splits = {r["impl"] for r in rows if r["op"] == "sparse_attn" and r["impl"].startswith("S")}
-    assert splits == {f"S{s}_{c}" for s in KB.SPLIT_SWEEP for c in ("fused", "kernel")}
+    assert splits == {f"S{s}_fused" for s in KB.SPLIT_SWEEP}
     cfgs = [r for r in rows if r["op"] == "quest_scores" and r["impl"].startswith("cfg_")]
     assert len(cfgs) == len(KB.QUEST_SWEEP) and all(r["ms"] for r in cfgs)
     sel = [r for r in rows if r["op"] == "quest_select" and r["impl"].startswith("cfg_rowselect")]

@@ -28,7 +28,6 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LSE_ATOL = 1e-3
 LENGTHS = (1, 7, 37, 130)
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
-INDEX_MODES = ["tile", "loop"]  # index_mode: preloaded index tile, or indices loaded per block in the loop
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -152,12 +151,11 @@ SPARSE_CASES = [  # (n_sink, n_recent, k_mid)
 ]
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("B", [1, 3])
-def test_sparse_matches_float64(B, heads, D, dtype, index_mode, device):
+def test_sparse_matches_float64(B, heads, D, dtype, device):
     Hq, Hkv = heads
     case = HEADS.index(heads) * 2 + (D == 64) + 3 * (dtype == torch.float16)
     n_sink, n_recent, k_mid = SPARSE_CASES[case % len(SPARSE_CASES)]
@@ -171,7 +169,7 @@ def test_sparse_matches_float64(B, heads, D, dtype, index_mode, device):
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
     kw = dict(n_sink=n_sink, n_recent=n_recent, return_lse=True,
               kv_start=None if kv_start is None else kv_start.to(device))
-    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), index_mode=index_mode,
+    out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device),
                                                 **kw)
     _check(out, lse, exp_out, exp_lse, dtype)
     ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx.to(device), **kw)
@@ -205,13 +203,11 @@ REF_CASES = [  # (B, (Hq, Hkv), D, L, lens, kv_start, k_mid, n_sink, n_recent, n
 ]
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("case", range(len(REF_CASES)))
-def test_index_modes_match_reference(case, index_mode, device):
-    """Both index paths against ``sparse_decode_attention_ref`` on fresh random inputs
-    with -1 holes and out-of-range middle indices (ignored by both), odd lengths,
-    kv_start, forced and heuristic split counts, statistics on; the two paths agree
-    with each other too."""
+def test_messy_indices_match_reference(case, device):
+    """Against ``sparse_decode_attention_ref`` on fresh random inputs with -1 holes
+    and out-of-range middle indices (ignored by both), odd lengths, kv_start, forced
+    and heuristic split counts, statistics on."""
     B, (Hq, Hkv), D, L, lens, start, k_mid, n_sink, n_recent, splits, dtype = REF_CASES[case]
     gen = torch.Generator().manual_seed(1000 + case)
     q = torch.randn(B, Hq, D, generator=gen).to(device, dtype)
@@ -226,7 +222,7 @@ def test_index_modes_match_reference(case, index_mode, device):
     st_t = torch.zeros(2, dtype=torch.int64, device=device)
     st_r = torch.zeros(2, dtype=torch.int64, device=device)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kl, ix, num_splits=splits, stats=st_t,
-                                                index_mode=index_mode, **kw)
+                                                **kw)
     ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kl, ix, stats=st_r, **kw)
     assert out.dtype == dtype
     assert _rel(out, ref.float()) < TOL[dtype], _rel(out, ref.float())
@@ -234,18 +230,12 @@ def test_index_modes_match_reference(case, index_mode, device):
     assert torch.equal(torch.isfinite(lse), fin)
     assert (lse[fin] - ref_lse[fin]).abs().max().item() < LSE_ATOL
     assert st_t.tolist() == st_r.tolist() and st_t[0] > 0
-    # the selection really held ignored slots, and the other path gives the same answer
-    assert ((idx >= L) | (idx < -1)).any()
-    other = "loop" if index_mode == "tile" else "tile"
-    out2, lse2 = A.sparse_decode_attention_triton(q, k, v, kl, ix, num_splits=splits, index_mode=other, **kw)
-    torch.testing.assert_close(out2, out, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
-    torch.testing.assert_close(lse2, lse, atol=1e-5, rtol=0)
+    assert ((idx >= L) | (idx < -1)).any()  # the selection really held ignored slots
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dense", [False, True])
-def test_stats_count_attended_tokens_and_calls(dense, num_splits, index_mode, device):
+def test_stats_count_attended_tokens_and_calls(dense, num_splits, device):
     """``stats`` counts, inside the attention launch, the tokens attended (summed over
     (b, KV head), as the mask of the reference attends them) and the calls."""
     B, Hq, Hkv, D, L = 3, 4, 2, 16, 130
@@ -263,21 +253,20 @@ def test_stats_count_attended_tokens_and_calls(dense, num_splits, index_mode, de
     st_r = torch.zeros(2, dtype=torch.int64, device=device)
     for count_call in (True, True, False):
         out = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx, num_splits=num_splits,
-                                               stats=st_t, count_call=count_call, index_mode=index_mode, **kw)
+                                               stats=st_t, count_call=count_call, **kw)
         ref = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, stats=st_r,
                                             count_call=count_call, **kw)
     assert st_t.tolist() == [3 * want, 2] and st_r.tolist() == [3 * want, 2]
     # the statistics change nothing else
     torch.testing.assert_close(out, A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx,
-                                                                     index_mode=index_mode, **kw))
+                                                                     **kw))
     torch.testing.assert_close(ref, A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, **kw))
     with pytest.raises(ValueError, match="stats must be"):
         A.sparse_decode_attention_ref(q, k, v, kv_lens.to(device), idx, stats=st_r.float(), **kw)
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("n_sink,n_recent", [(0, 0), (4, 8), (3, 40), (50, 50)])
-def test_all_middle_indices_equal_dense(n_sink, n_recent, index_mode, device):
+def test_all_middle_indices_equal_dense(n_sink, n_recent, device):
     """Sinks + every middle position + recent is the whole context: dense attention.
     (Large n_sink/n_recent make the ranges overlap at short lengths.)"""
     B, Hq, Hkv, D, L = 3, 4, 2, 64, 130
@@ -288,34 +277,33 @@ def test_all_middle_indices_equal_dense(n_sink, n_recent, index_mode, device):
     kl, ks = kv_lens.to(device), kv_start.to(device)
     dense, dense_lse = A.sparse_decode_attention_triton(q, k, v, kl, None, kv_start=ks, return_lse=True)
     sparse, sparse_lse = A.sparse_decode_attention_triton(q, k, v, kl, idx.to(device), n_sink=n_sink,
-                                                          n_recent=n_recent, kv_start=ks, return_lse=True,
-                                                          index_mode=index_mode)
+                                                          n_recent=n_recent, kv_start=ks, return_lse=True)
     assert _rel(sparse, dense) < 1e-5
     assert (sparse_lse - dense_lse).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
-@pytest.mark.parametrize("combine", ["fused", "kernel"])
+@pytest.mark.parametrize("merge", ["fused", "launch"])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 9])
-def test_num_splits_agree(num_splits, combine, index_mode, device):
-    """Any split count and either merge path (in-kernel last-split merge or the
-    separate merge launch) gives the same answer (more splits than blocks: empty
+def test_num_splits_agree(num_splits, merge, device, monkeypatch):
+    """Any split count and either merge path (in-kernel last-split merge, or the
+    separate merge launch taken where no arrival counters can be made: a first call
+    inside a graph capture) gives the same answer (more splits than blocks: empty
     splits)."""
+    if merge == "launch":
+        monkeypatch.setattr(A, "_split_counters", lambda n, device: None)
     B, Hq, Hkv, D, L = 2, 4, 2, 16, 130
     q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
     kv_lens = torch.tensor([130, 37])
     idx = _middle_indices(kv_lens, None, Hkv, 30, 4, 8)
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=4, n_recent=8)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=4,
-                                                n_recent=8, return_lse=True, num_splits=num_splits,
-                                                combine=combine, index_mode=index_mode)
+                                                n_recent=8, return_lse=True, num_splits=num_splits)
     _check(out, lse, exp_out, exp_lse, torch.float32)
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS)
-def test_fused_combine_repeats_and_resets_counters(heads, dtype, index_mode, device):
+def test_fused_combine_repeats_and_resets_counters(heads, dtype, device):
     """The fused merge leaves its arrival counters at zero, so back-to-back calls
     (as in CUDA-graph replay) with other shapes and split counts stay exact; rows
     with empty sets (every slot -1, no sinks/recent) and K >= context included."""
@@ -327,40 +315,20 @@ def test_fused_combine_repeats_and_resets_counters(heads, dtype, index_mode, dev
         idx = _middle_indices(kv_lens, None, Hkv, k_mid, 2, 3)
         exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=3)
         out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=2,
-                                                    n_recent=3, return_lse=True, num_splits=splits,
-                                                    index_mode=index_mode)
+                                                    n_recent=3, return_lse=True, num_splits=splits)
         _check(out, lse, exp_out, exp_lse, dtype)
         assert int(A._split_counters(B * Hkv, q.device).abs().sum()) == 0
     # an empty middle and no sinks/recent: nothing attended, out 0 and lse -inf
     idx = torch.full((1, Hkv, 5), -1, dtype=torch.int32, device=device)
     out, lse = A.sparse_decode_attention_triton(q[:1], k[:1], v[:1], torch.tensor([50], device=device), idx,
-                                                return_lse=True, num_splits=3, index_mode=index_mode)
+                                                return_lse=True, num_splits=3)
     assert out.abs().max().item() == 0.0 and torch.isinf(lse).all()
 
 
-def test_bad_combine_raises(device):
-    q, k, v = _inputs(1, 2, 1, 16, 8, torch.float32, device)
-    with pytest.raises(ValueError, match="combine"):
-        A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), combine="tree")
-
-
-def test_bad_index_mode_raises(device):
-    q, k, v = _inputs(1, 2, 1, 16, 8, torch.float32, device)
-    idx = torch.zeros(1, 1, 2, dtype=torch.int32, device=device)
-    for mode in ("Tile", "gather", ""):
-        with pytest.raises(ValueError, match="index_mode must be 'tile' or 'loop'"):
-            A.sparse_decode_attention_triton(q, k, v, torch.tensor([8], device=device), idx, index_mode=mode)
-    lens = torch.tensor([8], device=device)  # the default is the tile path
-    torch.testing.assert_close(A.sparse_decode_attention_triton(q, k, v, lens, idx),
-                               A.sparse_decode_attention_triton(q, k, v, lens, idx, index_mode="tile"))
-
-
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
-def test_long_index_list(index_mode, device):
+def test_long_index_list(device):
     """More indices than one split preloads by default (_MAX_CHUNK_BLOCKS blocks),
     with an explicit num_splits=1: the index tile and the split count must still
-    cover every slot (the tile path raises the split count; the loop path keeps
-    one split walking every block)."""
+    cover every slot (the launcher raises the split count)."""
     from spade.kernels.attention import _MAX_CHUNK_BLOCKS, _launch_config
 
     bn = _launch_config(16, 4)[0]
@@ -371,14 +339,13 @@ def test_long_index_list(index_mode, device):
     idx = _middle_indices(kv_lens, None, Hkv, L - 10, 2, 8, holes=0.05)
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=8)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx.to(device), n_sink=2,
-                                                n_recent=8, return_lse=True, num_splits=1, index_mode=index_mode)
+                                                n_recent=8, return_lse=True, num_splits=1)
     _check(out, lse, exp_out, exp_lse, torch.float32)
-    splits, max_blocks = A.plan_splits(1, 2 + L - 10 + 8, bn, q.device, num_splits=1, tile=index_mode == "tile")
-    assert (splits > 1 and max_blocks <= _MAX_CHUNK_BLOCKS) if index_mode == "tile" else (splits, max_blocks) == (1, 1)
+    splits, max_blocks = A.plan_splits(1, 2 + L - 10 + 8, bn, q.device, num_splits=1)
+    assert splits > 1 and max_blocks <= _MAX_CHUNK_BLOCKS
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
-def test_empty_set_and_scale(index_mode, device):
+def test_empty_set_and_scale(device):
     """kv_start == kv_len leaves nothing to attend: out 0, lse -inf; a custom scale."""
     B, Hq, Hkv, D, L = 2, 4, 2, 16, 40
     q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
@@ -390,13 +357,12 @@ def test_empty_set_and_scale(index_mode, device):
                                      scale=0.3)
         out, lse = A.sparse_decode_attention_triton(
             q, k, v, kv_lens.to(device), None if indices is None else indices.to(device), n_sink=2,
-            n_recent=3, kv_start=kv_start.to(device), scale=0.3, return_lse=True, index_mode=index_mode)
+            n_recent=3, kv_start=kv_start.to(device), scale=0.3, return_lse=True)
         _check(out, lse, exp_out, exp_lse, torch.float32)
         assert out[1].abs().max().item() == 0.0 and torch.isinf(lse[1]).all()
 
 
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
-def test_strided_inputs(index_mode, device):
+def test_strided_inputs(device):
     """q and the cache as non-contiguous views (a [B, L, H, D] cache transposed)."""
     B, Hq, Hkv, D, L = 2, 4, 2, 64, 50
     q = torch.randn(B, D, Hq, device=device).transpose(1, 2)
@@ -408,7 +374,7 @@ def test_strided_inputs(index_mode, device):
     assert idx_view.stride(2) == 2
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=2, n_recent=4)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(device), idx_view.to(device), n_sink=2,
-                                                n_recent=4, return_lse=True, index_mode=index_mode)
+                                                n_recent=4, return_lse=True)
     _check(out, lse, exp_out, exp_lse, torch.float32)
 
 
@@ -495,9 +461,8 @@ def test_merge_with_empty_parts(impl, device):
     B=st.integers(1, 3), Hkv=st.integers(1, 3), G=st.sampled_from([1, 2, 3, 4]),
     D=st.sampled_from([16, 24, 48]), L=st.integers(1, 150), k_mid=st.integers(0, 40),
     n_sink=st.integers(0, 6), n_recent=st.integers(0, 20), dense=st.booleans(), seed=st.integers(0, 2**16),
-    index_mode=st.sampled_from(INDEX_MODES),
 )
-def test_fuzz_shapes(B, Hkv, G, D, L, k_mid, n_sink, n_recent, dense, seed, index_mode, device):
+def test_fuzz_shapes(B, Hkv, G, D, L, k_mid, n_sink, n_recent, dense, seed, device):
     gen = torch.Generator().manual_seed(seed)
     Hq = Hkv * G
     q = torch.randn(B, Hq, D, generator=gen).to(device)
@@ -509,15 +474,14 @@ def test_fuzz_shapes(B, Hkv, G, D, L, k_mid, n_sink, n_recent, dense, seed, inde
     exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
     out, lse = A.sparse_decode_attention_triton(
         q, k, v, kv_lens.to(device), None if idx is None else idx.to(device), n_sink=n_sink,
-        n_recent=n_recent, kv_start=kv_start.to(device), return_lse=True, index_mode=index_mode)
+        n_recent=n_recent, kv_start=kv_start.to(device), return_lse=True)
     _check(out, lse, exp_out, exp_lse, torch.float32)
 
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
 @pytest.mark.parametrize("indices", [False, True])
-def test_gpu_qwen_shape(indices, index_mode):
+def test_gpu_qwen_shape(indices):
     """The benchmark's layer shape (32 q / 8 KV heads, d=128, bf16) on a real GPU."""
     dev = torch.device("cuda")
     B, Hq, Hkv, D, L = 2, 32, 8, 128, 5000
@@ -526,7 +490,7 @@ def test_gpu_qwen_shape(indices, index_mode):
     idx = _middle_indices(kv_lens, None, Hkv, 1000, 4, 64) if indices else None
     kw = dict(n_sink=4, n_recent=64, return_lse=True)
     out, lse = A.sparse_decode_attention_triton(q, k, v, kv_lens.to(dev), None if idx is None else idx.to(dev),
-                                                index_mode=index_mode, **kw)
+                                                **kw)
     ref, ref_lse = A.sparse_decode_attention_ref(q, k, v, kv_lens.to(dev),
                                                  None if idx is None else idx.to(dev), **kw)
     assert _rel(out, ref.float()) < TOL[torch.bfloat16]
@@ -534,8 +498,7 @@ def test_gpu_qwen_shape(indices, index_mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index_mode", INDEX_MODES)
-def test_gpu_fused_merge_graph_replay(index_mode):
+def test_gpu_fused_merge_graph_replay():
     """The fused merge under CUDA-graph replay: captured after a warm-up (counters
     exist), replayed with new index lists and lengths, exact against the reference
     each time (a counter left non-zero would skip or double a merge). A first call
@@ -545,7 +508,7 @@ def test_gpu_fused_merge_graph_replay(index_mode):
     q, k, v = _inputs(B, Hq, Hkv, D, L, torch.bfloat16, dev)
     kv_lens = torch.tensor([4000, 1234, 3001], device=dev)
     idx = _middle_indices(kv_lens.cpu(), None, Hkv, KM, 4, 64).to(dev)
-    kw = dict(n_sink=4, n_recent=64, return_lse=True, num_splits=6, index_mode=index_mode)
+    kw = dict(n_sink=4, n_recent=64, return_lse=True, num_splits=6)
     A.sparse_decode_attention_triton(q, k, v, kv_lens, idx, **kw)  # warm-up: compile, counters
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -609,11 +572,10 @@ def build(fn, args, cons, num_warps=4, num_stages=3):
 
 out = {}
 L, Hkv, G, D, KM = 32768, 8, 4, 128, 1980
-for dt, has_idx, direct, fused, loop, pdl in [
-        ("bf16", True, False, True, False, False), ("bf16", False, True, False, False, False),
-        ("fp16", True, True, False, False, False), ("fp32", True, False, True, False, False),
-        ("bf16", True, False, False, False, False), ("bf16", True, False, True, True, False),
-        ("fp16", True, True, False, True, False), ("bf16", True, False, True, False, True)]:
+for dt, has_idx, direct, fused, pdl in [
+        ("bf16", True, False, True, False), ("bf16", False, True, False, False),
+        ("fp16", True, True, False, False), ("fp32", True, False, True, False),
+        ("bf16", True, False, False, False), ("bf16", True, False, True, True)]:
     p = ("ptr", dt)
     args = dict(Q=p, K=p, V=p, KV_LENS=("ptr", "i32"), KV_START=("ptr", "i32"), IDX=("ptr", "i32"),
                 O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"), OUT=p, LSE=("ptr", "fp32"),
@@ -621,13 +583,12 @@ for dt, has_idx, direct, fused, loop, pdl in [
                 stride_kl=D, stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
                 N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"), STATS=("ptr", "i64"))
-    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2, "loop" if loop else "tile")
-    name = (f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_loop" if loop else "")
-            + ("_pdl" if pdl else ""))
+    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2)
+    name = f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_pdl" if pdl else "")
     out[name] = build(A._decode_split_kernel, args, dict(
-        G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=1 if loop else 8, DIRECT=direct, HAS_INDICES=has_idx,
-        IDX_LOOP=loop, HAS_START=True, UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32",
-        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused and not loop, COUNT_CALL=True, PDL=pdl), nw, ns)
+        G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=8, DIRECT=direct, HAS_INDICES=has_idx,
+        HAS_START=True, UPCAST=dt == "fp32", DOT_PREC="ieee" if dt == "fp32" else "tf32",
+        INTERPRET=False, FUSED_COMBINE=fused, HAS_STATS=fused, COUNT_CALL=True, PDL=pdl), nw, ns)
 out["reduce"] = build(A._reduce_splits_kernel, dict(O_PART=("ptr", "fp32"), LSE_PART=("ptr", "fp32"),
                       OUT=("ptr", "bf16"), LSE=("ptr", "fp32"), NUM_SPLITS=6), dict(D=D, D_PAD=D, S_PAD=8), 2)
 out["merge"] = build(A._merge_states_kernel, dict(OA=("ptr", "bf16"), LA=("ptr", "fp32"), OB=("ptr", "bf16"),
@@ -654,7 +615,7 @@ def test_kernels_build_for_hopper():
     a build with the launcher's specialisations, no GPU needed (ptxas ships with
     triton)."""
     res = run_aot_script(_AOT_SCRIPT)
-    # fused split combine: one acq_rel arrival counter; the two-launch path has none
+    # fused split combine: one acq_rel arrival counter; the two-launch fallback has none
     assert res["decode_bf16_True"]["acq_rel_atomics"] == 1 and res["decode_fp32_True"]["acq_rel_atomics"] == 1
     assert res["decode_bf16_True_kernel"]["acq_rel_atomics"] == 0
     for name in ("decode_bf16_True", "decode_bf16_False", "decode_fp16_True", "decode_bf16_True_kernel",
@@ -667,15 +628,6 @@ def test_kernels_build_for_hopper():
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
         assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)  # three programs per SM fit
-    # index_mode="loop": the block's indices load inside the loop, and at its default
-    # stages the pipeliner stages them (async copies) ahead of the K/V rows, which
-    # still get two buffers. (With stats on, the token count keeps one plain index
-    # load in the loop: a layout copy of the same 256 bytes, issued before the wait.)
-    for name in ("decode_bf16_True_loop", "decode_fp16_True_loop"):
-        r = res[name]
-        assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
-        assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
-        assert r["shared"] < 227 * 1024 // 3, (name, r)
 
 
 def test_split_heuristic_per_path(monkeypatch):
@@ -687,8 +639,7 @@ def test_split_heuristic_per_path(monkeypatch):
     assert A.choose_num_splits(8, 4096, 64, cpu) == 3 * 16 // 8
     assert A.choose_num_splits(8, 4096, 64, cpu, indexed=True) == 2 * 16 // 8
     assert A.choose_num_splits(8, 200, 64, cpu, indexed=True) == 2  # 200 tokens: two splits of >= 2 blocks
-    assert A.plan_splits(8, 4096, 64, cpu)[0] == 4 and A.plan_splits(8, 4096, 64, cpu, tile=False)[0] == 6
-    assert A.plan_splits(8, 4096, 64, cpu, tile=False, indexed=True)[0] == 4  # the loop index path
+    assert A.plan_splits(8, 4096, 64, cpu)[0] == 4 and A.plan_splits(8, 4096, 64, cpu, indexed=False)[0] == 6
     monkeypatch.setenv("SPADE_ATTN_PROGRAMS_PER_SM", "5")
     assert A.choose_num_splits(8, 4096, 64, cpu, indexed=True) == A.choose_num_splits(8, 4096, 64, cpu) == 10
     monkeypatch.setenv("SPADE_ATTN_PROGRAMS_PER_SM", "0")
