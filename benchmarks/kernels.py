@@ -20,8 +20,8 @@ first). Per shape:
   page metadata (kmin + kmax) bytes;
 * ``quest_select``: scores + top pages + expansion token indices: ``radix``
   (plan inside the score kernel + multi-program radix top-K + expansion),
-  ``radix_plan`` (the earlier path with its own plan launch), ``rowselect``
-  (score kernel + one program per row selecting and expanding: two launches),
+  ``rowselect`` (score kernel + one program per row selecting and expanding:
+  two launches),
   each eager and replayed from a CUDA graph, vs torch (also from a graph);
   floor = the page metadata bytes.
 
@@ -72,7 +72,7 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
 QUEST_SWEEP = [dict(BLOCK_P=bp, TILES=t, num_stages=st) for bp in (32, 64, 128) for t in (1, 2, 4, 8)
                for st in (2, 3)] + [dict(PER_SM=n) for n in (2, 8, 16)]
 QUEST_SWEEP_SHAPES = {(8, 32768), (1, 131072), (32, 32768)}
-QUEST_IMPLS = ("radix", "radix_plan", "rowselect")
+QUEST_IMPLS = ("radix", "rowselect")
 ROWSELECT_SWEEP = [dict(SEL_BLOCK=b, SEL_BLOCK_E=e, SEL_WARPS=w) for b in (1024, 4096) for e in (64, 256)
                    for w in (4, 8)]
 ATTN_CONFIGS = [(32, 4, 3), (32, 4, 4), (32, 2, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]

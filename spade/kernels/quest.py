@@ -363,32 +363,6 @@ def _quest_scores_kernel(
 
 
 @triton.jit
-def _quest_plan_kernel(start_ptr, kv_ptr, plan_ptr, B, page_size, HAS_START: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """Per batch row (as ``_select_plan``): plan[0] = first page, plan[1] = page count
-    (an empty row gets an empty range), plan[2] = end of the candidate pages
-    ``[first, last)``; plan[3] = first valid token. One launch instead of a handful
-    of tiny torch ops."""
-    grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
-    grid_dep_release(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < B
-    kv = tl.load(kv_ptr + offs, mask=m, other=0).to(tl.int32)
-    if HAS_START:
-        start = tl.load(start_ptr + offs, mask=m, other=0).to(tl.int32)
-    else:
-        start = tl.zeros([BLOCK], dtype=tl.int32)
-    page_lo = start // page_size
-    has = kv > start
-    n_pages = tl.where(has, (kv + page_size - 1) // page_size, page_lo)
-    cand_hi = tl.maximum(n_pages - 1, page_lo)
-    tl.store(plan_ptr + offs, page_lo, mask=m)
-    tl.store(plan_ptr + B + offs, n_pages, mask=m)
-    tl.store(plan_ptr + 2 * B + offs, cand_hi, mask=m)
-    tl.store(plan_ptr + 3 * B + offs, start, mask=m)
-
-
-@triton.jit
 def _quest_expand_kernel(
     sel_ptr, out_ptr, start_ptr, kv_ptr, page_size, n_sel, n_out,
     HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr = False,
@@ -660,11 +634,10 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     * ``"radix"``: the page-score kernel also derives each row's page
       range and writes the top-K's candidate range, then the multi-program radix
       top-K of ``spade.kernels.radix_topk`` and an expansion kernel (6 launches);
-    * ``"radix_plan"``: the earlier path, with its own plan launch (7 launches);
     * ``"rowselect"``: the page-score kernel, then one program per (b, KV head)
       runs the whole radix select on its row and writes the tokens
       (``_quest_row_select_kernel``; 2 launches). The default: fewest launches,
-      and the fastest of the three at every shape of the kernels benchmark on an
+      and the fastest of the three it was measured against at every shape of the kernels benchmark on an
       H200 (graph replay: 0.042 vs 0.061 ms at B=8 L=32k, 0.098 vs 0.115 ms
       at B=32 L=32k, 0.050 vs 0.060 ms at B=1 L=128k; equal at B=32 L=128k).
 
@@ -677,15 +650,16 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     The op is a chain of ~7 short launches, so its time follows launch and
     scheduling latency, which differed between the two runs' machines; the plan
     kernel only added one launch (and removed a few tiny torch ops). The cure is
-    fewer launches (``radix``: one fewer; ``rowselect``: two in all) and timing
-    from a CUDA graph, which the benchmark reports next to the eager time.
+    fewer launches (``radix``: the plan inside the score kernel; ``rowselect``:
+    two in all) and timing from a CUDA graph, which the benchmark reports next to
+    the eager time. (The plan-launch path, ``radix_plan``, is removed: docs/tried.md.)
     """
     _check_reduce(reduce)
     _check_page_size(page_size)
     if n_pages_sel < 1:
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
-    if impl not in ("radix", "radix_plan", "rowselect"):
-        raise ValueError(f"impl must be 'radix', 'radix_plan' or 'rowselect', got {impl!r}")
+    if impl not in ("radix", "rowselect"):
+        raise ValueError(f"impl must be 'radix' or 'rowselect', got {impl!r}")
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     n_out = n_pages_sel * page_size
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
@@ -711,19 +685,10 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         return out
     if n_pages_sel > 1:
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
-        if impl == "radix":
-            cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # page_lo, cand_hi
-            _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
-                                page_size=page_size)
-            page_lo, cand_hi = cand.unbind(0)
-        else:
-            plan_t = torch.empty(4, B, dtype=torch.int32, device=kmin.device)  # page_lo, n_pages, cand_hi, start
-            PB = min(1024, triton.next_power_of_2(B))
-            _quest_plan_kernel[(triton.cdiv(B, PB),)](start_t, kv_lens, plan_t, B, page_size,
-                                                     HAS_START=kv_start is not None, BLOCK=PB, num_warps=1,
-                                                     **pdl_kwargs(start_t, "select"))
-            page_lo, n_pages, cand_hi, _ = plan_t.unbind(0)
-            _launch_page_scores(q, kmin, kmax, scores, n_pages, page_lo, scale=scale, reduce=reduce)
+        cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # page_lo, cand_hi
+        _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
+                            page_size=page_size)
+        page_lo, cand_hi = cand.unbind(0)
         sel = radix_topk.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:
         sel = out  # never read: n_sel - 1 == 0 slots

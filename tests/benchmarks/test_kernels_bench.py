@@ -44,7 +44,7 @@ def test_tiny_rows(tiny_run):
     want |= {("sparse_attn", i) for i in ("fused", "single", "torch", "fused_sorted", "fused_contig",
                                           "torch_contig")}
     want |= {("gather", "triton"), ("gather", "torch"), ("quest_scores", "triton"), ("quest_scores", "torch")}
-    want |= {("quest_select", i) for i in ("radix", "radix_plan", "rowselect", "torch")}
+    want |= {("quest_select", i) for i in ("radix", "rowselect", "torch")}
     assert want <= have, want - have
     for r in rows:
         assert r["B"] == 1 and r["L"] == 67
