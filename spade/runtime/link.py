@@ -171,9 +171,11 @@ class CacheLink:
         if self.proc is not None and self.proc.poll() is not None:
             raise PeerGone(f"the cache process exited with code {self.proc.returncode}")
 
-    async def abandon(self, timeout_s: float = 5.0) -> None:
+    async def abandon(self, timeout_s: float = 15.0) -> None:
         """Drop a lost cache rank at once: kill its process (SIGKILL: it may be hung or
-        stopped), cancel its task, close both transport ends (bounded). Nothing is sent."""
+        stopped), cancel its task, close both transport ends (bounded; longer than a
+        transport's own close timeouts, so that a close is never cut half-way and its
+        resources leak). Nothing is sent."""
         self.closed = True
         self.kill()
         if self.cache_task is not None and not self.cache_task.done():

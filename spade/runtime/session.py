@@ -222,7 +222,14 @@ class InferenceSession:
         if self.peer_gone is not None:
             return
         try:
-            await self.link.transport.send(tag, tensors)
+            # a send blocked by a hung cache rank (full buffers, a stopped process) is
+            # bounded by the liveness deadline, not by the transport's own timeout
+            async with asyncio.timeout(self.rt.peer_deadline_s):
+                await self.link.transport.send(tag, tensors)
+        except TimeoutError:
+            await self._on_peer_failure(PeerTimeout(
+                f"a {tag!r} send to the cache rank did not finish within "
+                f"runtime.peer_deadline_s={self.rt.peer_deadline_s:g}"))
         except TransportError as e:
             await self._on_peer_failure(e)
 
