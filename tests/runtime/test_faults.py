@@ -534,3 +534,36 @@ def test_killed_inference_process_leaves_no_orphan(tmp_path):
         if p.poll() is None:
             p.kill()
         p.stdout.close()
+
+
+def test_under_torchrun_a_lost_cache_rank_is_not_restarted(model, prompt, monkeypatch):
+    """torchrun's environment (this process rank 0, rank 1 started the way torchrun
+    would: ``python -m spade.runtime.worker`` with RANK=1): the launcher owns rank 1, so
+    its loss is survived densely with one ``no_restart`` event and nothing is spawned."""
+    port = free_port()
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    worker = subprocess.Popen([sys.executable, "-m", "spade.runtime.worker", "--device", "cpu", "--threads", "1"],
+                              env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "1"})
+    cfg = config("runtime.topology=multiprocess", "runtime.transport.name=nccl",
+                 f"runtime.transport.master_port={port}", "runtime.transport.timeout_s=30", *DEADLINE)
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+
+    def kill(i, _):
+        if i == 5:
+            worker.kill()
+        return False
+
+    try:
+        kids = _children()
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy, on_token=kill)
+        assert _children() <= kids  # nothing spawned
+    finally:
+        rt.close()
+        worker.kill()
+        worker.wait(10)
+    assert all(len(r) == NEW for r in tr.tokens)
+    assert [e["event"] for e in tr.stats["events"]] == ["peer_lost", "no_restart"]
+    assert "torchrun" in tr.stats["events"][1]["reason"]
+    assert tr.stats["dense_fallback"][-1][1] == NEW - 1
