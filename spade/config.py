@@ -125,6 +125,19 @@ class RuntimeConfig(ConfigSection):
     on_late: Literal["wait", "stale", "full"] = "wait"
     """What the inference rank does when a selection is not ready."""
     late_timeout_s: float = Field(30.0, gt=0)
+    """``wait`` only: the longest one pack waits for a late selection; past it that pack
+    attends densely (exact attention) and the generation goes on. Lateness, not death:
+    a cache rank is declared lost by ``peer_deadline_s``."""
+    peer_deadline_s: float = Field(60.0, gt=0)
+    """Liveness deadline, every ``on_late`` mode: a cache rank that has sent nothing for this
+    long while a selection (or a boot acknowledgement) is owed is declared lost, like a
+    dead process or a broken transport: its process is killed, the inference rank decodes
+    densely and a new cache rank is started (``max_restarts_per_min``). Keep it above the
+    cache rank's first-step compile time on a GPU."""
+    max_restarts_per_min: int = Field(3, ge=0)
+    """Restarts of a lost cache rank per sliding minute, per runtime. Past the cap the
+    generation stays dense to its end (one warning); 0 never restarts. Under torchrun
+    (the launcher owns rank 1) and with a shared link nothing is restarted."""
     cache_thread: Literal["auto", "coroutine"] = "auto"
     """``colocated`` / ``local``: the in-process cache rank is a coroutine on the inference
     rank's event loop (``auto`` = ``coroutine``, the only choice), which keeps running while

@@ -450,26 +450,28 @@ class Engine:
 
 
 def run_events(trace, prompt_len: int = 0) -> list[dict]:
-    """What went off the plain path in one generation, from the runtime's counters:
-    a lost cache rank, dense steps past the sparse threshold (fallback), late packs
+    """What went off the plain path in one generation, from the runtime's record:
+    each loss and restart of the cache rank (``peer_lost``, ``restart_failed``,
+    ``peer_restored``, ``no_restart``, with the decode step and ``t_s``, seconds
+    since the generation began), dense steps past the sparse threshold
+    (``dense_fallback``: how many, and their [first, last] step ranges), late packs
     by what ``runtime.on_late`` did with them."""
     if trace is None:
         return []
     st = trace.stats or {}
-    events: list[dict] = []
-    if st.get("peer_gone"):
-        events.append({"event": "peer_lost", "reason": st["peer_gone"], "on_late": st.get("on_late")})
+    events: list[dict] = [dict(e) for e in st.get("events", [])]
     theta = st.get("theta")
     if theta is not None and not st.get("sync_policy"):
         n = len(trace.step_times_s)
         past = sum(1 for i in range(1, n + 1) if prompt_len + i > theta)  # steps meant to be sparse
-        dense = past - int(st.get("sparse_steps", 0))
+        dense = int(st.get("dense_fallback_steps", 0))
         if dense > 0:
-            events.append({"event": "dense_fallback", "steps": dense, "of_sparse_steps": past})
+            events.append({"event": "dense_fallback", "steps": dense, "of_sparse_steps": past,
+                           "ranges": st.get("dense_fallback", [])})
     if trace.late_packs:
         events.append({"event": "late_packs", "total": trace.late_packs, "stale": st.get("stale_packs", 0),
                        "full": st.get("full_packs", 0), "waited": st.get("waited_packs", 0),
-                       "wait_s": st.get("wait_s", 0.0)})
+                       "timed_out": st.get("timed_out_packs", 0), "wait_s": st.get("wait_s", 0.0)})
     return events
 
 

@@ -167,9 +167,9 @@ def _in_process_run(tmp_path, capsys, over=()):
     return rc, lines, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_dead_cache_rank_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
-    """The cache rank dies at step 3 under on_late=wait: the run fails with one line and
-    the JSON keeps the tokens made before, the error and the events."""
+def test_dead_cache_rank_is_survived(tmp_path, capsys, monkeypatch):
+    """The cache rank dies at step 3 under on_late=wait: the run completes (a new cache
+    rank takes over), exits 0, and the JSON records the loss and the restore."""
     import spade.runtime as runtime
     from spade.runtime.asyncrt import AsyncRuntime
     from spade.runtime.protocol import CacheHooks
@@ -178,14 +178,10 @@ def test_dead_cache_rank_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(runtime, "build_runtime",
                         lambda cfg, be, pol: AsyncRuntime(cfg, be, pol, hooks=CacheHooks(die_at_step=3)))
     rc, lines, s = _in_process_run(tmp_path, capsys, ["runtime.late_timeout_s=5"])
-    assert rc == 2 and len(lines) == 1, lines
-    assert "partial results" in lines[0] and "r.json" in lines[0]
-    assert s["status"] == "failed" and s["error"]["type"] and s["error"]["message"]
-    assert s["backend"] == "fast" and s["device"] == "cpu" and s["dtype"] == "float32"
-    toks = s["generated_tokens"]
-    assert len(toks) == 2 and 0 < toks[0] < 6 and toks[0] == toks[1]  # some, not all
-    assert s["results"][0]["finished"] == "error" and len(s["results"][0]["token_ids"]) == toks[0]
-    assert s["events"][-1]["event"] == "error" and s["events"][-1]["tokens_generated"] == toks
+    assert rc == 0 and lines == []
+    assert s["status"] == "ok" and s["backend"] == "fast" and s["device"] == "cpu" and s["dtype"] == "float32"
+    assert [e["event"] for e in s["events"]][:2] == ["peer_lost", "peer_restored"]
+    assert all(r["finished"] != "error" for r in s["results"])
 
 
 def test_any_failure_leaves_a_partial_json(tmp_path, capsys, monkeypatch):

@@ -239,15 +239,28 @@ def _run_with_hooks(monkeypatch, hooks, *over):
 def test_events_record_a_lost_cache_rank_and_dense_fallback(monkeypatch):
     from spade.runtime.protocol import CacheHooks
 
-    s = _run_with_hooks(monkeypatch, CacheHooks(die_at_step=4), "runtime.on_late=full", "runtime.late_timeout_s=5")
+    s = _run_with_hooks(monkeypatch, CacheHooks(die_at_step=4), "runtime.on_late=full", "runtime.late_timeout_s=5",
+                        "runtime.max_restarts_per_min=0")
     assert s["status"] == "ok" and s["generated_tokens"] == [10, 10]
     kinds = [e["event"] for e in s["events"]]
-    assert kinds[0] == "peer_lost" and s["events"][0]["on_late"] == "full" and s["events"][0]["reason"]
+    assert kinds[:2] == ["peer_lost", "no_restart"]
+    lost = s["events"][0]
+    assert lost["on_late"] == "full" and lost["reason"] and lost["step"] in (4, 5) and lost["t_s"] > 0
     fb = next(e for e in s["events"] if e["event"] == "dense_fallback")
     # prompt 16 tokens > theta 12: all 9 decode steps were meant to be sparse; the cache rank
     # died when told about step 4, so steps from there on ran dense
     assert fb["of_sparse_steps"] == s["decode_steps"] == 9
-    assert fb["steps"] == 9 - s["runtime_stats"]["sparse_steps"] and 0 < fb["steps"] < 9
+    assert fb["ranges"][-1][1] == 9 and 0 < fb["steps"] < 9
+
+
+def test_events_record_the_restart_of_a_lost_cache_rank(monkeypatch):
+    from spade.runtime.protocol import CacheHooks
+
+    s = _run_with_hooks(monkeypatch, CacheHooks(die_at_step=4), "runtime.on_late=wait")
+    assert s["status"] == "ok" and s["generated_tokens"] == [10, 10]
+    lost, back = s["events"][:2]
+    assert lost["event"] == "peer_lost" and back["event"] == "peer_restored"
+    assert back["step"] > lost["step"] and back["t_s"] >= lost["t_s"] and back["degraded_steps"] >= 1
 
 
 def test_events_record_late_packs_by_kind(monkeypatch):

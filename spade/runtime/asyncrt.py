@@ -48,26 +48,34 @@ the backend's cache for the dense phase, the recent window and the ``full``
 fallback), ``delta`` (only the slots whose index changed since the previous
 step travel; both ranks keep slot-aligned index lists).
 
-Late selections (``on_late``): ``wait`` (up to ``late_timeout_s``, then
-``PeerTimeout``), ``stale`` (the newest selection that did arrive for that pack;
-dense when there is none yet), ``full`` (dense attention for that pack). With
-CUDA graphs a pack's kind of attention cannot change inside a captured step, so
-there ``full`` uses the stale selection when one exists and waits otherwise (as
-does ``stale`` without one); the counts say what happened. A dead cache rank
-raises ``PeerGone`` with ``wait``; with ``stale``/``full`` the generation goes on
-densely (``stats["peer_gone"]``).
+Late selections (``on_late``): ``wait`` (up to ``late_timeout_s`` per pack, then
+that pack attends densely), ``stale`` (the newest selection that did arrive for
+that pack; dense when there is none yet), ``full`` (dense attention for that
+pack). With CUDA graphs a pack's kind of attention cannot change inside a
+captured step, so there ``full`` uses the stale selection when one exists and
+waits otherwise (as does ``stale`` without one); the counts say what happened.
+
+A lost cache rank (dead, silent for ``peer_deadline_s`` while a selection is owed,
+or its transport broken) is survived in every mode: the inference rank decodes
+densely, drops the link (killing its process), opens a new one in the background
+and boots it from its own cache (``InferenceSession._supervise``); sparse
+selection resumes at the step after the boot. At most ``max_restarts_per_min``
+restarts per minute; none under torchrun or with a shared link. The session's
+``events`` record each loss and restore with its step and time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 import weakref
 
 import torch
 
 from spade.attention import InlineSelector, ThresholdSelector
-from spade.errors import ConfigError
+from spade.errors import ConfigError, TransportError
 from spade.policies.base import Policy
 from spade.runtime import protocol as P
 from spade.runtime.base import GenerationTrace, Runtime
@@ -110,6 +118,9 @@ class AsyncRuntime(Runtime):
         self.return_mode = rt.return_mode
         self.on_late = rt.on_late
         self.late_timeout_s = float(rt.late_timeout_s)
+        self.peer_deadline_s = float(rt.peer_deadline_s)
+        self.max_restarts_per_min = int(rt.max_restarts_per_min)
+        self._restart_times: collections.deque[float] = collections.deque()  # monotonic, the last minute's
         self.hooks = hooks or P.CacheHooks()
         self.sync_policy = not is_async_policy(policy)
         self.theta = theta_eff(rt.sparse_threshold, policy) if not self.sync_policy else int(rt.sparse_threshold)
@@ -130,6 +141,25 @@ class AsyncRuntime(Runtime):
         # safety net: a runtime dropped without close() takes its cache process with it
         self._link_box: list = [None]
         self._finalizer = weakref.finalize(self, _kill_box, self._link_box)
+
+    def restart_refusal(self) -> str | None:
+        """Why a lost cache rank may not be restarted now (None: it may)."""
+        if not self._owns_link:
+            return "its link is shared with another runtime, which owns it"
+        if self.topology == "multiprocess" and torchrun_world():
+            return "under torchrun the launcher owns the cache rank's process"
+        if self.max_restarts_per_min == 0:
+            return "runtime.max_restarts_per_min=0"
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > 60.0:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.max_restarts_per_min:
+            return (f"{len(self._restart_times)} restarts in the last minute, the cap "
+                    f"(runtime.max_restarts_per_min={self.max_restarts_per_min})")
+        return None
+
+    def note_restart(self) -> None:
+        self._restart_times.append(time.monotonic())
 
     def _cache_device(self, name: str, inf: torch.device) -> torch.device:
         if name not in ("auto", ""):
@@ -175,6 +205,13 @@ class AsyncRuntime(Runtime):
         """A generation session (``begin`` / ``step`` / ``end``): the benchmark drives
         one directly to time steady-state steps."""
         link = None if self.sync_policy else await self.link()
+        if link is not None and self._owns_link:
+            try:
+                link.check()
+            except TransportError as e:  # it died between generations: a new one
+                log.warning("the cache rank was lost between generations (%s); starting a new one", e)
+                await link.abandon()
+                link = await self.link()
         return InferenceSession(self, link)
 
     async def link(self) -> CacheLink:
@@ -183,7 +220,7 @@ class AsyncRuntime(Runtime):
                                               cache_device=self.cache_device,
                                               policy=self.policy if self.topology != "multiprocess" else None,
                                               topology=self.topology,
-                                              connect_timeout_s=max(120.0, self.late_timeout_s))
+                                              connect_timeout_s=max(120.0, self.peer_deadline_s))
             self._owns_link = True
             self._link_box[0] = self._link
         return self._link

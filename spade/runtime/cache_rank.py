@@ -333,7 +333,7 @@ class _Generation:
         T, s = self.T, self.s
         if T + 1 > s.theta:
             for p in range(len(self.packs)):
-                await self._select_and_send(p, 1, T + 1)
+                await self._select_and_send(p, s.first_step, T + 1)
         while True:
             tw = time.perf_counter()
             msg = await self.t.recv("ctl")
@@ -353,6 +353,8 @@ class _Generation:
         t, s, T, rank = self.t, self.s, self.T, self.rank
         for layer in range(self.n_layers):
             msg = await t.recv("boot")
+            if self.hooks.die_at_boot_layer == layer:
+                await self._die()
             with rank._on():
                 q_tail = msg[0]
                 if not s.shared_kv:
@@ -491,10 +493,7 @@ class _Generation:
         """One decode step: each pack's q/k/v in, observed, and the next step's selection out."""
         t, s, rank, hooks = self.t, self.s, self.rank, self.hooks
         if hooks.die_at_step is not None and step >= hooks.die_at_step:
-            if not rank.in_process:
-                os._exit(17)  # a crashed cache process, no goodbye
-            await t.close()
-            raise PeerGone("cache rank: died on purpose (test hook)")
+            await self._die()
         with rank._on():
             if self.append_k:
                 self.pos_buf.fill_(seq - 1)
@@ -525,6 +524,14 @@ class _Generation:
             self.acct["host"].append(host)
             rank.consumed += 1
         self.acct["wait"].append(waited)
+
+    async def _die(self) -> None:
+        """A test hook's crash: the process exits at once, or (in-process) the transport
+        end closes without a word."""
+        if not self.rank.in_process:
+            os._exit(17)  # a crashed cache process, no goodbye
+        await self.t.close()
+        raise PeerGone("cache rank: died on purpose (test hook)")
 
     async def _end(self) -> None:
         """END: the generation's stats after the end marker; free the generation's graphs."""

@@ -133,9 +133,11 @@ class CacheLink:
             await asyncio.wait_for(link._connect_watching(t, hs), connect_timeout_s)
         except asyncio.TimeoutError:
             link.kill()
+            await _close_quietly(t)
             raise PeerTimeout(f"cache process did not connect within {connect_timeout_s:.0f}s") from None
-        except BaseException:
+        except BaseException:  # cancelled included (a restart stopped at the end of a generation)
             link.kill()
+            await _close_quietly(t)  # its sockets and port
             raise
         link.transport = t
         return link
@@ -143,22 +145,51 @@ class CacheLink:
     async def _connect_watching(self, t, hs) -> None:
         """Connect, but fail fast if the spawned process dies first."""
         task = asyncio.ensure_future(t.connect(hs))
-        while not task.done():
-            if self.proc is not None and self.proc.poll() is not None:
+        try:
+            while not task.done():
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise PeerGone(f"the cache process exited (code {self.proc.returncode}) before connecting; "
+                                   "see its output above")
+                await asyncio.wait([task], timeout=0.2)
+            task.result()
+        finally:
+            if not task.done():  # failed, or cancelled from outside: stop the connect too
                 task.cancel()
-                raise PeerGone(f"the cache process exited (code {self.proc.returncode}) before connecting; "
-                               "see its output above")
-            await asyncio.wait([task], timeout=0.2)
-        task.result()
+                try:
+                    await task
+                except BaseException:
+                    pass
 
     def check(self) -> None:
-        """Raise the cache rank's own failure, if it has one."""
-        if self.cache_task is not None and self.cache_task.done() and not self.cache_task.cancelled():
-            exc = self.cache_task.exception()
+        """Raise the cache rank's own failure, if it has one: ``TransportError`` with its
+        error, or ``PeerGone`` when it stopped (its process exited, its task ended)."""
+        if self.cache_task is not None and self.cache_task.done() and not self.closed:
+            exc = None if self.cache_task.cancelled() else self.cache_task.exception()
             if exc is not None and not isinstance(exc, PeerGone):
                 raise TransportError(f"the cache rank failed: {type(exc).__name__}: {exc}") from exc
+            raise PeerGone("the cache rank stopped" + (f" ({exc})" if exc is not None else ""))
         if self.proc is not None and self.proc.poll() is not None:
             raise PeerGone(f"the cache process exited with code {self.proc.returncode}")
+
+    async def abandon(self, timeout_s: float = 15.0) -> None:
+        """Drop a lost cache rank at once: kill its process (SIGKILL: it may be hung or
+        stopped), cancel its task, close both transport ends (bounded; longer than a
+        transport's own close timeouts, so that a close is never cut half-way and its
+        resources leak). Nothing is sent."""
+        self.closed = True
+        self.kill()
+        if self.cache_task is not None and not self.cache_task.done():
+            self.cache_task.cancel()
+            try:
+                await asyncio.wait_for(self.cache_task, timeout_s)
+            except BaseException:
+                pass
+        for tr in (self.transport, self.cache_transport):
+            if tr is not None:
+                try:
+                    await asyncio.wait_for(tr.close(), timeout_s)
+                except BaseException:
+                    pass
 
     async def close(self, timeout_s: float = 10.0) -> None:
         if self.closed:
@@ -198,6 +229,13 @@ class CacheLink:
                 self.proc.wait(5)
             except Exception:
                 pass
+
+
+async def _close_quietly(t, timeout_s: float = 5.0) -> None:
+    try:
+        await asyncio.wait_for(t.close(), timeout_s)
+    except BaseException:
+        pass
 
 
 def torchrun_world() -> bool:

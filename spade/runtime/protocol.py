@@ -27,6 +27,11 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
               (the last "sel" of a generation; stats: the cache rank's host time, below)
       "err"   [uint8 (cpu)]: the cache rank failed (message text), sent before it closes
 
+A restarted cache rank (the first was lost mid-generation) gets the same BOOT at the
+cache length it joins at: the KV so far as the "prompt", the last step's query as
+``q_tail`` (W = 1: its query window refills as steps come), and ``first_step``, the
+decode step its first selections are for.
+
 Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
 KV and last W queries right after prefill and then *every* step's q/k/v, dense
 steps included, so its policy state is exactly the inline run's at every step;
@@ -46,7 +51,8 @@ import torch
 from spade.policies.base import AttentionSpec, RopeSpec
 
 #: Handshake layout of a runtime link: bump when the messages below change.
-PROTOCOL = "spade-async/1"
+#: 2: ``Setup.first_step`` (a cache rank restarted mid-generation).
+PROTOCOL = "spade-async/2"
 
 # ctl commands
 BOOT, STEP, END, SHUTDOWN = 1, 2, 3, 4
@@ -114,13 +120,16 @@ class CacheHooks:
     ``>= delay_from_step``; ``stall_from_step``: never send a selection for steps
     ``>= stall_from_step`` (the cache rank stops there); ``die_at_step``: the cache
     process exits abruptly (``os._exit``) when told about that step (in-process:
-    it closes its transport end without a word).
+    it closes its transport end without a word); ``die_at_boot_layer``: the same, on
+    receiving that layer of the first boot. A restarted cache rank keeps only the
+    faults still ahead of the step it joins at (none of the boot).
     """
 
     delay_s: float = 0.0
     delay_from_step: int = 0
     stall_from_step: int | None = None
     die_at_step: int | None = None
+    die_at_boot_layer: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,6 +155,7 @@ class Setup:
     shared_kv: bool  # the cache rank reads the inference rank's cache (in-process only)
     has_kv_start: bool
     hooks: dict = field(default_factory=dict)
+    first_step: int = 1  # the decode step of the first selection: >1 for a cache rank restarted mid-generation
 
     def to_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(dataclasses.asdict(self)).encode()), dtype=torch.uint8)

@@ -57,6 +57,7 @@ class AsyncSelector:
         self.seq_len = 0
         self.kv_start: torch.Tensor | None = None
         self.boot: dict[int, tuple] = {}
+        self.kv_refs: dict[int, tuple] = {}  # layer -> this rank's (k, v) cache: a restarted cache rank boots from it
         self.q_buf: list[torch.Tensor] = []  # per pack [n, B, Hq, D] (views of pack_buf when fused)
         self.k_buf: list[torch.Tensor] = []  # per pack [n, B, Hkv, D]
         self.v_buf: list[torch.Tensor] = []
@@ -84,6 +85,7 @@ class AsyncSelector:
             if self.stage_kv:  # device-side gather at kv_lens - 1: graph-safe
                 self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens))
                 self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens))
+        self.kv_refs[layer] = (k_cache, v_cache)
         if self.shared is not None:
             self.shared.refs[layer] = (k_cache, v_cache)
 
@@ -92,6 +94,7 @@ class AsyncSelector:
             self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
             self.kv_lens0 = kv_lens.clone()
         self.boot[layer] = (q, k_cache, v_cache)
+        self.kv_refs[layer] = (k_cache, v_cache)
         if self.shared is not None:
             self.shared.refs[layer] = (k_cache, v_cache)
 

@@ -59,8 +59,15 @@ class InferenceSession:
             "topology": rt.topology, "return_mode": rt.return_mode, "on_late": rt.on_late,
             "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
-            "waited_packs": 0, "wait_s": 0.0, "sel_messages": 0,
+            "waited_packs": 0, "timed_out_packs": 0, "wait_s": 0.0, "sel_messages": 0, "peers_lost": 0,
+            "restarts": 0, "dense_fallback_steps": 0,
         }
+        self.t_start = time.monotonic()
+        self.events: list[dict] = []
+        """Peer loss and recovery, in order: ``peer_lost``, ``restart_failed``,
+        ``peer_restored``, ``no_restart`` (each with the decode step and ``t_s``, seconds
+        since the session began)."""
+        self.fallback: list[list[int]] = []  # [first, last] decode steps meant sparse that ran dense
         self.host_step_ms: collections.deque[float] = collections.deque(maxlen=4096)
         """Host time inside each ``step()`` (launches, transport, waits for late packs; the
         device runs behind it), newest last: near the TPOT means the host sets the pace."""
@@ -80,6 +87,10 @@ class InferenceSession:
         self._end_seen: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self.peer_gone: str | None = None
+        self._last_heard = time.monotonic()  # the cache rank's last message (liveness)
+        self._abandon_task: asyncio.Task | None = None  # dropping a lost link
+        self._restart_task: asyncio.Task | None = None  # opening its successor
+        self._no_restart: str | None = None  # why a lost cache rank is not restarted
         self.ctx: AttentionContext | None = None
         self.prefill_time_s = 0.0
         self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
@@ -122,7 +133,8 @@ class InferenceSession:
         await self._boot(max_new_tokens)
         self._wake = asyncio.Event()
         self._end_seen = asyncio.Event()
-        self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+        if self.peer_gone is None:  # (lost during the boot: _supervise starts another)
+            self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
         return logits
 
     async def _boot(self, max_new_tokens: int) -> None:
@@ -142,13 +154,38 @@ class InferenceSession:
         rows = self.policy.rows
         W = min(T, rows) if rows else T
         capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
+        # what a restarted cache rank's boot needs (``_reboot``)
+        self._T0, self._capacity, self._static_len, self._shared_kv = T, capacity, static_len, shared_kv
+        self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q0.dtype))
+
+        def layer_msg(layer: int) -> list[torch.Tensor]:
+            q, k, v = s.boot[layer]
+            return [q[:, :, q.shape[2] - W:].contiguous(), k, v]
+
+        await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict())
+        s.boot.clear()
+        # selection buffers up front (CUDA graphs capture their addresses)
+        layout = self.policy.selection_layout()
+        if layout is not None:
+            K, n_sink, n_recent = layout
+            for layer in range(self.spec.n_layers):
+                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
+                                 be.device, kv_dtype=k0.dtype, D=D, kv_start=self.ctx.kv_start)
+        self._kv_dtype, self._B, self._D = k0.dtype, B, D
+
+    async def _send_boot(self, T: int, W: int, kv_lens: torch.Tensor, layer_msg, *, first_step: int,
+                         hooks: dict) -> None:
+        """BOOT at cache length ``T`` and, per layer, ``W`` queries and (unless the cache
+        rank reads this rank's cache) the K/V of positions ``[0, T)``; ``layer_msg(layer)``
+        gives (q_tail, k cache, v cache)."""
+        B = int(kv_lens.shape[0])
         kv_start = self.ctx.kv_start
-        setup = P.Setup(policy=self.policy.describe(), spec=P.spec_to_dict(be.spec), batch=B, prompt_len=T,
-                        capacity=capacity, static_len=static_len, dtype=P.dtype_name(k0.dtype),
-                        q_dtype=P.dtype_name(q0.dtype), pack_layers=self.P, return_mode=self.rt.return_mode,
-                        theta=self.rt.theta, q_tail=W, shared_kv=shared_kv, has_kv_start=kv_start is not None,
-                        hooks=self.rt.hooks.to_dict())
-        msg = [P.cmd(P.BOOT, B, T), setup.to_tensor(), s.kv_lens0]
+        setup = P.Setup(policy=self.policy.describe(), spec=P.spec_to_dict(self.be.spec), batch=B, prompt_len=T,
+                        capacity=self._capacity, static_len=self._static_len, dtype=self._dtypes[0],
+                        q_dtype=self._dtypes[1], pack_layers=self.P, return_mode=self.rt.return_mode,
+                        theta=self.rt.theta, q_tail=W, shared_kv=self._shared_kv,
+                        has_kv_start=kv_start is not None, hooks=hooks, first_step=first_step)
+        msg = [P.cmd(P.BOOT, B, T), setup.to_tensor(), kv_lens]
         if kv_start is not None:
             msg.append(kv_start)
         await self._send("ctl", msg)
@@ -156,9 +193,8 @@ class InferenceSession:
         # unacknowledged, so neither side stages the whole cache at once.
         acks = 0
         for layer in range(self.spec.n_layers):
-            q, k, v = s.boot[layer]
-            q_tail = q[:, :, q.shape[2] - W:].contiguous()
-            if shared_kv:
+            q_tail, k, v = layer_msg(layer)
+            if self._shared_kv:
                 await self._send("boot", [q_tail])
             else:
                 kv = [k[:, :, :T].contiguous()]
@@ -171,21 +207,13 @@ class InferenceSession:
         while acks < self.spec.n_layers:
             await self._boot_ack()
             acks += 1
-        s.boot.clear()
-        # selection buffers up front (CUDA graphs capture their addresses)
-        layout = self.policy.selection_layout()
-        if layout is not None:
-            K, n_sink, n_recent = layout
-            for layer in range(self.spec.n_layers):
-                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
-                                 be.device, kv_dtype=k0.dtype, D=D, kv_start=kv_start)
-        self._kv_dtype, self._B, self._D = k0.dtype, B, D
 
     async def _boot_ack(self) -> None:
         if self.peer_gone is not None:
             return
         try:
-            await self.link.transport.recv("boot_ack", timeout=max(120.0, self.rt.late_timeout_s))
+            await self.link.transport.recv("boot_ack", timeout=self.rt.peer_deadline_s)
+            self._last_heard = time.monotonic()
         except TransportError as e:
             await self._on_peer_failure(e)
 
@@ -194,22 +222,148 @@ class InferenceSession:
         if self.peer_gone is not None:
             return
         try:
-            await self.link.transport.send(tag, tensors)
+            # a send blocked by a hung cache rank (full buffers, a stopped process) is
+            # bounded by the liveness deadline, not by the transport's own timeout
+            async with asyncio.timeout(self.rt.peer_deadline_s):
+                await self.link.transport.send(tag, tensors)
+        except TimeoutError:
+            await self._on_peer_failure(PeerTimeout(
+                f"a {tag!r} send to the cache rank did not finish within "
+                f"runtime.peer_deadline_s={self.rt.peer_deadline_s:g}"))
         except TransportError as e:
             await self._on_peer_failure(e)
 
+    # ------------------------------------------------------------------ peer loss and restart
+    def _event(self, kind: str, **fields) -> dict:
+        ev = {"event": kind, "step": self.step_state.index,
+              "t_s": round(time.monotonic() - self.t_start, 6), **fields}
+        self.events.append(ev)
+        return ev
+
     async def _on_peer_failure(self, e: BaseException) -> None:
-        """A dead or failed cache rank: raise with its reason, or (stale/full) go dense."""
-        reason = await self._cache_error()
-        if self.rt.on_late == "wait" or not isinstance(e, (PeerGone, PeerTimeout, TransportError)):
-            if reason:
-                raise TransportError(f"the cache rank failed: {reason}") from e
+        """A lost cache rank (dead, silent past ``peer_deadline_s``, or its transport
+        broke), in every ``on_late`` mode: decode densely from here, drop the link, and
+        let ``_supervise`` start another. Anything else (a bug) is raised."""
+        if not isinstance(e, TransportError):  # PeerGone and PeerTimeout are TransportErrors
             raise e
-        if self.peer_gone is None:
-            self.peer_gone = reason or f"{type(e).__name__}: {e}"
-            self.stats["peer_gone"] = self.peer_gone
-            log.warning("cache rank lost (%s); decoding densely from here (on_late=%s)", self.peer_gone,
-                        self.rt.on_late)
+        if self.peer_gone is not None:
+            return
+        reason = await self._cache_error()
+        if reason and reason.startswith("the cache rank failed: "):
+            reason = reason[len("the cache rank failed: "):]
+        self.peer_gone = reason or f"{type(e).__name__}: {e}"
+        self.stats["peer_gone"] = self.peer_gone
+        self.stats["peers_lost"] += 1
+        self._event("peer_lost", reason=self.peer_gone, on_late=self.rt.on_late)
+        if self.step_state.sparse and self.step_state.index > 0:  # lost mid-step: its later packs run dense
+            self._note_fallback(self.step_state.index)
+        log.warning("cache rank lost at decode step %d (%s); decoding densely until it is back",
+                    self.step_state.index, self.peer_gone)
+        await self._stop_recv()
+        if self.rt._owns_link:
+            self._abandon_task = asyncio.get_running_loop().create_task(self.link.abandon())
+
+    def _note_fallback(self, step: int) -> None:
+        """Decode step ``step`` was meant to be sparse but (some of) its packs ran dense."""
+        if self.fallback and self.fallback[-1][1] >= step - 1:
+            self.fallback[-1][1] = max(self.fallback[-1][1], step)
+        else:
+            self.fallback.append([step, step])
+        self.stats["dense_fallback_steps"] = sum(b - a + 1 for a, b in self.fallback)
+
+    async def _supervise(self, step: int) -> None:
+        """Between steps, with the cache rank lost: start a new one (in the background:
+        decoding goes on densely), and once it is connected, boot it from this rank's
+        cache (``_reboot``); sparse selection resumes at the next step."""
+        if self.peer_gone is None or self.link is None:
+            return
+        if self._restart_task is None:
+            if self._no_restart is None:
+                self._no_restart = self.rt.restart_refusal()
+                if self._no_restart is None:
+                    self.rt.note_restart()
+                    self._restart_task = asyncio.get_running_loop().create_task(self._open_again())
+                    if self.rt.topology != "multiprocess":  # an in-process cache rank starts at once
+                        await asyncio.wait([self._restart_task], timeout=self.rt.peer_deadline_s)
+                    else:
+                        return
+                else:
+                    log.warning("the cache rank is not restarted (%s): decoding densely to the end of this "
+                                "generation", self._no_restart)
+                    self._event("no_restart", reason=self._no_restart)
+                    return
+            else:
+                return
+        if not self._restart_task.done() or step < 2:  # (the boot needs one decode step's queries)
+            for _ in range(8):  # dense steps on a CPU never wait: let the restart (process, connect) run
+                await asyncio.sleep(0)
+            return
+        task, self._restart_task = self._restart_task, None
+        try:
+            link = task.result()
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self._event("restart_failed", reason=why)
+            log.warning("restarting the cache rank failed (%s); still dense", why)
+            return
+        await self._reboot(link, step)
+
+    async def _open_again(self) -> CacheLink:
+        """The lost link closed (its port free again), a new one opened the same way."""
+        if self._abandon_task is not None:
+            await self._abandon_task
+        return await self.rt.link()
+
+    async def _reboot(self, link: CacheLink, step: int) -> None:
+        """Boot a new cache rank at this rank's cache length, before decode step ``step``:
+        the KV so far as its "prompt", the last step's query as its query window (the
+        window refills as steps come), its first selections for ``step``."""
+        s, be = self.sel, self.be
+        await self._stop_recv()
+        self.link = link
+        self.peer_gone = None
+        self._recv_error = None
+        n = len(self.packs)
+        self.arrived, self.ever, self.pending = [0] * n, [False] * n, [[] for _ in range(n)]
+        self._qkv_sent = 0
+        self._cache_base = link.cache.consumed if link.cache is not None else 0
+        if self._land_stream is not None:
+            link.transport.recv_stream = self._land_stream
+        if self._shared_kv:
+            link.shared.refs.update(s.kv_refs)
+            s.shared = link.shared
+        if self.rt.return_mode == "delta":  # the new cache rank's deltas build on empty slots
+            for idx in s.idx:
+                if idx is not None:
+                    idx.fill_(-1)
+        T = be.seq_len
+        kv_lens = s.kv_lens0 + (T - self._T0)
+        # a test hook's fault happens once: the new cache rank keeps only faults still ahead
+        hooks = self.rt.hooks.to_dict()
+        for key in ("die_at_step", "stall_from_step"):
+            if hooks.get(key) is not None and hooks[key] <= step:
+                hooks[key] = None
+        hooks["die_at_boot_layer"] = None
+
+        def layer_msg(layer: int) -> list[torch.Tensor]:
+            p, j = s.where[layer]
+            k, v = s.kv_refs[layer]
+            return [s.q_buf[p][j].unsqueeze(2).contiguous(), k, v]
+
+        self._last_heard = time.monotonic()
+        await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks)
+        if self.peer_gone is not None:  # lost again while booting (recorded by _on_peer_failure)
+            return
+        self._end_seen = asyncio.Event()
+        self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+        self.stats["restarts"] += 1
+        lost = next((e for e in reversed(self.events) if e["event"] == "peer_lost"), None)
+        ev = self._event("peer_restored", restart=self.stats["restarts"],
+                         degraded_steps=step - lost["step"] if lost else None)
+        if lost is not None:
+            ev["degraded_s"] = round(ev["t_s"] - lost["t_s"], 6)
+        log.warning("cache rank restarted and booted at decode step %d (cache length %d); sparse from here",
+                    step, T)
 
     async def _cache_error(self) -> str | None:
         try:
@@ -229,6 +383,7 @@ class InferenceSession:
         try:
             while True:
                 msg = await t.recv("sel")
+                self._last_heard = time.monotonic()
                 meta = msg[0].tolist()
                 if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
                     if len(msg) > 1:  # the cache rank's host account of the generation
@@ -354,6 +509,9 @@ class InferenceSession:
             self._use(p, True)
             return
         self.late_packs += 1
+        if not await self._alive(step, p):
+            self._dense(p)
+            return
         mode = self.rt.on_late
         if mode == "stale" or (mode == "full" and self.graphs):
             if self.ever[p]:
@@ -368,35 +526,48 @@ class InferenceSession:
             self.stats["full_packs"] += 1
             self._dense(p)
             return
-        # wait (bounded)
+        # wait (bounded by late_timeout_s for this pack, and by the peer deadline)
         self.stats["waited_packs"] += 1
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.rt.late_timeout_s
+        late_end = time.monotonic() + self.rt.late_timeout_s
         while self.arrived[p] < step:
-            if self._recv_error is not None:
-                await self._on_peer_failure(self._recv_error)
+            if not await self._alive(step, p):
+                self.stats["wait_s"] += time.perf_counter() - t0
                 self._dense(p)
                 return
-            try:
-                self.link.check()
-            except TransportError as e:
-                await self._on_peer_failure(e)
+            left = late_end - time.monotonic()
+            if left <= 0:  # late, not lost: this pack attends densely, the next one waits again
+                self.stats["timed_out_packs"] += 1
+                self.stats["wait_s"] += time.perf_counter() - t0
                 self._dense(p)
                 return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                await self._on_peer_failure(PeerTimeout(
-                    f"the cache rank did not deliver the selection of step {step} pack {p} within "
-                    f"runtime.late_timeout_s={self.rt.late_timeout_s:g}s"))
-                self._dense(p)
-                return
+            left = min(left, self._last_heard + self.rt.peer_deadline_s - time.monotonic())
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), min(left, 0.5))
+                await asyncio.wait_for(self._wake.wait(), max(0.0, min(left, 0.5)))
             except asyncio.TimeoutError:
                 pass
         self.stats["wait_s"] += time.perf_counter() - t0
         self._use(p, True)
+
+    async def _alive(self, step: int, p: int) -> bool:
+        """With pack ``p``'s selection for ``step`` owed: False (and the cache rank declared
+        lost) when it failed, stopped, or has sent nothing for ``peer_deadline_s``."""
+        if self._recv_error is not None:
+            await self._on_peer_failure(self._recv_error)
+            return False
+        try:
+            self.link.check()
+        except TransportError as e:
+            await self._on_peer_failure(e)
+            return False
+        silent = time.monotonic() - self._last_heard
+        if silent > self.rt.peer_deadline_s:
+            await self._on_peer_failure(PeerTimeout(
+                f"the cache rank sent nothing for {silent:.1f}s with the selection of step {step} pack {p} owed "
+                f"(runtime.peer_deadline_s={self.rt.peer_deadline_s:g})"))
+            return False
+        return True
 
     async def _yield_to_cache(self) -> None:
         """Let an in-process cache rank launch its work for the pack just posted
@@ -424,9 +595,13 @@ class InferenceSession:
         st = self.step_state
         st.index += 1
         step = st.index
+        if self.peer_gone is not None:
+            await self._supervise(step)
         st.sparse = seq > self.rt.theta and self.peer_gone is None
         if st.sparse:
             self.stats["sparse_steps"] += 1
+        elif seq > self.rt.theta:  # meant to be sparse: the cache rank is lost
+            self._note_fallback(step)
         s = self.sel
         s.key = ("sparse", self.rt.return_mode) if st.sparse else ("dense",)
         if not st.sparse:
@@ -492,12 +667,31 @@ class InferenceSession:
             await self._send("ctl", [P.cmd(P.END)])
             if self.peer_gone is None:
                 try:
-                    await asyncio.wait_for(self._end_seen.wait(), max(10.0, self.rt.late_timeout_s))
+                    await asyncio.wait_for(self._end_seen.wait(), max(10.0, self.rt.peer_deadline_s))
                 except asyncio.TimeoutError:
-                    log.warning("the cache rank did not acknowledge the end of the generation")
+                    await self._on_peer_failure(PeerTimeout(
+                        "the cache rank did not acknowledge the end of the generation within "
+                        f"runtime.peer_deadline_s={self.rt.peer_deadline_s:g}"))
         await self._stop_recv()
-        if self.peer_gone is not None and self.rt._owns_link:
-            await self.link.close()
+        await self._stop_restart()
+
+    async def _stop_restart(self) -> None:
+        """Stop a restart in flight (its half-open link kills its process) and wait,
+        bounded, for a lost link to be dropped: nothing of a lost cache rank outlives
+        the generation. The next generation opens a new link."""
+        if self._restart_task is not None:
+            if not self._restart_task.done():
+                self._restart_task.cancel()
+            try:
+                await self._restart_task
+            except BaseException:
+                pass
+            self._restart_task = None
+        if self._abandon_task is not None:
+            try:
+                await asyncio.wait_for(self._abandon_task, 15.0)
+            except BaseException:
+                self.link.kill()
 
     async def _stop_recv(self) -> None:
         """Cancel the task receiving the cache rank's messages, if it runs, and wait for it."""
@@ -512,6 +706,7 @@ class InferenceSession:
         """After a failure mid-generation: stop receiving; the cache rank may be
         mid-step, so an owned link is closed (the next generation opens a new one)."""
         await self._stop_recv()
+        await self._stop_restart()
         if self.link is not None and self.rt._owns_link:
             try:
                 await asyncio.wait_for(self.link.close(timeout_s=5.0), 15.0)
@@ -520,6 +715,8 @@ class InferenceSession:
 
     def trace(self, rows: list[list[int]], times: list[float]) -> GenerationTrace:
         self.stats["late_packs"] = self.late_packs
+        self.stats["events"] = [dict(e) for e in self.events]
+        self.stats["dense_fallback"] = [list(r) for r in self.fallback]
         if self.link is not None and self.link.cache is not None:
             self.stats["cache_rank"] = dict(self.link.cache.stats)
         return GenerationTrace(tokens=rows, step_times_s=times, prefill_time_s=self.prefill_time_s,

@@ -553,10 +553,13 @@ class UcxTransport(Transport):
             await asyncio.gather(*pending, return_exceptions=True)
         ep, self._ep = self._ep, None
         if ep is not None:
-            try:
-                await asyncio.wait_for(ep.close(), timeout=5.0)
-            except Exception:  # noqa: BLE001 - fall back to an abrupt close
+            if self._gone is not None and self._gone.done():  # a dead peer cannot answer a close
                 call_quietly(ep.abort)
+            else:
+                try:
+                    await asyncio.wait_for(ep.close(), timeout=5.0)
+                except Exception:  # noqa: BLE001 - fall back to an abrupt close
+                    call_quietly(ep.abort)
             del ep
         lst, self._listener = self._listener, None
         if lst is not None:

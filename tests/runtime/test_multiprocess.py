@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from spade.errors import TransportError
 from spade.policies import build_policy
 from spade.runtime.asyncrt import AsyncRuntime
 from tests.runtime.conftest import BUDGET, NEW, T, config, free_port, greedy
@@ -67,9 +66,11 @@ def test_multiprocess_refresh_every_matches_inline(model, prompt):
     assert tr.tokens == want  # (late packs here only mean waits: on_late=wait)
 
 
-def test_dead_cache_process_is_a_clear_error_not_a_hang(model, prompt, inline_tokens):
-    """The cache process is killed mid-generation: PeerGone/TransportError within
-    seconds (on_late=wait), and the runtime is usable afterwards (a new process)."""
+def test_dead_cache_process_is_survived_not_a_hang(model, prompt, inline_tokens):
+    """The cache process is killed mid-generation under on_late=wait: the generation
+    completes densely within seconds (a restart may not finish in so few steps: it
+    is stopped at the end, its process with it), and the next generation has a new
+    cache process."""
     cfg = config("runtime.topology=multiprocess", "runtime.transport.name=nccl",
                  f"runtime.transport.master_port={free_port()}", "runtime.transport.timeout_s=30",
                  "runtime.on_late=wait", "runtime.late_timeout_s=20", "runtime.pack_layers=3")
@@ -81,10 +82,13 @@ def test_dead_cache_process_is_a_clear_error_not_a_hang(model, prompt, inline_to
             return False
 
         t0 = time.monotonic()
-        with pytest.raises(TransportError, match="cache|peer|gone|exited"):
-            rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy, on_token=kill_at_step_5)
-        assert time.monotonic() - t0 < 30
         dead = rt._link
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy, on_token=kill_at_step_5)
+        assert time.monotonic() - t0 < 30
+        assert all(len(r) == NEW for r in tr.tokens)
+        lost = tr.stats["events"][0]
+        assert lost["event"] == "peer_lost" and lost["step"] in (5, 6, 7)
+        assert [r[:5] for r in tr.tokens] == [r[:5] for r in inline_tokens]
         tr = rt.generate(*prompt, max_new_tokens=4, sample_fn=greedy)  # a fresh cache process
         assert rt._link is not dead and rt._link.proc.poll() is None
         assert [r[:4] for r in tr.tokens] == [r[:4] for r in inline_tokens]
