@@ -45,6 +45,9 @@
 #              fallback rate and Table 3 per shape (LONG_TOPK: policy.topk modes side by side, default the default;
 #              LONG_ARGS: more bench_tpot flags, e.g. --refresh-every 1,4),
 #              then benchmarks/long_context.py: one table, TPOT vs context at B=1 (Fig. 2(b)) and ratio plots
+#   twostage   two-stage selection: TPOT + Table 3 of colocated and local asyncspade with policy.rerank and
+#              policy.score_channels variants (TWOSTAGE_ARGS, default --rerank 1,2 --score-channels 0,64) beside
+#              full / quest / optimal at TWOSTAGE_SHAPES (default 8x32768 16x32768 32x16384)
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
@@ -233,6 +236,15 @@ for s in "${stages[@]}"; do
       done
       run long_context 60 python3 -m benchmarks.long_context "$OUT"/bench_tpot_long_*.json \
         --out "$OUT/long_context.json" ;;
+    twostage)  # two-stage selection (policy.rerank m, policy.score_channels r) on one GPU (colocated) and a pair
+               # (local) beside full / quest / optimal at TWOSTAGE_SHAPES, int4 keys, K=2k, P=4, Table 3 per row
+      for bl in ${TWOSTAGE_SHAPES:-8x32768 16x32768 32x16384}; do
+        run "bench_tpot_twostage_$bl" ${TWOSTAGE_TIMEOUT:-150} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
+              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-16} \
+              --methods ${TWOSTAGE_METHODS:-full,quest,optimal,asyncspade/colocated,asyncspade/local} \
+              ${TWOSTAGE_ARGS:---rerank 1,2 --score-channels 0,64} --budget-s $(( ${TWOSTAGE_TIMEOUT:-150} - 20 )) \
+              --no-plots --out "$OUT/bench_tpot_twostage_$bl.json"
+      done ;;
     cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept
       run spade_run ${CLI_TIMEOUT:-240} python3 -m spade.cli run --config ${CLI_CONFIG:-configs/h100_qwen3_8b.yaml} \
