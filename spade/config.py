@@ -129,8 +129,9 @@ class RuntimeConfig(ConfigSection):
     attends densely (exact attention) and the generation goes on. Lateness, not death:
     a cache rank is declared lost by ``peer_deadline_s``."""
     peer_deadline_s: float = Field(60.0, gt=0)
-    """Liveness deadline, every ``on_late`` mode: a cache rank that has sent nothing for this
-    long while a selection (or a boot acknowledgement) is owed is declared lost, like a
+    """Liveness deadline, every ``on_late`` mode: a cache rank that has owed an answer (a
+    selection, a boot acknowledgement) for this long with nothing heard from it, counted
+    from the first post after its last message, is declared lost, like a
     dead process or a broken transport: its process is killed, the inference rank decodes
     densely and a new cache rank is started (``max_restarts_per_min``). Keep it above the
     cache rank's first-step compile time on a GPU."""

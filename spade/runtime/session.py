@@ -87,7 +87,9 @@ class InferenceSession:
         self._end_seen: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self.peer_gone: str | None = None
-        self._last_heard = time.monotonic()  # the cache rank's last message (liveness)
+        # liveness: since when the cache rank has owed an answer with nothing heard from it
+        # (set by the first post after its last message, or a boot; cleared by any message)
+        self._owed_since: float | None = None
         self._abandon_task: asyncio.Task | None = None  # dropping a lost link
         self._restart_task: asyncio.Task | None = None  # opening its successor
         self._no_restart: str | None = None  # why a lost cache rank is not restarted
@@ -134,6 +136,8 @@ class InferenceSession:
         self._wake = asyncio.Event()
         self._end_seen = asyncio.Event()
         if self.peer_gone is None:  # (lost during the boot: _supervise starts another)
+            if be.seq_len + 1 > self.rt.theta:  # the selections of step 1 are owed
+                self._owed_since = time.monotonic()
             self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
         return logits
 
@@ -213,7 +217,6 @@ class InferenceSession:
             return
         try:
             await self.link.transport.recv("boot_ack", timeout=self.rt.peer_deadline_s)
-            self._last_heard = time.monotonic()
         except TransportError as e:
             await self._on_peer_failure(e)
 
@@ -350,10 +353,11 @@ class InferenceSession:
             k, v = s.kv_refs[layer]
             return [s.q_buf[p][j].unsqueeze(2).contiguous(), k, v]
 
-        self._last_heard = time.monotonic()
         await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks)
         if self.peer_gone is not None:  # lost again while booting (recorded by _on_peer_failure)
             return
+        if T + 1 > self.rt.theta:  # its first selections are owed
+            self._owed_since = time.monotonic()
         self._end_seen = asyncio.Event()
         self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
         self.stats["restarts"] += 1
@@ -383,7 +387,7 @@ class InferenceSession:
         try:
             while True:
                 msg = await t.recv("sel")
-                self._last_heard = time.monotonic()
+                self._owed_since = None
                 meta = msg[0].tolist()
                 if meta[0][P.META_PACK] < 0:  # END acknowledged: nothing more this generation
                     if len(msg) > 1:  # the cache rank's host account of the generation
@@ -541,7 +545,8 @@ class InferenceSession:
                 self.stats["wait_s"] += time.perf_counter() - t0
                 self._dense(p)
                 return
-            left = min(left, self._last_heard + self.rt.peer_deadline_s - time.monotonic())
+            if self._owed_since is not None:
+                left = min(left, self._owed_since + self.rt.peer_deadline_s - time.monotonic())
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, min(left, 0.5)))
@@ -561,7 +566,7 @@ class InferenceSession:
         except TransportError as e:
             await self._on_peer_failure(e)
             return False
-        silent = time.monotonic() - self._last_heard
+        silent = time.monotonic() - self._owed_since if self._owed_since is not None else 0.0
         if silent > self.rt.peer_deadline_s:
             await self._on_peer_failure(PeerTimeout(
                 f"the cache rank sent nothing for {silent:.1f}s with the selection of step {step} pack {p} owed "
@@ -617,6 +622,8 @@ class InferenceSession:
             if p == 0:  # after the first pack's launch: the device starts the step while the host sends
                 await self._send("ctl", [P.cmd(P.STEP, seq, step)])
             await self._send("qkv", s.pack_tensors(p))
+            if seq + 1 > self.rt.theta and self._owed_since is None:  # a selection for step + 1 is owed
+                self._owed_since = time.monotonic()
             await self._yield_to_cache()
         for _ in gen:  # exhaust (graph capture happens here on a new key)
             raise RuntimeError("backend yielded more packs than expected")

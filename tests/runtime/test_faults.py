@@ -326,12 +326,12 @@ def test_transport_drops_selections(model, prompt, monkeypatch, per_step_attende
     assert time.monotonic() - t0 < 30
     assert all(len(r) == NEW for r in tr.tokens) and len(opened) == 2
     lost, back = tr.stats["events"]
-    # step 7's two packs each wait late_timeout_s (0.25 s) and run dense; the silence
-    # passes peer_deadline_s (0.6 s) in step 8's first wait
-    assert tr.stats["timed_out_packs"] == 2
-    assert lost["event"] == "peer_lost" and lost["step"] == 8 and "peer_deadline_s=0.6" in lost["reason"]
-    assert back["event"] == "peer_restored" and back["step"] == 9
-    assert per_step_attended[9:] == unfaulted[1][9:]
+    # step 7's packs wait late_timeout_s (0.25 s) each and run dense, until the answer
+    # owed since step 6's post is 0.6 s late (in step 7 or 8: host timing)
+    assert tr.stats["timed_out_packs"] >= 1
+    assert lost["event"] == "peer_lost" and lost["step"] in (7, 8) and "peer_deadline_s=0.6" in lost["reason"]
+    assert back["event"] == "peer_restored" and back["step"] == lost["step"] + 1
+    assert per_step_attended[back["step"]:] == unfaulted[1][back["step"]:]
 
 
 def test_transport_closes_mid_message(model, prompt, monkeypatch, unfaulted):
