@@ -55,16 +55,33 @@ def _children() -> set[int]:
     return out
 
 
-def _fds() -> tuple[int, int]:
-    """(open file descriptors, of which sockets)."""
-    n = sockets = 0
+def _fds() -> tuple[int, set[str]]:
+    """(open file descriptors, the inodes of those that are sockets)."""
+    n, sockets = 0, set()
     for f in os.listdir("/proc/self/fd"):
         try:
-            sockets += os.readlink(f"/proc/self/fd/{f}").startswith("socket:")
-            n += 1
+            link = os.readlink(f"/proc/self/fd/{f}")
+        except OSError:
+            continue
+        n += 1
+        if link.startswith("socket:"):
+            sockets.add(link[len("socket:["):-1])
+    return n, sockets
+
+
+def _describe_sockets(inodes: set[str]) -> str:
+    """Each socket inode's line in /proc/net/* (kind, addresses, unix path): for a leak's message."""
+    found = {}
+    for kind in ("unix", "tcp", "tcp6", "udp", "udp6", "netlink"):
+        try:
+            with open(f"/proc/net/{kind}") as f:
+                for line in f.readlines()[1:]:
+                    parts = line.split()
+                    for i in inodes & set(parts):
+                        found[i] = f"{kind}: {' '.join(parts)}"
         except OSError:
             pass
-    return n, sockets
+    return "; ".join(found.get(i, f"{i}: not in /proc/net") for i in sorted(inodes))
 
 
 class Leaks:
@@ -89,7 +106,8 @@ class Leaks:
         if not self.check_fds:
             return
         n, sockets = _fds()
-        assert sockets <= self.fds[1], f"sockets: {self.fds[1]} before, {sockets} after"
+        extra = sockets - self.fds[1]
+        assert len(sockets) <= len(self.fds[1]), f"sockets: {len(self.fds[1])} before, {len(sockets)} after: {_describe_sockets(extra)}"
         # (the first multiprocess link of a process opens a few pipes for good: lazy initialisation)
         assert n <= self.fds[0] + 4, f"file descriptors: {self.fds[0]} before, {n} after"
 
