@@ -193,7 +193,7 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
     # pass 2 (sum_softmax): each head's probability over the valid candidates, summed
     if REDUCE == 2:
         m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
-        inv_z = tl.where(g_mask & (s_run > 0), 1.0 / s_run, 0.0)
+        inv_z = tl.where(g_mask & (s_run > 0), 1.0 / tl.where(s_run > 0, s_run, 1.0), 0.0)
         m0 = 0
         while m0 < M:
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -207,19 +207,20 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
     # the keep-th largest key, bit by bit from the most significant (keys of valid
     # candidates are > 0: -inf maps to 0x007FFFFF, and invalid slots count as -1)
     k_eff = tl.minimum(n_valid, KEEP)
-    thr = tl.full([], 0, tl.int64)
-    for i in range(32):
-        t = thr | (tl.full([], 1, tl.int64) << (31 - i))
-        cnt = 0
-        m0 = 0
-        while m0 < M:
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-            sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
-            key = tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
-            cnt += tl.sum((key >= t).to(tl.int32), axis=0)
-            m0 += BLOCK_M
-        thr = tl.where(cnt >= k_eff, t, thr)
+    thr = tl.full([], 0, tl.int64)  # every valid candidate is kept when there are <= KEEP
+    if n_valid > KEEP:
+        for i in range(32):
+            t = thr | (tl.full([], 1, tl.int64) << (31 - i))
+            cnt = 0
+            m0 = 0
+            while m0 < M:
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
+                sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
+                key = tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
+                cnt += tl.sum((key >= t).to(tl.int32), axis=0)
+                m0 += BLOCK_M
+            thr = tl.where(cnt >= k_eff, t, thr)
     # pass 3: the winners (key > thr, then ties at thr by slot) compacted in slot order
     n_gt = 0
     m0 = 0
