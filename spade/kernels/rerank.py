@@ -14,18 +14,20 @@ has the step's *true* query, scores only those candidates and keeps the best K:
    written compacted in candidate-slot order, ``-1`` padding when fewer than ``keep``
    candidates are valid.
 
-``rerank_select_ref`` is the plain-torch reference; ``rerank_select_triton`` does the
-three steps in one launch, one program per (b, KV head): pass 1 over the candidates in
-tiles of ``BLOCK_M`` (the gathered keys of a tile as one ``tl.dot`` with the group's
-queries, padded to 16 rows) writes the logits to a scratch buffer and keeps each head's
-online max and sum of exponentials; pass 2 reduces them into scores (a second scratch
-row); a bisection on the scores' order-preserving uint32 keys (32 counting sweeps over
-the row, which is in L1/L2 by then) finds the keep-th largest; pass 3 emits the winners.
-Everything is device-side with fixed shapes (no host sync: CUDA-graph safe). The
-attention over sinks + the kept tokens + the recent window is the suite's indexed
-attention (``spade.kernels.attention``): a second launch. Fusing the attend into this
-launch saves re-reading the kept keys (K of the M just read) at the cost of the
-attention kernel's split-K parallelism; measure before doing it.
+``rerank_select_ref`` is the plain-torch reference; ``rerank_select_triton`` runs two
+launches. The scoring kernel, grid (b * KV head, split of the candidates), gathers the
+candidates' key rows of its split in tiles of ``BLOCK_M`` (one ``tl.dot`` per tile with
+the group's queries, padded to 16 rows) and writes the group-reduced scores, or for
+``sum_softmax`` the logits and its per-head online (max, sum of exponentials); the split
+spreads the key reads over the GPU (one program per (b, KV head) would leave most SMs
+idle at small batch). The select kernel, one program per (b, KV head), merges the
+splits' statistics into scores, finds the keep-th largest by a bisection on the scores'
+order-preserving uint32 keys (32 counting sweeps over the row's 4-byte scores, L2
+resident by then) and emits the winners. Everything is device-side with fixed shapes
+(no host sync: CUDA-graph safe). The attention over sinks + the kept tokens + the recent
+window is the suite's indexed attention (``spade.kernels.attention``): a third launch.
+Fusing the attend into the select saves re-reading the kept keys (K of the M just read)
+at the cost of the attention kernel's split-K parallelism; measure before doing it.
 
 Example (CPU reference)::
 
@@ -43,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.common import _interpret, _load_group_q
+from spade.kernels.common import _interpret, _load_group_q, _split
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import _f32_key
 
@@ -132,14 +134,18 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
-                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                          stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                          PDL: tl.constexpr):
-    """One program per (b, KV head): score the M candidates, keep the KEEP best."""
+def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
+                         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                         stride_cb, stride_ch, stride_cm,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Grid (B * Hkv, NSPLIT): the logits of candidates ``[split * CHUNK, +CHUNK)`` of one
+    (b, KV head). sum_softmax: the logits to LOGITS [rows, G_PAD, M] and the split's
+    per-head (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
+    group-reduced scores straight to SCORES [rows, M]."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
@@ -155,17 +161,14 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     lg_base = LOGITS + row64 * G_PAD * M
-    sc_base = SCORES + row64 * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
-    n_valid = 0
-    # pass 1: logits of every candidate (one gather of its key row per KV head)
-    m0 = 0
-    while m0 < M:  # NOTE: while loops: the interpreter takes no tensor bounds in range()
+    m0 = split * CHUNK
+    end = tl.minimum(m0 + CHUNK, M)
+    while m0 < end:  # NOTE: while loops: the interpreter takes no tensor bounds in range()
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
+        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < end, other=-1)
         valid = cand >= 0
-        n_valid += tl.sum(valid.to(tl.int32), axis=0)
         pos = tl.where(valid, cand, 0).to(tl.int64)
         kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
                      mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -177,7 +180,7 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
             s = tl.dot(q, tl.trans(kt))
         s = s * scale  # [G_PAD, BLOCK_M] fp32
         if REDUCE == 2:
-            tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s, mask=offs_m[None, :] < M)
+            tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s, mask=offs_m[None, :] < end)
             sm = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_run, tl.max(sm, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
@@ -188,22 +191,62 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
                 r = tl.sum(s, axis=0)  # padded query rows are zero
             else:
                 r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
-            tl.store(sc_base + offs_m, tl.where(valid, r, float("-inf")), mask=offs_m < M)
+            tl.store(SCORES + row64 * M + offs_m, tl.where(valid, r, float("-inf")), mask=offs_m < end)
         m0 += BLOCK_M
-    # pass 2 (sum_softmax): each head's probability over the valid candidates, summed
     if REDUCE == 2:
+        p_base = PART + (row64 * NSPLIT + split) * 2 * G_PAD
+        tl.store(p_base + offs_g, m_run)
+        tl.store(p_base + G_PAD + offs_g, s_run)
+    grid_dep_release(PDL)
+
+
+@triton.jit
+def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
+                          stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok, Hkv,
+                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, REDUCE: tl.constexpr,
+                          PDL: tl.constexpr):
+    """One program per (b, KV head): the scores (sum_softmax: from the logits and the
+    merged per-split statistics), then the KEEP best, compacted in slot order."""
+    pid = tl.program_id(0)
+    b = pid // Hkv
+    h = pid % Hkv
+    row64 = pid.to(tl.int64)
+    grid_dep_wait(PDL)
+    offs_g = tl.arange(0, G_PAD)
+    g_mask = offs_g < G
+    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    sc_base = SCORES + row64 * M
+    m_safe = tl.zeros([G_PAD], tl.float32)
+    inv_z = tl.zeros([G_PAD], tl.float32)
+    if REDUCE == 2:  # each head's softmax statistics over every split
+        m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+        s_run = tl.zeros([G_PAD], tl.float32)
+        sp = 0
+        while sp < NSPLIT:
+            p_base = PART + (row64 * NSPLIT + sp) * 2 * G_PAD
+            pm = tl.load(p_base + offs_g)
+            ps = tl.load(p_base + G_PAD + offs_g)
+            m_new = tl.maximum(m_run, pm)
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_run = s_run * tl.exp(m_run - m_new_safe) + ps * tl.exp(pm - m_new_safe)
+            m_run = m_new
+            sp += 1
         m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
         inv_z = tl.where(g_mask & (s_run > 0), 1.0 / tl.where(s_run > 0, s_run, 1.0), 0.0)
-        m0 = 0
-        while m0 < M:
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-            valid = cand >= 0
+    lg_base = LOGITS + row64 * G_PAD * M
+    n_valid = 0
+    m0 = 0
+    while m0 < M:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
+        valid = cand >= 0
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        if REDUCE == 2:  # each head's probability over the valid candidates, summed
             lg = tl.load(lg_base + offs_g[:, None] * M + offs_m[None, :], mask=offs_m[None, :] < M, other=0.0)
             p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
             r = tl.sum(tl.where(g_mask[:, None] & valid[None, :], p, 0.0), axis=0)
             tl.store(sc_base + offs_m, tl.where(valid, r, float("-inf")), mask=offs_m < M)
-            m0 += BLOCK_M
+        m0 += BLOCK_M
     # the keep-th largest key, bit by bit from the most significant (keys of valid
     # candidates are > 0: -inf maps to 0x007FFFFF, and invalid slots count as -1)
     k_eff = tl.minimum(n_valid, KEEP)
@@ -221,7 +264,7 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
                 cnt += tl.sum((key >= t).to(tl.int32), axis=0)
                 m0 += BLOCK_M
             thr = tl.where(cnt >= k_eff, t, thr)
-    # pass 3: the winners (key > thr, then ties at thr by slot) compacted in slot order
+    # the winners (key > thr, then ties at thr by slot) compacted in slot order
     n_gt = 0
     m0 = 0
     while m0 < M:
@@ -257,12 +300,18 @@ def _rerank_select_kernel(Q, K, CAND, OUT, LOGITS, SCORES, Hkv, M, KEEP, scale,
     grid_dep_release(PDL)
 
 
-def _config(M: int, device: torch.device) -> dict:
+def _config(M: int, rows: int, device: torch.device) -> dict:
+    """Tiles and the split of the candidates over programs (``RERANK_CONFIG`` overrides)."""
     if _interpret() or device.type != "cuda":
-        cfg = dict(BLOCK_M=max(16, min(128, triton.next_power_of_2(max(M, 1)))), num_warps=1)
-    else:
-        cfg = dict(BLOCK_M=128, num_warps=4)  # untuned: bench_rerank sweeps it
+        cfg = dict(BLOCK_M=max(16, min(128, triton.next_power_of_2(max(M, 1)))), num_warps=1, MIN_CHUNK=256,
+                   PER_SM=4)
+    else:  # untuned: benchmarks.bench_rerank sweeps it
+        cfg = dict(BLOCK_M=64, num_warps=4, MIN_CHUNK=512, PER_SM=4, SELECT_BLOCK=1024, select_warps=4)
     cfg.update(RERANK_CONFIG)
+    cfg.setdefault("SELECT_BLOCK", cfg["BLOCK_M"])
+    cfg.setdefault("select_warps", cfg["num_warps"])
+    chunk, n = _split(M, rows, device, block=cfg["BLOCK_M"], min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
+    cfg["CHUNK"], cfg["NSPLIT"] = chunk, n
     return cfg
 
 
@@ -288,16 +337,24 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     G_PAD = max(16, triton.next_power_of_2(G))
     BLOCK_D = max(16, triton.next_power_of_2(D))
     red = _REDUCES[reduce]
-    cfg = _config(M, dev)
-    logits = torch.empty(B * Hkv * G_PAD * M if red == 2 else 1, dtype=torch.float32, device=dev)
-    scores = torch.empty(B * Hkv * M, dtype=torch.float32, device=dev)
+    rows = B * Hkv
+    cfg = _config(M, rows, dev)
+    nsplit = cfg["NSPLIT"]
+    logits = torch.empty(rows * G_PAD * M if red == 2 else 1, dtype=torch.float32, device=dev)
+    scores = torch.empty(rows * M, dtype=torch.float32, device=dev)
+    part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
     upcast = _interpret()
     ieee = k.dtype == torch.float32 and not upcast
     scale = D ** -0.5 if scale is None else float(scale)
-    _rerank_select_kernel[(B * Hkv,)](
-        q, k, cand, out, logits, scores, Hkv, M, keep, scale,
+    _rerank_score_kernel[(rows, nsplit)](
+        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        cand.stride(0), cand.stride(1), cand.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cand.stride(0), cand.stride(1), cand.stride(2),
         G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=upcast, IEEE=ieee,
         num_warps=cfg["num_warps"], **pdl_kwargs(q))
+    _rerank_select_kernel[(rows,)](
+        cand, out, logits, scores, part, M, keep, nsplit,
+        cand.stride(0), cand.stride(1), cand.stride(2), out.stride(0), out.stride(1), out.stride(2), Hkv,
+        G=G, G_PAD=G_PAD, BLOCK_M=cfg["SELECT_BLOCK"], REDUCE=red, num_warps=cfg["select_warps"],
+        **pdl_kwargs(q))
     return out

@@ -118,6 +118,21 @@ def test_triton_matches_reference(device, B, Hq, Hkv, L, M, D, reduce):
         _check_stable(got, want, q, k, cand, keep, reduce)
 
 
+@pytest.mark.parametrize("reduce", ["sum_softmax", "sum_logits"])
+def test_triton_splits_the_candidates(device, reduce, monkeypatch):
+    """Small tiles and chunks: the candidates of a row are scored by several programs and
+    the select kernel merges their softmax statistics; the same kept sets."""
+    monkeypatch.setitem(R.RERANK_CONFIG, "BLOCK_M", 16)
+    monkeypatch.setitem(R.RERANK_CONFIG, "MIN_CHUNK", 16)
+    monkeypatch.setitem(R.RERANK_CONFIG, "SELECT_BLOCK", 32)
+    B, Hq, Hkv, L, M, D = 2, 6, 2, 90, 61, 16
+    assert R._config(M, B * Hkv, torch.device(device))["NSPLIT"] > 1
+    q, k, cand = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=9)
+    for keep in (1, 20):
+        want = R.rerank_select_ref(q, k, cand, keep, reduce=reduce)
+        _check_stable(R.rerank_select_triton(q, k, cand, keep, reduce=reduce), want, q, k, cand, keep, reduce)
+
+
 @pytest.mark.parametrize("reduce", ["sum_softmax", "max_logits"])
 def test_ties_go_to_the_lower_slot(device, reduce):
     """Identical keys give identical scores: the first ``keep`` valid slots win, in both."""
