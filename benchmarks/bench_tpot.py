@@ -38,6 +38,8 @@ pack's messages (q/k/v up, indices down) move within one inference pack.
     python -m benchmarks.bench_tpot --quick            # B=8, L=32k, K=2k, P in {2, 4}
     python -m benchmarks.bench_tpot --batch 1,8,16,32 --context 16384,32768,65536 --budget 1024,2048
     python -m benchmarks.bench_tpot --device cpu --preset tiny --quick   # smoke run anywhere
+    python -m benchmarks.bench_tpot --quick --methods optimal,asyncspade/colocated --rerank 1,2,4
+        # two-stage selection (policy.rerank m) side by side: rows .../m=2, .../m=4
 
 Writes JSON to ``--out`` (default results/bench_tpot.json) and PNG plots beside it.
 """
@@ -184,6 +186,8 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.score_keys={a.cur_score_keys}")
     if getattr(a, "cur_refresh", 1) != 1:
         out.append(f"policy.refresh_every={a.cur_refresh}")
+    if getattr(a, "cur_rerank", 1) != 1:
+        out.append(f"policy.rerank={a.cur_rerank}")
     return out
 
 
@@ -817,6 +821,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--refresh-every", default="1",
                     help="policy.refresh_every values of the asyncspade rows (comma-separated; a value N > 1 "
                          "adds rows suffixed /r=N: a selection every N steps, reused in between)")
+    ap.add_argument("--rerank", default="1",
+                    help="policy.rerank values m of the asyncspade rows (comma-separated; m > 1: the cache rank "
+                         "selects m*K_mid candidates and the inference rank re-ranks them with the true query; "
+                         "rows named .../m=<m>)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -868,6 +876,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(n < 1 or n > 64 for n in a.refresh_every):
         ap.error(f"--refresh-every values must lie in [1, 64] (policy.refresh_every); got {a.refresh_every}")
     a.cur_refresh = 1
+    try:
+        a.rerank = [int(x) for x in a.rerank.split(",") if x.strip()] or [1]
+    except ValueError:
+        ap.error(f"--rerank takes integers >= 1 (comma-separated); got {a.rerank!r}")
+    if any(m < 1 or m > 16 for m in a.rerank):
+        ap.error(f"--rerank values must lie in [1, 16] (policy.rerank); got {a.rerank}")
+    a.cur_rerank = 1
     return a
 
 
@@ -913,41 +928,38 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for n in a.refresh_every:
-            for sk in a.score_keys:
-                if n == 1 and sk == "exact":
-                    continue  # the plain asyncspade/inline row above
+        for rr, n, sk in itertools.product(a.rerank, a.refresh_every, a.score_keys):
+            if rr == 1 and n == 1 and sk == "exact":
+                continue  # the plain asyncspade/inline row above
 
-                def go_inline(sk=sk, n=n):
-                    a.cur_score_keys, a.cur_refresh = sk, n
-                    try:
-                        return run_inline(model, "asyncspade/inline", B, L, K, a)
-                    finally:
-                        a.cur_score_keys, a.cur_refresh = "exact", 1
+            def go_inline(sk=sk, n=n, rr=rr):
+                a.cur_score_keys, a.cur_refresh, a.cur_rerank = sk, n, rr
+                try:
+                    return run_inline(model, "asyncspade/inline", B, L, K, a)
+                finally:
+                    a.cur_score_keys, a.cur_refresh, a.cur_rerank = "exact", 1, 1
 
-                record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}"),
-                       go_inline)
+            record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}")
+                   + ("" if rr == 1 else f"/m={rr}"), go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for n in a.refresh_every:
-            for sk in a.score_keys:
-                for mode in a.modes:
-                    for P in a.packs:
-                        for ct in threads:
-                            name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
-                                    + ("" if sk == "exact" else f"/{sk}")
-                                    + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}"))
+        for rr, n, sk, mode, P, ct in itertools.product(a.rerank, a.refresh_every, a.score_keys, a.modes,
+                                                         a.packs, threads):
+            name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
+                    + ("" if sk == "exact" else f"/{sk}")
+                    + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}")
+                    + ("" if rr == 1 else f"/m={rr}"))
 
-                            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n):
-                                a.cur_score_keys, a.cur_cache_thread, a.cur_refresh = sk, ct, n
-                                try:
-                                    return run_async(model, topo, P, mode, B, L, K, a, shared)
-                                finally:
-                                    a.cur_score_keys, a.cur_cache_thread, a.cur_refresh = "exact", "auto", 1
+            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr):
+                a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = sk, ct, n, rr
+                try:
+                    return run_async(model, topo, P, mode, B, L, K, a, shared)
+                finally:
+                    a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = "exact", "auto", 1, 1
 
-                            record(name, go)
+            record(name, go)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,6 +125,8 @@ class AttentionContext:
                kv_lens: torch.Tensor) -> torch.Tensor:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
+        if sel is not None and sel.keep > 0:  # two-stage: the true query keeps the best candidates
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
         stats = self.layer_stats(layer, q, k_cache)
         if sel is None:
             out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None,

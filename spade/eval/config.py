@@ -76,6 +76,11 @@ class SelectionEvalConfig(_Budgets):
     """Registered policies replayed beside asyncspade (default: all of them but full):
     ``oracle`` is the exact top-K every overlap is measured against; a policy that
     evicts (tova) is replayed along the sequence, the others at each position."""
+    reranks: list[Annotated[int, Field(ge=1, le=16)]] = Field(default_factory=lambda: [1])
+    """``policy.rerank`` values m replayed for each predictor: with m > 1 the predicted
+    query's top ``m * K_mid`` middle tokens are the candidates and the true query keeps
+    the best ``K_mid`` of them (group reduction over the candidates), rows
+    ``asyncspade[<predictor>,...,rerank=m]``."""
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)

@@ -233,6 +233,13 @@ class Ranked:
             self._rank = rank
         return self._rank
 
+    @classmethod
+    def from_order(cls, idx: torch.Tensor, length: int) -> "Ranked":
+        """A ranking given as positions best first ([B, H, kk] long, ``-1`` = empty)."""
+        rk = cls.__new__(cls)
+        rk.idx, rk.length, rk.n_valid, rk._rank = idx, length, (idx >= 0).sum(-1), None
+        return rk
+
     def mask(self, k_top: torch.Tensor) -> torch.Tensor:
         """[B, H, L] bool: the best ``k_top[b]`` middle tokens of each row."""
         return self.rank[..., : self.length] < k_top.to(self.idx.device)[:, None, None]
@@ -411,7 +418,31 @@ class _LayerReplay:
                 q_hat = pol.predict_query(st, 0, self.kv_sel)  # [B, Hq, D]
                 for red, rk in self.ranked(q_hat, self.reduces).items():
                     self.record_ranked(_asy_label(pred, rope), red, rk, self.ref[red])
+                for m in cfg.reranks:
+                    if m > 1:
+                        self._rerank(q_hat, m, f"{_asy_label(pred, rope)[:-1]},rerank={m}]")
         return win
+
+    def _rerank(self, q_hat: torch.Tensor, m: int, policy: str) -> None:
+        """Two-stage selection (``policy.rerank`` m): per budget, the predicted query's top
+        ``m * K_mid`` middle tokens re-ranked by the true query (``kernels.rerank``'s
+        reference: each head's softmax over the candidates for ``sum_softmax``)."""
+        from spade.kernels.rerank import rerank_scores_ref
+
+        scores = group_scores_multi(q_hat, self.k, self.kv_sel, self.spec.softmax_scale, self.reduces)
+        for red, s in scores.items():
+            pred = Ranked(s, self.lo, self.hi, m * self.kmax)
+            for label, budget in self.settings:
+                kt = (budget - self.n_fixed).to(self.dev)  # [B] K_mid per row
+                width = int(kt.max()) * m
+                cand = pred.idx[..., :width]
+                slot = torch.arange(cand.shape[-1], device=self.dev)[None, None, :]
+                cand = torch.where(slot < (m * kt)[:, None, None], cand, torch.full_like(cand, -1))
+                rs = rerank_scores_ref(self.q_t, self.kc, cand, scale=self.spec.softmax_scale, reduce=red)
+                order = torch.sort(-rs, dim=-1, stable=True).indices  # best first; -1 slots (-inf) last
+                rk = Ranked.from_order(cand.gather(-1, order), self.T)
+                self.acc.add((label, policy, red, "recall"), self.layer, rk.recall(self.probs, self.fmass, kt))
+                self.acc.add((label, policy, red, "overlap"), self.layer, rk.overlap(self.ref[red], kt))
 
     def _stale(self) -> None:
         """Fig. 4: the top-K of a stale query q_{t-d} vs that of q_t."""

@@ -91,6 +91,8 @@ class TeacherForcing:
             q_t = q[:, :, t].contiguous()  # [1, Hq, D]
             sel.begin_step(t + 1, None)
             s = sel.selection(layer, q_t, k_buf, kv_lens)
+            if s is not None and s.keep > 0:  # two-stage: attended are the candidates the true query keeps
+                s = s.reranked(q_t, k_buf, self.spec.softmax_scale)
             if s is not None:
                 mask[:, t] = s.to_mask(kv_lens, T)[0]  # [Hkv, T]
                 n_att += float(s.attended(kv_lens).double().mean())

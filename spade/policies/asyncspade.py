@@ -120,6 +120,18 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     4-bit copy (a quarter of bf16's bytes), smoothed per channel by scales fitted on
     the prompt's keys and folded into the query. Both cost a little selection
     fidelity, int4 more (see docs/policies.md)."""
+    rerank: int = Field(1, ge=1, le=16)
+    """m: two-stage selection. The predicted query picks ``m * K_mid`` candidate middle
+    tokens per (row, KV head) (``K_mid = budget - sink_tokens - recent_tokens``), and the
+    attention re-ranks them with the step's true query and keeps the best ``K_mid``
+    (``group_reduce`` over the candidates only: each head's softmax normalised over them
+    for ``sum_softmax``), then attends sinks + recent window + the kept tokens, so the
+    budget attended stays ``budget``. 1 (default): off, the paper's one-stage selection.
+    The re-rank corrects the predicted query's staleness (recall toward the exact top-K)
+    at the cost of scoring ``m * K_mid`` exact keys on the inference side; with
+    ``refresh_every > 1`` the reused candidate set is re-ranked by each step's query.
+    The ``kv`` / ``delta`` return modes ship the ``m * K_mid`` candidates (see
+    docs/policies.md)."""
     refresh_every: int = Field(1, ge=1, le=64)
     """Select at the first sparse step and every N steps after it; the steps between
     reuse the last selection, while the recent window keeps covering the newest tokens.
@@ -231,6 +243,23 @@ class AsyncSpadePolicy(Policy):
             return 0
         pushed = max(0, state.seq_len - 1 - st.anchor_seq_len)
         return min(self.rows, st.anchor_count + pushed)
+
+    @property
+    def k_mid(self) -> int:
+        """Middle tokens attended per (row, KV head): ``budget - sink_tokens - recent_tokens``."""
+        c = self.cfg
+        return max(0, c.budget - c.sink_tokens - c.recent_tokens)
+
+    def selection_layout(self) -> tuple[int, int, int]:
+        """``(m * K_mid, n_sink, n_recent)``: with ``rerank`` m > 1 the selections carry
+        ``m * K_mid`` candidates (``rerank_keep``)."""
+        c = self.cfg
+        return c.rerank * self.k_mid, c.sink_tokens, c.recent_tokens
+
+    def rerank_keep(self) -> tuple[int, str] | None:
+        """``(K_mid, group_reduce)`` with ``rerank`` > 1, else None (``Policy.rerank_keep``)."""
+        c = self.cfg
+        return (self.k_mid, c.group_reduce) if c.rerank > 1 and self.k_mid > 0 else None
 
     def graph_key(self, state: PolicyState) -> tuple:
         # the number of valid window rows changes the predictor's work until it saturates;
@@ -487,16 +516,21 @@ class AsyncSpadePolicy(Policy):
         if periodic:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
-            shape = (k_cache.shape[0], k_cache.shape[1], max(0, cfg.budget - cfg.sink_tokens - cfg.recent_tokens))
+            shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)
             if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
                 st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
             out = st.keep
-        sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=cfg.budget,
+        # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
+        n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid
+        sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
                              carry=layer_carry(state, layer, cfg.topk, k_score),
                              carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        rr = self.rerank_keep()
+        if rr is not None:
+            sel.keep, sel.keep_reduce = rr
         if periodic:
             st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel

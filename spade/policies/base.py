@@ -118,12 +118,34 @@ class Selection:
     ∪ ``{i in indices[b, h], i >= 0}`` ∪ ``[max(kv_len - n_recent, s + n_sink), kv_len)``.
 
     ``indices``: [B, Hkv, K_mid] int32, ``-1`` = empty slot.
+
+    Two-stage selection (``keep > 0``): ``indices`` holds M >= ``keep`` *candidates*
+    (made with a predicted query), and the attention keeps only the ``keep`` best of
+    them by the step's true query (``reranked``; the group reduced by ``keep_reduce``
+    over the candidates), with the sinks and the recent window as above.
     """
 
     indices: torch.Tensor
     n_sink: int = 0
     n_recent: int = 0
     kv_start: torch.Tensor | None = None  # [B] int32, first valid position
+    keep: int = 0
+    """> 0: re-rank ``indices`` (candidates) with the true query and attend the best ``keep``."""
+    keep_reduce: GroupReduce = "sum_softmax"
+    """The group reduction of the re-rank (``spade.kernels.rerank``)."""
+
+    def reranked(self, q: torch.Tensor, k_cache: torch.Tensor, scale: float | None = None,
+                 out: torch.Tensor | None = None) -> Selection:
+        """This selection with its candidates re-ranked by ``q`` [B, Hq, D] against the exact
+        keys ``k_cache`` [B, Hkv, L, D]: the ``keep`` best as a plain selection (``keep`` 0);
+        itself when it is one already. ``out``: int32 [B, Hkv, keep] buffer for the indices."""
+        if self.keep <= 0:
+            return self
+        from spade import kernels
+
+        kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale, reduce=self.keep_reduce,
+                                     out=out)
+        return Selection(indices=kept, n_sink=self.n_sink, n_recent=self.n_recent, kv_start=self.kv_start)
 
     def _bounds(self, kv_lens: torch.Tensor):
         dev = self.indices.device
@@ -134,13 +156,16 @@ class Selection:
         return s, sink_end, recent_start, kv
 
     def attended(self, kv_lens: torch.Tensor) -> torch.Tensor:
-        """Number of attended tokens per (b, h): [B, Hkv] (for stats and tests)."""
+        """Number of attended tokens per (b, h): [B, Hkv] (for stats and tests); with
+        ``keep``, the candidates count up to ``keep``."""
         s, sink_end, recent_start, kv = self._bounds(kv_lens)
         fixed = (sink_end - s) + (kv - recent_start)
-        return fixed[:, None] + (self.indices >= 0).sum(-1)
+        mid = (self.indices >= 0).sum(-1)
+        return fixed[:, None] + (mid.clamp(max=self.keep) if self.keep > 0 else mid)
 
     def to_mask(self, kv_lens: torch.Tensor, length: int) -> torch.Tensor:
-        """Dense boolean mask [B, Hkv, length] of attended positions (reference use)."""
+        """Dense boolean mask [B, Hkv, length] of attended positions (reference use); with
+        ``keep``, of every candidate (``reranked`` first for the attended ones)."""
         B, H, _ = self.indices.shape
         dev = self.indices.device
         pos = torch.arange(length, device=dev)
@@ -222,6 +247,14 @@ class Policy(ABC):
         c = self.cfg
         if isinstance(c, SparseCommonConfig):
             return c.budget - c.sink_tokens - c.recent_tokens, c.sink_tokens, c.recent_tokens
+        return None
+
+    def rerank_keep(self) -> tuple[int, GroupReduce] | None:
+        """``(keep, reduce)`` when this policy's sparse selections are candidates that the
+        attention re-ranks with the true query, keeping ``keep`` of them (two-stage
+        selection: ``Selection.keep``); None when they are attended as they are. The
+        inference rank of the asynchronous runtime rebuilds the selections the cache rank
+        ships with it. Default: None."""
         return None
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:

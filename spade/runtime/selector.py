@@ -36,8 +36,11 @@ class AsyncSelector:
     stages each layer's (q, k_new, v_new) for the pack message."""
 
     def __init__(self, spec, packs: list[tuple[int, int]], *, stage_kv: bool, shared: SharedKV | None,
-                 return_mode: str):
+                 return_mode: str, rerank: tuple[int, str] | None = None):
         self.spec = spec
+        self.rerank = rerank
+        """``Policy.rerank_keep()``: the cache rank's selections are candidates, of which
+        the attention keeps ``rerank[0]`` by the true query (``Selection.keep``)."""
         self.packs = packs
         self.where = {}  # layer -> (pack, slot in pack)
         for p, (l0, l1) in enumerate(packs):
@@ -137,6 +140,8 @@ class AsyncSelector:
             return
         self.idx[layer] = torch.full((B, H, K), -1, dtype=torch.int32, device=device)
         self.sel[layer] = Selection(indices=self.idx[layer], n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+        if self.rerank is not None and K > self.rerank[0]:  # candidates: re-ranked at attention
+            self.sel[layer].keep, self.sel[layer].keep_reduce = self.rerank
         if self.return_mode == "kv":
             self.k_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
             self.v_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
@@ -164,6 +169,8 @@ class AsyncAttentionContext(AttentionContext):
         idx = s.idx[layer]  # [B, Hkv, K]
         slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
         scale = self.spec.softmax_scale
+        if sel.keep > 0:  # two-stage: the candidates' K/V travelled; the true query keeps the best
+            slots = kernels.rerank_select(q, s.k_sel[layer], slots, sel.keep, scale=scale, reduce=sel.keep_reduce)
         stats = self.layer_stats(layer, q, k_cache)  # the two launches add their tokens; one counts the call
         out_a, lse_a = kernels.sparse_decode_attention(q, s.k_sel[layer], s.v_sel[layer], s.g_lens, slots,
                                                        scale=scale, return_lse=True, stats=stats, count_call=False)

@@ -96,7 +96,8 @@ class InferenceSession:
         self.ctx: AttentionContext | None = None
         self.prefill_time_s = 0.0
         self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
-                                                             return_mode=rt.return_mode)
+                                                             return_mode=rt.return_mode,
+                                                             rerank=self.policy.rerank_keep())
 
     # ------------------------------------------------------------------ begin
     async def begin(self, prefill_fn: Callable[[AttentionContext], torch.Tensor], *, batch: int,

@@ -152,3 +152,26 @@ def test_breakdown_amortises_selection_over_refresh_steps():
     assert bd["asyncspade/inline/int4/r=4"]["selection_ms"] == pytest.approx(0.25)
     assert bd["asyncspade/local/P=4/int4"]["selection_ms"] == 0.0
     assert bd["optimal"]["parameters_ms"] == pytest.approx(4.8) and bd["full"]["attention_ms"] == pytest.approx(2.5)
+
+
+def test_bench_tpot_rerank_rows_and_overrides(monkeypatch):
+    """``--rerank 1,2``: every asyncspade row again with ``policy.rerank=2`` (named ``/m=2``),
+    the other methods once; bad values are refused. (The rows' runs are replaced by a
+    record of the policy overrides they would run with.)"""
+    from benchmarks import bench_tpot as bt
+
+    a = bt.parse_args(["--methods", "optimal,asyncspade/inline,asyncspade/colocated", "--packs", "2",
+                       "--rerank", "1,2", "--refresh-every", "1,3"])
+    ran = {}
+    monkeypatch.setattr(bt, "run_inline", lambda model, m, *rest: bt.policy_overrides("asyncspade", 64, a))
+    monkeypatch.setattr(bt, "run_async", lambda *rest: bt.policy_overrides("asyncspade", 64, a))
+    bt.rows_for_budget(None, 2, 256, 64, a, {}, False, lambda name, fn: ran.setdefault(name, fn()))
+    assert list(ran) == ["asyncspade/inline", "optimal", "asyncspade/inline/r=3", "asyncspade/inline/m=2",
+                         "asyncspade/inline/r=3/m=2", "asyncspade/colocated/P=2", "asyncspade/colocated/P=2/r=3",
+                         "asyncspade/colocated/P=2/m=2", "asyncspade/colocated/P=2/r=3/m=2"]
+    for name, ov in ran.items():
+        if name.startswith("asyncspade"):
+            assert ("policy.rerank=2" in ov) == name.endswith("/m=2")
+            assert ("policy.refresh_every=3" in ov) == ("/r=3" in name)
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--rerank", "0"])

@@ -219,3 +219,38 @@ def test_run_selection_end_to_end(smollm2, tmp_path):
         assert not math.isnan(r["recall"]) and 0 < r["recall"] <= 1 + 1e-6
         if r["policy"] == "oracle":
             assert r["overlap"] == pytest.approx(1.0)
+
+
+def test_rerank_rows_measure_the_policys_reranked_selection(rng):
+    """``reranks``: the replayed two-stage rows give the recall of ``AsyncSpadePolicy(rerank=m)``'s
+    candidates re-ranked by the true query (``Selection.reranked``), position by position;
+    candidates covering the whole middle keep exactly the oracle's set (overlap 1)."""
+    from spade.eval.selection import positions_for
+
+    qs, ks = _random_capture(rng, layers=1, hq=6, hkv=2)
+    spec = _spec(6, 2, 16, layers=1)
+    cfg = _cfg(budgets=[24], context_fractions=[], baselines=["oracle"], predictors=["last"], rope_aware=[False],
+               group_reduces=["sum_logits"], reranks=[1, 3, 5], shift_ablation=False, distances=[1])
+    acc = Acc(1)
+    evaluate_captured(cfg, spec, qs, ks, acc)
+    rows = {r["policy"]: r for r in summarize(acc)}
+    q, k = qs[0], ks[0]
+    ts = positions_for(cfg, q.shape[1])
+    B, L, R = len(ts), q.shape[1], cfg.window + 1
+    kc = k[None].expand(B, *k.shape)
+    pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=24, sink_tokens=2, recent_tokens=4, predictor="last",
+                                                  window=cfg.window, group_reduce="sum_logits", rerank=3,
+                                                  rope_aware=False), spec)
+    st = _state(int(ts.max()), B)
+    pol.prefill(st, 0, torch.stack([q[:, t - R:t] for t in ts.tolist()]), kc, kc, ts.to(torch.int32))
+    st.seq_len += 1
+    kv = (ts + 1).to(torch.int32)
+    q_t = q[:, ts].transpose(0, 1).contiguous()
+    sel = pol.select(st, 0, None, kc, kv)
+    assert sel.keep == 18 and sel.indices.shape[-1] == 54
+    mask = attended_mask(sel.reranked(q_t, kc, spec.softmax_scale), kv, L, 2)
+    probs = true_probs(q_t, kc, kv, spec.softmax_scale)
+    want = float(torch.einsum("bhgl,bhl->bhg", probs, mask.to(probs.dtype)).mean())
+    assert rows["asyncspade[last,rerank=3]"]["recall"] == pytest.approx(want, abs=1e-6)
+    assert rows["asyncspade[last,rerank=5]"]["overlap"] == pytest.approx(1.0)  # 5 * 18 >= every middle here
+    assert rows["asyncspade[last,rerank=3]"]["overlap"] > rows["asyncspade[last]"]["overlap"]
