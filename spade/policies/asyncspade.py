@@ -681,6 +681,17 @@ class AsyncSpadePolicy(Policy):
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         return sel
 
+    def drift_kept(self, state: PolicyState) -> float | None:
+        """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier
+        step, over every layer and step so far (one host read: for evaluation and stats,
+        not the decode loop); None without drift decisions."""
+        made = kept = 0
+        for st in state.layers:
+            if st is not None and st.drift_steps is not None:
+                m, k = st.drift_steps.tolist()
+                made, kept = made + m, kept + k
+        return kept / made if made else None
+
     def _drift_choose(self, st: AsyncSpadeLayerState, q: torch.Tensor, tau: float) -> None:
         """``refresh_drift``: per (row, KV head), keep ``st.keep`` while the group's query
         ``q`` [B, Hq, D] is within cosine >= ``tau`` of ``st.drift_q`` (the query it was made
