@@ -286,3 +286,40 @@ def test_drift_counts_its_decisions():
     sim.run(pol, on_step=lambda rec, st: states.append(st))
     made, kept = states[-1].layers[0].drift_steps.tolist()
     assert made == 5 and 0 <= kept <= 4
+
+
+@pytest.mark.parametrize("extra", [("policy.score_keys=int4", "policy.score_channels=16"),
+                                   ("policy.score_channels=8", "policy.refresh_drift=0.8")])
+def test_channels_and_drift_through_the_async_runtime_match_inline(extra, monkeypatch):
+    """The cache rank (its prompt tail of W+1 queries, its own store or the shared cache,
+    channels re-chosen when the cache doubles at step 12 -> 24) selects what the inline run
+    selects: the same greedy tokens in every topology and return mode (tiny preset, d = 32)."""
+    from spade.models.fast import FastModel
+    from spade.models.presets import preset_config
+    from spade.policies import build_policy
+    from spade.runtime.asyncrt import AsyncRuntime
+    from spade.runtime.inline import InlineRuntime
+    from tests.runtime.conftest import B, NEW, T, config, greedy
+
+    assert 2 * T < T + NEW  # the run crosses a channel re-choice
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
+    torch.manual_seed(1234)
+    be = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.float32, max_batch=B,
+                               max_seq_len=48)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 500, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :3] = 0
+    ids[mask == 0] = 0
+    base = config(*extra)
+    pol = build_policy(base.policy, be.spec)
+    assert pol.channels in (None, 8, 16)
+    want = InlineRuntime(base, be, pol).generate(ids, mask, max_new_tokens=NEW, sample_fn=greedy).tokens
+    for topo, mode in (("colocated", "indices"), ("local", "delta")):
+        cfg = config(*extra, f"runtime.topology={topo}", "runtime.pack_layers=2", f"runtime.return_mode={mode}")
+        rt = AsyncRuntime(cfg, be, build_policy(cfg.policy, be.spec))
+        try:
+            tr = rt.generate(ids, mask, max_new_tokens=NEW, sample_fn=greedy)
+        finally:
+            rt.close()
+        assert tr.tokens == want and tr.stats["sparse_steps"] > 0, (topo, mode)
