@@ -323,3 +323,27 @@ def test_channels_and_drift_through_the_async_runtime_match_inline(extra, monkey
         finally:
             rt.close()
         assert tr.tokens == want and tr.stats["sparse_steps"] > 0, (topo, mode)
+
+
+@pytest.mark.parametrize("score_keys", ["exact", "int8", "int4"])
+def test_channel_copy_on_the_triton_kernels(score_keys, monkeypatch):
+    """The Triton kernels (interpreter on CPU) take an r-channel copy (r = 8 of d = 32: int4
+    rows of 4 bytes, below the kernels' 16/32-wide blocks, masked) and give the torch
+    path's copy and selections."""
+    from tests.conftest import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("Triton on CPU tensors needs the interpreter")
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, D=32, kv_start=[0, 3], prompt_len=20, steps=2, seed=13)
+    common = dict(budget=11, sink_tokens=1, recent_tokens=2, window=3, score_keys=score_keys, score_channels=8,
+                  topk="radix")
+    runs = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("SPADE_KERNELS", mode)
+        copies = []
+        recs = sim.run(make_policy("asyncspade", sim, **common),
+                       on_step=lambda rec, st: copies.append(
+                           [st.layers[0].kq[b, :, s:int(rec.kv_lens[b])].clone() for b, s in enumerate([0, 3])]))
+        runs[mode] = ([middle_sets(r.sel) for r in recs], copies)  # (rows past kv_len hold the sim's garbage)
+    assert runs["torch"][0] == runs["triton"][0]
+    assert all(torch.equal(a, b) for x, y in zip(runs["torch"][1], runs["triton"][1]) for a, b in zip(x, y))
