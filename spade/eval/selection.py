@@ -421,7 +421,7 @@ class _LayerReplay:
             for rope in cfg.rope_aware:
                 if rope and spec.rope is None:
                     continue
-                pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=max(cfg.budgets), predictor=pred,
+                pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=self.kmax + self.n_fixed, predictor=pred,
                                                               window=cfg.window, ridge_eps=cfg.ridge_eps,
                                                               rope_aware=rope, **self.common), spec)
                 st = _state(pol, B, int(ts.max()), dev)
