@@ -186,6 +186,10 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.score_keys={a.cur_score_keys}")
     if getattr(a, "cur_refresh", 1) != 1:
         out.append(f"policy.refresh_every={a.cur_refresh}")
+    if getattr(a, "score_channels", 0):
+        out.append(f"policy.score_channels={a.score_channels}")
+    if getattr(a, "refresh_drift", None) is not None:
+        out.append(f"policy.refresh_drift={a.refresh_drift}")
     return out
 
 
@@ -823,6 +827,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--refresh-every", default="1",
                     help="policy.refresh_every values of the asyncspade rows (comma-separated; a value N > 1 "
                          "adds rows suffixed /r=N: a selection every N steps, reused in between)")
+    ap.add_argument("--score-channels", type=int, default=0,
+                    help="policy.score_channels of every asyncspade row (r of the head dim's channels in the "
+                         "scoring copy; 0: all). One value per run: time r = d and r < d in two runs on one machine")
+    ap.add_argument("--refresh-drift", type=float, default=None,
+                    help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
