@@ -188,6 +188,10 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.refresh_every={a.cur_refresh}")
     if getattr(a, "cur_rerank", 1) != 1:
         out.append(f"policy.rerank={a.cur_rerank}")
+    if getattr(a, "cur_channels", 0):
+        out.append(f"policy.score_channels={a.cur_channels}")
+    if getattr(a, "refresh_drift", None) is not None:
+        out.append(f"policy.refresh_drift={a.refresh_drift}")
     return out
 
 
@@ -825,6 +829,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="policy.rerank values m of the asyncspade rows (comma-separated; m > 1: the cache rank "
                          "selects m*K_mid candidates and the inference rank re-ranks them with the true query; "
                          "rows named .../m=<m>)")
+    ap.add_argument("--score-channels", default="0",
+                    help="policy.score_channels values of the asyncspade rows (comma-separated; r of the head "
+                         "dim's channels in the scoring copy, 0: all; r > 0 adds rows named .../c=<r>)")
+    ap.add_argument("--refresh-drift", type=float, default=None,
+                    help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")
@@ -883,6 +892,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(m < 1 or m > 16 for m in a.rerank):
         ap.error(f"--rerank values must lie in [1, 16] (policy.rerank); got {a.rerank}")
     a.cur_rerank = 1
+    try:
+        a.score_channels = [int(x) for x in a.score_channels.split(",") if x.strip()] or [0]
+    except ValueError:
+        ap.error(f"--score-channels takes integers >= 0 (comma-separated); got {a.score_channels!r}")
+    if any(r < 0 for r in a.score_channels):
+        ap.error(f"--score-channels values must be >= 0 (policy.score_channels; 0: all); got {a.score_channels}")
+    a.cur_channels = 0
     return a
 
 
@@ -928,36 +944,38 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for rr, n, sk in itertools.product(a.rerank, a.refresh_every, a.score_keys):
-            if rr == 1 and n == 1 and sk == "exact":
+        for rr, ch, n, sk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys):
+            if rr == 1 and ch == 0 and n == 1 and sk == "exact":
                 continue  # the plain asyncspade/inline row above
 
-            def go_inline(sk=sk, n=n, rr=rr):
-                a.cur_score_keys, a.cur_refresh, a.cur_rerank = sk, n, rr
+            def go_inline(sk=sk, n=n, rr=rr, ch=ch):
+                a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = sk, n, rr, ch
                 try:
                     return run_inline(model, "asyncspade/inline", B, L, K, a)
                 finally:
-                    a.cur_score_keys, a.cur_refresh, a.cur_rerank = "exact", 1, 1
+                    a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = "exact", 1, 1, 0
 
             record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}")
-                   + ("" if rr == 1 else f"/m={rr}"), go_inline)
+                   + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"), go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for rr, n, sk, mode, P, ct in itertools.product(a.rerank, a.refresh_every, a.score_keys, a.modes,
-                                                         a.packs, threads):
+        for rr, ch, n, sk, mode, P, ct in itertools.product(a.rerank, a.score_channels, a.refresh_every,
+                                                             a.score_keys, a.modes, a.packs, threads):
             name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
                     + ("" if sk == "exact" else f"/{sk}")
                     + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}")
-                    + ("" if rr == 1 else f"/m={rr}"))
+                    + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"))
 
-            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr):
+            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch):
                 a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = sk, ct, n, rr
+                a.cur_channels = ch
                 try:
                     return run_async(model, topo, P, mode, B, L, K, a, shared)
                 finally:
                     a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = "exact", "auto", 1, 1
+                    a.cur_channels = 0
 
             record(name, go)
 

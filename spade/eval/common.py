@@ -86,9 +86,10 @@ def policy_label(entry: dict[str, Any]) -> str:
         if entry.get("rope_aware"):
             bits.append("rope")
     for k, v in entry.items():
-        if k in ("name", "predictor", "rope_aware", "sink_tokens", "recent_tokens"):
+        if k in ("name", "predictor", "rope_aware"):
             continue
-        bits.append(f"{v}" if k == "group_reduce" else f"{k}={v}")
+        short = {"sink_tokens": "sinks", "recent_tokens": "recent"}.get(k, k)  # set in the entry: shown
+        bits.append(f"{v}" if k == "group_reduce" else f"{short}={v}")
     return f"{name}[{','.join(bits)}]" if bits else name
 
 

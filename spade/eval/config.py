@@ -81,6 +81,14 @@ class SelectionEvalConfig(_Budgets):
     query's top ``m * K_mid`` middle tokens are the candidates and the true query keeps
     the best ``K_mid`` of them (group reduction over the candidates), rows
     ``asyncspade[<predictor>,...,rerank=m]``."""
+    score_channels: list[PosInt] = Field(default_factory=lambda: [1])
+    """asyncspade's ``score_channels`` as divisors of the head dim: ``n`` scores r = d/n
+    channels per KV head (1: all of them), chosen as the policy chooses them (the window's
+    queries and the prefix's keys, rotary pairs kept), for every predictor and RoPE
+    setting. With more than one value the summary recommends an r per model and budget
+    (``recommend_channels``: the smallest whose recall is within
+    ``channels_tolerance`` of r = d)."""
+    channels_tolerance: float = Field(0.01, ge=0)
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)
@@ -99,6 +107,15 @@ class SelectionEvalConfig(_Budgets):
             if name not in baseline_names():
                 raise ValueError(f"{name!r} is not a baseline; choose from: {', '.join(baseline_names())} "
                                  f"(registered policies but {' and '.join(NOT_BASELINES)})")
+        return v
+
+    @field_validator("score_channels")
+    @classmethod
+    def _divisors(cls, v: list[int]) -> list[int]:
+        bad = [n for n in v if n > 1 and n % 2]
+        if bad:
+            raise ValueError(f"score_channels {bad}: use 1 or even divisors of the head dim (r = d/n must be "
+                             "whole rotary pairs), e.g. [1, 2, 4]")
         return v
 
     @model_validator(mode="after")

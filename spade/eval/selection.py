@@ -177,8 +177,26 @@ class Acc:
 
 
 # --------------------------------------------------------------------------- the replay
-def _asy_label(pred: str, rope: bool) -> str:
-    return f"asyncspade[{pred}{',rope' if rope else ''}]"
+def _asy_label(pred: str, rope: bool, channels: int = 1) -> str:
+    return f"asyncspade[{pred}{',rope' if rope else ''}{f',r=d/{channels}' if channels > 1 else ''}]"
+
+
+def recommend_channels(rows: list[dict], divisors: list[int], tol: float) -> dict[str, dict]:
+    """Per (budget, asyncspade variant, reduce) with r = d measured: the smallest r (largest
+    divisor n) whose recall is within ``tol`` of r = d's, as {"r": "d/n", recall, ...}."""
+    by = {(r["budget"], r["policy"], r["reduce"]): r.get("recall") for r in rows}
+    out: dict[str, dict] = {}
+    for (b, pol, red), rec in sorted(by.items()):
+        if not pol.startswith("asyncspade[") or ",r=d/" in pol or rec is None:
+            continue
+        best = 1
+        for n in sorted(d for d in divisors if d > 1):
+            got = by.get((b, pol[:-1] + f",r=d/{n}]", red))
+            if got is not None and got >= rec - tol:
+                best = n
+        out[f"{b} {pol} {red}"] = {"r": f"d/{best}" if best > 1 else "d", "recall_full_channels": rec,
+                                   "recall": by.get((b, pol[:-1] + f",r=d/{best}]", red), rec) if best > 1 else rec}
+    return out
 
 
 def _state(policy, batch: int, seq_len: int, device=None):
@@ -361,6 +379,7 @@ class _LayerReplay:
         self.ref_reduce = self.reduces[0]
         self.common = dict(sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
         self.ref: dict[str, Ranked] = {}
+        self._kmass_cs: torch.Tensor | None = None  # prefix sums of the keys' pair norms (channel choice)
 
     def ranked(self, qv: torch.Tensor, reds: list[str]) -> dict[str, Ranked]:
         scores = group_scores_multi(qv, self.k, self.kv_sel, self.spec.softmax_scale, reds)
@@ -409,7 +428,7 @@ class _LayerReplay:
             for rope in cfg.rope_aware:
                 if rope and spec.rope is None:
                     continue
-                pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=max(cfg.budgets), predictor=pred,
+                pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=self.kmax + self.n_fixed, predictor=pred,
                                                               window=cfg.window, ridge_eps=cfg.ridge_eps,
                                                               rope_aware=rope, **self.common), spec)
                 st = _state(pol, B, int(ts.max()), dev)
@@ -421,6 +440,11 @@ class _LayerReplay:
                 for m in cfg.reranks:
                     if m > 1:
                         self._rerank(q_hat, m, f"{_asy_label(pred, rope)[:-1]},rerank={m}]")
+                for n in cfg.score_channels:
+                    if n > 1:
+                        q_sub = q_hat * self.channel_mask(win, self.D // n)
+                        for red, rk in self.ranked(q_sub, self.reduces).items():
+                            self.record_ranked(_asy_label(pred, rope, n), red, rk, self.ref[red])
         return win
 
     def _rerank(self, q_hat: torch.Tensor, m: int, policy: str) -> None:
@@ -443,6 +467,27 @@ class _LayerReplay:
                 rk = Ranked.from_order(cand.gather(-1, order), self.T)
                 self.acc.add((label, policy, red, "recall"), self.layer, rk.recall(self.probs, self.fmass, kt))
                 self.acc.add((label, policy, red, "overlap"), self.layer, rk.overlap(self.ref[red], kt))
+
+    def channel_mask(self, win: torch.Tensor, r: int) -> torch.Tensor:
+        """[B, Hq, D] 0/1: the r channels asyncspade's ``score_channels`` scores at each
+        row's step t (``pick_channels`` of the window ``win`` and the keys ``[0, t)``,
+        as a prefill of that prefix chooses them); the query times it scores what the
+        gathered copy scores."""
+        from spade.policies.asyncspade import pick_channels, query_pair_mass
+
+        if r < 2 or r >= self.D:
+            return torch.ones((), device=self.dev)
+        if self._kmass_cs is None:
+            h = self.D // 2
+            kf = self.k.float()
+            m = (kf[..., :h].square() + kf[..., h:].square()).sqrt()  # [Hkv, T, h]
+            self._kmass_cs = m.cumsum(1)
+        kmass = self._kmass_cs[:, (self.kv_pre.long() - 1).clamp(min=0)].transpose(0, 1)  # [B, Hkv, h]
+        ch = pick_channels(query_pair_mass(win, self.Hkv), kmass, r)  # [B, Hkv, r]
+        B, Hq = win.shape[0], win.shape[1]
+        mask = torch.zeros(B, self.Hkv, self.D, device=self.dev)
+        mask.scatter_(2, ch, 1.0)
+        return mask.repeat_interleave(Hq // self.Hkv, dim=1)
 
     def _stale(self) -> None:
         """Fig. 4: the top-K of a stale query q_{t-d} vs that of q_t."""
@@ -641,6 +686,12 @@ def run_selection(cfg: SelectionEvalConfig, out_dir: Path, device: str = "cpu") 
             "positions": positions_for(cfg, cfg.context_tokens).tolist(),
             "rows": rows,
         }
+        if any(n > 1 for n in cfg.score_channels):
+            rec = recommend_channels(rows, cfg.score_channels, cfg.channels_tolerance)
+            results["models"][name]["recommend_channels"] = rec
+            for key, v in rec.items():
+                say(f"selection {name}: {key}: score_channels r = {v['r']} (recall {v['recall']:.3f}, "
+                    f"all channels {v['recall_full_channels']:.3f})")
         write_json(out_dir / f"selection_{name}.json", results["models"][name] | {"config": results["config"]})
         results["models"][name]["plots"] = plots.selection_plots(name, rows, cfg, out_dir)
         say(f"selection {name}: wrote {out_dir / f'selection_{name}.json'}")

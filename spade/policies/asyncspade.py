@@ -42,12 +42,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from spade import kernels
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
-from spade.policies.common import derived, is_dense, layer_carry, reset_carry, row_start, topk_selection
+from spade.policies.common import (derived, is_dense, last_token_keys, layer_carry, reset_carry, row_start,
+                                   topk_selection)
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,49 @@ def resolve_rope_aware(setting: bool | str, spec) -> bool:
         raise ConfigError("policy.rope_aware=true needs a model with plain rotary embeddings (spec.rope is None: "
                           "no RoPE, or a scaled variant such as llama3/yarn); set policy.rope_aware=auto or false")
     return bool(setting)
+
+
+def query_pair_mass(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Σ over the queries ``q`` [B, Hq, n, D] of each rotary pair's norm
+    ``sqrt(q_c² + q_{c+D/2}²)``, summed over each KV head's group: [B, Hkv, D/2] float32.
+    A pair's norm is unchanged by RoPE, so pre- and post-RoPE windows give the same."""
+    B, Hq, _, D = q.shape
+    h = D // 2
+    qf = q.float()
+    m = (qf[..., :h].square() + qf[..., h:].square()).sqrt().sum(2)  # [B, Hq, h]
+    return m.view(B, n_kv_heads, Hq // n_kv_heads, h).sum(2)
+
+
+def key_pair_mass(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Σ over positions ``[lo[b], hi[b])`` of each rotary pair's norm of ``k`` [B, Hkv, L, D]:
+    [B, Hkv, D/2] float32."""
+    B, H, L, D = k.shape
+    h = D // 2
+    pos = torch.arange(L, device=k.device)
+    ok = (pos[None, :] >= lo.to(k.device).long()[:, None]) & (pos[None, :] < hi.to(k.device).long()[:, None])
+    kf = k.float()
+    m = (kf[..., :h].square() + kf[..., h:].square()).sqrt()  # [B, H, L, h]
+    return torch.einsum("bhlc,bl->bhc", m, ok.float())
+
+
+def pick_channels(q_mass: torch.Tensor, k_mass: torch.Tensor, r: int) -> torch.Tensor:
+    """The r channels of the r/2 rotary pairs of largest ``q_mass * k_mass`` ([B, Hkv, D/2]
+    each): int64 [B, Hkv, r], the pairs' first halves ascending, then their partners
+    (``c + D/2``) in the same order, so the subset is itself in rotate_half layout."""
+    h = q_mass.shape[-1]
+    pairs = (q_mass * k_mass).topk(r // 2, dim=-1).indices.sort(-1).values  # [B, Hkv, r/2]
+    return torch.cat([pairs, pairs + h], dim=-1)
+
+
+def gather_channels(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, D] or [B, H, L, D] restricted to ``chans`` [B, Hkv, r] (H a multiple of
+    Hkv: a query head uses its KV head's channels): [B, H, r] / [B, H, L, r]."""
+    B, Hkv, r = chans.shape
+    if x.dim() == 4:
+        return x.gather(3, chans[:, :, None, :].expand(B, Hkv, x.shape[2], r))
+    H = x.shape[1]
+    idx = chans[:, :, None, :].expand(B, Hkv, H // Hkv, r).reshape(B, H, r)
+    return x.gather(2, idx)
 
 
 REFRESH_CARRY_MARGIN = 2.0
@@ -138,6 +182,40 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
     cache rank that shares the inference GPU (``colocated``), whose reads compete with
     the decode's — at some selection fidelity (docs/policies.md)."""
+    refresh_drift: float | None = Field(None, gt=0, le=1)
+    """τ: keep each (row, KV head)'s last selection while the predicted query stays
+    within cosine >= τ of the one that selection was made with (the group's queries as one
+    vector, post-RoPE, as scored); a head whose query drifted further takes the new
+    selection and becomes the new anchor. None (default): off. 1.0: every step (the same
+    tokens as off). The choice is a device-side per-(row, head) flag (``torch.where``), so
+    a step replays in a CUDA graph; the selection is still computed every step (the
+    saving is in fidelity-per-refresh and in delta transfers, not in scoring work yet:
+    docs/policies.md). Excludes ``refresh_every > 1``."""
+    score_channels: int | None = Field(None, ge=0)
+    """r: channels per KV head the selection scores (None or 0, or the head dim: all of
+    them, today's behaviour). Chosen per (row, KV head) from the prompt's own keys and the
+    query window: the r/2 rotary pairs (rotate_half: channel c with c + d/2) of largest
+    (Σ |q pair|) x (Σ |k pair|), so RoPE pairs stay together (r even). The scoring copy
+    (exact in the cache dtype, int8 or int4) then stores only those r channels and the
+    predicted query is gathered to them: the scan reads r/d of the key bytes. Re-chosen
+    when the cache length grows by ``channel_refresh`` (docs/policies.md)."""
+    channel_refresh: float | None = Field(2.0, gt=1)
+    """With ``score_channels``: re-choose the channels (and rebuild the scoring copy from the
+    exact keys, in place) when the cache length reaches this factor times its length at the
+    last choice; None: chosen once, at prefill. A host decision on ``seq_len`` (every
+    topology refreshes at the same step; a graph key); it needs the exact keys, so a cache
+    rank keeps appending them (``takes_new_keys`` is False). Amortised cost: at most
+    1/(factor - 1) extra quantisations of each key."""
+
+    @model_validator(mode="after")
+    def _refresh_modes(self):
+        if self.refresh_drift is not None and self.refresh_every > 1:
+            raise ValueError(f"policy.refresh_drift ({self.refresh_drift}) and policy.refresh_every "
+                             f"({self.refresh_every}) are exclusive: set refresh_every: 1 or refresh_drift: null")
+        if self.score_channels and self.score_channels % 2:
+            raise ValueError(f"policy.score_channels ({self.score_channels}) must be even: channels are chosen "
+                             "in rotary pairs (c, c + head_dim/2); use an even r, or 0 for all channels")
+        return self
 
 
 @dataclass
@@ -183,6 +261,19 @@ class AsyncSpadeLayerState:
     score_dtype: torch.dtype | None = None
     """The dtype ``select`` rounds the compressed keys' query to (the cache's, when
     fp16 / bf16; else float32), recorded from the cache each call."""
+    chans: torch.Tensor | None = None
+    """``score_channels``: int64 [B, Hkv, r], the channels the scoring copy holds (None: all)."""
+    chan_seq: int = 0
+    """Host ``seq_len`` at the last channel choice (``channel_refresh`` counts from it)."""
+    drift_q: torch.Tensor | None = None
+    """``refresh_drift``: [B, Hq, D] float32, the scored query each head's kept selection
+    was made with (zeros: none yet, so the first sparse step takes the new selection)."""
+    drift_steps: torch.Tensor | None = None
+    """``refresh_drift``: int64 [2] on the device, (row, head) decisions made and kept (a
+    counter read by the evaluation, never on the hot path)."""
+    fresh: torch.Tensor | None = None
+    """``refresh_drift``: int32 [B, Hkv, K] the step's new selection goes to before the
+    per-head choice writes ``keep``."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -215,6 +306,16 @@ class AsyncSpadePolicy(Policy):
         super().__init__(cfg, spec)
         self.rope_aware = resolve_rope_aware(cfg.rope_aware, spec)
         """The resolved ``cfg.rope_aware`` (``auto`` -> whether ``spec.rope`` is set)."""
+        D, r = spec.head_dim, cfg.score_channels
+        if r and r > D:
+            raise ConfigError(f"policy.score_channels ({r}) exceeds the model's head_dim ({D}); "
+                              f"use at most {D} (or 0 for all channels)")
+        if r and r < D and spec.rope is not None and spec.rope.dim not in (0, D):
+            raise ConfigError(f"policy.score_channels ({r}) keeps rotary pairs (c, c + head_dim/2); this model "
+                              f"rotates {spec.rope.dim} of {D} channels (partial rotary): set score_channels: 0")
+        self.channels: int | None = r if r and r < D else None
+        """r channels per KV head the scoring copy holds, or None (all: ``score_channels``
+        unset, 0 or the head dim, which is exactly the behaviour without channels)."""
 
     @property
     def rows(self) -> int:
@@ -228,7 +329,8 @@ class AsyncSpadePolicy(Policy):
         windows = torch.zeros(s.n_layers, batch_size, s.n_q_heads, self.rows, s.head_dim, dtype=torch.float32,
                               device=device)
         # int4: every layer's smoothing in one tensor too (predict_layers folds a run of layers at once)
-        smooths = (torch.ones(s.n_layers, batch_size, s.n_kv_heads, s.head_dim, dtype=torch.float32, device=device)
+        smooths = (torch.ones(s.n_layers, batch_size, s.n_kv_heads, self.channels or s.head_dim,
+                              dtype=torch.float32, device=device)
                    if self.cfg.score_keys == "int4" else None)
         state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows, index=i, all_smooth=smooths)
                         for i in range(s.n_layers)]
@@ -265,6 +367,8 @@ class AsyncSpadePolicy(Policy):
         # the number of valid window rows changes the predictor's work until it saturates;
         # with refresh_every > 1 a reuse step launches nothing
         key = (state.seq_len <= self.cfg.budget, self.n_valid(state))
+        if self.channels is not None and self.cfg.channel_refresh is not None:
+            key += (self.rechooses(state),)  # that step's observe rebuilds the copy
         return key if self.cfg.refresh_every == 1 else key + (self.refreshes(state),)
 
     def refreshes(self, state: PolicyState) -> bool:
@@ -301,9 +405,11 @@ class AsyncSpadePolicy(Policy):
     def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                      kv_lens: torch.Tensor | None = None, *,
                      fit: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                     k_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 (or packed int4) copy of ``k_cache`` [B, Hkv, L, D] as views
-        (kq [B, Hkv, L, D] int8 / [B, Hkv, L, D/2] uint8, ks [B, Hkv, L]), kept in ``st``.
+                     k_new: torch.Tensor | None = None, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scoring copy of ``k_cache`` [B, Hkv, L, D] as views, kept in ``st``: int8
+        (kq [B, Hkv, L, r] int8, ks [B, Hkv, L]), packed int4 (kq [B, Hkv, L, r/2] uint8, ks),
+        or — ``exact`` with ``score_channels`` — the cache dtype (kq [B, Hkv, L, r], ks None);
+        r = D, or the r channels ``st.chans`` when ``score_channels`` is set.
 
         With ``kv_lens``, the newest key of each row (slot ``kv_lens - 1``) is
         quantised into the copy (device-side, graph-safe): read from the cache's row,
@@ -314,54 +420,106 @@ class AsyncSpadePolicy(Policy):
         the decoded keys). int4: a missing ``st.k_smooth`` is fitted on the keys of
         ``fit`` = (kv_lens, kv_start) (prefill: the prompt), else of ``[0, kv_lens)``,
         else of the whole view; rebuilds keep it, so the copy's scale never shifts
-        mid-sequence.
+        mid-sequence. ``rebuild`` (new channels): refit and requantise the whole view,
+        into the existing buffers when they fit (a captured graph keeps its addresses).
         """
         B, H, L, D = k_cache.shape
-        int4 = self.cfg.score_keys == "int4"
-        dt, Dq = (torch.uint8, D // 2) if int4 else (torch.int8, D)
+        mode = self.cfg.score_keys
+        int4 = mode == "int4"
+        chans = st.chans  # [B, H, r] or None (all channels)
+        r = D if chans is None else chans.shape[-1]
+        dt, Dq = {"int4": (torch.uint8, r // 2), "int8": (torch.int8, r)}.get(mode, (k_cache.dtype, r))
         kq = st.kq
         same = (kq is not None and kq.device == k_cache.device and kq.dtype == dt and kq.shape[:2] == (B, H)
                 and kq.shape[3] == Dq)
-        refit = int4 and (st.k_smooth is None or st.k_smooth.shape != (B, H, D)
+        refit = int4 and (rebuild or st.k_smooth is None or st.k_smooth.shape != (B, H, r)
                           or st.k_smooth.device != k_cache.device)
         if k_new is not None:
             st.keys_elsewhere = True
-        if st.keys_elsewhere and (refit or not same or kq.shape[2] < L):
+        if st.keys_elsewhere and (refit or rebuild or not same or kq.shape[2] < L):
             raise RuntimeError(
                 f"asyncspade: the {self.cfg.score_keys} scoring copy needs a rebuild from the exact keys (cache "
                 f"{tuple(k_cache.shape)}, copy {None if kq is None else tuple(kq.shape)}), but observe took the "
                 "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed "
                 "(or append the keys to it and observe without k_new)")
         st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        ksub = k_cache if chans is None else None  # the channels scored, gathered once per rebuild
         if refit:
             f_lens, f_start = fit if fit is not None else (kv_lens, None)
-            sm = kernels.fit_smoothing(k_cache, f_lens, f_start)  # [B, H, D] fp32
-            base = st.all_smooth
-            if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
-                sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
+            ksub = gather_channels(k_cache, chans) if ksub is None else ksub
+            sm = kernels.fit_smoothing(ksub, f_lens, f_start)  # [B, H, r] fp32
+            if st.k_smooth is not None and st.k_smooth.shape == sm.shape and st.k_smooth.device == sm.device:
+                sm = st.k_smooth.copy_(sm)  # in place: a captured fold keeps reading it
+            else:
+                base = st.all_smooth
+                if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
+                    sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
             st.k_smooth = sm
-            same = False  # a copy made under another smoothing is void
-        if not same or kq.shape[2] < L:
-            cap = max(L, 2 * kq.shape[2]) if same else L
+            same = same and rebuild  # a copy made under another smoothing is void
+        if rebuild or not same or kq.shape[2] < L:
+            ksub = gather_channels(k_cache, chans) if ksub is None else ksub
             if int4:
-                q8, s8 = kernels.quantize_keys_int4(k_cache, st.k_smooth)  # [B, H, L, D/2] uint8, [B, H, L]
+                q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)  # [B, H, L, r/2] uint8, [B, H, L]
+            elif mode == "int8":
+                q8, s8 = kernels.quantize_keys(ksub)  # [B, H, L, r] int8, [B, H, L] fp32
             else:
-                q8, s8 = kernels.quantize_keys(k_cache)  # [B, H, L, D] int8, [B, H, L] fp32
-            if cap > L:
-                st.kq = torch.zeros(B, H, cap, Dq, dtype=dt, device=k_cache.device)
-                st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=k_cache.device)
-                st.kq[:, :, :L] = q8
-                st.ks[:, :, :L] = s8
+                q8, s8 = ksub, None  # exact channels: the subset in the cache dtype
+            if same and kq.shape[2] >= L:  # rebuild in place (new channels, same shapes)
+                st.kq[:, :, :L].copy_(q8)
+                if s8 is not None:
+                    st.ks[:, :, :L].copy_(s8)
             else:
-                st.kq, st.ks = q8, s8
+                cap = max(L, 2 * kq.shape[2]) if same else L
+                if cap > L:
+                    st.kq = torch.zeros(B, H, cap, Dq, dtype=dt, device=k_cache.device)
+                    st.kq[:, :, :L] = q8
+                    st.ks = None
+                    if s8 is not None:
+                        st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=k_cache.device)
+                        st.ks[:, :, :L] = s8
+                else:
+                    st.kq, st.ks = q8.contiguous(), s8
         elif kv_lens is not None:
             kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
             src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
+            if chans is not None:  # the newest keys' channels [B, H, r]
+                src = gather_channels(last_token_keys(k_cache, kv) if k_new is None else k_new, chans)
             if int4:
                 kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
-            else:
+            elif mode == "int8":
                 kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
-        return st.kq[:, :, :L], st.ks[:, :, :L]
+            else:  # exact channels: write the row at slot kv - 1 (rows past the copy are skipped)
+                slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
+                st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
+        return st.kq[:, :, :L], None if st.ks is None else st.ks[:, :, :L]
+
+    @property
+    def keeps_copy(self) -> bool:
+        """Whether the selection scores a copy of the keys the policy keeps (int8, int4, or
+        a channel subset) rather than the cache itself."""
+        return self.cfg.score_keys != "exact" or self.channels is not None
+
+    def rechooses(self, state: PolicyState, layer: int = 0) -> bool:
+        """Whether ``observe`` at ``state.seq_len`` re-chooses ``layer``'s channels
+        (``channel_refresh``: the cache length reached that factor times its length at the
+        last choice). A host decision, the same on every path that observes this step."""
+        f = self.cfg.channel_refresh
+        st = state.layers[layer] if state.layers else None
+        return (self.channels is not None and f is not None and st is not None and st.chans is not None
+                and state.seq_len >= f * st.chan_seq)
+
+    def choose_channels(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
+                        kv_lens: torch.Tensor) -> None:
+        """Choose ``st.chans`` from the query window and the keys ``[kv_start, kv_lens)``
+        (``pick_channels``), in place when the shape allows (graph-safe)."""
+        lo = row_start(state.kv_start, kv_lens)
+        chans = pick_channels(query_pair_mass(st.window, self.spec.n_kv_heads),
+                              key_pair_mass(k_cache, lo, kv_lens), self.channels)
+        if st.chans is not None and st.chans.shape == chans.shape and st.chans.device == chans.device:
+            st.chans.copy_(chans)
+        else:
+            st.chans = chans
+        st.chan_seq = state.seq_len
 
     # ------------------------------------------------------------------ policy API
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
@@ -382,14 +540,18 @@ class AsyncSpadePolicy(Policy):
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
         st.last_sel = state.refresh_anchor = None  # a new prompt: nothing to reuse
         reset_carry(state, layer)
-        if self.cfg.score_keys != "exact":
-            st.kq = st.ks = st.k_smooth = None  # a new prompt: fit and quantise the whole cache afresh
+        st.drift_q = None  # a new prompt: no anchor query
+        if self.keeps_copy:
+            st.kq = st.ks = st.k_smooth = st.chans = None  # a new prompt: fit and quantise the whole cache afresh
             st.keys_elsewhere = False
+            if self.channels is not None:
+                self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device))
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
 
     def takes_new_keys(self, state: PolicyState) -> bool:
-        # compressed scoring keys: observe quantises the step's key, select scores the copy
-        return self.cfg.score_keys != "exact"
+        # compressed scoring keys: observe quantises the step's key, select scores the copy;
+        # channels re-chosen as the cache grows need the exact keys kept
+        return self.keeps_copy and not (self.channels is not None and self.cfg.channel_refresh is not None)
 
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor, k_new: torch.Tensor | None = None) -> None:
@@ -403,7 +565,13 @@ class AsyncSpadePolicy(Policy):
         kernels.window_push(st.window, qn)  # shift out the oldest, qn (as fp32) the newest: one launch
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
-        if self.cfg.score_keys != "exact":
+        if self.channels is not None and (st.chans is None or self.rechooses(state, layer)):
+            # first or re-chosen channels: the whole copy from the exact keys (in place)
+            kv = kv_lens.to(k_cache.device)
+            first = st.chans is None
+            self.choose_channels(state, st, k_cache, kv)
+            self.scoring_keys(st, k_cache, fit=(kv, state.kv_start), rebuild=not first)
+        elif self.keeps_copy:
             self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
@@ -441,8 +609,8 @@ class AsyncSpadePolicy(Policy):
         layer (the fp32 products rounded once, as ``fold_smoothing`` + ``.to`` do); None
         when that does not apply (exact keys, rope_aware, smoothing not stacked)."""
         cfg = self.cfg
-        if cfg.score_keys == "exact" or self.rope_aware:
-            return None
+        if cfg.score_keys == "exact" or self.rope_aware or self.channels is not None:
+            return None  # (channels: select gathers and folds per layer)
         dts = {st.score_dtype for st in sts}
         if len(dts) != 1 or None in dts:
             return None
@@ -498,11 +666,14 @@ class AsyncSpadePolicy(Policy):
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
         k_score, k_scale = k_cache, None
-        if cfg.score_keys != "exact":
+        q_drift = q_hat  # the query as predicted (post-RoPE): what refresh_drift compares
+        if self.keeps_copy:
             k_score, k_scale = self.scoring_keys(st, k_cache)
             if pre is not None and smooth is st.k_smooth and pre.dtype == st.score_dtype:
                 q_hat = pre
             else:
+                if st.chans is not None:
+                    q_hat = gather_channels(q_hat, st.chans)  # [B, Hq, r]: the channels the copy holds
                 q_hat = kernels.fold_smoothing(q_hat, st.k_smooth)  # int4: the copy's smoothing (fp32)
                 if k_cache.dtype in (torch.float16, torch.bfloat16):
                     # as the exact path rounds q̂ to the cache dtype: same query, tensor-core products
@@ -513,13 +684,19 @@ class AsyncSpadePolicy(Policy):
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         periodic = cfg.refresh_every > 1
-        if periodic:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
+        drift = cfg.refresh_drift is not None and cfg.refresh_drift < 1
+        shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
+        if periodic or drift:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
-            shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)
             if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
                 st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
+                st.drift_q = None  # nothing kept yet
             out = st.keep
+        if drift:
+            if st.fresh is None or st.fresh.shape != st.keep.shape or st.fresh.device != st.keep.device:
+                st.fresh = torch.empty_like(st.keep)
+            out = st.fresh
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
         n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid
         sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
@@ -528,9 +705,42 @@ class AsyncSpadePolicy(Policy):
                              norm_lens=norm_lens, out=out, memo=state.memo,
                              carry=layer_carry(state, layer, cfg.topk, k_score),
                              carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        if drift and sel.indices is st.fresh:
+            self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
+            sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         rr = self.rerank_keep()
         if rr is not None:
             sel.keep, sel.keep_reduce = rr
         if periodic:
             st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel
+
+    def drift_kept(self, state: PolicyState) -> float | None:
+        """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier
+        step, over every layer and step so far (one host read: for evaluation and stats,
+        not the decode loop); None without drift decisions."""
+        made = kept = 0
+        for st in state.layers:
+            if st is not None and st.drift_steps is not None:
+                m, k = st.drift_steps.tolist()
+                made, kept = made + m, kept + k
+        return kept / made if made else None
+
+    def _drift_choose(self, st: AsyncSpadeLayerState, q: torch.Tensor, tau: float) -> None:
+        """``refresh_drift``: per (row, KV head), keep ``st.keep`` while the group's query
+        ``q`` [B, Hq, D] is within cosine >= ``tau`` of ``st.drift_q`` (the query it was made
+        with), else take ``st.fresh`` and make ``q`` the new anchor. Device-side only."""
+        B, Hq, D = q.shape
+        Hkv = st.keep.shape[1]
+        if st.drift_q is None or st.drift_q.shape != q.shape or st.drift_q.device != q.device:
+            st.drift_q = torch.zeros_like(q)  # cosine 0 < tau: every head takes the new selection
+        qg = q.view(B, Hkv, (Hq // Hkv) * D)
+        ag = st.drift_q.view(B, Hkv, (Hq // Hkv) * D)
+        cos = (qg * ag).sum(-1) / (qg.norm(dim=-1) * ag.norm(dim=-1)).clamp_min(1e-30)  # [B, Hkv]
+        stay = cos >= tau
+        torch.where(stay[:, :, None], st.keep, st.fresh, out=st.keep)
+        torch.where(stay[:, :, None], ag, qg, out=ag)  # the anchors of the refreshed heads
+        if st.drift_steps is None or st.drift_steps.device != q.device:
+            st.drift_steps = torch.zeros(2, dtype=torch.int64, device=q.device)
+        st.drift_steps[0] += stay.numel()  # (row, head) selections made, and kept
+        st.drift_steps[1] += stay.sum()

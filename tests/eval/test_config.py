@@ -29,6 +29,8 @@ def test_policy_entries():
     assert policy_config({"name": "tova"}, 32, sink_tokens=4, recent_tokens=16).budget == 32
     assert policy_label({"name": "asyncspade", "predictor": "last", "rope_aware": True}) == "asyncspade[last,rope]"
     assert policy_label({"name": "oracle", "group_reduce": "max_logits"}) == "oracle[max_logits]"
+    assert policy_label({"name": "asyncspade", "recent_tokens": 64, "score_channels": 32}) == \
+        "asyncspade[assembled,recent=64,score_channels=32]"  # an entry's own recent window is named
     assert fraction_budget(2048, 16, 28) == 128 and fraction_budget(300, 16, 28) == 28
 
 

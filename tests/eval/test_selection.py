@@ -254,3 +254,45 @@ def test_rerank_rows_measure_the_policys_reranked_selection(rng):
     assert rows["asyncspade[last,rerank=3]"]["recall"] == pytest.approx(want, abs=1e-6)
     assert rows["asyncspade[last,rerank=5]"]["overlap"] == pytest.approx(1.0)  # 5 * 18 >= every middle here
     assert rows["asyncspade[last,rerank=3]"]["overlap"] > rows["asyncspade[last]"]["overlap"]
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_channel_ranking_matches_asyncspade_select_with_score_channels(rope, rng):
+    """The replay's ``r = d/n`` rows (the query masked to the channels the policy picks
+    from the window and the prefix's keys) give exactly the set ``select`` gives with
+    ``score_channels = d/n`` (the gathered copy); and the recommendation takes the smallest
+    r within the tolerance."""
+    from spade.eval.selection import _LayerReplay, recommend_channels
+
+    B, L, D, W, budget = 3, 70, 16, 4, 30
+    spec = _spec(6, 2, D)
+    k = torch.randn(2, L, D, generator=rng) * torch.rand(D, generator=rng) * 2
+    qall = torch.randn(6, L, D, generator=rng)
+    ts = torch.tensor([69, 50, 40])
+    cfg = _cfg(budgets=[budget], context_fractions=[], window=W, predictors=["assembled"], rope_aware=[rope],
+               group_reduces=["sum_logits"], baselines=["oracle"], score_channels=[1, 4])
+    rep = _LayerReplay(cfg, spec, qall, k, ts, 0, Acc(1))
+    win = torch.stack([qall[:, t - W - 1:t] for t in ts.tolist()])
+    kc = k[None].expand(B, 2, L, D)
+    pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=budget, sink_tokens=2, recent_tokens=4, predictor="assembled",
+                                                  window=W, rope_aware=rope, group_reduce="sum_logits",
+                                                  score_channels=D // 4), spec)
+    st = _state(int(ts.max()), B)
+    pol.prefill(st, 0, win, kc, kc, ts.to(torch.int32))
+    st.seq_len += 1
+    kv = (ts + 1).to(torch.int32)
+    sel = pol.select(st, 0, None, kc, kv)
+    q_hat = pol.predict_query(st, 0, kv)
+    mask = rep.channel_mask(win, D // 4)
+    assert torch.equal(mask.view(B, 2, 3, D)[:, :, 0].nonzero()[:, 2].view(B, 2, -1), st.layers[0].chans)
+    lo, hi = middle_bounds(kv, None, 2, 4)
+    rk = Ranked(group_scores_multi(q_hat * mask, k, kv, spec.softmax_scale, ["sum_logits"])["sum_logits"], lo, hi, 64)
+    got = rk.mask(torch.full((B,), budget - 6)) | attended_mask(
+        type(sel)(indices=torch.empty(B, 2, 0, dtype=torch.int32), n_sink=2, n_recent=4), kv, L, 2)
+    assert torch.equal(got, attended_mask(sel, kv, L, 2))
+    rows = [{"budget": "K=8", "policy": "asyncspade[last]", "reduce": "-", "recall": 0.80},
+            {"budget": "K=8", "policy": "asyncspade[last,r=d/2]", "reduce": "-", "recall": 0.795},
+            {"budget": "K=8", "policy": "asyncspade[last,r=d/4]", "reduce": "-", "recall": 0.78}]
+    assert recommend_channels(rows, [1, 2, 4], 0.01)["K=8 asyncspade[last] -"]["r"] == "d/2"
+    assert recommend_channels(rows, [1, 2, 4], 0.03)["K=8 asyncspade[last] -"]["r"] == "d/4"
+    assert recommend_channels(rows, [1, 2, 4], 0.001)["K=8 asyncspade[last] -"]["r"] == "d"
