@@ -463,16 +463,21 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
         "gather_kv_ms": statistics.median(time_graph(lambda: kernels.gather_kv(kc, vc, sel.indices), **it)),
     }
     W = a.window + 1
-    names = ["quest", "tova", "oracle", "asyncspade"] + [f"asyncspade_{sk}" for sk in a.score_keys if sk != "exact"]
-    for name in names:
-        a.cur_score_keys = name.split("_", 1)[1] if "_" in name else "exact"
+    # (name, scoring keys, score_channels, rerank): asyncspade once per variant of the rows
+    variants = [(n, "exact", 0, 1) for n in ("quest", "tova", "oracle")]
+    for sk, ch, m in itertools.product(["exact"] + [sk for sk in a.score_keys if sk != "exact"],
+                                       getattr(a, "score_channels", [0]), getattr(a, "rerank", [1])):
+        variants.append(("asyncspade" + ("" if sk == "exact" else f"_{sk}") + (f"_c{ch}" if ch else "")
+                         + (f"_m{m}" if m > 1 else ""), sk, ch, m))
+    for name, sk, ch, m in variants:
+        a.cur_score_keys, a.cur_channels, a.cur_rerank = sk, ch, m
         try:
             cfg = make_config(policy_overrides(name.split("_")[0], K, a))
         except Exception as e:
             out[f"select_{name}_error"] = f"{type(e).__name__}: {e}"
             continue
         finally:
-            a.cur_score_keys = "exact"
+            a.cur_score_keys, a.cur_channels, a.cur_rerank = "exact", 0, 1
         pol = build_policy(cfg.policy, spec)
         st = pol.new_state(B, dev)
         st.seq_len = L
@@ -624,16 +629,18 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
             row["cache_ms_per_pack_runtime"] = runtime_pack
             if t_opt is not None:
                 row["overlaps_runtime"] = runtime_pack <= row["inference_ms_per_pack"]
-        for sk in a.score_keys:
-            if sk != "exact" and f"select_asyncspade_{sk}_pack{n}_graph_ms" in lt:
-                row[f"cache_ms_per_pack_runtime_{sk}"] = lt[f"select_asyncspade_{sk}_pack{n}_graph_ms"]
-                if t_opt is not None:
-                    row[f"overlaps_runtime_{sk}"] = row[f"cache_ms_per_pack_runtime_{sk}"] <= row["inference_ms_per_pack"]
-        for sk in a.score_keys:
-            if sk != "exact" and f"select_asyncspade_{sk}_graph_ms" in lt:
-                row[f"cache_ms_per_pack_{sk}"] = n * lt[f"select_asyncspade_{sk}_graph_ms"]
-                if t_opt is not None:
-                    row[f"overlaps_{sk}"] = row[f"cache_ms_per_pack_{sk}"] <= row["inference_ms_per_pack"]
+        # every other variant (scoring keys, _c<r> score_channels, _m<m> rerank) the rows ran
+        pre, suf = "select_asyncspade_", f"_pack{n}_graph_ms"
+        for key in [k for k in lt if k.startswith(pre) and k.endswith(suf) and k != f"select_asyncspade{suf}"]:
+            v = key[len(pre):-len(suf)]
+            row[f"cache_ms_per_pack_runtime_{v}"] = lt[key]
+            if t_opt is not None:
+                row[f"overlaps_runtime_{v}"] = lt[key] <= row["inference_ms_per_pack"]
+        for key in [k for k in lt if k.startswith(pre) and k.endswith("_graph_ms") and "_pack" not in k]:
+            v = key[len(pre):-len("_graph_ms")]
+            row[f"cache_ms_per_pack_{v}"] = n * lt[key]
+            if t_opt is not None:
+                row[f"overlaps_{v}"] = row[f"cache_ms_per_pack_{v}"] <= row["inference_ms_per_pack"]
         row["measured_ms_per_pack"] = {
             name.removeprefix("asyncspade/"): r["tpot_ms"] / n_packs for name, r in rows.items()
             if name.startswith("asyncspade/") and f"/P={P}" in name}
