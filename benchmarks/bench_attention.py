@@ -70,8 +70,9 @@ SWEEP_RESERVE_S = 10.0  # of --budget-s, kept for the statistics rows and the la
 
 # ----------------------------------------------------------------------------- timing
 class Timer:
-    """Median CUDA-event time (ms) of a callable, L2 flushed before each call.
-    On a CPU (``--smoke``) it falls back to wall-clock time."""
+    """Median CUDA-event time (ms) of a callable, L2 flushed before each call (a
+    512 MiB memset outside the timed region). On a CPU (``--smoke``) it falls back
+    to wall-clock time. ``benchmarks.kernels`` times with it too."""
 
     def __init__(self, iters: int, warmup: int = 3, flush: bool = True, device: str = "cuda"):
         self.iters, self.warmup, self.cuda = iters, warmup, device == "cuda"
@@ -99,6 +100,21 @@ class Timer:
             e.record()
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))  # ms
+
+    def graph(self, fn: Callable[[], object]) -> float:
+        """Time of ``fn`` replayed from a CUDA graph (captured after a warm-up call
+        that compiles the kernels and allocates their persistent buffers)."""
+        fn()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return self(g.replay)
 
 
 def hbm_bandwidth(timer: Timer, nbytes: int = 2**30, device="cuda") -> float:

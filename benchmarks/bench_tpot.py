@@ -94,10 +94,6 @@ def time_calls(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
     return out
 
 
-POLL = True
-"""How every row waits for the device between steps: poll an event recorded after the
-step (the asynchronous rows through ``InferenceSession.wait_device``, which yields to the
-event loop between polls), or, with ``--blocking-sync``, ``torch.cuda.synchronize``."""
 
 
 def _wait_poll(device: torch.device) -> None:
@@ -115,10 +111,12 @@ def time_steps(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
     """TPOT of a synchronous decode step: host wall clock from an idle device to the
     step's device work done — exactly how ``time_async`` times the asynchronous rows, so
     every row of a TPOT table pays the same launch latency (a serving loop, which reads
-    each sampled token on the host, pays it too) and waits the same way (``POLL``).
+    each sampled token on the host, pays it too) and waits the same way: it polls an
+    event recorded after the step, as the asynchronous rows do through
+    ``InferenceSession.wait_device`` (a blocking sync lost: docs/tried.md).
     Device events around the call (``time_calls``, for kernel-level timings) would
     leave the host's launch time out of the inline rows only."""
-    wait = _wait_poll if POLL else _sync
+    wait = _wait_poll
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -288,7 +286,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
         await sess.begin(lambda ctx: fake_prompt(model, ctx, B, L, a.window + 1), batch=B, max_new_tokens=steps + 2)
         try:
             ms = await time_async(lambda: sess.step(tok), iters=a.iters, warmup=a.warmup, device=model.device,
-                                  wait=None if a.blocking_sync else sess.wait_device)
+                                  wait=sess.wait_device)
             ct = getattr(a, "cur_cache_thread", "auto")
             tag = (f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
                    + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a))
@@ -801,10 +799,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="runtime.cache_thread of the colocated / local rows, comma-separated from "
                          "auto,coroutine: the first names the rows, each further one adds rows "
                          "suffixed /<mode>, side by side")
-    ap.add_argument("--blocking-sync", action="store_true",
-                    help="every row waits for the device between steps with torch.cuda.synchronize (an async "
-                         "row's event loop stalls meanwhile) instead of polling an event (the async rows through "
-                         "the runtime's own InferenceSession.wait_device)")
     ap.add_argument("--pdl", default="",
                     help="SPADE_PDL modes to run every row under, comma-separated from auto,all,decode,off "
                          "(programmatic dependent launch, spade.kernels.pdl): the first names the rows, each "
@@ -840,8 +834,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     if bad := [m for m in a.methods if m.split("/")[0] not in POLICIES and m != "optimal"]:
         ap.error(f"--methods {','.join(bad)}: not a registered policy ({', '.join(POLICIES.names())}) or optimal")
-    global POLL
-    POLL = not a.blocking_sync
     a.cache_thread = [m.strip() for m in a.cache_thread.split(",") if m.strip()]
     if not a.cache_thread or any(m not in ("auto", "coroutine") for m in a.cache_thread):
         ap.error(f"--cache-thread takes auto,coroutine (comma-separated); got {a.cache_thread}")

@@ -52,14 +52,14 @@ import argparse
 import inspect
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 # the attention benchmark's torch references and input builders (shared, not copied)
-from benchmarks.bench_attention import _empty_cache, _rel, full_index, random_middle, torch_dense, torch_sparse  # noqa: E402,F401
+from benchmarks.bench_attention import (Timer, _empty_cache, _rel, full_index, hbm_bandwidth,  # noqa: E402,F401
+                                        random_middle, torch_dense, torch_sparse)
 
 HQ, HKV, D = 32, 8, 128
 N_SINK, N_RECENT = 4, 64
@@ -79,68 +79,6 @@ ATTN_CONFIGS = [(32, 4, 3), (32, 4, 4), (32, 2, 4), (64, 4, 2), (64, 4, 4), (64,
 HEADLINE = (8, 32768, 2048)
 SCORING_MIN_S = 150.0  # bench_scoring cannot be stopped midway: start it only with this much budget left
 TARGET_X_FLOOR = 1.3
-
-
-# ----------------------------------------------------------------------------- timing
-class Timer:
-    """Median time (ms) of a callable: CUDA events with L2 flushed before each call
-    (a 512 MiB memset outside the timed region), or wall clock on a CPU."""
-
-    def __init__(self, iters: int, warmup: int, cuda: bool):
-        import torch
-
-        self.iters, self.warmup, self.cuda = iters, warmup, cuda
-        self.flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda") if cuda else None
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        import torch
-
-        for _ in range(self.warmup):
-            fn()
-        if not self.cuda:
-            times = []
-            for _ in range(self.iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(times)
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
-        for s, e in ev:
-            self.flush.zero_()
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in ev)
-
-    def graph(self, fn: Callable[[], object]) -> float:
-        """Time of ``fn`` replayed from a CUDA graph (captured after a warm-up call
-        that compiles the kernels and allocates their persistent buffers)."""
-        import torch
-
-        fn()
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return self(g.replay)
-
-
-def copy_bandwidth(timer: Timer, device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting read + write."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3)
 
 
 # ----------------------------------------------------------------------------- recording
@@ -569,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.update(TINY, dtype=torch.bfloat16 if cuda else torch.float32, TINY_SWEEP_SHAPE=(1, 67),
                    HEADLINE=(1, 67, 13))
     iters = args.iters or (2 if args.tiny else 30)
-    timer = Timer(iters, warmup=1 if args.tiny else 3, cuda=cuda)
-    bw = copy_bandwidth(timer, device, 2**20 if args.tiny else 2**30)
+    timer = Timer(iters, warmup=1 if args.tiny else 3, device="cuda" if cuda else "cpu")
+    bw = hbm_bandwidth(timer, 2**20 if args.tiny else 2**30, device=device)
     if cuda:
         props = torch.cuda.get_device_properties(device)
         name, sms = props.name, props.multi_processor_count

@@ -167,6 +167,20 @@ def _gate(gate_ptr, row64, GATED: tl.constexpr):
 
 
 @triton.jit
+def _row_state(lo_ptr, hi_ptr, hist_ptr, gate_ptr, row, L, n_rows, k_top, HKV: tl.constexpr, NPASS: tl.constexpr,
+               GATED: tl.constexpr):
+    """What every radix kernel's program first knows of its row ``row`` (of B * HKV):
+    (row64, lo, hi, k_eff, run, prefix, k_rem): the candidate range and the number to
+    select (``_row_bounds``), whether the row runs (``_gate``) and the state after
+    passes ``0..NPASS-1`` (``_radix_state``)."""
+    row64 = row.to(tl.int64)
+    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
+    run = _gate(gate_ptr, row64, GATED)
+    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, NPASS, run)
+    return row64, lo, hi, k_eff, run, prefix, k_rem
+
+
+@triton.jit
 def _chunk_tiles(chunk, CHUNK, lo, hi, work, BLOCK: tl.constexpr):
     """The tiles ``[start, end)`` program ``chunk`` of a (row, chunk) grid walks over the
     row's ``[lo, hi)``: none (``end == start``) where ``work`` is False."""
@@ -189,10 +203,8 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, lo_ptr, hi_ptr, gate_ptr, L, n_rows
     grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, PASS, run)
+    row64, lo, hi, k_eff, run, prefix, k_rem = _row_state(lo_ptr, hi_ptr, hist_ptr, gate_ptr, row, L, n_rows,
+                                                          k_top, HKV, PASS, GATED)
     start, end = _chunk_tiles(chunk, CHUNK, lo, hi, (k_eff > 0) & run, BLOCK)
     row_ptr = scores_ptr + row64 * L
     acc = tl.zeros([256], dtype=tl.int32)
@@ -237,10 +249,8 @@ def _radix_split_kernel(scores_ptr, hist_ptr, cnt_ptr, out_ptr, tie_ptr, lo_ptr,
     grid_dep_release(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
+    row64, lo, hi, k_eff, run, prefix, k_rem = _row_state(lo_ptr, hi_ptr, hist_ptr, gate_ptr, row, L, n_rows,
+                                                          k_top, HKV, 2, GATED)
     top16 = prefix >> 16
     start, end = _chunk_tiles(chunk, CHUNK, lo, hi, (k_eff > 0) & run, BLOCK)
     row_ptr = scores_ptr + row64 * L
@@ -292,11 +302,8 @@ def _tie_select_kernel(scores_ptr, hist_ptr, out_ptr, tie_ptr, lo_ptr, hi_ptr, g
     its flag."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
-    row = tl.program_id(0)
-    row64 = row.to(tl.int64)
-    lo, hi, k_eff = _row_bounds(lo_ptr, hi_ptr, row // HKV, L, k_top)
-    run = _gate(gate_ptr, row64, GATED)
-    prefix, k_rem = _radix_state(hist_ptr, row64, n_rows, k_eff, 2, run)
+    row64, lo, hi, k_eff, run, prefix, k_rem = _row_state(lo_ptr, hi_ptr, hist_ptr, gate_ptr, tl.program_id(0), L,
+                                                          n_rows, k_top, HKV, 2, GATED)
     n_gt16 = k_eff - k_rem  # sure winners already written by _radix_split_kernel
     d1 = ((prefix >> 16) & 0xFF).to(tl.int32)
     n_tie = tl.load(hist_ptr + (n_rows + row64) * 256 + d1, mask=run, other=0)  # elements tied on 16 bits
