@@ -78,7 +78,7 @@ def loop_bound(x, INTERPRET: tl.constexpr):
     """``x`` (a scalar) as a bound of a kernel's ``range()`` loop: ``x`` itself when
     compiled, so the loop and its software pipelining stay as written; a Python int
     under the interpreter, whose ``range()`` cannot take its scalars (one-element
-    arrays, which numpy 2 no longer converts to int). Kernels write one loop,
+    arrays, which numpy 2.4 refuses to convert with int()). Kernels write one loop,
     ``for l0 in range(loop_bound(lo, INTERPRET), loop_bound(hi, INTERPRET), BLOCK)``,
     not a compiled ``for`` and an interpreted ``while`` twin."""
     if INTERPRET:
