@@ -188,9 +188,9 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     vector, post-RoPE, as scored); a head whose query drifted further takes the new
     selection and becomes the new anchor. None (default): off. 1.0: every step (the same
     tokens as off). The choice is a device-side per-(row, head) flag (``torch.where``), so
-    a step replays in a CUDA graph; the selection is still computed every step (the
-    saving is in fidelity-per-refresh and in delta transfers, not in scoring work yet:
-    docs/policies.md). Excludes ``refresh_every > 1``."""
+    a step replays in a CUDA graph; the selection is still computed every step, so it
+    saves no scoring work yet (the kernels do not skip kept heads: docs/policies.md).
+    Excludes ``refresh_every > 1``."""
     score_channels: int | None = Field(None, ge=0)
     """r: channels per KV head the selection scores (None or 0, or the head dim: all of
     them, today's behaviour). Chosen per (row, KV head) from the prompt's own keys and the
