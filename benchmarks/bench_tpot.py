@@ -885,28 +885,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--select-overlap takes auto,on,off (comma-separated); got {a.sov}")
     a.sov = a.sov or [""]  # the environment's, no suffix
     a.cur_sov_sfx = ""  # (set_sov sets the environment: not here, the rows' loop does)
-    try:
-        a.refresh_every = [int(x) for x in a.refresh_every.split(",") if x.strip()] or [1]
-    except ValueError:
-        ap.error(f"--refresh-every takes integers >= 1 (comma-separated); got {a.refresh_every!r}")
-    if any(n < 1 or n > 64 for n in a.refresh_every):
-        ap.error(f"--refresh-every values must lie in [1, 64] (policy.refresh_every); got {a.refresh_every}")
-    a.cur_refresh = 1
-    try:
-        a.rerank = [int(x) for x in a.rerank.split(",") if x.strip()] or [1]
-    except ValueError:
-        ap.error(f"--rerank takes integers >= 1 (comma-separated); got {a.rerank!r}")
-    if any(m < 1 or m > 16 for m in a.rerank):
-        ap.error(f"--rerank values must lie in [1, 16] (policy.rerank); got {a.rerank}")
-    a.cur_rerank = 1
-    try:
-        a.score_channels = [int(x) for x in a.score_channels.split(",") if x.strip()] or [0]
-    except ValueError:
-        ap.error(f"--score-channels takes integers >= 0 (comma-separated); got {a.score_channels!r}")
-    if any(r < 0 for r in a.score_channels):
-        ap.error(f"--score-channels values must be >= 0 (policy.score_channels; 0: all); got {a.score_channels}")
+    a.refresh_every = _int_list(ap, "--refresh-every", a.refresh_every, 1, 64, "policy.refresh_every", 1)
+    a.rerank = _int_list(ap, "--rerank", a.rerank, 1, 16, "policy.rerank", 1)
+    a.score_channels = _int_list(ap, "--score-channels", a.score_channels, 0, 1 << 16,
+                                 "policy.score_channels; 0: all", 0)
+    a.cur_refresh, a.cur_rerank = 1, 1
     a.cur_channels = 0
     return a
+
+
+def _int_list(ap, flag: str, text: str, lo: int, hi: int, field: str, default: int) -> list[int]:
+    """A comma-separated list of integers in [lo, hi] (``[default]`` when empty), or an
+    argparse error naming the flag, the value and the range."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()] or [default]
+    except ValueError:
+        ap.error(f"{flag} takes integers in [{lo}, {hi}] (comma-separated); got {text!r}")
+    if any(v < lo or v > hi for v in vals):
+        ap.error(f"{flag} values must lie in [{lo}, {hi}] ({field}); got {vals}")
+    return vals
 
 
 def kv_bytes(model, B: int, L: int) -> int:

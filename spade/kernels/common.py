@@ -84,3 +84,24 @@ def loop_bound(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return x.handle.data.item()  # NOTE: interpreter tensors wrap numpy arrays
     return x
+
+
+@triton.jit
+def online_softmax_rows(m_run, s_run, sm):
+    """One tile of a running softmax normaliser per row: ``sm`` [R, N] logits (-inf
+    where masked), ``m_run`` / ``s_run`` [R] the running max and sum of exp; returns
+    the updated pair (no NaN when a row has seen only -inf)."""
+    m_new = tl.maximum(m_run, tl.max(sm, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
+
+
+@triton.jit
+def dot_t(a, b, IEEE: tl.constexpr):
+    """``a @ b.T`` on the tensor cores (fp32 accumulate); ``IEEE``: full fp32 precision
+    (the fp32 reference path) instead of TF32."""
+    if IEEE:
+        r = tl.dot(a, tl.trans(b), input_precision="ieee")
+    else:
+        r = tl.dot(a, tl.trans(b))
+    return r

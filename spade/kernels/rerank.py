@@ -45,9 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.common import _interpret, _load_group_q, _split
+from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import _f32_key
+from spade.kernels.scoring import _reduce_ref
 
 __all__ = ["rerank_select_ref", "rerank_select_triton", "rerank_scores_ref", "RERANK_CONFIG"]
 
@@ -92,16 +93,7 @@ def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, s
     kc = k.gather(2, pos[..., None].expand(B, Hkv, M, D)).float()  # [B, Hkv, M, D]
     qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
     logits = torch.einsum("bhgd,bhmd->bhgm", qg, kc) * scale  # [B, Hkv, G, M]
-    neg = torch.tensor(float("-inf"), device=q.device)
-    if reduce == "sum_logits":
-        s = logits.sum(2)
-    elif reduce == "max_logits":
-        s = logits.amax(2)
-    else:
-        lm = torch.where(valid[:, :, None, :], logits, neg)
-        p = torch.softmax(lm, dim=-1)  # rows with no valid candidate give NaN; masked below
-        s = torch.nan_to_num(p, nan=0.0).sum(2)
-    return torch.where(valid, s, neg)
+    return _reduce_ref(logits, valid, valid, reduce)  # sum_softmax: over the valid candidates
 
 
 def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
@@ -131,6 +123,15 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 # ----------------------------------------------------------------------------------------------
 # Triton
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cand_keys(c_base, sc_base, offs_m, M, stride_cm):
+    """A tile of candidates and their scores' order-preserving int64 keys (-1 for an
+    empty slot or past the end; valid keys are > 0)."""
+    cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
+    sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
+    return cand, tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
 
 
 @triton.jit
@@ -174,18 +175,10 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT
                      mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
         if UPCAST:
             kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kt))
-        s = s * scale  # [G_PAD, BLOCK_M] fp32
+        s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
         if REDUCE == 2:
             tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s, mask=offs_m[None, :] < end)
-            sm = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_run, tl.max(sm, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
-            m_run = m_new
+            m_run, s_run = online_softmax_rows(m_run, s_run, tl.where(valid[None, :], s, float("-inf")))
         else:
             if REDUCE == 0:
                 r = tl.sum(s, axis=0)  # padded query rows are zero
@@ -258,9 +251,7 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
             m0 = 0
             while m0 < M:
                 offs_m = m0 + tl.arange(0, BLOCK_M)
-                cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-                sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
-                key = tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
+                cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
                 cnt += tl.sum((key >= t).to(tl.int32), axis=0)
                 m0 += BLOCK_M
             thr = tl.where(cnt >= k_eff, t, thr)
@@ -269,9 +260,7 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
     m0 = 0
     while m0 < M:
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-        sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
-        key = tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
+        cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
         n_gt += tl.sum((key > thr).to(tl.int32), axis=0)
         m0 += BLOCK_M
     eq_left = k_eff - n_gt  # ties at the threshold still to take
@@ -280,9 +269,7 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
     m0 = 0
     while m0 < M:
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-        sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
-        key = tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
+        cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
         eq = (key == thr) & (cand >= 0)
         eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
         take = (key > thr) | (eq & (eq_rank < eq_left))

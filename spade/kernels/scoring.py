@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
-from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, loop_bound
+from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
 from spade.kernels.radix_topk import (SELECT_CONFIG, _f32_key, _new_workspace, _select_from_scores,
@@ -195,18 +195,21 @@ def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
 
 
 def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
-    """Group-reduce ``logits`` [B, Hkv, G, L]; ``norm`` [B, L] is the softmax support,
-    ``out`` [B, L] the positions kept (others ``-inf``). Returns [B, Hkv, L] float32."""
+    """Group-reduce ``logits`` [B, Hkv, G, L]; ``norm`` [B, L] or [B, Hkv, L] is the softmax
+    support, ``out`` (same shapes) the positions kept (others ``-inf``). Returns [B, Hkv, L]
+    float32."""
+    norm = norm[:, None] if norm.dim() == 2 else norm
+    out = out[:, None] if out.dim() == 2 else out
     neg = torch.tensor(float("-inf"), device=logits.device)
     if reduce == "sum_logits":
         s = logits.sum(2)
     elif reduce == "max_logits":
         s = logits.amax(2)
     else:
-        masked = torch.where(norm[:, None, None, :], logits, neg)
+        masked = torch.where(norm[:, :, None, :], logits, neg)
         p = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # rows with no support -> 0
         s = p.sum(2)
-    return torch.where(out[:, None, :], s, neg).float()
+    return torch.where(out, s, neg).float()
 
 
 def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
@@ -354,10 +357,7 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
             kt = kt.to(q.dtype)  # q is already fp32 under UPCAST
         elif UPCAST:
             kt = kt.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kt))
+        s = dot_t(q, kt, IEEE)
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
     if KINT8 or KINT4:
         ksv = tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)  # [BLOCK_L] fp32
@@ -370,11 +370,9 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
             m_new = tl.maximum(m_run, sm)  # [G_PAD, BLOCK_L]
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
             s_run = s_run * tl.exp(m_run - m_safe) + tl.exp(sm - m_safe)
+            m_run = m_new
         else:
-            m_new = tl.maximum(m_run, tl.max(sm, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[:, None]), axis=1)
-        m_run = m_new
+            m_run, s_run = online_softmax_rows(m_run, s_run, sm)
     else:
         if REDUCE == 0:
             r = tl.sum(s, axis=0)  # padded q rows are zero

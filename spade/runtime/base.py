@@ -57,19 +57,25 @@ class Runtime(ABC):
         pass
 
 
+def sample_and_report(logits: torch.Tensor, sample_fn: SampleFn, rows: list[list[int]], i: int,
+                      on_token: OnToken | None) -> tuple[torch.Tensor, bool]:
+    """Token ``i`` of every row: sampled from ``logits``, appended to ``rows``, reported to
+    ``on_token``; returns (the tokens on the device, whether ``on_token`` asked to stop)."""
+    nxt = sample_fn(logits)
+    host = nxt.to("cpu")
+    for b, row in enumerate(rows):
+        row.append(int(host[b]))
+    return nxt, (on_token(i, host) if on_token is not None else False)
+
+
 def timed_loop(backend: DecodeBackend, first_logits: torch.Tensor, *, max_new_tokens: int,
                sample_fn: SampleFn, on_token: OnToken | None, step: Callable[[torch.Tensor], torch.Tensor]):
     """The shared token loop: sample, report, step; returns (tokens per row, step times)."""
-    B = first_logits.shape[0]
-    rows: list[list[int]] = [[] for _ in range(B)]
+    rows: list[list[int]] = [[] for _ in range(first_logits.shape[0])]
     times: list[float] = []
     logits = first_logits
     for i in range(max_new_tokens):
-        nxt = sample_fn(logits)
-        host = nxt.to("cpu")
-        for b in range(B):
-            rows[b].append(int(host[b]))
-        stop = on_token(i, host) if on_token is not None else False
+        nxt, stop = sample_and_report(logits, sample_fn, rows, i, on_token)
         if stop or i == max_new_tokens - 1:
             break
         _sync(backend.device)

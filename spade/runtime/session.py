@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from spade.attention import AttentionContext, ThresholdSelector
-from spade.errors import PeerGone, PeerTimeout, TransportError
+from spade.errors import PeerTimeout, TransportError
 from spade.runtime import protocol as P
-from spade.runtime.base import GenerationTrace, _sync
+from spade.runtime.base import GenerationTrace, _sync, sample_and_report
 from spade.runtime.cache_rank import delta_apply
 from spade.runtime.link import CacheLink
 from spade.runtime.selector import AsyncAttentionContext, AsyncSelector
@@ -648,16 +648,11 @@ class InferenceSession:
     async def token_loop(self, first_logits: torch.Tensor, *, max_new_tokens: int, sample_fn,
                          on_token=None) -> tuple[list[list[int]], list[float]]:
         """``spade.runtime.base.timed_loop`` with an asynchronous step."""
-        B = first_logits.shape[0]
-        rows: list[list[int]] = [[] for _ in range(B)]
+        rows: list[list[int]] = [[] for _ in range(first_logits.shape[0])]
         times: list[float] = []
         logits = first_logits
         for i in range(max_new_tokens):
-            nxt = sample_fn(logits)
-            host = nxt.to("cpu")
-            for b in range(B):
-                rows[b].append(int(host[b]))
-            stop = on_token(i, host) if on_token is not None else False
+            nxt, stop = sample_and_report(logits, sample_fn, rows, i, on_token)
             if stop or i == max_new_tokens - 1:
                 break
             await self.wait_device()

@@ -93,6 +93,16 @@ def test_ranked_prefix_is_the_oracle_selection(hq, hkv, budget, rng):
         assert torch.allclose(rk.overlap(rk, kt), torch.ones(B, dtype=torch.float64))
 
 
+
+def _select_once(pol, win, kc, ts):
+    """The policy's prefill of windows ``win`` at positions ``ts``, then one select and
+    the predicted query: (state, selection, q_hat, kv_lens)."""
+    st = _state(int(ts.max()), len(ts))
+    pol.prefill(st, 0, win, kc, kc, ts.to(torch.int32))
+    st.seq_len += 1
+    kv = (ts + 1).to(torch.int32)
+    return st, pol.select(st, 0, None, kc, kv), pol.predict_query(st, 0, kv), kv
+
 @pytest.mark.parametrize("predictor", ["last", "assembled"])
 @pytest.mark.parametrize("rope", [False, True])
 def test_ranked_matches_asyncspade_select(predictor, rope, rng):
@@ -107,12 +117,7 @@ def test_ranked_matches_asyncspade_select(predictor, rope, rng):
     qall = torch.randn(6, L, D, generator=rng)
     win = torch.stack([qall[:, t - W - 1:t] for t in ts.tolist()])
     pol = AsyncSpadePolicy(cfg, spec)
-    st = _state(int(ts.max()), B)
-    pol.prefill(st, 0, win, kc, kc, ts.to(torch.int32))
-    st.seq_len += 1
-    kv = (ts + 1).to(torch.int32)
-    sel = pol.select(st, 0, None, kc, kv)
-    q_hat = pol.predict_query(st, 0, kv)
+    st, sel, q_hat, kv = _select_once(pol, win, kc, ts)
     lo, hi = middle_bounds(kv, None, 2, 4)
     rk = Ranked(group_scores_multi(q_hat, k, kv, spec.softmax_scale, ["sum_logits"])["sum_logits"], lo, hi, 64)
     got = rk.mask(torch.full((B,), budget - 6)) | attended_mask(
@@ -277,12 +282,7 @@ def test_channel_ranking_matches_asyncspade_select_with_score_channels(rope, rng
     pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=budget, sink_tokens=2, recent_tokens=4, predictor="assembled",
                                                   window=W, rope_aware=rope, group_reduce="sum_logits",
                                                   score_channels=D // 4), spec)
-    st = _state(int(ts.max()), B)
-    pol.prefill(st, 0, win, kc, kc, ts.to(torch.int32))
-    st.seq_len += 1
-    kv = (ts + 1).to(torch.int32)
-    sel = pol.select(st, 0, None, kc, kv)
-    q_hat = pol.predict_query(st, 0, kv)
+    st, sel, q_hat, kv = _select_once(pol, win, kc, ts)
     mask = rep.channel_mask(win, D // 4)
     assert torch.equal(mask.view(B, 2, 3, D)[:, :, 0].nonzero()[:, 2].view(B, 2, -1), st.layers[0].chans)
     lo, hi = middle_bounds(kv, None, 2, 4)

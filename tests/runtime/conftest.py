@@ -140,3 +140,15 @@ class Selectors:
                 return sel
         Sel.frozen = {}
         return Sel
+
+
+def generate_cfg(cfg, model, prompt, new: int = NEW, **kw):
+    """One generation of ``prompt`` through an ``AsyncRuntime`` built from ``cfg`` (closed
+    after); ``kw`` goes to ``generate`` (e.g. ``on_token``)."""
+    from spade.runtime.asyncrt import AsyncRuntime
+
+    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
+    try:
+        return rt.generate(*prompt, max_new_tokens=new, sample_fn=greedy, **kw)
+    finally:
+        rt.close()

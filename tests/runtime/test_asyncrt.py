@@ -9,13 +9,12 @@ import time
 import pytest
 import torch
 
-from spade.errors import TransportError
 from spade.policies import build_policy
 from spade.runtime import build_runtime
 from spade.runtime.asyncrt import AsyncRuntime, ThresholdSelector, theta_eff
 from spade.runtime.inline import InlineRuntime
 from spade.runtime.protocol import CacheHooks, packs_of
-from tests.runtime.conftest import BUDGET, NEW, T, Selectors, config, greedy, run_with_selector
+from tests.runtime.conftest import BUDGET, NEW, T, Selectors, config, generate_cfg, greedy, run_with_selector
 
 
 def generate(model, prompt, *overrides, hooks=None, new=NEW):
@@ -288,14 +287,6 @@ def test_refresh_every_matches_inline_tokens(model, prompt, inline_tokens, topol
     sparse_steps = sum(1 for s in range(1, NEW) if T + s > BUDGET)
     assert tr.stats["sparse_steps"] == sparse_steps and tr.late_packs == 0
     assert tr.stats["sel_messages"] >= sparse_steps * len(packs_of(model.spec.n_layers, pack))
-
-
-def generate_cfg(cfg, model, prompt):
-    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
-    try:
-        return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
-    finally:
-        rt.close()
 
 
 def test_hf_backend_growing_cache(prompt):

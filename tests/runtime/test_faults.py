@@ -117,6 +117,12 @@ def per_step_attended(monkeypatch):
     """Tokens attended by each decode step (summed over layers, rows and KV heads):
     the context's device counters read after every step (CPU: no sync cost)."""
     record: list[int] = []
+    monkeypatch.setattr(InferenceSession, "step", _recording_step(record))
+    return record
+
+
+def _recording_step(record: list[int]):
+    """``InferenceSession.step`` that appends each step's tokens attended to ``record``."""
     real = InferenceSession.step
 
     async def step(self, tokens):
@@ -125,8 +131,7 @@ def per_step_attended(monkeypatch):
         record.append(int(self.ctx.stats[:, 0].sum()) - before)
         return out
 
-    monkeypatch.setattr(InferenceSession, "step", step)
-    return record
+    return step
 
 
 def _run(model, prompt, *over, hooks=None, new=NEW, on_token=None, runtime=None):
@@ -150,14 +155,7 @@ def unfaulted(model, prompt):
     rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
     rec: list[int] = []
     real = InferenceSession.step
-
-    async def step(self, tokens):
-        before = int(self.ctx.stats[:, 0].sum())
-        out = await real(self, tokens)
-        rec.append(int(self.ctx.stats[:, 0].sum()) - before)
-        return out
-
-    InferenceSession.step = step
+    InferenceSession.step = _recording_step(rec)
     try:
         tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
     finally:

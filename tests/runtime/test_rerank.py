@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 
 from spade.policies import build_policy
-from spade.runtime.asyncrt import AsyncRuntime
 from spade.runtime.inline import InlineRuntime
 from spade.runtime.protocol import packs_of
-from tests.runtime.conftest import BUDGET, NEW, T, config, free_port, greedy
+from tests.runtime.conftest import BUDGET, NEW, T, config, free_port, generate_cfg, greedy
 
 
 def _inline(model, prompt, cfg):
@@ -19,11 +18,7 @@ def _inline(model, prompt, cfg):
 
 
 def _async(model, prompt, cfg):
-    rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
-    try:
-        return rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
-    finally:
-        rt.close()
+    return generate_cfg(cfg, model, prompt)
 
 
 @pytest.fixture(scope="module")
