@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from benchmarks.kernels import Recorder, Timer, copy_bandwidth  # noqa: E402
+    from benchmarks.kernels import Recorder, Timer, hbm_bandwidth  # noqa: E402
     from spade import kernels  # noqa: E402 - after TRITON_INTERPRET
     from spade.kernels import attention, rerank  # noqa: E402
 
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         ms_ = [int(x) for x in args.rerank.split(",") if x.strip()]
         iters, warmup = args.iters, args.warmup
     k_mid = budget - n_sink - n_recent
-    timer = Timer(iters, warmup, cuda)
-    bw = copy_bandwidth(timer, dev, (1 << 30) if cuda else (1 << 20))
+    timer = Timer(iters, warmup, device="cuda" if cuda else "cpu")
+    bw = hbm_bandwidth(timer, (1 << 30) if cuda else (1 << 20), device=dev)
     elt = torch.finfo(dtype).bits // 8
     meta = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)", hq=hq, hkv=hkv, d=d,
                 dtype=str(dtype).replace("torch.", ""), budget=budget, n_sink=n_sink, n_recent=n_recent,
