@@ -445,53 +445,78 @@ class AsyncSpadePolicy(Policy):
         st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
         ksub = k_cache if chans is None else None  # the channels scored, gathered once per rebuild
         if refit:
-            f_lens, f_start = fit if fit is not None else (kv_lens, None)
             ksub = gather_channels(k_cache, chans) if ksub is None else ksub
-            sm = kernels.fit_smoothing(ksub, f_lens, f_start)  # [B, H, r] fp32
-            if st.k_smooth is not None and st.k_smooth.shape == sm.shape and st.k_smooth.device == sm.device:
-                sm = st.k_smooth.copy_(sm)  # in place: a captured fold keeps reading it
-            else:
-                base = st.all_smooth
-                if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
-                    sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
-            st.k_smooth = sm
+            self._refit_smoothing(st, ksub, fit if fit is not None else (kv_lens, None))
             same = same and rebuild  # a copy made under another smoothing is void
         if rebuild or not same or kq.shape[2] < L:
             ksub = gather_channels(k_cache, chans) if ksub is None else ksub
-            if int4:
-                q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)  # [B, H, L, r/2] uint8, [B, H, L]
-            elif mode == "int8":
-                q8, s8 = kernels.quantize_keys(ksub)  # [B, H, L, r] int8, [B, H, L] fp32
-            else:
-                q8, s8 = ksub, None  # exact channels: the subset in the cache dtype
-            if same and kq.shape[2] >= L:  # rebuild in place (new channels, same shapes)
-                st.kq[:, :, :L].copy_(q8)
-                if s8 is not None:
-                    st.ks[:, :, :L].copy_(s8)
-            else:
-                cap = max(L, 2 * kq.shape[2]) if same else L
-                if cap > L:
-                    st.kq = torch.zeros(B, H, cap, Dq, dtype=dt, device=k_cache.device)
-                    st.kq[:, :, :L] = q8
-                    st.ks = None
-                    if s8 is not None:
-                        st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=k_cache.device)
-                        st.ks[:, :, :L] = s8
-                else:
-                    st.kq, st.ks = q8.contiguous(), s8
+            self._rebuild_copy(st, ksub, dt, Dq, same)
         elif kv_lens is not None:
-            kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
-            src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
-            if chans is not None:  # the newest keys' channels [B, H, r]
-                src = gather_channels(last_token_keys(k_cache, kv) if k_new is None else k_new, chans)
-            if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
-            elif mode == "int8":
-                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
-            else:  # exact channels: write the row at slot kv - 1 (rows past the copy are skipped)
-                slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
-                st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
+            self._append_copy(st, k_cache, kv_lens, k_new, dt)
         return st.kq[:, :, :L], None if st.ks is None else st.ks[:, :, :L]
+
+    @staticmethod
+    def _refit_smoothing(st: AsyncSpadeLayerState, ksub: torch.Tensor, fit: tuple) -> None:
+        """int4: fit the keys' per-channel smoothing on ``fit`` = (kv_lens, kv_start) of
+        ``ksub`` (the scored channels), in place where ``st`` already holds a tensor of that
+        shape (a captured fold keeps reading it)."""
+        sm = kernels.fit_smoothing(ksub, *fit)  # [B, H, r] fp32
+        if st.k_smooth is not None and st.k_smooth.shape == sm.shape and st.k_smooth.device == sm.device:
+            sm = st.k_smooth.copy_(sm)
+        else:
+            base = st.all_smooth
+            if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
+                sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
+        st.k_smooth = sm
+
+    def _rebuild_copy(self, st: AsyncSpadeLayerState, ksub: torch.Tensor, dt: torch.dtype, Dq: int,
+                      same: bool) -> None:
+        """The scoring copy of the whole view ``ksub`` [B, H, L, r]: in place when ``same``
+        (the copy's layout) and it holds L rows, else in new buffers (capacity doubled when
+        the cache outgrew a copy of the same layout)."""
+        B, H, L, _ = ksub.shape
+        mode = self.cfg.score_keys
+        if mode == "int4":
+            q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)  # [B, H, L, r/2] uint8, [B, H, L]
+        elif mode == "int8":
+            q8, s8 = kernels.quantize_keys(ksub)  # [B, H, L, r] int8, [B, H, L] fp32
+        else:
+            q8, s8 = ksub, None  # exact channels: the subset in the cache dtype
+        kq = st.kq
+        if same and kq.shape[2] >= L:  # rebuild in place (new channels, same shapes)
+            st.kq[:, :, :L].copy_(q8)
+            if s8 is not None:
+                st.ks[:, :, :L].copy_(s8)
+            return
+        cap = max(L, 2 * kq.shape[2]) if same else L
+        if cap == L:
+            st.kq, st.ks = q8.contiguous(), s8
+            return
+        st.kq = torch.zeros(B, H, cap, Dq, dtype=dt, device=ksub.device)
+        st.kq[:, :, :L] = q8
+        st.ks = None
+        if s8 is not None:
+            st.ks = torch.zeros(B, H, cap, dtype=torch.float32, device=ksub.device)
+            st.ks[:, :, :L] = s8
+
+    def _append_copy(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor, kv_lens: torch.Tensor,
+                     k_new: torch.Tensor | None, dt: torch.dtype) -> None:
+        """The newest key of each row (slot ``kv_lens - 1``: the cache's row, or ``k_new``)
+        into the copy, device-side (graph-safe)."""
+        B, H = k_cache.shape[:2]
+        chans, mode = st.chans, self.cfg.score_keys
+        kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
+        src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
+        if chans is not None:  # the newest keys' channels [B, H, r]
+            src = gather_channels(last_token_keys(k_cache, kv) if k_new is None else k_new, chans)
+        if mode == "int4":
+            kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
+        elif mode == "int8":
+            kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
+        else:  # exact channels: write the row at slot kv - 1 (rows past the copy are skipped)
+            r = st.kq.shape[3]
+            slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
+            st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
 
     @property
     def keeps_copy(self) -> bool:
