@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # Loaded on first use, so that ``import spade.envs`` (read by the kernels) stays light:
 # ``spade.config`` brings pydantic, ``spade.engine`` torch and the models.
 _LAZY = {"SpadeConfig": "spade.config", "load_config": "spade.config",
-         "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine"}
+         "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine",
+         "AsyncEngine": "spade.serving", "SamplingParams": "spade.serving", "RequestOutput": "spade.serving"}
 
 
 def __getattr__(name: str):
@@ -35,5 +36,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spade' has no attribute {name!r}")
 
 
-__all__ = ["SpadeConfig", "load_config", "Engine", "GenerationResult", "run", "SpadeError", "ConfigError",
-           "__version__"]
+__all__ = ["SpadeConfig", "load_config", "Engine", "GenerationResult", "run", "AsyncEngine", "SamplingParams",
+           "RequestOutput", "SpadeError", "ConfigError", "__version__"]
