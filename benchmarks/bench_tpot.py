@@ -297,7 +297,10 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                                   wait=sess.wait_device)
             ct = getattr(a, "cur_cache_thread", "auto")
             tag = (f"{topology}_P{P}_{getattr(a, 'cur_score_keys', 'exact')}"
-                   + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a))
+                   + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a)
+                   + "".join(f"_{k}{v}" for k, v in (("r", getattr(a, "cur_refresh", 1)),
+                                                      ("m", getattr(a, "cur_rerank", 1)),
+                                                      ("c", getattr(a, "cur_channels", 0))) if v not in (0, 1)))
             timeline = None
             if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
                     or tag in a.profile_rows.split(","):
@@ -808,8 +811,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch.profiler over a few steps of the first row of each asynchronous topology")
     ap.add_argument("--profile-rows", default="",
                     help="torch.profiler (kernel table, device timeline summary, gzipped Chrome trace) of these "
-                         "async rows (topology_P<P>_<keys>, e.g. local_P4_int4,multiprocess_P4_int4) instead "
-                         "of --profile's first row per topology; --profile still profiles optimal and full")
+                         "async rows (topology_P<P>_<keys>[_r<n>][_m<m>][_c<r>], e.g. local_P4_int4,colocated_P4_int4_c64) "
+                         "instead of --profile's first row per topology; --profile still profiles optimal and full")
     ap.add_argument("--cache-thread", default="auto",
                     help="runtime.cache_thread of the colocated / local rows, comma-separated from "
                          "auto,coroutine: the first names the rows, each further one adds rows "
