@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(select_overlap) against the same serially; WARPS[:PRIORITY],... of the side-stream select "
                          "(0 = the serial select's warps; the default under overlap: SELECT_CONFIG carry_overlap_warps)")
     ap.add_argument("--overlap-layers", type=int, default=4)
+    ap.add_argument("--dims", default=str(D),
+                    help="key dims scored, comma-separated: 128 is the full head; r < 128 is the scoring copy of "
+                         "policy.score_channels r (rows carry d)")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -242,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# device {torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'}; q {hq} / kv {hkv} heads, d={d}",
           flush=True)
-    for (B, L), keys in itertools.product(shapes, args.keys.split(",")):
+    dims = [int(x) for x in args.dims.split(",")] if not args.tiny else [d]
+    for (B, L), keys, d in itertools.product(shapes, args.keys.split(","), dims):
         if time.monotonic() > t_end:
             print(f"# budget spent: skip B={B} L={L} {keys}", flush=True)
             continue
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             return dict(stages, total_ms=ms[-1], select_ms=ms[-1] - ms[0], deficit=err)
 
         base = timed_stages({})
-        record(dict(B=B, L=L, K=K, keys=keys, config="default", **(base or {})))
+        record(dict(B=B, L=L, K=K, keys=keys, d=d, config="default", **(base or {})))
         for cc in [c for c in args.carry.split(",") if c]:
             radix_topk.SELECT_CONFIG.clear()
             radix_topk.SELECT_CONFIG.update(_carry_cfg(cc))
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
                 radix_topk.SELECT_CONFIG.clear()
-            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=cc), **res))
+            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=cc), **res))
         ov_specs = [o for o in args.overlap.split(",") if o] if args.carry else []
         serial_ms = None
         for spec in ["off"] + ov_specs if ov_specs else []:
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
                 radix_topk.SELECT_CONFIG.clear()
-            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], overlap=spec,
+            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], overlap=spec,
                                                               layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
         for tc in tiles:
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 radix_topk.SELECT_CONFIG.clear()
                 for key in ("BLOCK_L", "num_warps", "num_stages", "PER_SM"):
                     scoring.GEMV_CONFIG.pop(key, None)
-            record(dict(B=B, L=L, K=K, keys=keys, config=dict(carry=args.carry.split(",")[0], score_tile=tc), **res))
+            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], score_tile=tc), **res))
         if args.no_grid:
             scoring.GEMV_CONFIG.clear()
             continue
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                         dict(score_ms=_graph_ms(lambda: run(1), rep=rep), deficit=err)
                 except Exception as e:
                     res = dict(error=f"{type(e).__name__}: {e}"[:200])
-                record(dict(B=B, L=L, K=K, keys=keys, config=dict(score_tile=[bl, nw, ns]), **res))
+                record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(score_tile=[bl, nw, ns]), **res))
             scoring.GEMV_CONFIG.clear()
         if keys == "int8_float":
             scoring.GEMV_CONFIG.clear()
@@ -394,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = timed_stages(cfg)
             except Exception as e:  # a config the compiler refuses: report it
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
-            record(dict(B=B, L=L, K=K, keys=keys, config=cfg, **(res or {})))
+            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=cfg, **(res or {})))
     scoring.GEMV_CONFIG.clear()
     ok = [r for r in rows_out if "select_ms" in r]
     if ok:
