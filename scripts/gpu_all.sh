@@ -48,6 +48,9 @@
 #   twostage   two-stage selection: TPOT + Table 3 of colocated and local asyncspade with policy.rerank and
 #              policy.score_channels variants (TWOSTAGE_ARGS, default --rerank 1,2 --score-channels 0,64) beside
 #              full / quest / optimal at TWOSTAGE_SHAPES (default 8x32768 16x32768 32x16384)
+#   faults     tests/runtime/test_faults.py on the GPU, then benchmarks/soak.py: SOAK_STEPS (10000) decode steps of the
+#              Qwen3-1.7B preset with a cache-rank fault (kill, stop, close) every ~SOAK_EVERY (400) steps, multiprocess
+#              over nccl on a pair (colocated on one GPU; SOAK_TOPOLOGY), JSON + plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
@@ -245,6 +248,15 @@ for s in "${stages[@]}"; do
               ${TWOSTAGE_ARGS:---rerank 1,2 --score-channels 0,64} --budget-s $(( ${TWOSTAGE_TIMEOUT:-150} - 20 )) \
               --no-plots --out "$OUT/bench_tpot_twostage_$bl.json"
       done ;;
+    faults)  # the fault-injection suite on the GPU (nccl between GPUs), then a soak of SOAK_STEPS decode steps with a
+             # cache-rank fault every ~SOAK_EVERY steps: SOAK_TOPOLOGY (default multiprocess over nccl; colocated on one GPU)
+      run fault_tests ${FAULTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/runtime/test_faults.py
+      topo=${SOAK_TOPOLOGY:-$([ "$NGPU" -ge 2 ] && echo multiprocess || echo colocated)}
+      run "soak_$topo" ${SOAK_TIMEOUT:-480} python3 -m benchmarks.soak --preset ${SOAK_PRESET:-qwen3-1.7b} --device cuda:0 \
+        --dtype bfloat16 --topology "$topo" --transport nccl --batch 4 --prompt-len 2048 --budget 256 \
+        --steps ${SOAK_STEPS:-10000} --steps-per-request ${SOAK_PER_REQUEST:-2500} --fault-every ${SOAK_EVERY:-400} \
+        --faults ${SOAK_FAULTS:-kill,stop,close} --peer-deadline-s 15 --threads 0 ${SOAK_ARGS:-} \
+        --out "$OUT/soak_gpu_$topo.json" ;;
     cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept
       run spade_run ${CLI_TIMEOUT:-240} python3 -m spade.cli run --config ${CLI_CONFIG:-configs/h100_qwen3_8b.yaml} \
