@@ -211,16 +211,25 @@ class AsyncRuntime(Runtime):
             except TransportError as e:  # it died between generations: a new one
                 log.warning("the cache rank was lost between generations (%s); starting a new one", e)
                 await link.abandon()
-                link = await self.link()
+                try:
+                    link = await self.link(restart=True)
+                except TransportError as e2:  # not back: this generation starts dense, its supervisor retries
+                    log.warning("starting a new cache rank failed (%s); decoding densely until one is up", e2)
+                    sess = InferenceSession(self, link)
+                    sess.start_lost(f"{type(e2).__name__}: {e2}")
+                    return sess
         return InferenceSession(self, link)
 
-    async def link(self) -> CacheLink:
+    async def link(self, *, restart: bool = False) -> CacheLink:
+        """The open link (opened on first need). ``restart``: opened to replace a lost
+        cache rank (see ``CacheLink.open``)."""
         if self._link is None or self._link.closed:
             self._link = await CacheLink.open(self.cfg, inference_device=self.backend.device,
                                               cache_device=self.cache_device,
                                               policy=self.policy if self.topology != "multiprocess" else None,
                                               topology=self.topology,
-                                              connect_timeout_s=max(120.0, self.peer_deadline_s))
+                                              connect_timeout_s=max(120.0, self.peer_deadline_s),
+                                              restart=restart)
             self._owns_link = True
             self._link_box[0] = self._link
         return self._link

@@ -9,6 +9,7 @@ runs the runtime's event loop when it is driven from inside a running one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from spade.runtime.cache_rank import CacheRank, SharedKV
 from spade.transports.base import Handshake
 
 PROTOCOL = P.PROTOCOL
+log = logging.getLogger(__name__)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -86,9 +88,12 @@ class CacheLink:
 
     @classmethod
     async def open(cls, cfg, *, inference_device: torch.device, cache_device: torch.device,
-                   policy: Policy | None, topology: str, connect_timeout_s: float = 120.0) -> "CacheLink":
+                   policy: Policy | None, topology: str, connect_timeout_s: float = 120.0,
+                   restart: bool = False) -> "CacheLink":
         """``colocated``/``local``: an in-process cache rank over the local transport;
-        ``multiprocess``: spawn (or, under torchrun, meet) the cache process."""
+        ``multiprocess``: spawn (or, under torchrun, meet) the cache process. ``restart``:
+        it replaces a lost one, whose link may still hold the configured port; a spawned
+        process then meets on free ports (``Transport.on_free_port``)."""
         link = cls()
         link.topology = topology
         link.cache_device = cache_device
@@ -127,6 +132,11 @@ class CacheLink:
             if tcfg.name == "nccl":
                 kw["init_method"] = "env://"
         else:
+            if restart:
+                tcfg, why = cls_t.on_free_port(tcfg)
+                if why is not None:
+                    log.warning("the new cache rank meets on %s port %d (%s, still held by the lost link)",
+                                tcfg.name, getattr(tcfg, cls_t.port_field), why)
             link.proc = spawn_worker(tcfg, cache_device)
         t = cls_t(tcfg, rank=0, world=2, device=inference_device, **kw)
         try:

@@ -116,14 +116,16 @@ class InferenceSession:
             self.prefill_time_s = time.perf_counter() - t0
             return logits
         link = self.link
-        link.check()
+        alive = self.peer_gone is None  # (else the generation starts dense: ``start_lost``)
+        if alive:
+            link.check()
         if be.device.type == "cuda":
             self._land_stream = torch.cuda.Stream(device=be.device)
-            link.transport.recv_stream = self._land_stream
-        if link.cache is not None:
+            if alive:
+                link.transport.recv_stream = self._land_stream
+        if alive and link.cache is not None:
             self._cache_base = link.cache.consumed
-        shared = link.shared
-        self.sel.shared = shared
+        self.sel.shared = link.shared if alive else None
         self.ctx = AsyncAttentionContext(be.spec, self.sel, device=be.device)
         _sync(be.device)
         t0 = time.perf_counter()
@@ -267,6 +269,15 @@ class InferenceSession:
         if self.rt._owns_link:
             self._abandon_task = asyncio.get_running_loop().create_task(self.link.abandon())
 
+    def start_lost(self, reason: str) -> None:
+        """Before ``begin``: the cache rank is lost and a new one did not come up. The
+        generation starts dense (nothing is sent; the boot's bookkeeping is kept for the
+        successor) and ``_supervise`` tries again from its first step."""
+        self.peer_gone = reason
+        self.stats["peer_gone"] = reason
+        self.stats["peers_lost"] += 1
+        self._event("restart_failed", reason=reason)
+
     def _note_fallback(self, step: int) -> None:
         """Decode step ``step`` was meant to be sparse but (some of) its packs ran dense."""
         if self.fallback and self.fallback[-1][1] >= step - 1:
@@ -316,7 +327,7 @@ class InferenceSession:
         """The lost link closed (its port free again), a new one opened the same way."""
         if self._abandon_task is not None:
             await self._abandon_task
-        return await self.rt.link()
+        return await self.rt.link(restart=True)
 
     async def _reboot(self, link: CacheLink, step: int) -> None:
         """Boot a new cache rank at this rank's cache length, before decode step ``step``:

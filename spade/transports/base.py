@@ -89,6 +89,10 @@ class Transport(ABC):
     """One endpoint of a point-to-point link. Subclasses: one per file."""
 
     name: ClassVar[str]
+    port_field: ClassVar[str | None] = None
+    """The config field of the TCP port the two ranks meet on (None: no port)."""
+    port_span: ClassVar[int] = 1
+    """Consecutive ports from ``port_field`` a link listens on."""
 
     def __init__(self, cfg: Any, *, rank: int, world: int = 2, device: str | torch.device = "cpu"):
         self.cfg = cfg
@@ -114,6 +118,26 @@ class Transport(ABC):
     def available(cls) -> tuple[bool, str]:
         """(usable on this machine, why not / what it will use)."""
         return True, "ok"
+
+    @classmethod
+    def on_free_port(cls, cfg: Any) -> tuple[Any, str | None]:
+        """``(cfg, None)`` when the link's ports are free here, else ``(a copy of cfg on
+        free ports, why the old ones are not)``: a cache rank started again after a loss
+        meets on fresh ports when the lost link still holds its own (a process group's
+        store that a dead peer's communicator keeps open, a socket in a library's keeping)."""
+        from spade.transports._framing import free_port, port_in_use
+
+        if cls.port_field is None:
+            return cfg, None
+        port = int(getattr(cfg, cls.port_field))
+        why = next((f"port {port + i}: {w}" for i in range(cls.port_span) if (w := port_in_use(port + i))), None)
+        if why is None:
+            return cfg, None
+        for _ in range(64):
+            p = free_port()
+            if p + cls.port_span < 65536 and all(port_in_use(p + i) is None for i in range(cls.port_span)):
+                return cfg.model_copy(update={cls.port_field: p}), why
+        raise TransportError(f"{cls.name}: no {cls.port_span} free consecutive ports found for a new cache rank")
 
     @classmethod
     def preflight(cls, cfg: Any) -> None:

@@ -186,6 +186,9 @@ class NcclTransport(Transport):
     ``tcp://master_addr:master_port``; ``env://`` under torchrun), ``max_inflight`` and
     ``max_inflight_bytes`` (unfinished sends: messages, and bytes of staged clones)."""
 
+    port_field = "master_port"
+    port_span = 2  # the store at master_port, the header socket at master_port + 1
+
     name = "nccl"
 
     def __init__(self, cfg: Any = None, *, rank: int, world: int = 2, device: str | torch.device = "cpu",

@@ -282,6 +282,8 @@ class NixlTransport(Transport):
     'nixl'
     """
 
+    port_field = "port"
+
     name = "nixl"
 
     def __init__(self, cfg: Any, *, rank: int, world: int = 2, device: str | torch.device = "cpu"):

@@ -201,6 +201,8 @@ class UcxTransport(Transport):
     'ucx'
     """
 
+    port_field = "port"
+
     name = "ucx"
 
     def __init__(self, cfg: Any, *, rank: int, world: int = 2, device: str | torch.device = "cpu"):

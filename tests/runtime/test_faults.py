@@ -306,9 +306,9 @@ def _faulty_runtime(model, monkeypatch, *over, **faults):
     rt = AsyncRuntime(cfg, model, build_policy(cfg.policy, model.spec))
     real, opened = AsyncRuntime.link, []
 
-    async def link(self):
+    async def link(self, **kw):
         fresh = self._link is None or self._link.closed
-        ln = await real(self)
+        ln = await real(self, **kw)
         if fresh and not opened:
             ln.transport = FaultyTransport(ln.transport, **faults)
         if fresh:
@@ -583,3 +583,90 @@ def test_under_torchrun_a_lost_cache_rank_is_not_restarted(model, prompt, monkey
     assert [e["event"] for e in tr.stats["events"]] == ["peer_lost", "no_restart"]
     assert "torchrun" in tr.stats["events"][1]["reason"]
     assert tr.stats["dense_fallback"][-1][1] == NEW - 1
+
+
+# ----------------------------------------------------------------------------- a cache process lost between generations
+def _kill_between_generations(rt) -> None:
+    pid = rt._link.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_a_restarted_cache_process_meets_on_a_free_port(long_model, prompt, monkeypatch):
+    """nccl (gloo): the cache process dies between two generations and the lost link
+    keeps its port (as a dead peer's NCCL communicator keeps the store's on a GPU: the
+    restart failed with EADDRINUSE there): the new process meets on free ports, and the
+    next generation is sparse."""
+    import socket
+
+    from spade.runtime.link import CacheLink
+
+    cfg = config(*_mp("nccl", *DEADLINE))
+    port = cfg.runtime.transport.master_port
+    held: list[socket.socket] = []
+    real_abandon = CacheLink.abandon
+
+    async def abandon(self, *a, **kw):  # the lost link's port stays taken after it is dropped
+        await real_abandon(self, *a, **kw)
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("", port))
+        s.listen(1)
+        held.append(s)
+
+    monkeypatch.setattr(CacheLink, "abandon", abandon)
+    rt = AsyncRuntime(cfg, long_model, build_policy(cfg.policy, long_model.spec))
+    try:
+        with Leaks():
+            rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+            _kill_between_generations(rt)
+            paced = Paced(monkeypatch)  # (found at the start, or on the boot's first send: restored mid-generation)
+            tr = rt.generate(*prompt, max_new_tokens=LONG, sample_fn=greedy, on_token=paced.on_token)
+            new_port = rt._link.transport.cfg.master_port
+            rt.close()
+            for s in held:  # (the test's own socket: not a leak)
+                s.close()
+    finally:
+        rt.close()
+        for s in held:
+            s.close()
+    assert held and new_port != port
+    assert "restart_failed" not in _kinds(tr), tr.stats["events"]
+    assert tr.stats["sparse_steps"] > 0 and tr.stats["peers_lost"] == len(_kinds(tr)) // 2
+
+
+def test_a_cache_rank_that_does_not_come_back_is_retried_not_lost(long_model, prompt, monkeypatch):
+    """nccl (gloo): the cache process dies between two generations and its successor
+    fails to come up: the next generation is not lost; it starts dense and its
+    supervisor brings a cache rank up mid-generation; sparse from there."""
+    from spade.errors import PeerTimeout
+    from spade.runtime.link import CacheLink
+
+    real_open = CacheLink.open.__func__
+    failed: list[int] = []
+
+    async def open_(cls, *a, restart=False, **kw):
+        if restart and not failed:
+            failed.append(1)
+            raise PeerTimeout("injected: the new cache process did not connect")
+        return await real_open(cls, *a, restart=restart, **kw)
+
+    cfg = config(*_mp("nccl", *DEADLINE))
+    rt = AsyncRuntime(cfg, long_model, build_policy(cfg.policy, long_model.spec))
+    t0 = time.monotonic()
+    try:
+        with Leaks():
+            rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+            _kill_between_generations(rt)
+            monkeypatch.setattr(CacheLink, "open", classmethod(open_))
+            paced = Paced(monkeypatch)
+            tr = rt.generate(*prompt, max_new_tokens=LONG, sample_fn=greedy, on_token=paced.on_token)
+            rt.close()
+    finally:
+        rt.close()
+    assert time.monotonic() - t0 < 90
+    assert failed and _kinds(tr)[:2] == ["restart_failed", "peer_restored"], tr.stats["events"]
+    n = len(tr.tokens[0])
+    assert all(len(r) == n for r in tr.tokens) and n < LONG  # stopped a few steps after the restore
+    assert tr.stats["sparse_steps"] > 0 and tr.stats["restarts"] == 1

@@ -1,0 +1,44 @@
+"""``Transport.on_free_port``: a cache rank started again after a loss meets on free
+ports when the lost link still holds its own."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from spade.transports._framing import free_port, port_in_use
+from spade.transports.nccl import NcclTransport, NcclTransportConfig
+from spade.transports.nixl import NixlTransport, NixlTransportConfig
+from spade.transports.ucx import UcxTransport, UcxTransportConfig
+
+CASES = [(NcclTransport, NcclTransportConfig, "master_port"), (UcxTransport, UcxTransportConfig, "port"),
+         (NixlTransport, NixlTransportConfig, "port")]
+
+
+@pytest.mark.parametrize("cls,cfg_cls,field", CASES, ids=[c[0].name for c in CASES])
+def test_free_ports_are_kept(cls, cfg_cls, field):
+    port = free_port()
+    cfg = cfg_cls(**{field: port})
+    got, why = cls.on_free_port(cfg)
+    if why is None:  # (another program may take it between the probe and here)
+        assert got is cfg
+
+
+HELD = [(*c, i) for c in CASES for i in range(c[0].port_span)]
+
+
+@pytest.mark.parametrize("cls,cfg_cls,field,held_offset", HELD, ids=[f"{c[0].name}+{c[3]}" for c in HELD])
+def test_a_held_port_moves_the_link(cls, cfg_cls, field, held_offset):
+    """Any port of the link's span held (nccl: the store's and the header socket's)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        s.listen(1)
+        held = s.getsockname()[1]
+        cfg = cfg_cls(**{field: held - held_offset})
+        got, why = cls.on_free_port(cfg)
+        new = getattr(got, field)
+        assert why is not None and str(held) in why
+        assert new != getattr(cfg, field) and getattr(cfg, field) == held - held_offset  # a copy; cfg untouched
+        assert all(port_in_use(new + i) is None for i in range(cls.port_span))
+        assert got.model_dump(exclude={field}) == cfg.model_dump(exclude={field})
