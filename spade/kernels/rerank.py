@@ -76,9 +76,9 @@ RERANK_CONFIG: dict = {}
 scoring ``BLOCK_M`` (candidates per tile), ``num_warps``, ``num_stages``, ``MIN_CHUNK``
 and ``PER_SM`` (the split of a row's candidates over programs); select ``SELECT_MAX``
 (the longest power-of-two row selected in registers), ``SELECT_BLOCK`` (the tile of
-longer rows), ``select_warps`` (None: by the tile); ``FUSE`` (None: fuse scoring and
-select where the split gives one chunk per row; True: always, one program per row;
-False: never)."""
+longer rows), ``select_warps`` (None: by the tile; the fused launch runs with the larger
+of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select where the
+split gives one chunk per row; True: always, one program per row; False: never)."""
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str) -> tuple[int, ...]:
@@ -404,8 +404,8 @@ def _config(M: int, rows: int, device: torch.device) -> dict:
     m_pad = triton.next_power_of_2(max(M, 16))
     cfg["ONE_TILE"] = m_pad <= cfg["SELECT_MAX"]
     cfg["BLOCK"] = m_pad if cfg["ONE_TILE"] else cfg["SELECT_BLOCK"]
-    if cfg["select_warps"] is None:  # about 16 keys per thread in one tile
-        cfg["select_warps"] = max(4, min(16, cfg["BLOCK"] // 512))
+    if cfg["select_warps"] is None:  # <= 8 keys per thread (sm_90: 93 registers at 4096 x 16 warps, sum_softmax)
+        cfg["select_warps"] = max(4, min(16, cfg["BLOCK"] // 256))
     if cfg["FUSE"] is True:
         cfg["CHUNK"], cfg["NSPLIT"] = M, 1
     else:
@@ -414,6 +414,9 @@ def _config(M: int, rows: int, device: torch.device) -> dict:
     # auto (None): fused where the split leaves one program per row anyway (then the
     # second launch is pure overhead); a split row needs the merge of its chunks first
     cfg["FUSED"] = cfg["NSPLIT"] == 1 if cfg["FUSE"] is None else bool(cfg["FUSE"])
+    # the fused program holds the select's row too: at least the select's warps (at 4
+    # warps a 4096-key row spills on sm_90)
+    cfg["fused_warps"] = max(cfg["num_warps"], cfg["select_warps"])
     return cfg
 
 
@@ -456,7 +459,7 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
             q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
             G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
             ONE_TILE=cfg["ONE_TILE"], REDUCE=red, UPCAST=interp, IEEE=ieee, INTERPRET=interp,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+            num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
         q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
