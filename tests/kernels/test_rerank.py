@@ -238,9 +238,16 @@ def test_rerank_decode_attention_attends_the_kept_set(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
+                         ids=["default", "fused", "split", "tiled"])
+@pytest.mark.parametrize("M", [1000, 3960])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_keys_on_gpu(dtype):
-    q, k, cand = _inputs(4, 32, 8, 128, 4096, 1000, dtype=dtype, device="cuda")
-    want = R.rerank_select_ref(q, k, cand, 250)
-    got = R.rerank_select_triton(q, k, cand, 250)
-    _check_stable(got, want, q.float(), k.float(), cand, 250, "sum_softmax")
+def test_half_keys_on_gpu(dtype, M, over, monkeypatch):
+    """The Qwen3-8B head layout, M = 2 K_mid at K = 2048 (3960), every launch path."""
+    for key, val in over.items():
+        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
+    q, k, cand = _inputs(4, 32, 8, 128, 4096, M, dtype=dtype, device="cuda")
+    keep = M // 2
+    want = R.rerank_select_ref(q, k, cand, keep)
+    got = R.rerank_select_triton(q, k, cand, keep)
+    _check_stable(got, want, q.float(), k.float(), cand, keep, "sum_softmax")
