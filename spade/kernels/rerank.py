@@ -205,23 +205,34 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NS
 
 
 @triton.jit
+def _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD: tl.constexpr):
+    """Head g's softmax probabilities of a tile of candidates, exp(s_g - max_g) / Z_g
+    (0 at empty slots)."""
+    offs_g = tl.arange(0, G_PAD)
+    m_g = tl.sum(tl.where(offs_g == g, m_safe, 0.0), axis=0)
+    iz_g = tl.sum(tl.where(offs_g == g, inv_z, 0.0), axis=0)
+    lg = tl.load(lg_base + g * M + offs_m, mask=valid, other=float("-inf"))
+    return tl.exp(lg - m_g) * iz_g
+
+
+@triton.jit
 def _tile_keys(c_base, stride_cm, sc_base, lg_base, offs_m, M, m_safe, inv_z,
                G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, REDUCE: tl.constexpr,
-               FROM_LOGITS: tl.constexpr):
+               FROM_LOGITS: tl.constexpr, UNROLL_G: tl.constexpr):
     """A tile of candidates: positions, validity, and the scores' order-preserving
     uint32 keys (``_f32_key``). FROM_LOGITS (sum_softmax): the score is computed from
     the G heads' logits, Σ_g exp(s_g - max_g) / Z_g, and returned as well; otherwise
     it is read from the row's scores."""
     cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
     valid = cand >= 0
-    if FROM_LOGITS:
-        offs_g = tl.arange(0, G_PAD)
+    if FROM_LOGITS:  # one head's row of logits at a time: [BLOCK] registers, not [G, BLOCK]
         r = tl.zeros([BLOCK], tl.float32)
-        for g in tl.static_range(G):  # one head's row of logits at a time: [BLOCK] registers, not [G, BLOCK]
-            m_g = tl.sum(tl.where(offs_g == g, m_safe, 0.0), axis=0)
-            iz_g = tl.sum(tl.where(offs_g == g, inv_z, 0.0), axis=0)
-            lg = tl.load(lg_base + g * M + offs_m, mask=valid, other=float("-inf"))
-            r += tl.exp(lg - m_g) * iz_g
+        if UNROLL_G:  # unrolled: the G loads in flight together
+            for g in tl.static_range(G):
+                r += _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD)
+        else:  # a loop: unrolled, G rows of loads in registers at once spill (``_unroll_g``)
+            for g in range(G):
+                r += _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD)
     else:
         r = tl.load(sc_base + offs_m, mask=valid, other=float("-inf"))
     r = tl.where(valid, r, float("-inf"))
@@ -241,7 +252,7 @@ def _radix_digit(key, sel, prefix, P: tl.constexpr):
 def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
                 G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-                REDUCE: tl.constexpr, INTERPRET: tl.constexpr):
+                UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr):
     """The KEEP best candidates of row ``pid``, compacted in slot order, ``-1`` after.
 
     The keep-th largest score key is found by a radix select: four 8-bit digit passes
@@ -281,7 +292,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
     if ONE_TILE:
         offs = tl.arange(0, BLOCK)
         cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                         G, G_PAD, BLOCK, REDUCE, REDUCE == 2)
+                                         G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
         k_rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), KEEP)
         thr = tl.full([], 0, tl.uint32)
         for p in tl.static_range(4):
@@ -299,7 +310,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
         for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
             offs = m0 + tl.arange(0, BLOCK)
             cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                             G, G_PAD, BLOCK, REDUCE, REDUCE == 2)
+                                             G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
             n_valid += tl.sum(valid.to(tl.int32), axis=0)
             if REDUCE == 2:
                 tl.store(sc_base + offs, r, mask=offs < M)
@@ -311,7 +322,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
             for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
                 offs = m0 + tl.arange(0, BLOCK)
                 cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                                 G, G_PAD, BLOCK, REDUCE, False)
+                                                 G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
                 hist += _radix_digit(key, valid, thr, p)
             d, k_rem = _pick_digit(hist, k_rem)
             thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
@@ -320,7 +331,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
         for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
             offs = m0 + tl.arange(0, BLOCK)
             cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                             G, G_PAD, BLOCK, REDUCE, False)
+                                             G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
             eq = valid & (key == thr)
             take = (valid & (key > thr)) | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
             slot = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -353,12 +364,13 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT
 def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
                           stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
                           G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-                          REDUCE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr):
     """Grid (B * Hkv,): ``_select_row`` of one (b, KV head)."""
     grid_dep_wait(PDL)
     _select_row(CAND, OUT, LOGITS, SCORES, PART, tl.program_id(0), Hkv, M, KEEP, NSPLIT,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                G, G_PAD, BLOCK, ONE_TILE, REDUCE, INTERPRET)
+                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -368,7 +380,7 @@ def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, sc
                          stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-                         REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
     selects (one launch; the logits go through its own L1/L2 between the two)."""
@@ -380,7 +392,7 @@ def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, sc
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                G, G_PAD, BLOCK, ONE_TILE, REDUCE, INTERPRET)
+                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -418,6 +430,13 @@ def _config(M: int, rows: int, device: torch.device) -> dict:
     # warps a 4096-key row spills on sm_90)
     cfg["fused_warps"] = max(cfg["num_warps"], cfg["select_warps"])
     return cfg
+
+
+def _unroll_g(G: int, block: int, warps: int) -> bool:
+    """Whether the select loads its G heads' logit rows all at once (unrolled): while
+    they hold <= 64 registers per thread (sm_90: G=7 at 8192 keys x 16 warps spilled
+    1.3 KB per thread unrolled, G=4 136 B)."""
+    return G * block <= 64 * 32 * warps
 
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
@@ -458,7 +477,8 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
         _rerank_fused_kernel[(rows,)](
             q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
             G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
-            ONE_TILE=cfg["ONE_TILE"], REDUCE=red, UPCAST=interp, IEEE=ieee, INTERPRET=interp,
+            ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
@@ -467,6 +487,7 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
         INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
         cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:], *o_strides,
-        G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"], REDUCE=red, INTERPRET=interp,
+        G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
+        UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))
     return out
