@@ -32,9 +32,8 @@ launches, or one fused:
   a ``tl.cumsum``, then ``-1`` padding. When the row fits one tile (``M`` rounded up to
   a power of two <= ``SELECT_MAX``, 8192 on GPU) its M keys are computed once into
   registers and every pass runs on them: four register passes, no chain of dependent
-  sweeps over memory. Longer rows sweep tiles of ``SELECT_BLOCK``: scores
-  once, four histogram passes and the emission over the row's (position, score) pairs,
-  L2-resident.
+  sweeps over memory. Longer rows sweep tiles of ``SELECT_BLOCK``: scores once, four
+  histogram passes and the emission over the row's (position, score) pairs, L2-resident.
 * **Fused** (``RERANK_CONFIG["FUSE"]``; by default wherever the split gives one chunk
   per row, i.e. the rows alone fill the GPU): one program scores its row, then selects
   after a barrier, saving the second launch.
