@@ -7,25 +7,27 @@ Rows per (B, L, m), one decode layer of the Qwen3-8B shape by default (32 q / 8 
 heads, d = 128, bf16), every row timed as a CUDA graph replay with L2 flushed before
 each (``benchmarks.kernels.Timer.graph``):
 
-* ``rerank+attend``: ``kernels.rerank_select`` (one launch: gather the candidates'
-  keys, group softmax over them, bisection select) + the suite's indexed attention
-  over sinks + kept + recent: what the inference rank runs per layer;
-* ``rerank``: the select alone;
-* ``torch+attend``: candidates' scores with torch ops (gather, einsum, softmax) +
-  ``torch.topk`` + gather of the positions + the same attention: the reference;
+* ``rerank / select+attend``: ``kernels.rerank_select`` (a scoring launch gathering the
+  candidates' keys, split over programs, and a radix select in registers, one program
+  per (row, KV head); or the two fused) + the suite's indexed attention over sinks +
+  kept + recent: what the inference rank runs per layer;
+* ``rerank / select``: the select alone;
+* ``rerank / torch+attend``: candidates' scores with torch ops (gather, einsum,
+  softmax) + ``torch.topk`` + gather of the positions + the same attention: the
+  reference;
 * ``attend_K``: the attention alone over sinks + K_mid: one-stage selection's cost,
   the floor of any re-rank;
 * ``attend_M``: the attention over sinks + all M candidates + recent (no re-rank: the
   other way to use m K_mid candidates, at m times the attention's bytes);
-* with ``--sweep``, ``rerank`` rows ``select[KEY=value ...]``: the select under other
+* with ``--sweep``, rows ``rerank / select[KEY=value ...]``: the select under other
   ``kernels.rerank.RERANK_CONFIG`` settings (fused or split, tiles, warps, programs per
   SM), each checked like the default before it is timed.
 
 The ``select`` row records the launch the heuristic chose: ``fused`` (one launch),
 ``nsplit`` (scoring programs per row) and ``one_tile`` (the row selected in registers).
 
-Floors (``floor_ms``) are bytes over the measured device-copy bandwidth: ``rerank``
-reads the M candidates' keys and indices (and writes K_mid indices); ``rerank+attend``
+Floors (``floor_ms``) are bytes over the measured device-copy bandwidth: ``select``
+reads the M candidates' keys and indices (and writes K_mid indices); ``select+attend``
 adds the K_mid kept K/V and the sinks' and recent window's. Every kept set is checked
 against ``kernels.rerank.rerank_select_ref`` (sum of true scores) before it is timed.
 
