@@ -7,24 +7,33 @@ Rows per (B, L, m), one decode layer of the Qwen3-8B shape by default (32 q / 8 
 heads, d = 128, bf16), every row timed as a CUDA graph replay with L2 flushed before
 each (``benchmarks.kernels.Timer.graph``):
 
-* ``rerank+attend``: ``kernels.rerank_select`` (one launch: gather the candidates'
-  keys, group softmax over them, bisection select) + the suite's indexed attention
-  over sinks + kept + recent: what the inference rank runs per layer;
-* ``rerank``: the select alone;
-* ``torch+attend``: candidates' scores with torch ops (gather, einsum, softmax) +
-  ``torch.topk`` + gather of the positions + the same attention: the reference;
+* ``rerank / select+attend``: ``kernels.rerank_select`` (a scoring launch gathering the
+  candidates' keys, split over programs, and a radix select in registers, one program
+  per (row, KV head); or the two fused) + the suite's indexed attention over sinks +
+  kept + recent: what the inference rank runs per layer;
+* ``rerank / select``: the select alone;
+* ``rerank / torch+attend``: candidates' scores with torch ops (gather, einsum,
+  softmax) + ``torch.topk`` + gather of the positions + the same attention: the
+  reference;
 * ``attend_K``: the attention alone over sinks + K_mid: one-stage selection's cost,
   the floor of any re-rank;
 * ``attend_M``: the attention over sinks + all M candidates + recent (no re-rank: the
-  other way to use m K_mid candidates, at m times the attention's bytes).
+  other way to use m K_mid candidates, at m times the attention's bytes);
+* with ``--sweep``, rows ``rerank / select[KEY=value ...]``: the select under other
+  ``kernels.rerank.RERANK_CONFIG`` settings (fused or split, tiles, warps, programs per
+  SM), each checked like the default before it is timed.
 
-Floors (``floor_ms``) are bytes over the measured device-copy bandwidth: ``rerank``
-reads the M candidates' keys and indices (and writes K_mid indices); ``rerank+attend``
+The ``select`` row records the launch the heuristic chose: ``fused`` (one launch),
+``nsplit`` (scoring programs per row) and ``one_tile`` (the row selected in registers).
+
+Floors (``floor_ms``) are bytes over the measured device-copy bandwidth: ``select``
+reads the M candidates' keys and indices (and writes K_mid indices); ``select+attend``
 adds the K_mid kept K/V and the sinks' and recent window's. Every kept set is checked
 against ``kernels.rerank.rerank_select_ref`` (sum of true scores) before it is timed.
 
     python -m benchmarks.bench_rerank                       # B in {8, 16}, L=32k, K=2k, m in {2, 4}
     python -m benchmarks.bench_rerank --shapes 8x32768,32x16384 --budget 2048 --rerank 2,4,8
+    python -m benchmarks.bench_rerank --shapes 1x32768,8x32768,32x16384 --rerank 2 --sweep
     python -m benchmarks.bench_rerank --tiny                # CPU interpreter: checks the script
 """
 
@@ -74,6 +83,18 @@ def _deficit(q, k, cand, kept, keep: int) -> float:
     return (ref - total(kept)) / max(ref, 1e-30)
 
 
+def _sweep_grid(tiny: bool) -> list[dict]:
+    """RERANK_CONFIG settings timed by ``--sweep`` (the default launch is its own row)."""
+    if tiny:
+        return [dict(FUSE=False, MIN_CHUNK=16, BLOCK_M=16), dict(FUSE=True, SELECT_MAX=16, SELECT_BLOCK=16)]
+    grid = [dict(FUSE=False, BLOCK_M=bm, num_warps=nw) for bm in (32, 64, 128) for nw in (4, 8)]
+    grid += [dict(FUSE=True, BLOCK_M=bm, select_warps=w) for bm in (32, 64, 128) for w in (8, 16)]
+    grid += [dict(FUSE=False, select_warps=w) for w in (4, 8, 16)]
+    grid += [dict(FUSE=False, PER_SM=p) for p in (2, 8)] + [dict(FUSE=False, MIN_CHUNK=c) for c in (128, 256)]
+    grid += [dict(FUSE=False, num_stages=s) for s in (2, 4)]
+    return grid
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,16x32768", help="BxL pairs, comma-separated")
@@ -81,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerank", default="2,4", help="m values (comma-separated)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time the select under other RERANK_CONFIG settings")
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--out", default="results/bench_rerank.json")
     args = ap.parse_args(argv)
@@ -144,12 +166,33 @@ def main(argv: list[str] | None = None) -> int:
             if deficit > 1e-3:
                 rec.skip("rerank", "triton", shape, f"wrong selection (deficit {deficit:.2e})")
                 continue
+            cfg = rerank._config(M, B * hkv, dev)
             rec.add("rerank", "select", shape, lambda: run(lambda: rerank.rerank_select_triton(
-                q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit)
+                q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit, fused=cfg["FUSED"],
+                nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
             rec.add("rerank", "select+attend", shape, lambda: run(two_stage), rr_bytes + att_k_bytes, bw)
             rec.add("rerank", "torch+attend", shape, lambda: run(torch_ref), rr_bytes + att_k_bytes, bw)
             rec.add("attend_K", "triton", shape, lambda: run(lambda: attend(kept)), att_k_bytes, bw)
             rec.add("attend_M", "triton", shape, lambda: run(lambda: attend(cand)), att_m_bytes, bw)
+            for over in _sweep_grid(args.tiny) if args.sweep else []:
+                name = "select[" + " ".join(f"{key}={int(v) if isinstance(v, bool) else v}"
+                                            for key, v in over.items()) + "]"
+                saved = dict(rerank.RERANK_CONFIG)
+                rerank.RERANK_CONFIG.update(over)
+                try:
+                    cfg = rerank._config(M, B * hkv, dev)
+                    kept.fill_(-1)
+                    rerank.rerank_select_triton(q, k, cand, k_mid, scale=scale, out=kept)
+                    deficit = _deficit(q, k, cand, kept, k_mid)
+                    if deficit > 1e-3:
+                        rec.skip("rerank", name, shape, f"wrong selection (deficit {deficit:.2e})")
+                        continue
+                    rec.add("rerank", name, shape, lambda: run(lambda: rerank.rerank_select_triton(
+                        q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit,
+                        fused=cfg["FUSED"], nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
+                finally:
+                    rerank.RERANK_CONFIG.clear()
+                    rerank.RERANK_CONFIG.update(saved)
     print(f"wrote {args.out}")
     return 0
 

@@ -197,7 +197,7 @@ def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=Non
     (positions into ``k`` [B, Hkv, L, D], ``-1`` = empty) by the group score of ``q``
     [B, Hq, D] over the candidates (``reduce``; ``sum_softmax`` normalises each head over
     the valid candidates), as int32 [B, Hkv, keep] in candidate order, ``-1`` padding;
-    ties go to the lower candidate slot. One launch on the GPU, no host sync
+    ties go to the lower candidate slot. Two launches on the GPU (one where fused), no host sync
     (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write."""
     from spade.kernels import rerank
 

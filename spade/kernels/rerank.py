@@ -15,19 +15,34 @@ has the step's *true* query, scores only those candidates and keeps the best K:
    candidates are valid.
 
 ``rerank_select_ref`` is the plain-torch reference; ``rerank_select_triton`` runs two
-launches. The scoring kernel, grid (b * KV head, split of the candidates), gathers the
-candidates' key rows of its split in tiles of ``BLOCK_M`` (one ``tl.dot`` per tile with
-the group's queries, padded to 16 rows) and writes the group-reduced scores, or for
-``sum_softmax`` the logits and its per-head online (max, sum of exponentials); the split
-spreads the key reads over the GPU (one program per (b, KV head) would leave most SMs
-idle at small batch). The select kernel, one program per (b, KV head), merges the
-splits' statistics into scores, finds the keep-th largest by a bisection on the scores'
-order-preserving uint32 keys (32 counting sweeps over the row's 4-byte scores, L2
-resident by then) and emits the winners. Everything is device-side with fixed shapes
-(no host sync: CUDA-graph safe). The attention over sinks + the kept tokens + the recent
-window is the suite's indexed attention (``spade.kernels.attention``): a third launch.
-Fusing the attend into the select saves re-reading the kept keys (K of the M just read)
-at the cost of the attention kernel's split-K parallelism; measure before doing it.
+launches, or one fused:
+
+* **Scoring**, grid (b * KV head, chunk of the candidates): gathers the candidates' key
+  rows in tiles of ``BLOCK_M`` (one ``tl.dot`` per tile with the group's queries, padded
+  to 16 rows; a ``for`` loop, so the index load and the gather it feeds are pipelined)
+  and writes the group-reduced scores, or for ``sum_softmax`` the G heads' logits and
+  each head's online (max, sum of exponentials) per chunk. The chunks spread the key
+  reads (M * D * 2 bytes per row: 1 MB at M=4096, d=128, bf16) over the GPU; one
+  program per (b, KV head) would leave most SMs idle at small batch.
+* **Select**, one program per (b, KV head): merges the chunks' statistics into scores
+  and finds the keep-th largest score's order-preserving uint32 key by a radix select,
+  four 8-bit digits most significant first (``tl.histogram`` of the keys still tied
+  with the chosen prefix). The passes give the threshold and how many keys equal to it
+  to take (the first ones by slot); the winners are emitted compacted in slot order by
+  a ``tl.cumsum``, then ``-1`` padding. When the row fits one tile (``M`` rounded up to
+  a power of two <= ``SELECT_MAX``, 8192 on GPU) its M keys are computed once into
+  registers and every pass runs on them: four register passes, no chain of dependent
+  sweeps over memory. Longer rows sweep tiles of ``SELECT_BLOCK``: scores once, four
+  histogram passes and the emission over the row's (position, score) pairs, L2-resident.
+* **Fused** (``RERANK_CONFIG["FUSE"]``; by default wherever the split gives one chunk
+  per row, i.e. the rows alone fill the GPU): one program scores its row, then selects
+  after a barrier, saving the second launch.
+
+Everything is device-side with fixed shapes (no host sync: CUDA-graph safe), PDL hooks
+on every launch. The attention over sinks + the kept tokens + the recent window is the
+suite's indexed attention (``spade.kernels.attention``): one more launch. Fusing the
+attend into the select saves re-reading the kept keys (K of the M just read) at the
+cost of the attention kernel's split-K parallelism; measure before doing it.
 
 Example (CPU reference)::
 
@@ -45,9 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, online_softmax_rows
+from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
-from spade.kernels.radix_topk import _f32_key
+from spade.kernels.radix_topk import _f32_key, _pick_digit
 from spade.kernels.scoring import _reduce_ref
 
 __all__ = ["rerank_select_ref", "rerank_select_triton", "rerank_scores_ref", "RERANK_CONFIG"]
@@ -55,8 +70,14 @@ __all__ = ["rerank_select_ref", "rerank_select_triton", "rerank_scores_ref", "RE
 _REDUCES = {"sum_logits": 0, "max_logits": 1, "sum_softmax": 2}
 
 RERANK_CONFIG: dict = {}
-"""Overrides for ``rerank_select_triton``'s launch (``BLOCK_M``, ``num_warps``); empty = the
-built-in heuristic (the micro-benchmark ``benchmarks.bench_rerank`` sweeps it)."""
+"""Overrides for ``rerank_select_triton``'s launch; empty = the built-in heuristic
+(``_config``; ``python -m benchmarks.bench_rerank --sweep`` times alternatives). Keys:
+scoring ``BLOCK_M`` (candidates per tile), ``num_warps``, ``num_stages``, ``MIN_CHUNK``
+and ``PER_SM`` (the split of a row's candidates over programs); select ``SELECT_MAX``
+(the longest power-of-two row selected in registers), ``SELECT_BLOCK`` (the tile of
+longer rows), ``select_warps`` (None: by the tile; the fused launch runs with the larger
+of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select where the
+split gives one chunk per row; True: always, one program per row; False: never)."""
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str) -> tuple[int, ...]:
@@ -126,31 +147,19 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _cand_keys(c_base, sc_base, offs_m, M, stride_cm):
-    """A tile of candidates and their scores' order-preserving int64 keys (-1 for an
-    empty slot or past the end; valid keys are > 0)."""
-    cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-    sv = tl.load(sc_base + offs_m, mask=offs_m < M, other=0.0)
-    return cand, tl.where(cand >= 0, _f32_key(sv).to(tl.int64), -1)
-
-
-@triton.jit
-def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
-                         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_cb, stride_ch, stride_cm,
-                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Grid (B * Hkv, NSPLIT): the logits of candidates ``[split * CHUNK, +CHUNK)`` of one
-    (b, KV head). sum_softmax: the logits to LOGITS [rows, G_PAD, M] and the split's
-    per-head (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
-    group-reduced scores straight to SCORES [rows, M]."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
+                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                 stride_cb, stride_ch, stride_cm,
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """The logits of candidates ``[split * CHUNK, +CHUNK)`` of row ``pid`` (b * Hkv + h).
+    sum_softmax: the G heads' logits to LOGITS [rows, G, M] and the chunk's per-head
+    (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
+    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots)."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
-    grid_dep_wait(PDL)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -161,12 +170,14 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT
     g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    lg_base = LOGITS + row64 * G_PAD * M
+    lg_base = LOGITS + row64 * G * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
-    m0 = split * CHUNK
-    end = tl.minimum(m0 + CHUNK, M)
-    while m0 < end:  # NOTE: while loops: the interpreter takes no tensor bounds in range()
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, M)
+    # a ``for`` over the tiles (not ``while``): the compiler pipelines the index load
+    # and the key gather it feeds across iterations (``num_stages``)
+    for m0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < end, other=-1)
         valid = cand >= 0
@@ -176,8 +187,9 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT
         if UPCAST:
             kt = kt.to(tl.float32)
         s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
-        if REDUCE == 2:
-            tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s, mask=offs_m[None, :] < end)
+        if REDUCE == 2:  # only the G real heads' rows are written (not the dot's padding)
+            tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s,
+                     mask=g_mask[:, None] & (offs_m[None, :] < end))
             m_run, s_run = online_softmax_rows(m_run, s_run, tl.where(valid[None, :], s, float("-inf")))
         else:
             if REDUCE == 0:
@@ -185,37 +197,87 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT
             else:
                 r = tl.max(tl.where(g_mask[:, None], s, float("-inf")), axis=0)
             tl.store(SCORES + row64 * M + offs_m, tl.where(valid, r, float("-inf")), mask=offs_m < end)
-        m0 += BLOCK_M
     if REDUCE == 2:
         p_base = PART + (row64 * NSPLIT + split) * 2 * G_PAD
         tl.store(p_base + offs_g, m_run)
         tl.store(p_base + G_PAD + offs_g, s_run)
-    grid_dep_release(PDL)
 
 
 @triton.jit
-def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
-                          stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok, Hkv,
-                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, REDUCE: tl.constexpr,
-                          PDL: tl.constexpr):
-    """One program per (b, KV head): the scores (sum_softmax: from the logits and the
-    merged per-split statistics), then the KEEP best, compacted in slot order."""
-    pid = tl.program_id(0)
+def _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD: tl.constexpr):
+    """Head g's softmax probabilities of a tile of candidates, exp(s_g - max_g) / Z_g
+    (0 at empty slots)."""
+    offs_g = tl.arange(0, G_PAD)
+    m_g = tl.sum(tl.where(offs_g == g, m_safe, 0.0), axis=0)
+    iz_g = tl.sum(tl.where(offs_g == g, inv_z, 0.0), axis=0)
+    lg = tl.load(lg_base + g * M + offs_m, mask=valid, other=float("-inf"))
+    return tl.exp(lg - m_g) * iz_g
+
+
+@triton.jit
+def _tile_keys(c_base, stride_cm, sc_base, lg_base, offs_m, M, m_safe, inv_z,
+               G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, REDUCE: tl.constexpr,
+               FROM_LOGITS: tl.constexpr, UNROLL_G: tl.constexpr):
+    """A tile of candidates: positions, validity, and the scores' order-preserving
+    uint32 keys (``_f32_key``). FROM_LOGITS (sum_softmax): the score is computed from
+    the G heads' logits, Σ_g exp(s_g - max_g) / Z_g, and returned as well; otherwise
+    it is read from the row's scores."""
+    cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
+    valid = cand >= 0
+    if FROM_LOGITS:  # one head's row of logits at a time: [BLOCK] registers, not [G, BLOCK]
+        r = tl.zeros([BLOCK], tl.float32)
+        if UNROLL_G:  # unrolled: the G loads in flight together
+            for g in tl.static_range(G):
+                r += _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD)
+        else:  # a loop: unrolled, G rows of loads in registers at once spill (``_unroll_g``)
+            for g in range(G):
+                r += _head_prob(lg_base, g, M, offs_m, valid, m_safe, inv_z, G_PAD)
+    else:
+        r = tl.load(sc_base + offs_m, mask=valid, other=float("-inf"))
+    r = tl.where(valid, r, float("-inf"))
+    return cand, valid, _f32_key(r), r
+
+
+@triton.jit
+def _radix_digit(key, sel, prefix, P: tl.constexpr):
+    """Histogram [256] of digit P (8 bits, most significant first) of the selected keys
+    tied with ``prefix`` on the higher digits."""
+    if P > 0:
+        sel = sel & ((key >> (32 - 8 * P)) == (prefix >> (32 - 8 * P)))
+    return tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=sel)
+
+
+@triton.jit
+def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
+                stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The KEEP best candidates of row ``pid``, compacted in slot order, ``-1`` after.
+
+    The keep-th largest score key is found by a radix select: four 8-bit digit passes
+    (``tl.histogram`` of the keys still tied with the prefix chosen so far, then
+    ``_pick_digit``), which also give how many keys equal to it are taken (the first
+    ones by slot). ONE_TILE (BLOCK >= M): the row's M keys are computed once into
+    registers and every pass and the emission run on them, no memory between passes;
+    else tiles of BLOCK are swept: scores (sum_softmax: computed and written once),
+    four histogram passes and the emission, each re-reading the row's 8-byte
+    (position, score) pairs, L2-resident."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
-    grid_dep_wait(PDL)
     offs_g = tl.arange(0, G_PAD)
     g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     sc_base = SCORES + row64 * M
+    lg_base = LOGITS + row64 * G * M
+    o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     m_safe = tl.zeros([G_PAD], tl.float32)
     inv_z = tl.zeros([G_PAD], tl.float32)
-    if REDUCE == 2:  # each head's softmax statistics over every split
+    if REDUCE == 2:  # each head's softmax statistics, merged over the chunks
         m_run = tl.full([G_PAD], float("-inf"), tl.float32)
         s_run = tl.zeros([G_PAD], tl.float32)
         sp = 0
-        while sp < NSPLIT:
+        while sp < NSPLIT:  # NOTE: while: the fused kernel passes NSPLIT as a literal 1
             p_base = PART + (row64 * NSPLIT + sp) * 2 * G_PAD
             pm = tl.load(p_base + offs_g)
             ps = tl.load(p_base + G_PAD + offs_g)
@@ -226,88 +288,162 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, M, KEEP, NSPLIT,
             sp += 1
         m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
         inv_z = tl.where(g_mask & (s_run > 0), 1.0 / tl.where(s_run > 0, s_run, 1.0), 0.0)
-    lg_base = LOGITS + row64 * G_PAD * M
-    n_valid = 0
-    m0 = 0
-    while m0 < M:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < M, other=-1)
-        valid = cand >= 0
-        n_valid += tl.sum(valid.to(tl.int32), axis=0)
-        if REDUCE == 2:  # each head's probability over the valid candidates, summed
-            lg = tl.load(lg_base + offs_g[:, None] * M + offs_m[None, :], mask=offs_m[None, :] < M, other=0.0)
-            p = tl.exp(lg - m_safe[:, None]) * inv_z[:, None]
-            r = tl.sum(tl.where(g_mask[:, None] & valid[None, :], p, 0.0), axis=0)
-            tl.store(sc_base + offs_m, tl.where(valid, r, float("-inf")), mask=offs_m < M)
-        m0 += BLOCK_M
-    # the keep-th largest key, bit by bit from the most significant (keys of valid
-    # candidates are > 0: -inf maps to 0x007FFFFF, and invalid slots count as -1)
-    k_eff = tl.minimum(n_valid, KEEP)
-    thr = tl.full([], 0, tl.int64)  # every valid candidate is kept when there are <= KEEP
-    if n_valid > KEEP:
-        for i in range(32):
-            t = thr | (tl.full([], 1, tl.int64) << (31 - i))
-            cnt = 0
-            m0 = 0
-            while m0 < M:
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
-                cnt += tl.sum((key >= t).to(tl.int32), axis=0)
-                m0 += BLOCK_M
-            thr = tl.where(cnt >= k_eff, t, thr)
-    # the winners (key > thr, then ties at thr by slot) compacted in slot order
-    n_gt = 0
-    m0 = 0
-    while m0 < M:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
-        n_gt += tl.sum((key > thr).to(tl.int32), axis=0)
-        m0 += BLOCK_M
-    eq_left = k_eff - n_gt  # ties at the threshold still to take
-    o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    done = 0
-    m0 = 0
-    while m0 < M:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        cand, key = _cand_keys(c_base, sc_base, offs_m, M, stride_cm)
-        eq = (key == thr) & (cand >= 0)
-        eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        take = (key > thr) | (eq & (eq_rank < eq_left))
-        eq_left -= tl.sum(eq.to(tl.int32), axis=0)
-        slot = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take & (slot < KEEP))
-        done += tl.sum(take.to(tl.int32), axis=0)
-        m0 += BLOCK_M
-    k0 = 0
-    while k0 < KEEP:
-        offs_k = k0 + tl.arange(0, BLOCK_M)
-        tl.store(o_base + offs_k.to(tl.int64) * stride_ok, tl.full([BLOCK_M], -1, tl.int32),
+    if ONE_TILE:
+        offs = tl.arange(0, BLOCK)
+        cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
+                                         G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
+        k_rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), KEEP)
+        thr = tl.full([], 0, tl.uint32)
+        for p in tl.static_range(4):
+            d, k_rem = _pick_digit(_radix_digit(key, valid, thr, p), k_rem)
+            thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
+        # thr is the key of the keep-th best (of every valid one when fewer): all keys
+        # above it are taken, and the first k_rem equal to it
+        eq = valid & (key == thr)
+        take = (valid & (key > thr)) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
+        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take)
+        done = tl.sum(take.to(tl.int32), axis=0)
+    else:
+        n_valid = 0
+        for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
+            offs = m0 + tl.arange(0, BLOCK)
+            cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
+                                             G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
+            n_valid += tl.sum(valid.to(tl.int32), axis=0)
+            if REDUCE == 2:
+                tl.store(sc_base + offs, r, mask=offs < M)
+        tl.debug_barrier()  # the scores just written are read by other threads of this program
+        k_rem = tl.minimum(n_valid, KEEP)
+        thr = tl.full([], 0, tl.uint32)
+        for p in tl.static_range(4):
+            hist = tl.zeros([256], tl.int32)
+            for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
+                offs = m0 + tl.arange(0, BLOCK)
+                cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
+                                                 G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
+                hist += _radix_digit(key, valid, thr, p)
+            d, k_rem = _pick_digit(hist, k_rem)
+            thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
+        done = 0
+        n_eq = 0
+        for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
+            offs = m0 + tl.arange(0, BLOCK)
+            cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
+                                             G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
+            eq = valid & (key == thr)
+            take = (valid & (key > thr)) | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
+            slot = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take)
+            done += tl.sum(take.to(tl.int32), axis=0)
+            n_eq += tl.sum(eq.to(tl.int32), axis=0)
+    # slots past the kept ones (fewer valid candidates than KEEP): -1
+    for k0 in range(loop_bound((done // BLOCK) * BLOCK, INTERPRET), loop_bound(KEEP, INTERPRET), BLOCK):
+        offs_k = k0 + tl.arange(0, BLOCK)
+        tl.store(o_base + offs_k.to(tl.int64) * stride_ok, tl.full([BLOCK], -1, tl.int32),
                  mask=(offs_k >= done) & (offs_k < KEEP))
-        k0 += BLOCK_M
+
+
+@triton.jit
+def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
+                         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                         stride_cb, stride_ch, stride_cm,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B * Hkv, NSPLIT): ``_score_chunk`` of one chunk of one (b, KV head)."""
+    grid_dep_wait(PDL)
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
+                 scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
     grid_dep_release(PDL)
 
 
+@triton.jit
+def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
+                          stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Grid (B * Hkv,): ``_select_row`` of one (b, KV head)."""
+    grid_dep_wait(PDL)
+    _select_row(CAND, OUT, LOGITS, SCORES, PART, tl.program_id(0), Hkv, M, KEEP, NSPLIT,
+                stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
+    grid_dep_release(PDL)
+
+
+@triton.jit
+def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
+                         stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                         stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                         UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
+    selects (one launch; the logits go through its own L1/L2 between the two)."""
+    pid = tl.program_id(0)
+    grid_dep_wait(PDL)
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
+                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
+    tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
+    _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
+                stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
+    grid_dep_release(PDL)
+
+
+_CONFIG_KEYS = {"BLOCK_M", "num_warps", "num_stages", "MIN_CHUNK", "PER_SM", "SELECT_MAX", "SELECT_BLOCK",
+                "select_warps", "FUSE"}
+
+
 def _config(M: int, rows: int, device: torch.device) -> dict:
-    """Tiles and the split of the candidates over programs (``RERANK_CONFIG`` overrides)."""
+    """Tiles, warps, the split of the candidates over programs and the fusion
+    (``RERANK_CONFIG`` overrides)."""
+    bad = sorted(set(RERANK_CONFIG) - _CONFIG_KEYS)
+    if bad:
+        raise ValueError(f"RERANK_CONFIG has unknown keys {bad}: use only {sorted(_CONFIG_KEYS)}")
     if _interpret() or device.type != "cuda":
-        cfg = dict(BLOCK_M=max(16, min(128, triton.next_power_of_2(max(M, 1)))), num_warps=1, MIN_CHUNK=256,
-                   PER_SM=4)
-    else:  # untuned: benchmarks.bench_rerank sweeps it
-        cfg = dict(BLOCK_M=64, num_warps=4, MIN_CHUNK=512, PER_SM=4, SELECT_BLOCK=1024, select_warps=4)
+        cfg = dict(BLOCK_M=max(16, min(128, triton.next_power_of_2(max(M, 1)))), num_warps=1, num_stages=1,
+                   MIN_CHUNK=256, PER_SM=4, SELECT_MAX=4096, SELECT_BLOCK=256, select_warps=1, FUSE=None)
+    else:  # untuned: benchmarks.bench_rerank --sweep times the alternatives
+        cfg = dict(BLOCK_M=64, num_warps=4, num_stages=3, MIN_CHUNK=512, PER_SM=4, SELECT_MAX=8192,
+                   SELECT_BLOCK=1024, select_warps=None, FUSE=None)
     cfg.update(RERANK_CONFIG)
-    cfg.setdefault("SELECT_BLOCK", cfg["BLOCK_M"])
-    cfg.setdefault("select_warps", cfg["num_warps"])
-    chunk, n = _split(M, rows, device, block=cfg["BLOCK_M"], min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
-    cfg["CHUNK"], cfg["NSPLIT"] = chunk, n
+    m_pad = triton.next_power_of_2(max(M, 16))
+    cfg["ONE_TILE"] = m_pad <= cfg["SELECT_MAX"]
+    cfg["BLOCK"] = m_pad if cfg["ONE_TILE"] else cfg["SELECT_BLOCK"]
+    if cfg["select_warps"] is None:  # <= 8 keys per thread (sm_90: 93 registers at 4096 x 16 warps, sum_softmax)
+        cfg["select_warps"] = max(4, min(16, cfg["BLOCK"] // 256))
+    if cfg["FUSE"] is True:
+        cfg["CHUNK"], cfg["NSPLIT"] = M, 1
+    else:
+        chunk, n = _split(M, rows, device, block=cfg["BLOCK_M"], min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
+        cfg["CHUNK"], cfg["NSPLIT"] = chunk, n
+    # auto (None): fused where the split leaves one program per row anyway (then the
+    # second launch is pure overhead); a split row needs the merge of its chunks first
+    cfg["FUSED"] = cfg["NSPLIT"] == 1 if cfg["FUSE"] is None else bool(cfg["FUSE"])
+    # the fused program holds the select's row too: at least the select's warps (at 4
+    # warps a 4096-key row spills on sm_90)
+    cfg["fused_warps"] = max(cfg["num_warps"], cfg["select_warps"])
     return cfg
+
+
+def _unroll_g(G: int, block: int, warps: int) -> bool:
+    """Whether the select loads its G heads' logit rows all at once (unrolled): while
+    they hold <= 64 registers per thread (sm_90: G=7 at 8192 keys x 16 warps spilled
+    1.3 KB per thread unrolled, G=4 136 B)."""
+    return G * block <= 64 * 32 * warps
 
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                          scale: float | None = None, reduce: str = "sum_softmax",
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``rerank_select_ref`` (one launch; same result up to the products' rounding,
-    which can only reorder near-ties). ``out``: a contiguous int32 [B, Hkv, keep] buffer
-    to write (returned); else a new one."""
+    """Triton ``rerank_select_ref`` (two launches, or one fused; same result up to the
+    products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
+    [B, Hkv, keep] buffer to write (returned); else a new one."""
     B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
     dev = q.device
     if out is None:
@@ -327,21 +463,30 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     rows = B * Hkv
     cfg = _config(M, rows, dev)
     nsplit = cfg["NSPLIT"]
-    logits = torch.empty(rows * G_PAD * M if red == 2 else 1, dtype=torch.float32, device=dev)
-    scores = torch.empty(rows * M, dtype=torch.float32, device=dev)
+    logits = torch.empty(rows * G * M if red == 2 else 1, dtype=torch.float32, device=dev)
+    scores = torch.empty(rows * M if red != 2 or not cfg["ONE_TILE"] else 1, dtype=torch.float32, device=dev)
     part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
-    upcast = _interpret()
-    ieee = k.dtype == torch.float32 and not upcast
+    interp = _interpret()
+    ieee = k.dtype == torch.float32 and not interp
     scale = D ** -0.5 if scale is None else float(scale)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+               cand.stride(0), cand.stride(1), cand.stride(2))
+    o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    if cfg["FUSED"]:
+        _rerank_fused_kernel[(rows,)](
+            q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
+            G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
+            ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp,
+            num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+        return out
     _rerank_score_kernel[(rows, nsplit)](
-        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        cand.stride(0), cand.stride(1), cand.stride(2),
-        G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=upcast, IEEE=ieee,
-        num_warps=cfg["num_warps"], **pdl_kwargs(q))
+        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
+        G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
+        INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
-        cand, out, logits, scores, part, M, keep, nsplit,
-        cand.stride(0), cand.stride(1), cand.stride(2), out.stride(0), out.stride(1), out.stride(2), Hkv,
-        G=G, G_PAD=G_PAD, BLOCK_M=cfg["SELECT_BLOCK"], REDUCE=red, num_warps=cfg["select_warps"],
-        **pdl_kwargs(q))
+        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:], *o_strides,
+        G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
+        UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
+        num_warps=cfg["select_warps"], **pdl_kwargs(q))
     return out

@@ -133,14 +133,67 @@ def test_triton_splits_the_candidates(device, reduce, monkeypatch):
         _check_stable(R.rerank_select_triton(q, k, cand, keep, reduce=reduce), want, q, k, cand, keep, reduce)
 
 
+# the select's paths, forced through RERANK_CONFIG: (overrides, fused, rows in registers)
+PATHS = {
+    "fused-registers": (dict(FUSE=True), True, True),
+    "split-registers": (dict(FUSE=False, BLOCK_M=16, MIN_CHUNK=16), False, True),
+    "split-tiled": (dict(FUSE=False, BLOCK_M=16, MIN_CHUNK=16, SELECT_MAX=8, SELECT_BLOCK=8), False, False),
+    "fused-tiled": (dict(FUSE=True, SELECT_MAX=32, SELECT_BLOCK=32), True, False),
+}
+
+
+def _force(monkeypatch, path, M, rows, device):
+    over, fused, one_tile = PATHS[path]
+    for key, val in over.items():
+        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
+    cfg = R._config(M, rows, torch.device(device))
+    assert (cfg["FUSED"], cfg["ONE_TILE"]) == (fused, one_tile)
+    return cfg
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_select_path(device, path, reduce, monkeypatch):
+    """Fused or not, the row in registers or swept in tiles: the same kept sets, for
+    every reduction (odd M over several select tiles, GQA with G = 3, a short row)."""
+    B, Hq, Hkv, L, M, D = 2, 6, 2, 90, 61, 16
+    cfg = _force(monkeypatch, path, M, B * Hkv, device)
+    assert cfg["FUSED"] or cfg["NSPLIT"] > 1  # unfused paths merge several chunks' statistics
+    q, k, cand = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=11)
+    cand[1, 1, 40:] = -1  # fewer valid candidates than keep below in one row
+    for keep in (1, 30, M):
+        want = R.rerank_select_ref(q, k, cand, keep, reduce=reduce)
+        _check_stable(R.rerank_select_triton(q, k, cand, keep, reduce=reduce), want, q, k, cand, keep, reduce)
+
+
+@pytest.mark.parametrize("M,one_tile", [(3001, True), (5000, False)])
+def test_large_candidate_lists(device, M, one_tile):
+    """m K_mid at a real model's size: 3001 candidates selected in registers, 5000 past
+    the interpreter's SELECT_MAX (8192 on GPU) swept in tiles; the default launch."""
+    B, Hq, Hkv, L, D = 1, 2, 1, M + 700, 16
+    assert R._config(M, B * Hkv, torch.device(device))["ONE_TILE"] == one_tile or device == "cuda"
+    q, k, cand = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=M)
+    for keep in (1, M // 3):
+        want = R.rerank_select_ref(q, k, cand, keep)
+        _check_stable(R.rerank_select_triton(q, k, cand, keep), want, q, k, cand, keep, "sum_softmax")
+
+
+def test_unknown_config_key_is_refused(monkeypatch):
+    monkeypatch.setitem(R.RERANK_CONFIG, "BLOCK", 64)
+    with pytest.raises(ValueError, match="RERANK_CONFIG has unknown keys \\['BLOCK'\\]"):
+        R._config(100, 4, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("path", ["fused-registers", "split-tiled"])
 @pytest.mark.parametrize("reduce", ["sum_softmax", "max_logits"])
-def test_ties_go_to_the_lower_slot(device, reduce):
+def test_ties_go_to_the_lower_slot(device, reduce, path, monkeypatch):
     """Identical keys give identical scores: the first ``keep`` valid slots win, in both."""
     B, Hq, Hkv, D, L, M = 1, 4, 2, 16, 20, 11
     q = torch.randn(B, Hq, D, device=device)
     k = torch.randn(B, Hkv, 1, D, device=device).expand(B, Hkv, L, D).contiguous()
     cand = torch.arange(L - 1, L - 1 - M, -1, dtype=torch.int32, device=device).expand(B, Hkv, M).contiguous()
     cand[:, :, 2] = -1
+    _force(monkeypatch, path, M, B * Hkv, device)
     for keep in (1, 4, 12):
         want = _expected(q.cpu(), k.cpu(), cand.cpu(), keep, reduce)
         assert torch.equal(R.rerank_select_ref(q, k, cand, keep, reduce=reduce).cpu(), want)
@@ -185,9 +238,16 @@ def test_rerank_decode_attention_attends_the_kept_set(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
+                         ids=["default", "fused", "split", "tiled"])
+@pytest.mark.parametrize("M", [1000, 3960])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_keys_on_gpu(dtype):
-    q, k, cand = _inputs(4, 32, 8, 128, 4096, 1000, dtype=dtype, device="cuda")
-    want = R.rerank_select_ref(q, k, cand, 250)
-    got = R.rerank_select_triton(q, k, cand, 250)
-    _check_stable(got, want, q.float(), k.float(), cand, 250, "sum_softmax")
+def test_half_keys_on_gpu(dtype, M, over, monkeypatch):
+    """The Qwen3-8B head layout, M = 2 K_mid at K = 2048 (3960), every launch path."""
+    for key, val in over.items():
+        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
+    q, k, cand = _inputs(4, 32, 8, 128, 4096, M, dtype=dtype, device="cuda")
+    keep = M // 2
+    want = R.rerank_select_ref(q, k, cand, keep)
+    got = R.rerank_select_triton(q, k, cand, keep)
+    _check_stable(got, want, q.float(), k.float(), cand, keep, "sum_softmax")
