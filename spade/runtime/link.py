@@ -197,7 +197,7 @@ class CacheLink:
         for tr in (self.transport, self.cache_transport):
             if tr is not None:
                 try:
-                    await asyncio.wait_for(tr.close(), timeout_s)
+                    await asyncio.wait_for(tr.abort(), timeout_s)
                 except BaseException:
                     pass
 

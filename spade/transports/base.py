@@ -167,6 +167,11 @@ class Transport(ABC):
     async def close(self) -> None:
         """Release everything; idempotent."""
 
+    async def abort(self) -> None:
+        """Release everything at once, the peer being gone (killed, hung): no goodbye
+        to it, no waiting for sends to drain. Idempotent; by default ``close``."""
+        await self.close()
+
     async def __aenter__(self):
         return self
 

@@ -423,9 +423,23 @@ class NcclTransport(Transport):
     async def _abort(self) -> None:
         """Undo a half-made connection."""
         self._closed = True
-        await self._teardown()
+        await self._teardown(abort=True)
 
-    async def _teardown(self) -> None:
+    def _abort_groups(self) -> None:
+        """Abort the NCCL communicators: kernels of sends or receives to a peer that is
+        gone never finish; an abort ends them (a device sync before it would hang until
+        the process group's watchdog kills this process)."""
+        for g in self._groups:
+            fn = getattr(g, "abort", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception as e:  # pragma: no cover - best effort at teardown
+                    log.debug("process group abort: %s", e)
+
+    async def _teardown(self, abort: bool = False) -> None:
+        """``abort``: the peer is gone or a send did not finish: communicators are aborted
+        (no graceful shutdown, which waits for the peer)."""
         if self._writer is not None:
             try:
                 self._writer.close()
@@ -433,6 +447,8 @@ class NcclTransport(Transport):
                 pass
         if self._server is not None:
             self._server.close()
+        if abort and self.backend_used == "nccl":
+            self._abort_groups()
         if self.device.type == "cuda" and self.backend_used == "nccl":
             try:
                 torch.cuda.synchronize(self.device)
@@ -453,7 +469,7 @@ class NcclTransport(Transport):
         groups, self._groups = self._groups, []
         self._cpu_group = self._send_group = self._recv_group = None
         for g in groups:  # standalone groups: NCCL ones are shut down, gloo ones go with their references
-            for name in ("shutdown", "_shutdown", "abort"):
+            for name in (("abort",) if abort else ("shutdown", "_shutdown", "abort")):
                 fn = getattr(g, name, None)
                 if fn is not None:
                     try:
@@ -464,6 +480,11 @@ class NcclTransport(Transport):
         self._store = None
         del groups
         gc.collect()
+
+    async def abort(self) -> None:
+        if self._gone is None:
+            self._gone = PeerGone(f"nccl transport: the link to rank {self.peer_rank} was dropped")
+        await self.close()
 
     async def close(self) -> None:
         if self._closed:
@@ -485,9 +506,11 @@ class NcclTransport(Transport):
                 await self._pump_task
             except BaseException:
                 pass
+        # a peer that is gone, or sends that did not drain: its communicators are aborted
+        dirty = self._gone is not None or bool(self._inflight)
         self._fail_all(TransportError("nccl transport: closed"))
         self._inflight.clear()
-        await self._teardown()
+        await self._teardown(abort=dirty)
 
     # ------------------------------------------------------------------ send
     def _prune(self) -> None:

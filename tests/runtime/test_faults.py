@@ -666,7 +666,10 @@ def test_a_cache_rank_that_does_not_come_back_is_retried_not_lost(long_model, pr
     finally:
         rt.close()
     assert time.monotonic() - t0 < 90
-    assert failed and _kinds(tr)[:2] == ["restart_failed", "peer_restored"], tr.stats["events"]
+    # found dead at the start (restart_failed first), or on the boot's first send (peer_lost first)
+    kinds = _kinds(tr)
+    assert failed and kinds in (["restart_failed", "peer_restored"], ["peer_lost", "restart_failed", "peer_restored"]), \
+        tr.stats["events"]
     n = len(tr.tokens[0])
     assert all(len(r) == n for r in tr.tokens) and n < LONG  # stopped a few steps after the restore
     assert tr.stats["sparse_steps"] > 0 and tr.stats["restarts"] == 1
