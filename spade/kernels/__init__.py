@@ -175,7 +175,7 @@ def gather_kv(k, v, indices):
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
-                            kv_start=None, return_lse=False, stats=None, count_call=True):
+                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None):
     """Decode attention over a subset of the cache, read in place (no gathered copy).
 
     Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
@@ -184,12 +184,15 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
     ``stats`` (int64 [2] on q's device): ``[0] +=`` tokens attended summed over
     (b, KV head), ``[1] += 1`` if ``count_call`` — counted inside the attention
     launch, so statistics cost no kernels on the decode path.
+    ``block_table`` (int32 [B, max_blocks]): k/v are block pools
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); indices stay logical.
     """
     from spade.kernels import attention
 
     fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
+    paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
-              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call)
+              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
 def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):
