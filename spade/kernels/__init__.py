@@ -165,13 +165,14 @@ def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, 
               kv_start=kv_start)
 
 
-def gather_kv(k, v, indices):
+def gather_kv(k, v, indices, block_table=None):
     """Gather selected tokens into contiguous buffers: (k_sel, v_sel) [B, Hkv, K, D];
-    rows of ``-1`` slots are zero."""
+    rows of ``-1`` slots are zero. ``block_table`` (int32 [B, max_blocks]): k/v are
+    block pools [num_blocks, Hkv, block_size, D]; indices stay logical."""
     from spade.kernels import gather
 
     fn = gather.gather_kv_triton if use_triton(k) else gather.gather_kv_ref
-    return fn(k, v, indices)
+    return fn(k, v, indices) if block_table is None else fn(k, v, indices, block_table)
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
