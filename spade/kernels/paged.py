@@ -98,20 +98,21 @@ def scatter_to_pool(cache: torch.Tensor, block_size: int, gen: torch.Generator, 
     points at one poisoned block, and every unowned block is filled with ``poison``
     (NaN by default): a kernel that reads outside a row's tokens shows it."""
     B, Hkv, L, D = cache.shape
+    dev = cache.device
     nb = max(1, -(-L // block_size))
-    lens_l = [L] * B if lens is None else [int(x) for x in lens]
-    own = [-(-n // block_size) for n in lens_l]
-    num_blocks = sum(own) + extra_blocks + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    poisoned, free = perm[0], perm[1:]
-    pool = torch.full((num_blocks, Hkv, block_size, D), poison, dtype=cache.dtype, device=cache.device)
+    lens_t = torch.full((B,), L) if lens is None else torch.as_tensor(lens).cpu().long()
+    own = -(-lens_t // block_size)  # [B] blocks each row owns
+    num_blocks = int(own.sum()) + extra_blocks + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    poisoned = int(perm[0])
+    owned = torch.arange(nb)[None, :] < own[:, None]  # [B, nb]
     table = torch.full((B, nb), poisoned, dtype=torch.int32)
-    padded = torch.full((B, Hkv, nb * block_size, D), poison, dtype=cache.dtype, device=cache.device)
-    for b in range(B):  # positions past a row's length are poisoned too, inside its last block
-        padded[b, :, :lens_l[b]] = cache[b, :, :lens_l[b]]
-    for b in range(B):
-        for j in range(own[b]):
-            blk = free.pop()
-            table[b, j] = blk
-            pool[blk] = padded[b, :, j * block_size:(j + 1) * block_size]
-    return pool, table.to(cache.device)
+    table[owned] = perm[1:1 + int(own.sum())].int()  # row-major: row b's blocks, in a random order
+    pos = torch.arange(nb * block_size, device=dev)
+    padded = torch.nn.functional.pad(cache, (0, 0, 0, nb * block_size - L))
+    live = pos[None, :] < lens_t.to(dev)[:, None]  # [B, nb * bs]: slots past a row's length are poisoned
+    padded = torch.where(live[:, None, :, None], padded, torch.full((), poison, dtype=cache.dtype, device=dev))
+    blocks = padded.view(B, Hkv, nb, block_size, D).permute(0, 2, 1, 3, 4)  # [B, nb, Hkv, bs, D]
+    pool = torch.full((num_blocks, Hkv, block_size, D), poison, dtype=cache.dtype, device=dev)
+    pool[table[owned].long().to(dev)] = blocks[owned.to(dev)]
+    return pool, table.to(dev)
