@@ -78,20 +78,22 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None):
+def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None, block_table=None):
     """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
     outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction.
+    ``block_table``: exact keys in a block pool, as in ``score_topk``.
     int8 ``k`` (from ``quantize_keys``) needs ``k_scale`` [B, Hkv, L]: logits are
     ``scale * (q · kq) * k_scale``; so does packed int4 ``k`` (uint8 [B, Hkv, L, D/2]
     from ``quantize_keys_int4``; q then carries the copy's smoothing: ``fold_smoothing``)."""
     from spade.kernels import scoring
 
     fn = scoring.group_scores_triton if use_triton(q) else scoring.group_scores_ref
-    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start, k_scale=k_scale)
+    paged = {} if block_table is None else {"block_table": block_table}
+    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start, k_scale=k_scale, **paged)
 
 
 def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, kv_start=None,
-               k_scale=None, out=None, carry=None, carry_margin=None):
+               k_scale=None, out=None, carry=None, carry_margin=None, block_table=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` / ``kv_start``
@@ -104,12 +106,15 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     threshold-carry top-K (``scoring.score_topk_triton``): the same selection, found
     among the scores above the previous call's threshold instead of by radix passes
     over every row; ``carry_margin``: its next threshold aims at that many times
-    ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it)."""
+    ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it).
+    ``block_table`` (int32 [B, max_blocks]): exact keys in a block pool
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); positions stay logical."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
+    paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin)
+              k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin, **paged)
 
 
 def select_overlap(device, enabled=None):

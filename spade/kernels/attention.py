@@ -44,9 +44,10 @@ The Triton kernel is flash-decoding with split-K:
 Paged cache: with ``block_table`` [B, max_blocks] int32, ``k``/``v`` are block pools
 [num_blocks, Hkv, block_size, D] shared by the rows (``spade.kernels.paged``); every
 position above stays logical and is mapped through the table only to form the K/V
-address (``_paged_slots``). ``block_table=None`` is the contiguous cache, the special
-case of one block of L tokens per row, resolved at compile time (``PAGED=False``: the
-table arguments are not even passed, so the compiled code is the unpaged one).
+address (``spade.kernels.paged.paged_slots``). ``block_table=None`` is the contiguous
+cache, the special case of one block of L tokens per row, resolved at compile time
+(``PAGED=False``: the table arguments are not even passed, so the compiled code is the
+unpaged one).
 
 The number of splits is chosen from ``B * Hkv`` and the SM count so that the grid
 fills the GPU (decode attention is bound by HBM bandwidth: every SM must be
@@ -71,7 +72,7 @@ import triton.language as tl
 
 from spade.envs import env, triton_interpret
 from spade.kernels.common import loop_bound
-from spade.kernels.paged import check_block_table, check_pool, paged_to_contiguous
+from spade.kernels.paged import check_block_table, check_pool, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -265,7 +266,7 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
                  stride_kb=0, stride_vb=0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1):
     """Load the K/V rows at ``pos64`` in place and fold them into the online softmax state.
     ``PAGED``: ``pos64`` are physical slots ``block * BLOCK_SIZE + offset`` of the pool
-    (``_paged_slots``) and the bases hold no batch row."""
+    (``spade.kernels.paged.paged_slots``) and the bases hold no batch row."""
     kv_mask = valid[:, None] & d_mask[None, :]
     if PAGED:
         blk = pos64 // BLOCK_SIZE
@@ -300,16 +301,6 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
 
 
 @triton.jit
-def _paged_slots(pos, bt_row, BLOCK_SIZE: tl.constexpr):
-    """Physical slots ``table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`` of the
-    logical positions ``pos`` (a tile of any shape, int32; ``-1`` = nothing attended,
-    kept, and its table entry never loaded). ``bt_row``: this batch row's block table."""
-    ok = pos >= 0
-    blk = tl.load(bt_row + tl.where(ok, pos, 0) // BLOCK_SIZE, mask=ok, other=0)
-    return tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
-
-
-@triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_LENS, KV_START, IDX,
     O_PART, LSE_PART, OUT, LSE,
@@ -326,7 +317,8 @@ def _decode_split_kernel(
     BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     # PAGED: K/V are pools [num_blocks, Hkv, BLOCK_SIZE, D] and BT the block tables
-    # [B, max_blocks] int32; positions stay logical until the K/V address (``_paged_slots``).
+    # [B, max_blocks] int32; positions stay logical until the K/V address (``paged_slots``).
+    # stride_tb is a constexpr: the table is one fixed [max_rows, max_blocks] buffer.
     # Not PAGED: the contiguous cache [B, Hkv, L, D], i.e. the table [b] with one block of L
     # tokens, resolved at compile time (the same code as before paging existed).
     pid_bh = tl.program_id(0)
@@ -390,7 +382,7 @@ def _decode_split_kernel(
         pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
                                  MAX_BLOCKS, BLOCK_N)
         if PAGED:  # the whole chunk mapped through the table up front: no table load in the loop
-            pos2d = _paged_slots(pos2d, bt_row, BLOCK_SIZE)
+            pos2d = paged_slots(pos2d, bt_row, BLOCK_SIZE)
     else:
         pos2d = 0
     n_att = tl.zeros([], tl.int32)  # tokens this program attends (HAS_STATS)
@@ -402,7 +394,7 @@ def _decode_split_kernel(
         for c0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), MAX_BLOCKS * BLOCK_N):
             c1 = tl.minimum(c0 + MAX_BLOCKS * BLOCK_N, end)
             offs = c0 + tl.arange(0, MAX_BLOCKS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            slots = _paged_slots(tl.where(offs < c1, s + offs, -1), bt_row, BLOCK_SIZE)
+            slots = paged_slots(tl.where(offs < c1, s + offs, -1), bt_row, BLOCK_SIZE)
             c0t = tl.minimum(c0, end)  # = c0, as a tensor (the interpreter's c0 is an int)
             for j0 in range(loop_bound(c0t, INTERPRET), loop_bound(c1, INTERPRET), BLOCK_N):
                 pos, valid = _block_rows(slots, (j0 - c0) // BLOCK_N, j0, c1, s, MAX_BLOCKS, BLOCK_N, True)

@@ -29,8 +29,32 @@ Example::
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["check_block_table", "paged_to_contiguous", "paged_write", "scatter_to_pool"]
+__all__ = ["check_block_table", "paged_to_contiguous", "paged_write", "scatter_to_pool", "paged_slots",
+           "tile_of"]
+
+
+@triton.jit
+def paged_slots(pos, bt_row, BLOCK_SIZE: tl.constexpr):
+    """Physical slots ``table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`` of the
+    logical positions ``pos`` (a tile of any shape, int32; ``-1`` = nothing, kept, and
+    its table entry never loaded). ``bt_row``: this batch row's block table. A slot
+    ``x`` is then read at ``(x // BLOCK_SIZE) * stride_block + (x % BLOCK_SIZE) * stride_token``.
+
+    Kernels map a whole group of tiles before the loop that loads K/V: a table load
+    inside that loop costs the software pipeliner its second K/V buffer on sm_90."""
+    ok = pos >= 0
+    blk = tl.load(bt_row + tl.where(ok, pos, 0) // BLOCK_SIZE, mask=ok, other=0)
+    return tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+
+
+@triton.jit
+def tile_of(tiles, i, N_TILES: tl.constexpr):
+    """Row ``i`` of a [N_TILES, N] register tile, as [N] (a masked reduction: register
+    tiles cannot be indexed by a runtime value)."""
+    return tl.sum(tl.where(tl.arange(0, N_TILES)[:, None] == i, tiles, 0), 0)
 
 
 def check_block_table(block_table: torch.Tensor, B: int, device: torch.device) -> None:
