@@ -9,7 +9,9 @@ each ``--block-sizes``. Rows:
 * ``sparse``: indexed attention, 4 sinks + K random (unsorted) middle tokens + 64
   recent (``--K``, default 2048);
 * ``dense``: the ``indices=None`` path over the whole context (the ``full`` policy);
-* ``gather``: ``gather_kv`` of the K selected rows (the ``kv`` return mode).
+* ``gather``: ``gather_kv`` of the K selected rows (the ``kv`` return mode);
+* ``score``: ``score_topk`` over the exact keys of the middle range (sum of the
+  group's logits, radix top-K): the cache side's selection from exact keys.
 
 Each row reports the median time (CUDA events, L2 flushed before every call by a
 512 MiB memset, which also hides the host's launch), the K/V bytes it must read, the
@@ -39,6 +41,7 @@ import torch
 from benchmarks.bench_attention import Timer, hbm_bandwidth, random_middle
 
 TARGET_RATIO = 1.05
+KINDS = ("sparse", "dense", "gather", "score")
 
 
 def _ints(text: str) -> list[int]:
@@ -62,7 +65,7 @@ def parse_args(argv):
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--block-sizes", type=_ints, default=[16, 32, 64], help="tokens per block, comma-separated")
-    ap.add_argument("--kinds", default="sparse,dense,gather", help="rows to run, comma-separated")
+    ap.add_argument("--kinds", default="sparse,dense,gather,score", help="rows to run, comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     ap.add_argument("--seed", type=int, default=0)
@@ -70,17 +73,17 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help="JSON path")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.B, a.L, a.K, a.hkv, a.g, a.d, a.sink, a.recent, a.iters = 2, 77, 16, 2, 2, 16, 2, 4, 2
-        a.block_sizes = [4, 16]
+        a.B, a.L, a.K, a.hkv, a.g, a.d, a.sink, a.recent, a.iters = 2, 77, 16, 2, 2, 16, 2, 4, 1
+        a.block_sizes = [8]
     for f in ("B", "L", "K", "hkv", "g", "d", "iters"):
         if getattr(a, f) < 1:
             ap.error(f"--{f} must be >= 1, got {getattr(a, f)}")
     if a.K + a.sink + a.recent > a.L:
         ap.error(f"--K + --sink + --recent ({a.K + a.sink + a.recent}) must be <= --L ({a.L})")
     a.kinds = [k for k in a.kinds.split(",") if k]
-    bad = set(a.kinds) - {"sparse", "dense", "gather"}
+    bad = set(a.kinds) - set(KINDS)
     if bad or not a.kinds:
-        ap.error(f"--kinds takes sparse, dense, gather; got {a.kinds}")
+        ap.error(f"--kinds takes {', '.join(KINDS)}; got {a.kinds}")
     return a
 
 
@@ -111,15 +114,18 @@ def run(argv: list[str] | None = None) -> dict:
     kv_lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     mid = random_middle(B, Hkv, L, K, a.sink, a.recent, dev)
     n_tok = a.sink + K + a.recent
+    lo = torch.full((B,), a.sink, dtype=torch.int32, device=dev)
+    hi = torch.full((B,), L - a.recent, dtype=torch.int32, device=dev)
     nbytes = {"sparse": 2 * B * Hkv * n_tok * D * esz, "dense": 2 * B * Hkv * L * D * esz,
-              "gather": 2 * B * Hkv * K * D * esz}
+              "gather": 2 * B * Hkv * K * D * esz, "score": B * Hkv * (L - a.sink - a.recent) * D * esz}
 
     def calls(k, v, table):
         paged = {} if table is None else {"block_table": table}
         return {"sparse": lambda: kernels.sparse_decode_attention(q, k, v, kv_lens, mid, n_sink=a.sink,
                                                                   n_recent=a.recent, **paged),
                 "dense": lambda: kernels.sparse_decode_attention(q, k, v, kv_lens, **paged),
-                "gather": lambda: torch.cat(kernels.gather_kv(k, v, mid, **paged), dim=-1)}
+                "gather": lambda: torch.cat(kernels.gather_kv(k, v, mid, **paged), dim=-1),
+                "score": lambda: kernels.score_topk(q, k, lo, hi, K, **paged).sort(-1).values}
 
     def row(kind: str, layout: str, bs: int | None, ms: float, err: float | None) -> dict:
         floor_ms = nbytes[kind] / copy_bw * 1e3
@@ -150,6 +156,7 @@ def run(argv: list[str] | None = None) -> dict:
             if kind not in a.kinds:
                 continue
             out = fn().float()
+            # score: the selections compared (sorted indices): 0 when they are the same set
             err = float((out - ref[kind]).norm() / ref[kind].norm().clamp_min(1e-12))
             r = row(kind, "paged", bs, time_fn(fn), err)
             res["ratios_paged_vs_contiguous"][f"{kind}/bs={bs}"] = r["us"] / base[kind]

@@ -23,19 +23,19 @@ def test_smoke_rows(kernels, tmp_path, monkeypatch, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     sh = doc["shape"]
     kinds = [(r["kind"], r["layout"], r["block_size"]) for r in doc["rows"]]
-    assert kinds == ([(k, "contiguous", None) for k in ("sparse", "dense", "gather")]
-                     + [(k, "paged", bs) for bs in sh["block_sizes"] for k in ("sparse", "dense", "gather")])
+    assert kinds == ([(k, "contiguous", None) for k in BP.KINDS]
+                     + [(k, "paged", bs) for bs in sh["block_sizes"] for k in BP.KINDS])
     esz = 4  # fp32 on the CPU
     for r in doc["rows"]:
-        per = {"sparse": sh["sink"] + sh["K"] + sh["recent"], "dense": sh["L"], "gather": sh["K"]}[r["kind"]]
-        assert r["bytes"] == 2 * sh["B"] * sh["Hkv"] * per * sh["D"] * esz
+        per = {"sparse": 2 * (sh["sink"] + sh["K"] + sh["recent"]), "dense": 2 * sh["L"], "gather": 2 * sh["K"],
+               "score": sh["L"] - sh["sink"] - sh["recent"]}[r["kind"]]  # K and V rows; keys only for score
+        assert r["bytes"] == sh["B"] * sh["Hkv"] * per * sh["D"] * esz
         assert r["us"] > 0 and r["x_floor"] == pytest.approx(r["us"] / r["floor_us"])
-        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] == "gather"):
+        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] in ("gather", "score")):
             assert r["rel_err_vs_contiguous"] == 0.0  # same arithmetic, only the addresses differ
         elif r["layout"] == "paged":  # the torch reference zeroes unattended rows first: fp32 rounding
             assert r["rel_err_vs_contiguous"] < 1e-6
-    assert set(doc["ratios_paged_vs_contiguous"]) == {f"{k}/bs={bs}" for bs in sh["block_sizes"]
-                                                      for k in ("sparse", "dense", "gather")}
+    assert set(doc["ratios_paged_vs_contiguous"]) == {f"{k}/bs={bs}" for bs in sh["block_sizes"] for k in BP.KINDS}
     assert set(doc["within_target"]) == set(doc["ratios_paged_vs_contiguous"])
     assert "paged / contiguous:" in capsys.readouterr().out
 
