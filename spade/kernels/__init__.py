@@ -129,14 +129,16 @@ def select_overlap(device, enabled=None):
     return overlap.select_overlap(device, enabled)
 
 
-def quest_build(k, kv_lens, page_size, *, kv_start=None):
+def quest_build(k, kv_lens, page_size, *, kv_start=None, block_table=None):
     """Quest page metadata from a whole cache: (kmin, kmax), each [B, Hkv, P, D] in
     k's dtype with ``P = ceil(L / page_size)``; element-wise min/max over the valid
-    tokens of each page (pages with none: +inf / -inf)."""
+    tokens of each page (pages with none: +inf / -inf). ``block_table``: ``k`` is a
+    block pool (``spade.kernels.paged``); pages stay logical, L = max_blocks * block_size."""
     from spade.kernels import quest
 
     fn = quest.quest_build_triton if use_triton(k) else quest.quest_build_ref
-    return fn(k, kv_lens, page_size, kv_start=kv_start)
+    paged = {} if block_table is None else {"block_table": block_table}
+    return fn(k, kv_lens, page_size, kv_start=kv_start, **paged)
 
 
 def quest_update(kmin, kmax, k_new, pos, page_size):
