@@ -691,7 +691,8 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         si = (0, 0, 0)
     splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits, indexed=has_idx)
     if block_table is not None and not has_idx:  # tiles of slots mapped at a time (see the kernel)
-        max_blocks = min(_PAGED_DENSE_TILES, triton.next_power_of_2(max(1, triton.cdiv(triton.cdiv(t_max, splits), bn))))
+        tiles = triton.cdiv(triton.cdiv(t_max, splits), bn)  # tiles of a split's chunk
+        max_blocks = min(_PAGED_DENSE_TILES, triton.next_power_of_2(max(1, tiles)))
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
