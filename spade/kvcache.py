@@ -147,15 +147,25 @@ class BlockTable:
     """The device block table ``[max_rows, max_blocks]`` int32, one buffer for the
     cache's lifetime (CUDA graphs keep its pointer). Rows are edited on a host copy
     and ``sync()`` copies it over in one non-blocking transfer; unused entries hold
-    ``NULL_BLOCK``."""
+    ``NULL_BLOCK``.
+
+    On a GPU the transfer reads a pinned snapshot, never the host copy itself: a
+    non-blocking copy runs later than ``sync()`` returns, and the scheduler edits rows
+    right away. Two snapshots alternate; before one is rewritten, ``sync()`` waits for
+    the event of the transfer that last read it (two syncs ago, long done in steady
+    state), so the host never waits on the current step."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device | str = "cpu"):
         _positive_int("max_rows", max_rows)
         _positive_int("max_blocks", max_blocks)
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        self._host = torch.full((max_rows, max_blocks), NULL_BLOCK, dtype=torch.int32, pin_memory=pin)
-        self.tensor = torch.full((max_rows, max_blocks), NULL_BLOCK, dtype=torch.int32, device=self.device)
+        shape = (max_rows, max_blocks)
+        self._host = torch.full(shape, NULL_BLOCK, dtype=torch.int32)
+        self.tensor = torch.full(shape, NULL_BLOCK, dtype=torch.int32, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._stage = [torch.empty(shape, dtype=torch.int32, pin_memory=True) for _ in range(2)] if cuda else []
+        self._events: list = [None, None]
+        self._turn = 0
 
     @property
     def max_rows(self) -> int:
@@ -181,8 +191,19 @@ class BlockTable:
         return self._host[row].tolist()
 
     def sync(self) -> torch.Tensor:
-        """Copy the host table into the device buffer (in place); returns the buffer."""
-        self.tensor.copy_(self._host, non_blocking=True)
+        """Copy the host table into the device buffer (in place, ordered on the current
+        stream after the kernels already queued there); returns the buffer."""
+        if not self._stage:
+            self.tensor.copy_(self._host)
+            return self.tensor
+        i, self._turn = self._turn, self._turn ^ 1
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # the transfer that last read this snapshot is done
+        self._stage[i].copy_(self._host)
+        self.tensor.copy_(self._stage[i], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[i] = ev
         return self.tensor
 
     def view(self, rows: int) -> torch.Tensor:

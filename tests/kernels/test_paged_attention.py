@@ -213,3 +213,50 @@ def test_paged_kernel_builds_for_hopper_and_pipelines():
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
         assert len(r["kv_buffers"]) == 2 and all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)  # three programs per SM still fit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: GPU only")
+def test_gpu_graph_replay_follows_the_table_in_place():
+    """A CUDA graph captured over the ``BlockTable`` buffer reads whatever the table
+    holds at replay: rows re-pointed at other blocks (holding the same tokens) and a
+    row grown by one block give the results of a fresh call."""
+    from spade.kvcache import BlockTable
+
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, bs, nb = 4, 32, 8, 128, 16, 64
+    num_blocks = 2 * B * nb + 1
+    k_pool = torch.randn(num_blocks, Hkv, bs, D, generator=gen).cuda().bfloat16()
+    v_pool = torch.randn(num_blocks, Hkv, bs, D, generator=gen).cuda().bfloat16()
+    q = torch.randn(B, Hq, D, generator=gen).cuda().bfloat16()
+    kv_lens = torch.tensor([1000, 17, 640, 1023], dtype=torch.int32, device="cuda")
+    idx = torch.randint(4, 900, (B, Hkv, 256), generator=gen).int().cuda()
+    idx = torch.where(idx < kv_lens[:, None, None] - 64, idx, -1)
+    table = BlockTable(B, nb, "cuda")
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    for b in range(B):
+        table.set_row(b, perm[b * nb:(b + 1) * nb])
+    tab = table.sync()
+    kw = dict(n_sink=4, n_recent=64, block_table=tab)
+    for indices in (idx, None):
+        A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)  # compile, make counters
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)
+        # move row 1's blocks elsewhere (copying their tokens) and re-point the table in place
+        new = perm[B * nb:B * nb + nb]
+        old = table.host_row(1)
+        k_pool[new] = k_pool[old]
+        v_pool[new] = v_pool[old]
+        k_pool[old] = float("nan")
+        v_pool[old] = float("nan")
+        table.set_row(1, new)
+        table.sync()
+        g.replay()
+        fresh = A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.equal(out, fresh)
+        k_pool[old] = k_pool[new]  # back where they were, for the next pass
+        v_pool[old] = v_pool[new]
+        table.set_row(1, old)
+        table.sync()

@@ -150,3 +150,21 @@ def test_paged_cache_prefill_chunks_view_and_release():
     c.release(0)
     assert c.pool.num_free == c.pool.capacity and c.table.tensor.data_ptr() == ptr
     assert c.sync_table().eq(NULL_BLOCK).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging and events: GPU only")
+def test_block_table_sync_on_gpu_snapshots_the_host_copy():
+    """An edit right after ``sync()`` never reaches the transfer already queued."""
+    t = BlockTable(max_rows=2, max_blocks=3, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keep the stream busy so the copies run late
+    t.set_row(0, [4, 5])
+    first = t.sync().clone()
+    t.set_row(0, [7])
+    t.set_row(1, [1, 2, 3])
+    second = t.sync().clone()
+    t.set_row(1, [])
+    third = t.sync().clone()
+    torch.cuda.synchronize()
+    assert first.tolist() == [[4, 5, 0], [0, 0, 0]]
+    assert second.tolist() == [[7, 0, 0], [1, 2, 3]]
+    assert third.tolist() == [[7, 0, 0], [0, 0, 0]]
