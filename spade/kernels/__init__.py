@@ -78,20 +78,22 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None):
+def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None, block_table=None):
     """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
     outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction.
+    ``block_table``: exact keys in a block pool, as in ``score_topk``.
     int8 ``k`` (from ``quantize_keys``) needs ``k_scale`` [B, Hkv, L]: logits are
     ``scale * (q · kq) * k_scale``; so does packed int4 ``k`` (uint8 [B, Hkv, L, D/2]
     from ``quantize_keys_int4``; q then carries the copy's smoothing: ``fold_smoothing``)."""
     from spade.kernels import scoring
 
     fn = scoring.group_scores_triton if use_triton(q) else scoring.group_scores_ref
-    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start, k_scale=k_scale)
+    paged = {} if block_table is None else {"block_table": block_table}
+    return fn(q, k, kv_lens, scale=scale, reduce=reduce, kv_start=kv_start, k_scale=k_scale, **paged)
 
 
 def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=None, kv_start=None,
-               k_scale=None, out=None, carry=None, carry_margin=None):
+               k_scale=None, out=None, carry=None, carry_margin=None, block_table=None):
     """Fused scoring + top-K: the ``k_top`` positions ``p`` with ``lo[b] <= p < hi[b]``
     of highest group score, as int32 [B, Hkv, k_top] (``-1`` where fewer candidates;
     order unspecified). ``lo``/``hi``: [B] int tensors. ``kv_lens`` / ``kv_start``
@@ -104,12 +106,15 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     threshold-carry top-K (``scoring.score_topk_triton``): the same selection, found
     among the scores above the previous call's threshold instead of by radix passes
     over every row; ``carry_margin``: its next threshold aims at that many times
-    ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it)."""
+    ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it).
+    ``block_table`` (int32 [B, max_blocks]): exact keys in a block pool
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); positions stay logical."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
+    paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
-              k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin)
+              k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin, **paged)
 
 
 def select_overlap(device, enabled=None):
@@ -124,14 +129,16 @@ def select_overlap(device, enabled=None):
     return overlap.select_overlap(device, enabled)
 
 
-def quest_build(k, kv_lens, page_size, *, kv_start=None):
+def quest_build(k, kv_lens, page_size, *, kv_start=None, block_table=None):
     """Quest page metadata from a whole cache: (kmin, kmax), each [B, Hkv, P, D] in
     k's dtype with ``P = ceil(L / page_size)``; element-wise min/max over the valid
-    tokens of each page (pages with none: +inf / -inf)."""
+    tokens of each page (pages with none: +inf / -inf). ``block_table``: ``k`` is a
+    block pool (``spade.kernels.paged``); pages stay logical, L = max_blocks * block_size."""
     from spade.kernels import quest
 
     fn = quest.quest_build_triton if use_triton(k) else quest.quest_build_ref
-    return fn(k, kv_lens, page_size, kv_start=kv_start)
+    paged = {} if block_table is None else {"block_table": block_table}
+    return fn(k, kv_lens, page_size, kv_start=kv_start, **paged)
 
 
 def quest_update(kmin, kmax, k_new, pos, page_size):
@@ -165,17 +172,18 @@ def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, 
               kv_start=kv_start)
 
 
-def gather_kv(k, v, indices):
+def gather_kv(k, v, indices, block_table=None):
     """Gather selected tokens into contiguous buffers: (k_sel, v_sel) [B, Hkv, K, D];
-    rows of ``-1`` slots are zero."""
+    rows of ``-1`` slots are zero. ``block_table`` (int32 [B, max_blocks]): k/v are
+    block pools [num_blocks, Hkv, block_size, D]; indices stay logical."""
     from spade.kernels import gather
 
     fn = gather.gather_kv_triton if use_triton(k) else gather.gather_kv_ref
-    return fn(k, v, indices)
+    return fn(k, v, indices) if block_table is None else fn(k, v, indices, block_table)
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
-                            kv_start=None, return_lse=False, stats=None, count_call=True):
+                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None):
     """Decode attention over a subset of the cache, read in place (no gathered copy).
 
     Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
@@ -184,12 +192,15 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
     ``stats`` (int64 [2] on q's device): ``[0] +=`` tokens attended summed over
     (b, KV head), ``[1] += 1`` if ``count_call`` — counted inside the attention
     launch, so statistics cost no kernels on the decode path.
+    ``block_table`` (int32 [B, max_blocks]): k/v are block pools
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); indices stay logical.
     """
     from spade.kernels import attention
 
     fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
+    paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
-              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call)
+              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
 def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):

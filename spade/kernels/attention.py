@@ -41,6 +41,14 @@ The Triton kernel is flash-decoding with split-K:
   only as the fallback where the arrival counters cannot be made (the first call
   of a stream inside a CUDA-graph capture, ``_split_counters``).
 
+Paged cache: with ``block_table`` [B, max_blocks] int32, ``k``/``v`` are block pools
+[num_blocks, Hkv, block_size, D] shared by the rows (``spade.kernels.paged``); every
+position above stays logical and is mapped through the table only to form the K/V
+address (``spade.kernels.paged.paged_slots``). ``block_table=None`` is the contiguous
+cache, the special case of one block of L tokens per row, resolved at compile time
+(``PAGED=False``: the table arguments are not even passed, so the compiled code is the
+unpaged one).
+
 The number of splits is chosen from ``B * Hkv`` and the SM count so that the grid
 fills the GPU (decode attention is bound by HBM bandwidth: every SM must be
 streaming K/V).
@@ -64,6 +72,7 @@ import triton.language as tl
 
 from spade.envs import env, triton_interpret
 from spade.kernels.common import loop_bound
+from spade.kernels.paged import check_block_table, check_pool, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -78,6 +87,7 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 64
 _MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per thread at 64 x 32)
+_PAGED_DENSE_TILES = 32  # dense path over a paged cache: tiles of slots mapped through the table at a time
 
 
 def _interpret() -> bool:
@@ -85,14 +95,19 @@ def _interpret() -> bool:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_inputs(q, k, v, kv_lens, indices, kv_start):
+def _check_inputs(q, k, v, kv_lens, indices, kv_start, block_table=None):
+    """(B, Hq, Hkv, L, D); L is the logical capacity ``max_blocks * block_size`` when paged."""
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q [B,Hq,D] and k/v [B,Hkv,L,D]; got q {tuple(q.shape)}, "
+        want = "k/v pools [num_blocks,Hkv,block_size,D]" if block_table is not None else "k/v [B,Hkv,L,D]"
+        raise ValueError(f"expected q [B,Hq,D] and {want}; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     B, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
+    if (block_table is None and k.shape[0] != B) or k.shape[3] != D:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} (batch or head_dim)")
     Hkv = k.shape[1]
+    if block_table is not None:
+        check_pool(k, "k")
+        check_block_table(block_table, B, k.device)
     if Hq % Hkv != 0:
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
     if kv_lens.shape != (B,):
@@ -101,7 +116,8 @@ def _check_inputs(q, k, v, kv_lens, indices, kv_start):
         raise ValueError(f"kv_start must be [B]={B}; got {tuple(kv_start.shape)}")
     if indices is not None and (indices.dim() != 3 or indices.shape[:2] != (B, Hkv)):
         raise ValueError(f"indices must be [B, Hkv, K] = [{B}, {Hkv}, K]; got {tuple(indices.shape)}")
-    return B, Hq, Hkv, k.shape[2], D
+    L = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+    return B, Hq, Hkv, L, D
 
 
 # ----------------------------------------------------------------------------- reference
@@ -138,20 +154,32 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 kv_lens: torch.Tensor, indices: torch.Tensor | None = None, *,
                                 n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
                                 kv_start: torch.Tensor | None = None, return_lse: bool = False,
-                                stats: torch.Tensor | None = None, count_call: bool = True):
+                                stats: torch.Tensor | None = None, count_call: bool = True,
+                                block_table: torch.Tensor | None = None):
     """Plain-torch decode attention over the attended set, in float32 (materialises
     [B, Hq, L] scores: for tests and small shapes). An empty set gives out = 0 and
     lse = -inf.
 
     ``stats`` (int64 [2], optional): ``stats[0] +=`` the tokens attended, summed over
     (b, KV head); ``stats[1] += 1`` when ``count_call`` (the Triton kernel does the
-    same inside the attention launch)."""
-    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    same inside the attention launch).
+
+    ``block_table`` (int32 [B, max_blocks], optional): k/v are pools
+    [num_blocks, Hkv, block_size, D] and row b's logical position p lives in block
+    ``block_table[b, p // block_size]`` at offset ``p % block_size``; the rows are
+    copied out through the table (``paged_to_contiguous``) and every position that is
+    not attended is zeroed first, so blocks the row does not own (garbage, NaN)
+    never reach the result."""
+    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start, block_table)
     _check_stats(stats, q.device)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mask = attended_mask(L, kv_lens.to(q.device), indices, Hkv, n_sink=n_sink, n_recent=n_recent,
                          kv_start=kv_start)  # [B, Hkv, L]
+    if block_table is not None:
+        keep = mask[..., None]  # where(), not a product: an unowned block may hold NaN
+        k = torch.where(keep, paged_to_contiguous(k, block_table.to(k.device)), torch.zeros((), dtype=k.dtype))
+        v = torch.where(keep, paged_to_contiguous(v, block_table.to(v.device)), torch.zeros((), dtype=v.dtype))
     if stats is not None:
         stats[0] += mask.sum()
         if count_call:
@@ -234,11 +262,22 @@ def _block_rows(pos2d, blk, j0, end, s, MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.co
 
 @triton.jit
 def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
-                 m_i, l_i, acc, offs_d, d_mask, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Load the K/V rows at ``pos64`` in place and fold them into the online softmax state."""
+                 m_i, l_i, acc, offs_d, d_mask, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                 stride_kb=0, stride_vb=0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1):
+    """Load the K/V rows at ``pos64`` in place and fold them into the online softmax state.
+    ``PAGED``: ``pos64`` are physical slots ``block * BLOCK_SIZE + offset`` of the pool
+    (``spade.kernels.paged.paged_slots``) and the bases hold no batch row."""
     kv_mask = valid[:, None] & d_mask[None, :]
-    kt = tl.load(k_base + pos64[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    if PAGED:
+        blk = pos64 // BLOCK_SIZE
+        off = pos64 % BLOCK_SIZE
+        k_rows = blk * stride_kb + off * stride_kl
+        v_rows = blk * stride_vb + off * stride_vl
+        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                     mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    else:
+        kt = tl.load(k_base + pos64[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                     mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
     if UPCAST:
         kt = kt.to(tl.float32)
     qk = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)  # [G_PAD, BLOCK_N] fp32
@@ -249,8 +288,12 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(v_base + pos64[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                 mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    if PAGED:
+        vt = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd,
+                     mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+    else:
+        vt = tl.load(v_base + pos64[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                     mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
     if UPCAST:
         vt = vt.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
@@ -271,7 +314,13 @@ def _decode_split_kernel(
     HAS_INDICES: tl.constexpr, HAS_START: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FUSED_COMBINE: tl.constexpr, COUNTER,
     STATS, HAS_STATS: tl.constexpr, COUNT_CALL: tl.constexpr, PDL: tl.constexpr = False,
+    BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
+    # PAGED: K/V are pools [num_blocks, Hkv, BLOCK_SIZE, D] and BT the block tables
+    # [B, max_blocks] int32; positions stay logical until the K/V address (``paged_slots``).
+    # stride_tb is a constexpr: the table is one fixed [max_rows, max_blocks] buffer.
+    # Not PAGED: the contiguous cache [B, Hkv, L, D], i.e. the table [b] with one block of L
+    # tokens, resolved at compile time (the same code as before paging existed).
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // Hkv
@@ -316,8 +365,13 @@ def _decode_split_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
+    if PAGED:
+        k_base = K + h64 * stride_kh
+        v_base = V + h64 * stride_vh
+        bt_row = BT + b64 * stride_tb
+    else:
+        k_base = K + b64 * stride_kb + h64 * stride_kh
+        v_base = V + b64 * stride_vb + h64 * stride_vh
     i_base = IDX + b64 * stride_ib + h64 * stride_ih
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -327,15 +381,41 @@ def _decode_split_kernel(
     if HAS_INDICES:
         pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
                                  MAX_BLOCKS, BLOCK_N)
+        if PAGED:  # the whole chunk mapped through the table up front: no table load in the loop
+            pos2d = paged_slots(pos2d, bt_row, BLOCK_SIZE)
     else:
         pos2d = 0
     n_att = tl.zeros([], tl.int32)  # tokens this program attends (HAS_STATS)
-    for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
-        pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, MAX_BLOCKS, BLOCK_N, HAS_INDICES)
-        m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                     stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
-        if HAS_STATS:
-            n_att += tl.sum(valid.to(tl.int32), axis=0)
+    if PAGED and not HAS_INDICES:
+        # Dense over a paged cache: MAX_BLOCKS tiles of slots at a time are mapped through
+        # the table before an inner loop that loads nothing but K/V (a table load inside
+        # the K/V loop leaves the pipeliner one K/V buffer instead of two). The tiles are
+        # those of the contiguous path, so the arithmetic is too.
+        for c0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), MAX_BLOCKS * BLOCK_N):
+            c1 = tl.minimum(c0 + MAX_BLOCKS * BLOCK_N, end)
+            offs = c0 + tl.arange(0, MAX_BLOCKS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            slots = paged_slots(tl.where(offs < c1, s + offs, -1), bt_row, BLOCK_SIZE)
+            c0t = tl.minimum(c0, end)  # = c0, as a tensor (the interpreter's c0 is an int)
+            for j0 in range(loop_bound(c0t, INTERPRET), loop_bound(c1, INTERPRET), BLOCK_N):
+                pos, valid = _block_rows(slots, (j0 - c0) // BLOCK_N, j0, c1, s, MAX_BLOCKS, BLOCK_N, True)
+                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC,
+                                             stride_kb, stride_vb, PAGED, BLOCK_SIZE)
+                if HAS_STATS:
+                    n_att += tl.sum(valid.to(tl.int32), axis=0)
+    else:
+        for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
+            pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, MAX_BLOCKS, BLOCK_N,
+                                     HAS_INDICES)
+            if PAGED:  # the indexed path: pos2d holds the chunk's slots, mapped before the loop
+                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC,
+                                             stride_kb, stride_vb, PAGED, BLOCK_SIZE)
+            else:
+                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
+            if HAS_STATS:
+                n_att += tl.sum(valid.to(tl.int32), axis=0)
     # Release after the loops, not at the top: the next kernel (the output projection's GEMV,
     # a large grid) launches as they end. Its programs, launched at the top, sat resident
     # through the split grid's waves: on an H200, B=32 L=16k optimal 7.01 -> 6.93 ms, full
@@ -552,8 +632,19 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    kv_start: torch.Tensor | None = None, return_lse: bool = False,
                                    num_splits: int | None = None, block_n: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
-                                   stats: torch.Tensor | None = None, count_call: bool = True):
+                                   stats: torch.Tensor | None = None, count_call: bool = True,
+                                   block_table: torch.Tensor | None = None):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
+
+    ``block_table`` (int32 [B, max_blocks] on the cache's device): k/v are block pools
+    [num_blocks, Hkv, block_size, D] shared by the rows; indices, ``kv_lens`` and
+    ``kv_start`` stay logical and the kernel maps them through the table (the indexed
+    path maps a split's preloaded index chunk once, before its loop; the dense path
+    looks one entry up per ``block_size`` tokens of a tile, so tiles may span blocks:
+    any block size works). ``kv_lens[b]`` must not exceed ``max_blocks * block_size``
+    and the table entries a row attends must name blocks of the pool (not checked on
+    the host: that would synchronise). None: the contiguous cache, the same compiled
+    code as without paging.
 
     ``num_splits``, ``block_n``, ``num_warps``, ``num_stages`` override the
     heuristics (tests, tuning; ``benchmarks.bench_attention`` sweeps them); on the
@@ -572,7 +663,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     per program, no kernel of their own): tokens attended summed over (b, KV head),
     and one call when ``count_call``.
     """
-    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start)
+    B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start, block_table)
     _check_stats(stats, q.device)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
@@ -599,6 +690,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         idx_t = kv_lens  # never read
         si = (0, 0, 0)
     splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits, indexed=has_idx)
+    if block_table is not None and not has_idx:  # tiles of slots mapped at a time (see the kernel)
+        tiles = triton.cdiv(triton.cdiv(t_max, splits), bn)  # tiles of a split's chunk
+        max_blocks = min(_PAGED_DENSE_TILES, triton.next_power_of_2(max(1, tiles)))
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
@@ -619,6 +713,9 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     if B * Hkv == 0 and stats is not None and count_call:
         stats[1] += 1
+    # contiguous: no table arguments at all, so its specialisation is the one it always was
+    paged = ({} if block_table is None else
+             dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2]))
     if B * Hkv > 0:
         pdl = pdl_enabled(dev)
         _decode_split_kernel[(B * Hkv, splits)](
@@ -632,7 +729,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             INTERPRET=interp, FUSED_COMBINE=fused, COUNTER=counter,
             STATS=stats if stats is not None else kv_lens, HAS_STATS=stats is not None, COUNT_CALL=count_call,
             PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            launch_pdl=pdl,
+            launch_pdl=pdl, **paged,
         )
         if splits > 1 and not fused:
             _reduce_splits_kernel[(B * Hq,)](

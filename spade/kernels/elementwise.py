@@ -10,6 +10,14 @@
 Their torch references are ``add_rms_norm_torch``, ``qkv_rope_store_torch`` and
 ``silu_mul_torch`` in ``spade.models.fast``: the model's torch path uses them (and
 prefill their parts), and that module imports without triton, so they stay there.
+
+Paged cache: ``qkv_rope_store_triton(..., block_table=)`` takes k/v pools
+[num_blocks, Hkv, block_size, D] and per-row logical write positions ``widx`` [B]
+(rows of a continuous batch sit at different positions); row b's k/v go to block
+``block_table[b, widx[b] // block_size]`` at offset ``widx[b] % block_size``, and a
+row with ``widx[b] < 0`` (a padded row of a CUDA-graph bucket) writes nothing. Its
+torch reference is ``qkv_rope_store_paged_torch`` below (the model's reference
+for the math, ``spade.kernels.paged.paged_write`` for the write).
 The kernels compute the same formulas with one rounding per stored value.
 ``spade.models.fast.triton_ops()`` imports this module on first use.
 """
@@ -20,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.paged import check_block_table, paged_write
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
-__all__ = ["add_rms_norm_triton", "qkv_rope_store_triton", "silu_mul_triton"]
+__all__ = ["add_rms_norm_triton", "qkv_rope_store_triton", "qkv_rope_store_paged_torch", "silu_mul_triton"]
 
 
 @triton.jit
@@ -55,10 +64,13 @@ def _qkv_rope_store_kernel(QKV, QN, KN, COS, SIN, POS, WIDX, QOUT, KC, VC,
                            stride_vc_b, stride_vc_h, stride_vc_l,
                            stride_cs, HQ, HKV, eps,
                            D: tl.constexpr, ROT: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                           BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+                           BLOCK_SIZE: tl.constexpr = 1):
     # Grid (B, Hq + 2 Hkv): one head vector per program. q heads: norm, rotate,
     # store to QOUT; k heads: norm, rotate, store to the cache at WIDX; v heads:
-    # copy to the cache at WIDX.
+    # copy to the cache at WIDX. PAGED: KC/VC are pools [num_blocks, Hkv, BLOCK_SIZE, D],
+    # WIDX [B] per-row logical positions (< 0: no write), mapped through BT [B, max_blocks].
     grid_dep_wait(PDL)
     grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -67,7 +79,18 @@ def _qkv_rope_store_kernel(QKV, QN, KN, COS, SIN, POS, WIDX, QOUT, KC, VC,
     m = offs < D
     base = QKV + b * stride_qkv + h.to(tl.int64) * D
     x = tl.load(base + offs, mask=m, other=0.0)
-    w_idx = tl.load(WIDX).to(tl.int64)
+    if PAGED:
+        w_log = tl.load(WIDX + b).to(tl.int64)
+        w_ok = w_log >= 0
+        w_blk = tl.load(BT + b * stride_tb + tl.where(w_ok, w_log, 0) // BLOCK_SIZE, mask=w_ok, other=0).to(tl.int64)
+        kc_row = KC + w_blk * stride_kc_b + (w_log % BLOCK_SIZE) * stride_kc_l
+        vc_row = VC + w_blk * stride_vc_b + (w_log % BLOCK_SIZE) * stride_vc_l
+        m_w = m & w_ok
+    else:
+        w_idx = tl.load(WIDX).to(tl.int64)
+        kc_row = KC + b * stride_kc_b + w_idx * stride_kc_l
+        vc_row = VC + b * stride_vc_b + w_idx * stride_vc_l
+        m_w = m
     if h < HQ + HKV:
         in_rot = offs < ROT
         partner = tl.where(in_rot, tl.where(offs < HALF, offs + HALF, offs - HALF), offs)
@@ -94,12 +117,10 @@ def _qkv_rope_store_kernel(QKV, QN, KN, COS, SIN, POS, WIDX, QOUT, KC, VC,
                      y.to(QOUT.dtype.element_ty), mask=m)
         else:
             hk = (h - HQ).to(tl.int64)
-            tl.store(KC + b * stride_kc_b + hk * stride_kc_h + w_idx * stride_kc_l + offs,
-                     y.to(KC.dtype.element_ty), mask=m)
+            tl.store(kc_row + hk * stride_kc_h + offs, y.to(KC.dtype.element_ty), mask=m_w)
     else:
         hv = (h - HQ - HKV).to(tl.int64)
-        tl.store(VC + b * stride_vc_b + hv * stride_vc_h + w_idx * stride_vc_l + offs,
-                 x.to(VC.dtype.element_ty), mask=m)
+        tl.store(vc_row + hv * stride_vc_h + offs, x.to(VC.dtype.element_ty), mask=m_w)
 
 
 @triton.jit
@@ -132,12 +153,27 @@ def add_rms_norm_triton(x, delta, w, eps):
     return out
 
 
-def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv):
+def _check_paged_write(k_cache, v_cache, widx, block_table, B):
+    check_block_table(block_table, B, k_cache.device)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged k/v caches must be pools [num_blocks, Hkv, block_size, D] of one shape; "
+                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if widx.shape != (B,) or widx.dtype.is_floating_point:
+        raise ValueError(f"with block_table, widx must be the rows' integer write positions [B={B}] "
+                         f"(-1: no write); got {widx.dtype} {tuple(widx.shape)}")
+
+
+def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv,
+                          block_table=None):
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     rot = cos_tab.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert cos_tab.stride(1) == 1 and cos_tab.stride() == sin_tab.stride()
+    paged = {}
+    if block_table is not None:
+        _check_paged_write(k_cache, v_cache, widx, block_table, B)
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k_cache.shape[2])
     q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None
     pdl = pdl_enabled(qkv.device)
@@ -148,8 +184,29 @@ def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos_tab.stride(0), n_q, n_kv, float(eps),
         D=D, ROT=rot, HALF=rot // 2, HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D), PDL=pdl,
-        num_warps=1, launch_pdl=pdl)
+        num_warps=1, launch_pdl=pdl, **paged)
     return q_out
+
+
+def qkv_rope_store_paged_torch(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_pool, v_pool, n_q, n_kv,
+                               block_table):
+    """Torch reference of ``qkv_rope_store_triton(..., block_table=)``: the model's
+    ``qkv_rope_store_torch`` into a one-token cache, then ``paged_write`` of each row's
+    k/v at its logical position ``widx[b]`` through the table (rows with ``widx < 0``
+    write nothing); returns q [B, Hq, D]."""
+    from spade.models.fast import qkv_rope_store_torch  # the model's reference (imports no triton)
+
+    B = qkv.shape[0]
+    _check_paged_write(k_pool, v_pool, widx, block_table, B)
+    Hkv, D = k_pool.shape[1], k_pool.shape[3]
+    k1 = torch.empty(B, Hkv, 1, D, dtype=k_pool.dtype, device=k_pool.device)
+    v1 = torch.empty_like(k1)
+    q = qkv_rope_store_torch(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos,
+                             torch.zeros(1, dtype=torch.long, device=qkv.device), k1, v1, n_q, n_kv)
+    ok = (widx >= 0).long()
+    paged_write(k_pool, block_table, k1, widx.clamp(min=0), ok)
+    paged_write(v_pool, block_table, v1, widx.clamp(min=0), ok)
+    return q
 
 
 def silu_mul_triton(gu):

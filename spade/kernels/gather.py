@@ -8,6 +8,10 @@ itself never needs this copy: it reads rows through the index list in place.)
 slots. Returns ``(k_sel, v_sel)`` [B, Hkv, K, D] in k's dtype; rows of empty slots
 (and of indices outside ``[0, L)``, which no policy produces) are zeros.
 
+Paged cache (``block_table`` [B, max_blocks] int32, ``spade.kernels.paged``): ``k``/``v``
+are pools [num_blocks, Hkv, block_size, D], indices stay logical, ``L`` is
+``max_blocks * block_size`` and each index is mapped through the table at its load.
+
 The Triton kernel is a pure copy: grid ``(B * Hkv, cdiv(K, BLOCK_K))``, each program
 loads ``BLOCK_K`` indices and moves the K and V rows they name (one contiguous row
 of D elements each, so the loads coalesce per row).
@@ -27,23 +31,33 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.paged import check_block_table, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 
 __all__ = ["gather_kv_ref", "gather_kv_triton"]
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> None:
+def _check(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+    """The batch B."""
     if k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"k/v must be [B, Hkv, L, D] of one shape; got {tuple(k.shape)}, {tuple(v.shape)}")
-    if indices.dim() != 3 or indices.shape[:2] != k.shape[:2]:
-        raise ValueError(f"indices must be [B, Hkv, K] = [{k.shape[0]}, {k.shape[1]}, K]; "
+        want = "[num_blocks, Hkv, block_size, D]" if block_table is not None else "[B, Hkv, L, D]"
+        raise ValueError(f"k/v must be {want} of one shape; got {tuple(k.shape)}, {tuple(v.shape)}")
+    B = k.shape[0] if block_table is None else block_table.shape[0]
+    if block_table is not None:
+        check_block_table(block_table, block_table.shape[0], k.device)
+    if indices.dim() != 3 or indices.shape[:2] != (B, k.shape[1]):
+        raise ValueError(f"indices must be [B, Hkv, K] = [{B}, {k.shape[1]}, K]; "
                          f"got {tuple(indices.shape)}")
+    return B
 
 
-def gather_kv_ref(k: torch.Tensor, v: torch.Tensor,
-                  indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain ``torch.gather`` with the empty slots zeroed."""
-    _check(k, v, indices)
+def gather_kv_ref(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                  block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain ``torch.gather`` with the empty slots zeroed (paged: over the logical copy
+    ``paged_to_contiguous`` makes of the pools)."""
+    _check(k, v, indices, block_table)
+    if block_table is not None:
+        k, v = paged_to_contiguous(k, block_table), paged_to_contiguous(v, block_table)
     L, D = k.shape[2], k.shape[3]
     idx = indices.to(k.device).long()  # [B, Hkv, K]
     ok = (idx >= 0) & (idx < L)
@@ -60,7 +74,11 @@ def _gather_kv_kernel(K, V, IDX, KO, VO,
                       stride_vb, stride_vh, stride_vl, stride_vd,
                       stride_ib, stride_ih, stride_ik,
                       Hkv, L, K_SEL,
-                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                      BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+                      BLOCK_SIZE: tl.constexpr = 1):
+    # PAGED: K/V are pools [num_blocks, Hkv, BLOCK_SIZE, D], L = max_blocks * BLOCK_SIZE, and
+    # index p reads block BT[b, p // BLOCK_SIZE] at offset p % BLOCK_SIZE.
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     pid_bh = tl.program_id(0)
@@ -75,10 +93,18 @@ def _gather_kv_kernel(K, V, IDX, KO, VO,
                   mask=k_mask, other=-1).to(tl.int64)
     ok = (idx >= 0) & (idx < L)
     ld_mask = ok[:, None] & d_mask[None, :]
-    kr = tl.load(K + b * stride_kb + h * stride_kh + idx[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=ld_mask, other=0.0)  # [BLOCK_K, D_PAD]
-    vr = tl.load(V + b * stride_vb + h * stride_vh + idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                 mask=ld_mask, other=0.0)
+    if PAGED:
+        blk = tl.load(BT + b * stride_tb + tl.where(ok, idx, 0) // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        off = idx % BLOCK_SIZE
+        kr = tl.load(K + h * stride_kh + (blk * stride_kb + off * stride_kl)[:, None] + offs_d[None, :] * stride_kd,
+                     mask=ld_mask, other=0.0)  # [BLOCK_K, D_PAD]
+        vr = tl.load(V + h * stride_vh + (blk * stride_vb + off * stride_vl)[:, None] + offs_d[None, :] * stride_vd,
+                     mask=ld_mask, other=0.0)
+    else:
+        kr = tl.load(K + b * stride_kb + h * stride_kh + idx[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                     mask=ld_mask, other=0.0)  # [BLOCK_K, D_PAD]
+        vr = tl.load(V + b * stride_vb + h * stride_vh + idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                     mask=ld_mask, other=0.0)
     # outputs are contiguous [B, Hkv, K, D]
     out_off = ((b * Hkv + h) * K_SEL + offs_k.to(tl.int64))[:, None] * D + offs_d[None, :]
     st_mask = k_mask[:, None] & d_mask[None, :]
@@ -86,11 +112,15 @@ def _gather_kv_kernel(K, V, IDX, KO, VO,
     tl.store(VO + out_off, vr, mask=st_mask)
 
 
-def gather_kv_triton(k: torch.Tensor, v: torch.Tensor,
-                     indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_triton(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                     block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton gather; same contract as ``gather_kv_ref``."""
-    _check(k, v, indices)
-    B, Hkv, L, D = k.shape
+    B = _check(k, v, indices, block_table)
+    _, Hkv, L, D = k.shape
+    paged = {}
+    if block_table is not None:
+        L = block_table.shape[1] * k.shape[2]
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
     K_sel = indices.shape[2]
     k_sel = torch.empty(B, Hkv, K_sel, D, dtype=k.dtype, device=k.device)
     v_sel = torch.empty(B, Hkv, K_sel, D, dtype=v.dtype, device=v.device)
@@ -101,5 +131,6 @@ def gather_kv_triton(k: torch.Tensor, v: torch.Tensor,
     block_k = max(1, min(triton.next_power_of_2(K_sel), (16384 // k.element_size()) // D_PAD))
     grid = (B * Hkv, triton.cdiv(K_sel, block_k))
     _gather_kv_kernel[grid](k, v, indices, k_sel, v_sel, *k.stride(), *v.stride(), *indices.stride(),
-                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(k, "select"))
+                            Hkv, L, K_sel, D=D, D_PAD=D_PAD, BLOCK_K=block_k, num_warps=4, **pdl_kwargs(k, "select"),
+                            **paged)
     return k_sel, v_sel

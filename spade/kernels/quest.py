@@ -31,6 +31,7 @@ import triton.language as tl
 
 from spade.kernels import radix_topk
 from spade.kernels.common import _check_rows, _interpret, _sm_count, loop_bound
+from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.scoring import _default_scale
 
@@ -87,11 +88,24 @@ def _round_q(q: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_paged_build(k: torch.Tensor, kv_lens: torch.Tensor, block_table: torch.Tensor | None) -> None:
+    if block_table is not None:
+        if k.dim() != 4:
+            raise ValueError(f"k must be a pool [num_blocks, Hkv, block_size, D]; got {tuple(k.shape)}")
+        check_block_table(block_table, kv_lens.shape[0], k.device)
+
+
 def quest_build_ref(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
-                    kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_start: torch.Tensor | None = None,
+                    block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``quest_build``: (kmin, kmax) [B, Hkv, P, D] in k's dtype; +inf / -inf
-    for pages with no valid token."""
+    for pages with no valid token. ``block_table``: ``k`` is a pool
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``), read through its logical
+    copy; pages stay logical (P = ceil(max_blocks * block_size / page_size))."""
     _check_page_size(page_size)
+    _check_paged_build(k, kv_lens, block_table)
+    if block_table is not None:
+        k = paged_to_contiguous(k, block_table)  # positions outside [kv_start, kv_lens) are masked below
     B, H, L, D = k.shape
     P = triton.cdiv(L, page_size)
     pos = torch.arange(P * page_size, device=k.device)
@@ -212,10 +226,13 @@ def _quest_build_kernel(
     stride_kb, stride_kh, stride_kl, stride_kd,
     L, P, page_size,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr = 1,
 ):
     """Bounds of BLOCK_P pages of one (b, KV head) row: a [BLOCK_P, BLOCK_S, BLOCK_D]
-    tile (BLOCK_S >= page_size) reduced over its token axis."""
+    tile (BLOCK_S >= page_size) reduced over its token axis. PAGED: ``k_ptr`` is a pool
+    [num_blocks, HKV, BLOCK_SIZE, D] and each token is read through the block table
+    ``BT`` (pages and L stay logical; a page may span blocks)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -230,9 +247,15 @@ def _quest_build_kernel(
     tok = offs_p[:, None] * page_size + offs_s[None, :]  # [BLOCK_P, BLOCK_S]
     tmask = (offs_s[None, :] < page_size) & (tok >= lo) & (tok < hi)
     mask = tmask[:, :, None] & (offs_d[None, None, :] < D)
-    base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    x = tl.load(base + tok[:, :, None].to(tl.int64) * stride_kl + offs_d[None, None, :] * stride_kd,
-                mask=mask, other=0.0).to(tl.float32)  # exact; the interpreter has no bf16 constants
+    if PAGED:  # one load of the whole tile: no loop, so the table is read right here
+        slot = paged_slots(tl.where(tmask, tok, -1), BT + b.to(tl.int64) * stride_tb, BLOCK_SIZE).to(tl.int64)
+        rows = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kl  # [BLOCK_P, BLOCK_S]
+        x = tl.load(k_ptr + h.to(tl.int64) * stride_kh + rows[:, :, None] + offs_d[None, None, :] * stride_kd,
+                    mask=mask, other=0.0).to(tl.float32)
+    else:
+        base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        x = tl.load(base + tok[:, :, None].to(tl.int64) * stride_kl + offs_d[None, None, :] * stride_kd,
+                    mask=mask, other=0.0).to(tl.float32)  # exact; the interpreter has no bf16 constants
     kmn = tl.min(tl.where(mask, x, float("inf")), axis=1)  # [BLOCK_P, BLOCK_D]
     kmx = tl.max(tl.where(mask, x, float("-inf")), axis=1)
     out = (row.to(tl.int64) * P + offs_p[:, None]) * D + offs_d[None, :]
@@ -508,10 +531,17 @@ def _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK
 
 
 def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
-                       kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton ``quest_build``: reads the valid keys once."""
+                       kv_start: torch.Tensor | None = None,
+                       block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``quest_build``: reads the valid keys once (through ``block_table`` when
+    ``k`` is a pool, as in ``quest_build_ref``)."""
     _check_page_size(page_size)
+    _check_paged_build(k, kv_lens, block_table)
     B, H, L, D = k.shape
+    paged = {}
+    if block_table is not None:
+        B, L = block_table.shape[0], block_table.shape[1] * k.shape[2]
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
     P = triton.cdiv(L, page_size)
     kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     kmin = torch.empty(B, H, P, D, dtype=k.dtype, device=k.device)
@@ -526,7 +556,7 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
     grid = (B * H, triton.cdiv(P, BLOCK_P))
     _quest_build_kernel[grid](k, kmin, kmax, start, kv_lens, k.stride(0), k.stride(1), k.stride(2), k.stride(3),
                               L, P, page_size, HKV=H, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_S=BLOCK_S,
-                              num_warps=4, **pdl_kwargs(k, "select"))
+                              num_warps=4, **pdl_kwargs(k, "select"), **paged)
     return kmin, kmax
 
 

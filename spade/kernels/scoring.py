@@ -24,6 +24,13 @@ default) and ``spade.kernels.carry`` (threshold carry, ``carry=``); ``select_ove
 Everything is sized from tensor shapes only (no host sync), so the ops can be
 captured in a CUDA graph.
 
+Paged cache (``block_table`` [B, max_blocks] int32, ``spade.kernels.paged``): exact
+(float) keys only; ``k`` is then a pool [num_blocks, Hkv, block_size, D], positions
+(``lo``/``hi``, ``kv_lens``, the scores' L = max_blocks * block_size and the returned
+indices) stay logical and each key tile's rows are mapped through the table at their
+load. The int8 / int4 scoring copies, the GEMV path and the threshold carry are not
+paged yet (clear errors).
+
 Queries are rounded to the keys' dtype before scoring (the tensor-core path on
 GPU; the reference does the same rounding), so a float32 predicted query
 against a bf16 cache scores as the bf16 query.
@@ -52,6 +59,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
+from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous, tile_of
 from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
@@ -84,12 +92,20 @@ def _check_reduce(reduce: str) -> None:
         raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """Validate ``q`` [B, Hq, D] against ``k`` [B, Hkv, L, D]; return (B, Hq, Hkv, L, D)."""
+def _check_qk(q: torch.Tensor, k: torch.Tensor,
+              block_table: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
+    """Validate ``q`` [B, Hq, D] against ``k`` [B, Hkv, L, D] (paged: a pool
+    [num_blocks, Hkv, block_size, D] and its table); return (B, Hq, Hkv, L, D), L logical."""
     if q.dim() != 3 or k.dim() != 4:
         raise ValueError(f"expected q [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, D = q.shape
     Bk, Hkv, L, Dk = k.shape
+    if block_table is not None:
+        if not k.dtype.is_floating_point:
+            raise ValueError(f"paged scoring takes exact (float) keys; got {k.dtype} keys (the int8 / int4 "
+                             "scoring copies are not paged yet: pass their contiguous copy without block_table)")
+        check_block_table(block_table, B, k.device)
+        Bk, L = B, block_table.shape[1] * k.shape[2]
     if k.dtype == torch.uint8:  # packed int4: two channels per byte
         Dk *= 2
     if B != Bk or D != Dk:
@@ -154,6 +170,10 @@ def _score_config(D: int, device: torch.device) -> dict:
     return cfg
 
 
+PAGED_TILES_MAX = 16
+"""Paged scoring: key tiles whose slots a program maps through the block table at a
+time (registers: PAGED_TILES_MAX x BLOCK_L int32 per program)."""
+
 SCORE_CONFIG: dict = {}
 """Overrides for the scoring kernels' launch config (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``, and ``LANE_STATS``: the ``sum_softmax``
@@ -194,6 +214,18 @@ def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
     return logits
 
 
+def _logical_keys(k: torch.Tensor, block_table: torch.Tensor | None, lo: torch.Tensor,
+                  hi: torch.Tensor) -> torch.Tensor:
+    """The keys as the reference reads them: ``k`` itself, or the pool's logical copy
+    through ``block_table`` with every position outside ``[lo, hi)`` zeroed (keys a row
+    does not own may be garbage, NaN included, and must not reach a score)."""
+    if block_table is None:
+        return k
+    kl = paged_to_contiguous(k, block_table)  # [B, Hkv, L, D]
+    keep = _range_mask(lo.to(k.device), hi.to(k.device), kl.shape[2])[:, None, :, None]
+    return torch.where(keep, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+
+
 def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
     """Group-reduce ``logits`` [B, Hkv, G, L]; ``norm`` [B, L] or [B, Hkv, L] is the softmax
     support, ``out`` (same shapes) the positions kept (others ``-inf``). Returns [B, Hkv, L]
@@ -214,14 +246,15 @@ def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, red
 
 def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
                      reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
-                     k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``."""
     _check_reduce(reduce)
-    B, Hq, Hkv, L, D = _check_qk(q, k)
+    B, Hq, Hkv, L, D = _check_qk(q, k, block_table)
     k_scale = _check_k_scale(k, k_scale)
     _check_rows(kv_lens, B, "kv_lens")
     start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
     valid = _range_mask(start.to(k.device), kv_lens.to(k.device), L)
+    k = _logical_keys(k, block_table, start, kv_lens)
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     return _reduce_ref(logits, valid, valid, reduce)
 
@@ -254,12 +287,13 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
                    scale: float | None = None, reduce: str = "sum_logits",
                    kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                    kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   carry: torch.Tensor | None = None, carry_margin: float | None = None) -> torch.Tensor:
+                   carry: torch.Tensor | None = None, carry_margin: float | None = None,
+                   block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``score_topk``: full scores, then ``torch.topk`` (the naive baseline);
     copied into ``out`` when given (and ``out`` returned). ``carry`` is checked and left
     as it is: the threshold carry only changes how the Triton path finds the same top-K."""
     _check_reduce(reduce)
-    B, Hq, Hkv, L, D = _check_qk(q, k)
+    B, Hq, Hkv, L, D = _check_qk(q, k, block_table)
     k_scale = _check_k_scale(k, k_scale)
     _check_rows(lo, B, "lo")
     _check_rows(hi, B, "hi")
@@ -271,6 +305,7 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
+    k = _logical_keys(k, block_table, torch.minimum(lo, n_lo), torch.maximum(hi, n_hi))
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
@@ -327,7 +362,8 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-                KINT4: tl.constexpr, CARRY: tl.constexpr):
+                KINT4: tl.constexpr, CARRY: tl.constexpr, slots=None, stride_kb=0, PAGED: tl.constexpr = False,
+                BLOCK_SIZE: tl.constexpr = 1):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
@@ -342,8 +378,14 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
     g_mask = offs_g < G
     offs_l = l0 + tl.arange(0, BLOCK_L)
     valid = (offs_l >= lo) & (offs_l < hi)
-    kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
-                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    if PAGED:  # the tile's physical slots, mapped through the table before the loop (paged_slots)
+        slots64 = slots.to(tl.int64)
+        k_rows = (slots64 // BLOCK_SIZE) * stride_kb + (slots64 % BLOCK_SIZE) * stride_kl
+        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    else:
+        kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     if KINT4:
         kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi
         k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D) of the head; padding bytes 0 -> -8, q is 0 there
@@ -395,8 +437,14 @@ def _score_kernel(
     BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
     INTERPRET: tl.constexpr, KINT4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
+    BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
+    PAGED_TILES: tl.constexpr = 1,
 ):
     """Stage 1: score one chunk of one (b, KV head) row.
+
+    PAGED: ``k_ptr`` is a pool [num_blocks, HKV, BLOCK_SIZE, D] read through the block
+    tables ``BT`` [B, max_blocks]; L and every position stay logical. PAGED_TILES tiles of
+    positions are mapped to slots at a time, before an inner loop that loads only keys.
 
     REDUCE 0/1 (sum/max of logits): writes scores [B*HKV, L] for positions in
     ``[lo, hi)`` (FULL_ROW: every position of the chunk, ``-inf`` outside) and,
@@ -425,7 +473,11 @@ def _score_kernel(
         q2 = q  # unused
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    if PAGED:
+        k_base = k_ptr + h.to(tl.int64) * stride_kh
+        bt_row = BT + b.to(tl.int64) * stride_tb
+    else:
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
     row64 = row.to(tl.int64)
     thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
@@ -437,11 +489,25 @@ def _score_kernel(
     else:
         m_run = tl.full([G_PAD], float("-inf"), tl.float32)
         s_run = tl.zeros([G_PAD], dtype=tl.float32)
-    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
-        hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
-                                         stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
-                                         G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
-                                         IEEE, KINT8, LANE_STATS, KINT4, CARRY)
+    if PAGED:
+        for r0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), PAGED_TILES * BLOCK_L):
+            r0t = tl.minimum(r0, end)  # = r0, as a tensor (the interpreter's r0 is an int)
+            r1 = tl.minimum(r0t + PAGED_TILES * BLOCK_L, end)
+            offs = r0t + tl.arange(0, PAGED_TILES)[:, None] * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]
+            slots2d = paged_slots(tl.where((offs >= lo) & (offs < hi), offs, -1), bt_row, BLOCK_SIZE)
+            for l0 in range(loop_bound(r0t, INTERPRET), loop_bound(r1, INTERPRET), BLOCK_L):
+                slots = tile_of(slots2d, (l0 - r0t) // BLOCK_L, PAGED_TILES)
+                hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+                                                 stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr,
+                                                 cand_row, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST,
+                                                 UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CARRY, slots, stride_kb,
+                                                 PAGED, BLOCK_SIZE)
+    else:
+        for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+            hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
+                                             stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr, cand_row,
+                                             G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST, UPCAST,
+                                             IEEE, KINT8, LANE_STATS, KINT4, CARRY)
     if REDUCE == 2:
         if LANE_STATS:  # merge the per-element statistics of the chunk: one reduction over L
             m_lane = m_run
@@ -784,17 +850,22 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
 def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    norm_lo: torch.Tensor, norm_hi: torch.Tensor, *, scale: float, reduce: str, full_row: bool,
                    hist: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-                   carry: tuple | None = None) -> None:
+                   carry: tuple | None = None, block_table: torch.Tensor | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``;
     ``carry`` = (carry, mask, NW): also mark each row's candidates above its carried
-    threshold in its bitmask (``_carry_mask``)."""
-    if _use_gemv(k, reduce):
+    threshold in its bitmask (``_carry_mask``). ``block_table``: ``k`` is a pool of exact
+    keys (``_score_kernel``'s PAGED path; the GEMV path is not paged)."""
+    paged = {}
+    if block_table is not None:
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
+    elif _use_gemv(k, reduce):
         _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry)
         return
     cargs, do_carry = _carry_args(carry, out)
     B, Hq, D = q.shape
-    _, Hkv, L, _ = k.shape
+    Hkv = k.shape[1]
+    L = out.shape[-1]  # logical: max_blocks * block_size when paged
     G = Hq // Hkv
     G_PAD = max(16, triton.next_power_of_2(G))
     rows = B * Hkv
@@ -803,6 +874,8 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     cfg = _score_config(Dk, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
+    if paged:  # tiles of slots a program maps at a time: its whole chunk, at most PAGED_TILES_MAX
+        paged["PAGED_TILES"] = min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, BLOCK_L)))
     upcast, ieee = _dot_flags_qk(q, k)
     qr = _round_q(q, k)
     kint8 = k.dtype == torch.int8
@@ -820,7 +893,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
             REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, CARRY=do_carry, **common,
-            **pdl_kwargs(qr, "select"))
+            **pdl_kwargs(qr, "select"), **paged)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
@@ -828,7 +901,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
         qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
         qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         *ks_strides, L, chunk, n_chunks, scale,
-        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"))
+        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, *cargs, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
@@ -838,13 +911,13 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,
                         reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``group_scores``: [B, Hkv, L] float32, ``-inf`` outside ``[kv_start, kv_lens)``.
 
     >>> s = group_scores_triton(q, k, kv_lens, reduce="max_logits")  # doctest: +SKIP
     """
     _check_reduce(reduce)
-    B, Hq, Hkv, L, D = _check_qk(q, k)
+    B, Hq, Hkv, L, D = _check_qk(q, k, block_table)
     k_scale = _check_k_scale(k, k_scale)
     kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start", k.device)
@@ -852,7 +925,7 @@ def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor,
     if B * Hkv * L == 0:
         return out
     _launch_scores(q, k, out, start, kv_lens, start, kv_lens, scale=_default_scale(scale, D), reduce=reduce,
-                   full_row=True, hist=None, k_scale=k_scale)
+                   full_row=True, hist=None, k_scale=k_scale, block_table=block_table)
     return out
 
 
@@ -860,7 +933,8 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
                       scale: float | None = None, reduce: str = "sum_logits",
                       kv_lens: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                       kv_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      carry: torch.Tensor | None = None, carry_margin: float | None = None) -> torch.Tensor:
+                      carry: torch.Tensor | None = None, carry_margin: float | None = None,
+                      block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Fused scoring + exact top-K (the radix select: ``spade.kernels.radix_topk``): int32 [B, Hkv, k_top],
     written straight into ``out`` (contiguous int32 [B, Hkv, k_top]) when given, which
     is then returned (no copy). int8 ``k`` (``spade.kernels.quant``) with its
@@ -881,7 +955,9 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
     _check_reduce(reduce)
-    B, Hq, Hkv, L, D = _check_qk(q, k)
+    B, Hq, Hkv, L, D = _check_qk(q, k, block_table)
+    if block_table is not None and carry is not None:
+        raise ValueError("score_topk: the threshold carry is not paged yet; pass carry=None with a block_table")
     k_scale = _check_k_scale(k, k_scale)
     lo = _check_rows(lo, B, "lo", k.device)
     hi = _check_rows(hi, B, "hi", k.device)
@@ -909,7 +985,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     ws = _new_workspace(rows, k.device)
     scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)  # [B*Hkv, L]; only [lo, hi) written
     _launch_scores(q, k, scores, lo, hi, n_lo, n_hi, scale=_default_scale(scale, D), reduce=reduce,
-                   full_row=False, hist=ws if fuse else None, k_scale=k_scale)
+                   full_row=False, hist=ws if fuse else None, k_scale=k_scale, block_table=block_table)
     idx = _select_from_scores(scores, lo, hi, k_top, Hkv, ws, hist0_done=fuse,
                               out=None if out is None else out.view(rows, k_top))
     return idx.view(B, Hkv, k_top) if out is None else out

@@ -549,6 +549,9 @@ def build(fn, args, cons, num_warps=4, num_stages=3):
         if n in cons:
             sig[n] = "constexpr"
             continue
+        if n not in args:  # left to its default by the launcher (the paged cache's arguments)
+            sig[n], consts[n] = "constexpr", fn.params[i].default
+            continue
         kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
         if kind == "ptr":
             sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]

@@ -1,0 +1,165 @@
+"""Exact-key scoring over a paged cache (``group_scores`` / ``score_topk`` with
+``block_table``): keys in one pool shared by the rows under a shuffled, non-monotone
+table, NaN in every block a row does not own and past each row's length. The paged
+kernel must give the contiguous kernel's scores bit for bit (same tiles and
+arithmetic, only the key addresses differ) and the same selection, and agree with
+the paged torch reference and the float64 scores of ``test_scoring``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spade import kernels
+from spade.kernels import carry as C
+from spade.kernels import scoring
+from spade.kernels.paged import paged_to_contiguous, scatter_to_pool
+from tests.kernels.test_scoring import TOL, _bounds, _check_topk, _scores64, _sel_sum
+
+CASES = [  # (reduce, (Hq, Hkv), dtype, lens, kv_start, D, block_size, k_top)
+    ("sum_logits", (4, 1), torch.float32, [37], [0], 16, 16, 1),  # B=1, MQA, K=1
+    ("max_logits", (4, 2), torch.bfloat16, [130, 61, 7], [0, 2, 1], 16, 8, 20),  # GQA, odd lengths
+    ("sum_softmax", (4, 4), torch.float32, [99, 40], [3, 0], 24, 5, 200),  # MHA, K >= candidates, odd block
+    ("sum_softmax", (6, 2), torch.float16, [300, 129], [0, 4], 16, 32, 33),  # G=3, several chunks
+]
+
+
+def _paged_keys(case, device):
+    reduce, (Hq, Hkv), dtype, lens, start, D, bs, k_top = CASES[case]
+    gen = torch.Generator().manual_seed(500 + case)
+    B, L = len(lens), max(lens)
+    q = torch.randn(B, Hq, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, L, D, generator=gen).to(dtype)
+    kv_lens = torch.tensor(lens)
+    pool, table = scatter_to_pool(k, bs, torch.Generator().manual_seed(case), lens=kv_lens)
+    return q, k, pool.to(device), table.to(device), kv_lens.to(device), torch.tensor(start).to(device)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_group_scores(case, device):
+    reduce, _, dtype, *_ = CASES[case]
+    q, k, pool, table, kv_lens, kv_start = _paged_keys(case, device)
+    kw = dict(reduce=reduce, kv_start=kv_start)
+    out = scoring.group_scores_triton(q, pool, kv_lens, block_table=table, **kw)
+    out_c = scoring.group_scores_triton(q, paged_to_contiguous(pool, table), kv_lens, **kw)
+    assert torch.equal(out, out_c)  # only the key addresses differ
+    assert not torch.isnan(out).any()
+    ref = scoring.group_scores_ref(q, pool, kv_lens, block_table=table, **kw)
+    L = k.shape[2]
+    assert out.shape[-1] >= L and torch.isneginf(out[..., L:]).all()  # the table's capacity past the longest row
+    out, ref = out[..., :L], ref[..., :L]
+    true = _scores64(q, k, reduce, kv_start.cpu(), kv_lens.cpu())
+    fin = torch.isfinite(true)
+    assert torch.equal(torch.isfinite(out.cpu()), fin) and torch.equal(torch.isfinite(ref.cpu()), fin)
+    rtol, atol = TOL[dtype]
+    for o in (out, ref):
+        torch.testing.assert_close(o.cpu().double()[fin], true[fin], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_score_topk(case, device):
+    reduce, _, _, _, _, _, _, k_top = CASES[case]
+    q, k, pool, table, kv_lens, kv_start = _paged_keys(case, device)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    norm_lens = kv_lens if reduce == "sum_softmax" else None
+    kw = dict(reduce=reduce, kv_lens=norm_lens, kv_start=kv_start)
+    out = scoring.score_topk_triton(q, pool, lo, hi, k_top, block_table=table, **kw)
+    out_c = scoring.score_topk_triton(q, paged_to_contiguous(pool, table), lo, hi, k_top, **kw)
+    assert torch.equal(out.sort(-1).values, out_c.sort(-1).values)  # the same selection
+    ref = scoring.score_topk_ref(q, pool, lo, hi, k_top, block_table=table, **kw)
+    n_lo = torch.minimum(kv_start, lo) if norm_lens is not None else lo
+    n_hi = torch.maximum(kv_lens, hi) if norm_lens is not None else hi
+    true = _scores64(q, k, reduce, n_lo.cpu(), n_hi.cpu())
+    _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-3)
+    torch.testing.assert_close(_sel_sum(out, true), _sel_sum(ref, true), rtol=1e-5, atol=1e-3)
+
+
+def test_paged_scoring_dispatch_and_errors(device, monkeypatch):
+    q, k, pool, table, kv_lens, kv_start = _paged_keys(0, device)
+    lo, hi = _bounds(kv_lens, kv_start, 1, 1)
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("SPADE_KERNELS", impl)
+        s = kernels.group_scores(q, pool, kv_lens, block_table=table)
+        assert s.shape == (1, 1, table.shape[1] * pool.shape[2])
+        idx = kernels.score_topk(q, pool, lo, hi, 4, block_table=table)
+        assert idx.shape == (1, 1, 4) and (idx >= 0).all()
+    with pytest.raises(ValueError, match="exact \\(float\\) keys"):
+        scoring.score_topk_triton(q, pool.to(torch.int8), lo, hi, 4, block_table=table,
+                                  k_scale=torch.ones(pool.shape[:3], device=device))
+    with pytest.raises(ValueError, match="carry is not paged yet"):
+        scoring.score_topk_triton(q, pool, lo, hi, 4, block_table=table, carry=C.new_carry(1, 1, device))
+
+
+def test_paged_scoring_maps_the_table_in_several_rounds(device, monkeypatch):
+    """One tile of slots mapped per round (``PAGED_TILES_MAX = 1``): the same scores."""
+    q, k, pool, table, kv_lens, kv_start = _paged_keys(3, device)
+    want = scoring.group_scores_triton(q, paged_to_contiguous(pool, table), kv_lens, reduce="sum_logits")
+    monkeypatch.setattr(scoring, "PAGED_TILES_MAX", 1)
+    assert torch.equal(scoring.group_scores_triton(q, pool, kv_lens, reduce="sum_logits", block_table=table), want)
+
+
+_AOT_SCORE = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from spade.kernels import scoring as S
+
+def build(fn, args, cons):
+    sig, attrs, consts = {}, {}, dict(cons)
+    for i, n in enumerate(fn.arg_names):
+        if n in cons:
+            sig[n] = "constexpr"
+            continue
+        if n not in args:  # left to its default by the launcher
+            sig[n], consts[n] = "constexpr", fn.params[i].default
+            continue
+        kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
+        if kind == "ptr":
+            sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]
+        elif kind == "i32" and val == 1:
+            sig[n], consts[n] = "constexpr", 1
+        else:
+            sig[n] = kind
+            if kind == "i32" and val % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=3))
+    ttgir = k.asm["ttgir"]
+    loop = ttgir[ttgir.rfind("scf.for"):]
+    loop = loop[:loop.find("scf.yield")]  # the innermost (last) loop's body
+    return dict(pipelined="async_copy_global_to_local" in ttgir, loads_in_loop=loop.count("tt.load "),
+                k_buffers=[l.split("memdesc<")[1].split("x")[0] for l in ttgir.splitlines()
+                           if "local_alloc" in l and "mutable" in l])
+
+L, Hkv, D = 32768, 8, 128
+p, f, i = ("ptr", "bf16"), ("ptr", "fp32"), ("ptr", "i32")
+out = {}
+for paged in (False, True):
+    for bs in ((16, 64) if paged else (L,)):
+        args = dict(q_ptr=p, k_ptr=p, ks_ptr=f, out_ptr=f, stats_ptr=f, hist_ptr=i, lo_ptr=i, hi_ptr=i, carry_ptr=f,
+                    cand_ptr=i, NW=4, stride_qb=32 * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * bs * D,
+                    stride_kh=bs * D, stride_kl=D, stride_kd=1, stride_sb=0, stride_sh=0, stride_sl=0, L=L,
+                    CHUNK=1024, N_CHUNKS=32, scale=("fp32", 0.1))
+        cons = dict(HKV=Hkv, G=4, G_PAD=16, D=D, BLOCK_D=D, BLOCK_L=64, REDUCE=0, FULL_ROW=False, HIST=True,
+                    UPCAST=False, IEEE=False, KINT8=False, LANE_STATS=False, INTERPRET=False, KINT4=False)
+        if paged:
+            args["BT"] = i
+            cons.update(PAGED=True, BLOCK_SIZE=bs, stride_tb=2048, PAGED_TILES=16)
+        out[f"{paged}_{bs}"] = build(S._score_kernel, args, cons)
+print(json.dumps(out))
+'''
+
+
+def test_paged_scoring_builds_for_hopper_and_pipelines():
+    """The paged scoring kernel compiles for sm_90 with the contiguous kernel's key
+    pipelining: keys through async copies with as many buffers, and no other load in
+    the innermost loop (slots are mapped through the table before it)."""
+    from tests.kernels.aot import run_aot_script
+
+    res = run_aot_script(_AOT_SCORE)
+    contiguous = res.pop(f"False_{32768}")
+    assert contiguous["pipelined"]
+    for name, r in res.items():
+        assert r["pipelined"] and r["k_buffers"] == contiguous["k_buffers"], (name, r, contiguous)
+        assert r["loads_in_loop"] == contiguous["loads_in_loop"], (name, r, contiguous)
