@@ -184,13 +184,16 @@ class AsyncEngine:
             return
         self._closed = True
         self._poke()
-        if self._task is not None:
+        task = self._task
+        if task is not None and not task.done() and self._loop is asyncio.get_running_loop():
             try:
-                await self._task
+                await task  # it sees the flag, aborts everything and shuts down
             except Exception:  # the scheduler's own failure was reported to its requests
                 pass
-        else:
-            self._shutdown()
+            return
+        # no scheduler on this loop (never started, or its loop ended): after any step in flight
+        await asyncio.wrap_future(self._pool.submit(self._abort_all))
+        self._shutdown()
 
     def stats(self) -> dict:
         """Counters for a server's /metrics (host values, no device sync)."""
@@ -283,6 +286,12 @@ class AsyncEngine:
             if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
                 raise RuntimeError("spade.AsyncEngine is bound to the event loop of its first generate(); "
                                    "call it from that loop")
+            for old in list(self._requests.values()):  # requests of an event loop that ended: no one listens
+                if old.loop.is_closed():
+                    old.abort = True
+                    if old.row < 0 and old in self._waiting:
+                        self._waiting.remove(old)
+                        self._finish(old, "abort")
             self._requests[req.id] = req
             self._waiting.append(req)
             self._counts["prompt_tokens"] += len(req.prompt_ids)
@@ -316,9 +325,11 @@ class AsyncEngine:
                 if not more:
                     await self._wake.wait()
                     self._wake.clear()
-        except BaseException as e:  # the scheduler itself failed (a bug): nobody may hang
+        except asyncio.CancelledError:  # its loop is ending: requests of that loop are dropped by _add
+            raise
+        except Exception as e:  # the scheduler itself failed (a bug): nobody may hang
             log.exception("the spade.AsyncEngine scheduler failed")
-            self._fail_all(e if isinstance(e, Exception) else RuntimeError("the scheduler was cancelled"))
+            self._fail_all(e)
             raise
         finally:
             if self._closed:
