@@ -12,7 +12,7 @@ from spade.serving import SamplingParams
 
 from .conftest import collect, final, run
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+PROMPTS = ["def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def engine():
     try:
         cfg = spade.load_config(None, overrides=[
             "model.name=smollm2-135m", "model.backend=fast", "model.dtype=float32", "model.device=cpu",
-            "model.max_seq_len=64", "model.chat_template=false", "runtime.topology=inline", "serving.max_batch=3",
+            "model.max_seq_len=64", "model.chat_template=false", "runtime.topology=inline", "serving.max_batch=2",
             "policy.name=asyncspade", "policy.budget=16", "policy.sink_tokens=2", "policy.recent_tokens=4",
             "policy.window=4", "runtime.sparse_threshold=16", "generation.stop_at_eos=false"])
         eng = spade.AsyncEngine(cfg)
@@ -32,15 +32,15 @@ def engine():
 
 def test_text_requests_together_match_alone(engine):
     async def main():
-        together = await asyncio.gather(*(final(engine, p, SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True))
+        together = await asyncio.gather(*(final(engine, p, SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True))
                                           for i, p in enumerate(PROMPTS)))
         st = engine.stats()
-        alone = [await final(engine, p, SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True))
+        alone = [await final(engine, p, SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True))
                  for i, p in enumerate(PROMPTS)]
         return together, alone, st
 
     together, alone, st = run(main())
-    assert st["sparse_steps"] > 0 and st["joins_into_running"] >= 2
+    assert st["sparse_steps"] > 0 and st["joins_into_running"] >= 1
     for t, a in zip(together, alone):
         assert t.token_ids == a.token_ids and t.text == a.text
         assert t.text == engine.tokenizer.decode(t.token_ids, skip_special_tokens=True)
@@ -48,10 +48,10 @@ def test_text_requests_together_match_alone(engine):
 
 def test_stop_string_cuts_the_text(engine):
     async def main():
-        ref = await final(engine, PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True))
+        ref = await final(engine, PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True))
         words = ref.text.split()
         stop = " " + words[len(words) // 2]
-        outs = await collect(engine, PROMPTS[2], SamplingParams(max_tokens=20, stop=[stop], ignore_eos=True))
+        outs = await collect(engine, PROMPTS[1], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))
         return ref, stop, outs
 
     ref, stop, outs = run(main())
