@@ -14,7 +14,8 @@ from spade.serving import SamplingParams
 from .conftest import collect, final, greedy, make_config, random_prompts, run
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
-         ("oracle", "inline"), ("full", "colocated"), ("quest", "colocated")]
+         ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
+         ("full", "colocated"), ("quest", "colocated")]
 
 
 async def _staggered(engine, jobs):
