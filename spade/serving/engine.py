@@ -84,8 +84,8 @@ class AsyncEngine:
 
     Supported: ``runtime.topology`` ``inline`` (every policy) and ``colocated`` with the
     policies the colocated runtime runs on the inference rank (``full``, ``quest``,
-    ``oracle``); the fast backend (``model.backend: fast``, or ``auto`` on a GPU or a
-    shape preset). Prompts are used as given (no chat template).
+    ``oracle``); the fast backend (``model.backend`` ``fast`` or ``auto``; ``hf`` is
+    refused). Prompts are used as given (no chat template).
     """
 
     def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
@@ -96,29 +96,30 @@ class AsyncEngine:
                 f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does "
                 f"not follow requests joining and leaving the batch); use runtime.topology: "
                 f"{' or '.join(SERVED_TOPOLOGIES)}")
-        parts = load_model(config, max_batch=config.serving.max_batch, say=progress)
-        self.device, self.dtype = parts.device, parts.dtype
-        self.backend, self.policy = parts.backend, parts.policy
-        from spade.runtime.selector import is_async_policy
+        from spade.policies import POLICIES
 
-        if rt.topology == "colocated" and is_async_policy(self.policy):
-            self._release()
+        pc = config.policy
+        # the colocated runtime runs a cache rank for the policies that can select one step
+        # ahead (spade.runtime.selector.is_async_policy), which this engine does not drive yet
+        if rt.topology == "colocated" and not POLICIES.get(pc.name).needs_current_query \
+                and getattr(pc, "budget", None) is not None:
             raise ConfigError(
-                f"runtime.topology 'colocated' with policy {config.policy.name!r} runs a cache rank, which "
+                f"runtime.topology 'colocated' with policy {pc.name!r} runs a cache rank, which "
                 "spade.AsyncEngine does not drive yet; use runtime.topology: inline for this policy "
                 "(colocated serves full, quest and oracle)")
-        if parts.backend_kind != "fast":
-            self._release()
-            raise ConfigError(f"model.backend {parts.backend_kind!r}: spade.AsyncEngine needs the fast backend's "
-                              "row slots; set model.backend: fast")
-        pc = config.policy
         if pc.name == "asyncspade" and (pc.refresh_every > 1 or pc.refresh_drift is not None or pc.score_channels):
-            self._release()
             raise ConfigError(
                 f"policy.refresh_every ({pc.refresh_every}), policy.refresh_drift ({pc.refresh_drift}) and "
                 f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
                 "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
                 "score_channels: null to serve asyncspade")
+        if config.model.backend == "hf":
+            raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
+                              "model.backend: fast (or auto)")
+        # model.backend auto means fast here, on a CPU too (Engine picks hf there for real weights)
+        parts = load_model(config, max_batch=config.serving.max_batch, say=progress, backend="fast")
+        self.device, self.dtype = parts.device, parts.dtype
+        self.backend, self.policy = parts.backend, parts.policy
         from spade.serving.slots import SlotBatch
 
         self.batch = SlotBatch(self.backend, self.policy, rt.sparse_threshold)

@@ -183,3 +183,5 @@ def test_topology_refusals_name_the_field():
         spade.AsyncEngine(make_config("full", "local"))
     with pytest.raises(ConfigError, match="refresh_every"):
         spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_every=2"]))
+    with pytest.raises(ConfigError, match="model.backend"):
+        spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))
