@@ -207,7 +207,7 @@ class AsyncEngine:
             "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
-            "steps": b.steps, "sparse_steps": b.sparse_steps, "cursor": b.cursor, "cursor_resets": b.resets,
+            "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps, "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running,
             "late_packs": 0, "topk_fallbacks": None,  # no cache rank in the served topologies yet
             "closed": self._closed,

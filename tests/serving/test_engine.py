@@ -54,6 +54,7 @@ def test_joined_requests_match_alone(policy, topology):
     assert stats["joins_into_running"] >= 2  # rows really joined a running batch
     if policy not in ("full",):
         assert stats["sparse_steps"] > 0  # the policies' selections were really used
+        assert stats["mixed_steps"] > 0  # and some steps mixed dense rows (own threshold) with sparse ones
     for (_, p, n), t, a in zip(jobs, together, alone):
         assert t.finish_reason == a.finish_reason == "length"
         assert len(t.token_ids) == n
