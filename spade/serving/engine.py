@@ -207,7 +207,8 @@ class AsyncEngine:
             "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
-            "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps, "cursor": b.cursor, "cursor_resets": b.resets,
+            "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
+            "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running,
             "late_packs": 0, "topk_fallbacks": None,  # no cache rank in the served topologies yet
             "closed": self._closed,
@@ -222,7 +223,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ input checks
     def _make_request(self, prompt, params, request_id) -> _Request:
         if self._closed:
-            raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new spade.AsyncEngine(cfg)")
+            raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new "
+                                    "spade.AsyncEngine(cfg)")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -245,8 +247,8 @@ class AsyncEngine:
                                 "no text to find stop strings in; use stop_token_ids")
         bad = [t for t in params.stop_token_ids if t >= self.vocab]
         if bad:
-            raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab}) "
-                                f"of model '{self.cfg.model.name}'")
+            raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary "
+                                f"[0, {self.vocab}) of model '{self.cfg.model.name}'")
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,),

@@ -11,7 +11,7 @@ import spade
 from spade.errors import ConfigError
 from spade.serving import SamplingParams
 
-from .conftest import collect, final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
          ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
