@@ -3,7 +3,7 @@
     spade run --config configs/cpu_tiny.yaml [--set policy.budget=512] [--out result.json]
     spade validate --config X.yaml
     spade policies | transports | models
-    spade bench {kernels,attention,decode,tpot,transports} [benchmark args...]
+    spade bench {kernels,scoring,attention,decode,tpot,transports,serving,paged} [benchmark args...]
     spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
 """
 
@@ -242,6 +242,8 @@ BENCHES = {
     "decode": ["benchmarks.bench_decode"],
     "tpot": ["benchmarks.bench_tpot"],
     "transports": ["benchmarks.bench_transports"],
+    "serving": ["benchmarks.bench_serving"],
+    "paged": ["benchmarks.bench_paged"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
 source checkout (the folder is not part of the installed package)."""
