@@ -5,6 +5,7 @@
     spade policies | transports | models
     spade bench {kernels,attention,decode,tpot,transports} [benchmark args...]
     spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
+    spade serve --config X.yaml [--host 127.0.0.1] [--port 8000]   (the OpenAI-compatible server)
 """
 
 from __future__ import annotations
@@ -281,6 +282,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import importlib.util
+
+    from spade.errors import MissingDependencyError
+
+    for mod, pkg in (("fastapi", "fastapi"), ("uvicorn", "uvicorn")):
+        if importlib.util.find_spec(mod) is None:  # before the model loads
+            raise MissingDependencyError(pkg, "spade serve", "pip install -e '.[serve]' (fastapi, uvicorn)")
+    overrides = list(args.set or [])
+    if args.host is not None:
+        overrides.append(f"serve.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"serve.port={args.port}")
+    args.set = overrides
+    cfg = _load(args)
+    _precheck(cfg)
+    from spade.serving.server import run_server
+
+    return run_server(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spade", description="Asynchronous sparse decoding (AsyncSpade).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -315,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", "-o", help="output folder (default: eval.out_dir)")
     e.add_argument("--only", help="comma-separated sections to run (selection,perplexity,gsm8k,niah)")
     e.set_defaults(fn=cmd_eval)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    with_config(sv, required=False)
+    sv.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="TCP port (default: serve.port, 8000; 0: any free port)")
+    sv.set_defaults(fn=cmd_serve)
     return p
 
 
