@@ -75,17 +75,22 @@ ENGINE_SERIES = (
     ("tokens_generated", "spade_generation_tokens_total", "counter", "Tokens the engine generated."),
     ("late_packs", "spade_late_packs_total", "counter",
      "Selection packs the cache rank delivered late (runtime.on_late handled them)."),
-    ("fallbacks", "spade_topk_fallbacks_total", "counter",
+    ("topk_fallbacks", "spade_topk_fallbacks_total", "counter",
      "Steps that attended densely instead of over a top-K selection (late, lost or restarted cache rank)."),
 )
 
 
 def engine_value(stats: Mapping, key: str):
-    """``stats[key]`` with the aliases an engine may use (``running_requests``, ``num_running``)."""
-    for k in (key, f"{key}_requests", f"num_{key}", f"requests_{key}"):
-        v = stats.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return v
+    """``stats[key]`` (or ``requests_<key>``, as ``AsyncEngine`` names request counts).
+    A key present with None (e.g. no cache rank, so no fallbacks) reads as 0; an
+    absent key as None (the series is left out)."""
+    for k in (key, f"requests_{key}"):
+        if k in stats:
+            v = stats[k]
+            if v is None:
+                return 0
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return v
     return None
 
 

@@ -123,7 +123,7 @@ class ServerState:
     def tokenizer(self):
         return getattr(self.engine, "tokenizer", None)
 
-    def completion_prompt(self, req: oai.CompletionRequest) -> str | list[int]:
+    def completion_prompt(self, req: oai.CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -138,14 +138,28 @@ class ServerState:
             raise oai.APIError("prompt: the prompt is empty; give it some text", param="prompt")
         tok = self.tokenizer
         if tok is None:
-            return p  # a random-weight preset: the engine makes ids of it
-        return list(tok(p)["input_ids"])
+            return self.byte_ids(p, "prompt")
+        return list(tok(p)["input_ids"])  # with the model's special tokens (a BOS), as vLLM does
 
-    def chat_prompt(self, req: oai.ChatCompletionRequest) -> str | list[int]:
+    def byte_ids(self, text: str, param: str) -> list[int]:
+        """A model without a tokenizer (a random-weight preset) reads text as its UTF-8
+        bytes, one token id each: deterministic, so its requests can be compared."""
+        vocab = getattr(self.engine, "vocab", None) or getattr(getattr(self.engine, "backend", None),
+                                                              "vocab_size", None)
+        if vocab is not None and vocab < 256:
+            raise oai.APIError(f"{param}: model '{self.cfg.model.name}' has no tokenizer and a vocabulary of "
+                               f"{vocab} < 256, too small to read text as bytes; send token ids", param=param)
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise oai.APIError(f"{param}: the text is not valid Unicode ({e.reason} at character {e.start})",
+                               param=param) from None
+
+    def chat_prompt(self, req: oai.ChatCompletionRequest) -> list[int]:
         messages = oai.chat_messages(req)
         tok = self.tokenizer
         if tok is None:
-            return oai.plain_chat_prompt(messages)
+            return self.byte_ids(oai.plain_chat_prompt(messages), "messages")
         if getattr(tok, "chat_template", None):
             try:
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
