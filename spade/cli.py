@@ -3,7 +3,7 @@
     spade run --config configs/cpu_tiny.yaml [--set policy.budget=512] [--out result.json]
     spade validate --config X.yaml
     spade policies | transports | models
-    spade bench {kernels,attention,decode,tpot,transports} [benchmark args...]
+    spade bench {kernels,attention,decode,tpot,transports,serve} [benchmark args...]
     spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
     spade serve --config X.yaml [--host 127.0.0.1] [--port 8000]   (the OpenAI-compatible server)
 """
@@ -243,11 +243,12 @@ BENCHES = {
     "decode": ["benchmarks.bench_decode"],
     "tpot": ["benchmarks.bench_tpot"],
     "transports": ["benchmarks.bench_transports"],
+    "serve": ["benchmarks.bench_serve"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
 source checkout (the folder is not part of the installed package)."""
 
-TAKES_CONFIG = {"tpot"}
+TAKES_CONFIG = {"tpot", "serve"}
 """Benchmarks whose ``main`` takes ``--config`` (``spade bench KIND --config X.yaml``)."""
 
 
