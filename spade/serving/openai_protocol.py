@@ -44,8 +44,9 @@ class APIError(Exception):
 
 
 # --------------------------------------------------------------------------- requests
+# strict: JSON types as sent ("5" is not a number, "yes" not a bool), as OpenAI checks them
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
@@ -53,7 +54,7 @@ class _Request(BaseModel):
     """Fields both endpoints share. Sampling fields are checked by ``SamplingParams``,
     so that the server and the library refuse the same values with the same words."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -83,7 +84,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
