@@ -203,6 +203,15 @@ class GenerationConfig(ConfigSection):
     stream: bool = True
 
 
+# --------------------------------------------------------------------------- serving
+class ServingConfig(ConfigSection):
+    """``spade.AsyncEngine`` (continuous batching; docs/serving.md)."""
+
+    max_batch: int = Field(8, ge=1)
+    """Row slots of the static KV cache: requests decoded together (more wait in a queue).
+    Each slot holds ``model.max_seq_len`` tokens."""
+
+
 # --------------------------------------------------------------------------- bench / eval
 class BenchConfig(ConfigSection):
     out_dir: str = "results"
@@ -295,6 +304,7 @@ class SpadeConfig(BaseSettings):
     """One of the registered policies (``spade policies``), picked by ``name``."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)

@@ -78,6 +78,57 @@ def check_prompt_text(text: str, name: str) -> None:
         ) from None
 
 
+def check_prompts(prompts, where: str, vocab: int, model_name: str) -> list:
+    """``prompts`` as a list of str / PromptConfig / list[int] (token ids), checked against
+    a vocabulary of ``vocab`` ids (``where`` names the argument in errors).
+
+    A bare string (or one ``PromptConfig``) is one prompt, never one per character."""
+    if isinstance(prompts, (str, PromptConfig)):
+        prompts = [prompts]
+    elif isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+        raise ArgumentTypeError(
+            f"{where}: expected a prompt (str) or a list of prompts, got {type(prompts).__name__}; "
+            "e.g. generate(['Hello']) or generate([[1, 2, 3]]) for token ids")
+    if not prompts:
+        raise ArgumentError(f"{where}: got an empty list; pass at least one prompt, e.g. generate(['Hello'])")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise ArgumentTypeError(
+            f"{where}: got a flat list of ints ({list(prompts)[:4]}...); a token-id prompt goes inside the "
+            f"list: generate([{list(prompts)[:3]}]) (one prompt) or generate(['text', ...])")
+    out: list = []
+    for i, p in enumerate(prompts):
+        name = f"{where}[{i}]"
+        if isinstance(p, (str, PromptConfig)):
+            check_prompt_text(p if isinstance(p, str) else p.text, name)
+            if isinstance(p, str) and not p.strip():
+                raise ArgumentError(f"{name}: the prompt is empty; give it some text")
+            out.append(p)
+            continue
+        if isinstance(p, torch.Tensor):
+            if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                raise ArgumentTypeError(f"{name}: a tensor prompt must be 1-D integer token ids, got "
+                                        f"{tuple(p.shape)} {p.dtype}")
+            p = p.tolist()
+        if isinstance(p, (list, tuple)):
+            if not p:
+                raise ArgumentError(f"{name}: the token-id list is empty; give at least one token id")
+            ids = []
+            for j, t in enumerate(p):
+                if isinstance(t, bool) or not hasattr(t, "__index__"):
+                    raise ArgumentTypeError(f"{name}[{j}]: token ids are ints, got {type(t).__name__} {t!r}")
+                t = operator.index(t)
+                if not 0 <= t < vocab:
+                    raise ArgumentError(f"{name}[{j}]: token id {t} is outside the vocabulary [0, {vocab}) "
+                                        f"of model '{model_name}'")
+                ids.append(t)
+            out.append(ids)
+            continue
+        raise ArgumentTypeError(
+            f"{name}: a prompt is a str, a PromptConfig or a list of token ids, got "
+            f"{'None' if p is None else type(p).__name__}")
+    return out
+
+
 #: a prompt: text, a ``PromptConfig``, or token ids (a list of ints or a 1-D integer tensor)
 Prompt = Union[str, PromptConfig, Sequence[int], torch.Tensor]
 
@@ -119,40 +170,85 @@ class GenerationResult:
         return d
 
 
+@dataclass
+class LoadedModel:
+    """What ``load_model`` built: the backend (weights and KV cache) and the policy."""
+
+    device: torch.device
+    dtype: torch.dtype
+    source: object  # spade.models.registry's resolved source (kind: preset / folder / ...)
+    backend_kind: str  # "fast" | "hf"
+    backend: object  # DecodeBackend
+    policy: object  # Policy
+
+
+def load_model(config: SpadeConfig, *, max_batch: int, say: Callable[[str], None] | None = None) -> LoadedModel:
+    """Resolve the device and dtype, load the backend with a KV cache of ``max_batch``
+    rows of ``model.max_seq_len`` tokens, and build the policy: what ``Engine`` and
+    ``spade.AsyncEngine`` share."""
+    say = say or (lambda msg: None)
+    m = config.model
+    device = resolve_device(m.device)
+    dtype = resolve_dtype(m.dtype, device)
+    check_kernels_env(device)
+    from spade.models.registry import resolve_source
+
+    source = resolve_source(m.name)
+    backend = m.backend
+    if backend == "auto":
+        backend = "fast" if (device.type == "cuda" or source.kind == "preset") else "hf"
+    if backend == "hf" and source.kind == "preset":
+        raise ConfigError(
+            f"model.backend: 'hf' needs real weights; '{m.name}' is a random-weight shape preset: use backend 'fast'"
+        )
+    t0 = time.time()
+    model = _load_backend(config, backend, source, device, dtype, max_batch)
+    say(f"loaded {m.name} ({backend} backend, {device}, {str(dtype).removeprefix('torch.')}) "
+        f"in {time.time() - t0:.1f} s")
+    from spade.policies import build_policy
+
+    return LoadedModel(device=device, dtype=dtype, source=source, backend_kind=backend, backend=model,
+                       policy=build_policy(config.policy, model.spec))
+
+
+def _load_backend(config: SpadeConfig, kind: str, source, device: torch.device, dtype: torch.dtype,
+                  max_batch: int):
+    m = config.model
+    if kind == "hf":
+        from spade.models.hf import HFBackend
+        from spade.models.registry import resolve_model
+
+        return HFBackend.from_pretrained(str(resolve_model(m.name)), device=device, dtype=dtype)
+    from spade.models.fast import FastModel
+
+    if source.kind == "preset":
+        from spade.models.presets import preset_config
+
+        return FastModel.from_config(preset_config(m.name), device=device, dtype=dtype,
+                                     max_batch=max_batch, max_seq_len=m.max_seq_len, seed=m.seed,
+                                     linear=m.linear)
+    from spade.models.registry import resolve_model
+
+    return FastModel.from_hf_folder(str(resolve_model(m.name)), device=device, dtype=dtype,
+                                    max_batch=max_batch, max_seq_len=m.max_seq_len, linear=m.linear)
+
+
 class Engine:
     """Load the model, policy and runtime once; ``generate`` many times."""
 
     def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
         self.cfg = config
         self.say = progress or (lambda msg: None)
-        m = config.model
-        self.device = resolve_device(m.device)
-        self.dtype = resolve_dtype(m.dtype, self.device)
-        check_kernels_env(self.device)
+        check_kernels_env(resolve_device(config.model.device))  # (load_model checks again: cheap)
         self._preflight_transport()
         # one generation at a time: the runtime's event loop and cache link serve one batch
         self._lock = threading.Lock()
         self._busy: int | None = None  # the thread inside generate(), if any
         self._closed = False
         self.last_trace = None
-        from spade.models.registry import resolve_source
-
-        self.source = resolve_source(m.name)
-        backend = m.backend
-        if backend == "auto":
-            backend = "fast" if (self.device.type == "cuda" or self.source.kind == "preset") else "hf"
-        if backend == "hf" and self.source.kind == "preset":
-            raise ConfigError(
-                f"model.backend: 'hf' needs real weights; '{m.name}' is a random-weight shape preset: use backend 'fast'"
-            )
-        self.backend_kind = backend
-        t0 = time.time()
-        self.backend = self._load_backend(backend)
-        self.say(f"loaded {m.name} ({backend} backend, {self.device}, {str(self.dtype).removeprefix('torch.')}) "
-                 f"in {time.time() - t0:.1f} s")
-        from spade.policies import build_policy
-
-        self.policy = build_policy(config.policy, self.backend.spec)
+        parts = load_model(config, max_batch=max(1, len(config.generation.prompts)), say=self.say)
+        self.device, self.dtype, self.source = parts.device, parts.dtype, parts.source
+        self.backend_kind, self.backend, self.policy = parts.backend_kind, parts.backend, parts.policy
         from spade.runtime import build_runtime
 
         self.runtime = build_runtime(config, self.backend, self.policy)
@@ -169,28 +265,6 @@ class Engine:
 
         if not torchrun_world():
             TRANSPORTS.get(rt.transport.name).preflight(rt.transport)
-
-    # -- loading ------------------------------------------------------------
-    def _load_backend(self, kind: str):
-        m = self.cfg.model
-        max_batch = max(1, len(self.cfg.generation.prompts))
-        if kind == "hf":
-            from spade.models.hf import HFBackend
-            from spade.models.registry import resolve_model
-
-            return HFBackend.from_pretrained(str(resolve_model(m.name)), device=self.device, dtype=self.dtype)
-        from spade.models.fast import FastModel
-
-        if self.source.kind == "preset":
-            from spade.models.presets import preset_config
-
-            return FastModel.from_config(preset_config(m.name), device=self.device, dtype=self.dtype,
-                                         max_batch=max_batch, max_seq_len=m.max_seq_len, seed=m.seed,
-                                         linear=m.linear)
-        from spade.models.registry import resolve_model
-
-        return FastModel.from_hf_folder(str(resolve_model(m.name)), device=self.device, dtype=self.dtype,
-                                        max_batch=max_batch, max_seq_len=m.max_seq_len, linear=m.linear)
 
     @property
     def tokenizer(self):
@@ -221,54 +295,9 @@ class Engine:
         return p.essay_tokens + max(1, len(p.text.split()))
 
     def _check_prompts(self, prompts, where: str) -> list:
-        """``prompts`` as a list of str / PromptConfig / list[int] (token ids), checked.
-
-        A bare string (or one ``PromptConfig``) is one prompt, never one per character."""
-        if isinstance(prompts, (str, PromptConfig)):
-            prompts = [prompts]
-        elif isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
-            raise ArgumentTypeError(
-                f"{where}: expected a prompt (str) or a list of prompts, got {type(prompts).__name__}; "
-                "e.g. generate(['Hello']) or generate([[1, 2, 3]]) for token ids")
-        if not prompts:
-            raise ArgumentError(f"{where}: got an empty list; pass at least one prompt, e.g. generate(['Hello'])")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            raise ArgumentTypeError(
-                f"{where}: got a flat list of ints ({list(prompts)[:4]}...); a token-id prompt goes inside the "
-                f"list: generate([{list(prompts)[:3]}]) (one prompt) or generate(['text', ...])")
-        vocab = int(getattr(self.backend, "vocab_size", 0) or 0)
-        out: list = []
-        for i, p in enumerate(prompts):
-            name = f"{where}[{i}]"
-            if isinstance(p, (str, PromptConfig)):
-                check_prompt_text(p if isinstance(p, str) else p.text, name)
-                if isinstance(p, str) and not p.strip():
-                    raise ArgumentError(f"{name}: the prompt is empty; give it some text")
-                out.append(p)
-                continue
-            if isinstance(p, torch.Tensor):
-                if p.dim() != 1 or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
-                    raise ArgumentTypeError(f"{name}: a tensor prompt must be 1-D integer token ids, got "
-                                            f"{tuple(p.shape)} {p.dtype}")
-                p = p.tolist()
-            if isinstance(p, (list, tuple)):
-                if not p:
-                    raise ArgumentError(f"{name}: the token-id list is empty; give at least one token id")
-                ids = []
-                for j, t in enumerate(p):
-                    if isinstance(t, bool) or not hasattr(t, "__index__"):
-                        raise ArgumentTypeError(f"{name}[{j}]: token ids are ints, got {type(t).__name__} {t!r}")
-                    t = operator.index(t)
-                    if not 0 <= t < vocab:
-                        raise ArgumentError(f"{name}[{j}]: token id {t} is outside the vocabulary [0, {vocab}) "
-                                            f"of model '{self.cfg.model.name}'")
-                    ids.append(t)
-                out.append(ids)
-                continue
-            raise ArgumentTypeError(
-                f"{name}: a prompt is a str, a PromptConfig or a list of token ids, got "
-                f"{'None' if p is None else type(p).__name__}")
-        return out
+        """``prompts`` as a list of str / PromptConfig / list[int] (token ids), checked
+        (``check_prompts``)."""
+        return check_prompts(prompts, where, int(getattr(self.backend, "vocab_size", 0) or 0), self.cfg.model.name)
 
     def _check_max_new(self, max_new_tokens) -> int:
         g = self.cfg.generation

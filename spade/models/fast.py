@@ -693,15 +693,84 @@ class FastModel(DecodeBackend):
         self._reset(B, T, n_valid)
         ctx.kv_start = (T - n_valid).to(torch.int32) if padded else None
         ctx.begin_step(T)
+        kv_lens = self.kv_lens
+
+        def region(li: int):
+            return self.k_cache[li][:B, :, :T], self.v_cache[li][:B, :, :T]
+
+        def report(li: int, q_all: torch.Tensor) -> None:
+            ctx.prefill(li, q_all, self.k_cache[li][:B], self.v_cache[li][:B], kv_lens)
+
+        x = self._prompt_pass(ids, mask, padded, region, report)
+        h = rms_norm_torch(x[:, -1], self.norm, a.eps)  # [B, H]
+        self._x[:B].copy_(x[:, -1])
+        self.last_logits = F.linear(h, self.lm_head).float()
+        return self.last_logits
+
+    # ------------------------------------------------------------------ slots (serving)
+    def reset_slots(self, seq_len: int) -> None:
+        """Serving (``spade.serving``): from now on every one of the ``max_batch`` rows
+        decodes, all sharing the write cursor: the cache holds ``seq_len`` entries per
+        row (``kv_lens``), the next step writes index ``seq_len``. Positions restart at 0;
+        rows hold nothing until ``prefill_row``. Captured graphs stay valid (they read
+        the cursor from the device metadata), so a reset does not re-capture."""
+        if not 1 <= seq_len <= self.max_seq_len:
+            raise ConfigError(f"a cache of {seq_len} tokens does not fit max_seq_len={self.max_seq_len} "
+                              "(raise model.max_seq_len)")
+        self._batch = self.max_batch
+        self._seq_len = int(seq_len)
+        self._meta[0].fill_(seq_len)
+        self._meta[1].zero_()
+        self._meta[2].fill_(seq_len - 1)
+
+    @torch.no_grad()
+    def prefill_row(self, row: int, input_ids: torch.Tensor,
+                    report: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """Serving: prefill one prompt ``input_ids`` [T] into row ``row`` right-aligned at
+        the shared cursor, cache positions ``[seq_len - T, seq_len)``, RoPE positions
+        ``0 .. T-1`` (after ``reset_slots``; the other rows are untouched). Each layer
+        reports ``report(layer, q [1, Hq, T, D], k_row [1, Hkv, L, D], v_row)`` (the
+        row's cache views). Returns the last position's logits [1, V] float32."""
+        S, T = self._seq_len, int(input_ids.numel())
+        if self._batch != self.max_batch:
+            raise ModelError("prefill_row before reset_slots: the backend is not in slot mode")
+        if not 0 <= row < self.max_batch:
+            raise ConfigError(f"row {row} is outside the {self.max_batch} slots (model max_batch)")
+        if not 1 <= T <= S:
+            raise ConfigError(f"a prompt of {T} tokens does not fit before the cursor at {S}")
+        ids = input_ids.to(self.device).reshape(1, T)
+        mask = torch.ones(1, T, dtype=torch.bool, device=self.device)
+
+        def region(li: int):
+            return self.k_cache[li][row:row + 1, :, S - T:S], self.v_cache[li][row:row + 1, :, S - T:S]
+
+        def fwd(li: int, q_all: torch.Tensor) -> None:
+            report(li, q_all, self.k_cache[li][row:row + 1], self.v_cache[li][row:row + 1])
+
+        x = self._prompt_pass(ids, mask, False, region, fwd)
+        self._meta[1, row] = T - 1
+        self._x[row].copy_(x[0, -1])
+        h = rms_norm_torch(x[:, -1], self.norm, self.arch.eps)  # [1, H]
+        return F.linear(h, self.lm_head).float()
+
+    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool,
+                     region: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                     report: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+        """The dense pass over a left-padded prompt ``ids`` [B, T] (``mask`` [B, T]):
+        layer ``li``'s keys and values go to ``region(li)`` (two [B, Hkv, T, D] views of
+        the cache), then ``report(li, q_all)`` gets the prompt's queries [B, Hq, T, D].
+        Returns the residual stream [B, T, H] after the last layer."""
+        a = self.arch
+        dev = self.device
+        B, T = ids.shape
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: left padding does not shift positions
         cos = self.cos_tab[pos].to(self.dtype)[:, :, None, :]  # [B, T, 1, rot]
         sin = self.sin_tab[pos].to(self.dtype)[:, :, None, :]
-        kv_lens = self.kv_lens
         C = max(1, min(self.prefill_chunk, T))
         D, Hq, Hkv = a.head_dim, a.n_q_heads, a.n_kv_heads
         x = F.embedding(ids, self.embed)  # [B, T, H]
         for li, L in enumerate(self.layers):
-            kc, vc = self.k_cache[li][:B], self.v_cache[li][:B]
+            kc, vc = region(li)
             q_all = torch.empty(B, Hq, T, D, dtype=self.dtype, device=dev)
             for c0 in range(0, T, C):  # pass 1: q/k/v of every prompt token, k/v into the cache
                 c1 = min(T, c0 + C)
@@ -725,11 +794,8 @@ class FastModel(DecodeBackend):
                 h = rms_norm_torch(xc, L.ln2, a.eps)
                 x[:, c0:c1] = xc + F.linear(silu_mul_torch(F.linear(h, L.wgu)), L.wd)
             del o_all
-            ctx.prefill(li, q_all, kc, vc, kv_lens)
-        h = rms_norm_torch(x[:, -1], self.norm, a.eps)  # [B, H]
-        self._x[:B].copy_(x[:, -1])
-        self.last_logits = F.linear(h, self.lm_head).float()
-        return self.last_logits
+            report(li, q_all)
+        return x
 
     def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                            padded: bool, chunk: int) -> torch.Tensor:
