@@ -49,7 +49,8 @@ class LiveServer:
         self.cfg_path = tmp / "serve.yaml"
         self.cfg_path.write_text(config)
         self.log_path = tmp / "serve.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        # one OpenMP thread: small CPU GEMMs crawl with two on a busy two-core machine
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("SPADE_SERVE__API_KEY", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "spade.cli", "serve", "--config", str(self.cfg_path), "--port", "0", *extra],

@@ -27,7 +27,8 @@ SMOL = f"""
 model: {{name: {MODEL}, backend: fast, dtype: float32, device: cpu, max_seq_len: 384}}
 policy: {{name: asyncspade, budget: 32, sink_tokens: 4, recent_tokens: 8, predictor: last, window: 4}}
 runtime: {{topology: inline}}
-serve: {{api_key: {KEY}, max_waiting: 64, shutdown_grace_s: 5}}
+serving: {{max_batch: 4}}
+serve: {{api_key: {KEY}, max_waiting: 64, shutdown_grace_s: 2}}
 """
 
 PROMPTS = [
@@ -78,13 +79,13 @@ def test_models_and_health(server, client, http):
 
 
 def test_completion_sync_stream_equals_nonstream(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
     c = r.choices[0]
     assert r.object == "text_completion" and c.finish_reason in ("length", "stop") and c.text
     u = r.usage
-    assert u.completion_tokens == 12 or c.finish_reason == "stop"
+    assert u.completion_tokens == 6 or c.finish_reason == "stop"
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and u.prompt_tokens > 0
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == c.text
@@ -94,32 +95,52 @@ def test_completion_sync_stream_equals_nonstream(client):
 
 def test_chat_sync_stream_equals_nonstream(client):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPTS[7]}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
     m = r.choices[0].message
     assert r.object == "chat.completion" and m.role == "assistant" and m.content
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == m.content
     assert chunks[-1].usage.model_dump() == r.usage.model_dump()
-    assert r.usage.completion_tokens == 10 or r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
 
 
-def test_async_sdk_16_concurrent_equal_alone(server, http):
-    """16 requests of different prompts and lengths at once (more than the batch holds:
-    some wait), each one's greedy text equal to the same request alone; the usage
-    counts add up, per request and in /metrics."""
-    client = openai.AsyncOpenAI(base_url=server.base, api_key=KEY, max_retries=0, timeout=300)
-    reqs = [(PROMPTS[i % len(PROMPTS)], 4 + (3 * i) % 13, i % 3 == 0) for i in range(16)]
+TINY_AS = """
+model: {name: tiny, dtype: float32, device: cpu, max_seq_len: 160}
+policy: {name: asyncspade, budget: 12, sink_tokens: 2, recent_tokens: 4, window: 4}
+runtime: {topology: inline, sparse_threshold: 16}
+serving: {max_batch: 4}
+serve: {max_waiting: 64, shutdown_grace_s: 5}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    s = LiveServer(tmp_path_factory.mktemp("serve_tiny"), TINY_AS)
+    yield s
+    rc = s.stop()
+    assert rc == 0, f"spade serve exited {rc}:\n{s.log()}"
+
+
+def test_async_sdk_16_concurrent_equal_alone(tiny_server, http):
+    """16 requests of different prompts and lengths at once (four times what the batch
+    holds: most wait, rows join and leave a running batch that decodes sparsely), each
+    one's greedy tokens equal to the same request alone; the usage counts add up, per
+    request and in /metrics. The tiny preset reads text as bytes and writes token ids."""
+    server = tiny_server
+    client = openai.AsyncOpenAI(base_url=server.base, api_key="none", max_retries=0, timeout=300)
+    reqs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 3 + (5 * i) % 19, i % 3 == 0)
+            for i in range(16)]
 
     async def one(prompt, n, stream):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
         if not stream:
-            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+            r = await client.completions.create(**kw)
             return r.choices[0].text, r.usage.model_dump()
         text, usage = "", None
-        async for ch in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True}):
+        async for ch in await client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
             if ch.choices:
                 text += ch.choices[0].text
             if ch.usage is not None:
@@ -136,17 +157,21 @@ def test_async_sdk_16_concurrent_equal_alone(server, http):
     alone, before, together = asyncio.run(main())
     after = _metrics(http, server)
     for i, ((ta, ua), (tt, ut)) in enumerate(zip(alone, together)):
-        assert tt == ta, f"request {i} ({reqs[i]}): concurrent text differs from the same request alone"
+        assert tt == ta, f"request {i} ({reqs[i]}): concurrent tokens differ from the same request alone"
         assert ut == ua, f"request {i}: usage differs"
+        assert ut["prompt_tokens"] == len(reqs[i][0].encode()) and ut["completion_tokens"] == reqs[i][1]
         assert ut["total_tokens"] == ut["prompt_tokens"] + ut["completion_tokens"]
-        assert ut["completion_tokens"] <= reqs[i][1]
+        assert len(tt.split()) == reqs[i][1]
 
-    def delta(name):
-        return metric(after, name) - metric(before, name)
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
 
     assert delta("spade_completion_tokens_total") == sum(u["completion_tokens"] for _, u in together)
     assert delta("spade_prompt_tokens_total") == sum(u["prompt_tokens"] for _, u in together)
+    assert delta("spade_generation_tokens_total") >= sum(u["completion_tokens"] for _, u in together)
     assert delta("spade_time_to_first_token_seconds_count") == 16
+    assert delta("spade_request_finished_total", finish_reason="length") == 16
+    _idle(http, server)
 
 
 # --------------------------------------------------------------------------- raw HTTP
@@ -171,7 +196,7 @@ def test_sse_framing_and_done(server, http, chat):
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}]}
     else:
         path, body = "/v1/completions", {"prompt": PROMPTS[2]}
-    body.update(model=MODEL, max_tokens=8, temperature=0)
+    body.update(model=MODEL, max_tokens=4, temperature=0)
     full = http.post(server.url + path, json=body, headers=_auth(), timeout=120).json()
     r = http.post(server.url + path, json={**body, "stream": True}, headers=_auth(), timeout=120)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -285,20 +310,38 @@ def test_metrics_exposition(server, http):
     assert f"spade_time_per_output_token_seconds_count{{{labels}}}" in m
 
 
+def test_sigterm_past_the_grace_period_aborts_and_exits_0(server, http):
+    """The last test on ``server``: SIGTERM with a request that cannot finish within
+    ``serve.shutdown_grace_s`` (2 s; 340 SmolLM2 tokens take far longer on a CPU): it is
+    cut short, the server still exits 0."""
+    out: dict = {}
+    t = _stream_in_thread(http, server.url, {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 340,
+                                             "stream": True, "ignore_eos": True}, out, headers=_auth())
+    _wait_events(out)
+    server.proc.send_signal(signal.SIGTERM)
+    rc = server.proc.wait(120)
+    t.join(60)
+    assert rc == 0, server.log()
+    events = [json.loads(e) for e in out.get("events", []) if e != "[DONE]"]
+    assert len(events) < 340  # cut short
+    assert "length" not in [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+
+
 # --------------------------------------------------------------------------- overload and shutdown
 TINY = """
 model: {name: tiny, dtype: float32, device: cpu, max_seq_len: 256}
 policy: {name: quest, budget: 32, page_size: 4}
 runtime: {topology: colocated}
+serving: {max_batch: 3}
 serve: {max_waiting: %(waiting)d, shutdown_grace_s: %(grace)s}
 """
 
 
-def _stream_in_thread(http, url, body, out: dict):
+def _stream_in_thread(http, url, body, out: dict, headers=None):
     def run():
         try:
             with http.Client(timeout=120) as c:
-                with c.stream("POST", url + "/v1/completions", json=body) as r:
+                with c.stream("POST", url + "/v1/completions", json=body, headers=headers or {}) as r:
                     out["status"] = r.status_code
                     out["events"] = []
                     for line in r.iter_lines():
@@ -346,21 +389,3 @@ def test_overload_429_then_sigterm_drains_and_exits_0(tmp_path, http):
         assert o.get("status") == 200 and o["events"][-1] == "[DONE]", o
         assert json.loads(o["events"][-2])["choices"][0]["finish_reason"] == "length"
     assert not [k for k in kids if alive(k)], "child processes outlived the server"
-
-
-def test_sigterm_past_grace_aborts_and_exits_0(tmp_path, http):
-    s = LiveServer(tmp_path, TINY % {"waiting": 8, "grace": 0.5})
-    try:
-        out: dict = {}
-        t = _stream_in_thread(http, s.url, {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 200,
-                                            "stream": True, "ignore_eos": True}, out)
-        _wait_events(out)
-        s.proc.send_signal(signal.SIGTERM)
-        rc = s.proc.wait(120)
-        t.join(60)
-    finally:
-        s.stop(kill=True)
-    assert rc == 0, s.log()
-    events = [json.loads(e) for e in out.get("events", []) if e != "[DONE]"]
-    assert len(events) < 200  # cut short
-    assert "length" not in [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
