@@ -284,13 +284,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import importlib.util
-
     from spade.errors import MissingDependencyError
 
-    for mod, pkg in (("fastapi", "fastapi"), ("uvicorn", "uvicorn")):
-        if importlib.util.find_spec(mod) is None:  # before the model loads
-            raise MissingDependencyError(pkg, "spade serve", "pip install -e '.[serve]' (fastapi, uvicorn)")
+    for pkg in ("fastapi", "uvicorn"):  # before the model loads
+        try:
+            __import__(pkg)
+        except ImportError:
+            raise MissingDependencyError(pkg, "spade serve", "pip install -e '.[serve]' (fastapi, uvicorn)") from None
     overrides = list(args.set or [])
     if args.host is not None:
         overrides.append(f"serve.host={args.host}")

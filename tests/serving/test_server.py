@@ -229,6 +229,9 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "warm"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    # refused by AsyncEngine.generate before any work, passed on naming the field
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 6]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
