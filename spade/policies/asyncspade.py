@@ -225,6 +225,10 @@ class AsyncSpadeLayerState:
     """Host ``seq_len`` at the call that last set ``anchor_count`` (prefill or first observe)."""
     anchor_count: int = 0
     """Valid queries in ``window`` right after that call."""
+    row_anchors: list[tuple[int, int]] | None = None
+    """Serving (rows joined at different steps, ``prefill_rows``): per row, the host
+    ``(anchor_seq_len, anchor_count)`` of its own prefill; None: every row shares the
+    two fields above."""
     kq: torch.Tensor | None = None
     """``score_keys="int8"``: int8 copy of the keys [B, Hkv, C, D] (C = capacity >= cache length)."""
     ks: torch.Tensor | None = None
@@ -343,8 +347,18 @@ class AsyncSpadePolicy(Policy):
         st = state.layers[layer]
         if st is None or st.anchor_seq_len is None:
             return 0
+        if st.row_anchors is not None:
+            ns = self.row_counts(state, layer)
+            return ns[0] if all(n == ns[0] for n in ns) else -1
         pushed = max(0, state.seq_len - 1 - st.anchor_seq_len)
         return min(self.rows, st.anchor_count + pushed)
+
+    def row_counts(self, state: PolicyState, layer: int = 0) -> list[int]:
+        """``n_valid`` per row of a batch whose rows joined at different steps (serving;
+        ``n_valid`` is then -1 while they differ: short prompts fill their windows at
+        different steps)."""
+        st = state.layers[layer]
+        return [min(self.rows, c + max(0, state.seq_len - 1 - a)) for a, c in st.row_anchors]
 
     @property
     def k_mid(self) -> int:
@@ -366,7 +380,8 @@ class AsyncSpadePolicy(Policy):
     def graph_key(self, state: PolicyState) -> tuple:
         # the number of valid window rows changes the predictor's work until it saturates;
         # with refresh_every > 1 a reuse step launches nothing
-        key = (state.seq_len <= self.cfg.budget, self.n_valid(state))
+        n = self.n_valid(state)
+        key = (state.seq_len <= self.cfg.budget, n if n >= 0 else tuple(self.row_counts(state)))
         if self.channels is not None and self.cfg.channel_refresh is not None:
             key += (self.rechooses(state),)  # that step's observe rebuilds the copy
         return key if self.cfg.refresh_every == 1 else key + (self.refreshes(state),)
@@ -664,11 +679,83 @@ class AsyncSpadePolicy(Policy):
         st = state.layers[layer]
         if st.q_pred is not None and st.q_pred_seq == state.seq_len:  # made ahead by predict_layers
             q_hat, st.q_pred, st.q_pred_seq = st.q_pred, None, -1
+        elif n < 0:  # rows with windows of different fill (serving): one prediction per fill
+            q_hat = self._predict_rows(state, layer)
         else:
             q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
         if self.rope_aware:
             q_hat = rotate(q_hat, self._positions(state, kv_lens.to(q_hat.device)), self.spec.rope)
         return q_hat
+
+    def _predict_rows(self, state: PolicyState, layer: int) -> torch.Tensor:
+        """q̂ [B, Hq, D] float32 when the rows' windows hold different numbers of queries:
+        the rows of each count predicted together (zeros for a row with none)."""
+        st = state.layers[layer]
+        counts = self.row_counts(state, layer)
+        B, Hq, _, D = st.window.shape
+        out = torch.zeros(B, Hq, D, dtype=torch.float32, device=st.window.device)
+        for n in sorted(set(counts)):
+            if n == 0:
+                continue
+            idx = torch.as_tensor([b for b, c in enumerate(counts) if c == n], device=out.device)
+            out.index_copy_(0, idx, predict(st.window.index_select(0, idx), n, self.cfg.predictor,
+                                            self.cfg.ridge_eps))
+        return out
+
+    def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """The joining rows' query windows (and compressed scoring keys) from their
+        prompts, their window counts anchored at the batch's cursor (``row_anchors``):
+        each row predicts as it would alone. Refuses the settings whose state is shared
+        by the rows (``refresh_every > 1``, ``refresh_drift``, ``score_channels``)."""
+        cfg = self.cfg
+        if cfg.refresh_every > 1 or cfg.refresh_drift is not None or self.channels is not None:
+            raise ConfigError(
+                f"policy.refresh_every ({cfg.refresh_every}), policy.refresh_drift ({cfg.refresh_drift}) and "
+                f"policy.score_channels ({cfg.score_channels}) keep state shared by every row, which a request "
+                "joining a running batch cannot have yet: set refresh_every: 1, refresh_drift: null and "
+                "score_channels: null to serve asyncspade")
+        sub = self.row_state(state, rows, k_cache.device)
+        self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
+        new = sub.layers[layer]
+        st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
+        B = state.batch_size
+        idx = torch.as_tensor(rows, device=st.window.device)
+        st.window.index_copy_(0, idx, new.window)
+        if st.row_anchors is None:
+            # rows never prefilled hold nothing: count as if they had joined now with no query
+            st.row_anchors = [(state.seq_len, 0)] * B
+            st.anchor_seq_len, st.anchor_count = state.seq_len, 0
+        for r in rows:
+            st.row_anchors[r] = (state.seq_len, new.anchor_count)
+        st.last_sel = None
+        reset_carry(state, layer)  # a speed hint only: the selection is the exact top-K either way
+        if self.keeps_copy:
+            self._copy_rows(st, new, idx, B)
+
+    @staticmethod
+    def _copy_rows(st: AsyncSpadeLayerState, new: AsyncSpadeLayerState, idx: torch.Tensor, B: int) -> None:
+        """The joining rows' scoring copy (``new``, made by a prefill of them alone) into the
+        batch's (made on first use, the capacity of the rows' copy)."""
+        if st.kq is None or st.kq.shape[0] != B or st.kq.shape[1:] != new.kq.shape[1:] \
+                or st.kq.dtype != new.kq.dtype or st.kq.device != new.kq.device:
+            st.kq = torch.zeros(B, *new.kq.shape[1:], dtype=new.kq.dtype, device=new.kq.device)
+            st.ks = None if new.ks is None else torch.zeros(B, *new.ks.shape[1:], dtype=new.ks.dtype,
+                                                            device=new.ks.device)
+        st.kq.index_copy_(0, idx, new.kq)
+        if new.ks is not None:
+            st.ks.index_copy_(0, idx, new.ks)
+        if new.k_smooth is not None:
+            if st.k_smooth is None or st.k_smooth.shape[1:] != new.k_smooth.shape[1:]:
+                base = st.all_smooth
+                if base is not None and st.index >= 0 and base.shape[2:] == new.k_smooth.shape[1:]:
+                    st.k_smooth = base[st.index]
+                else:
+                    st.k_smooth = torch.ones(B, *new.k_smooth.shape[1:], dtype=torch.float32,
+                                             device=new.k_smooth.device)
+            st.k_smooth.index_copy_(0, idx, new.k_smooth)
+        st.score_dtype = new.score_dtype
+        st.keys_elsewhere = False
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor, out: torch.Tensor | None = None) -> Selection | None:

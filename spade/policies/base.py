@@ -270,6 +270,34 @@ class Policy(ABC):
         """After the dense prompt pass. ``q``: [B, Hq, T, D] for the prompt's T tokens
         (right-aligned at ``kv_lens``)."""
 
+    def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """Serving: the batch rows ``rows`` start new requests between decode steps (a
+        join), while the other rows keep their state. ``q`` [n, Hq, T, D] are the joining
+        prompts' queries (one length T), ``k_cache`` / ``v_cache`` [n, Hkv, L, D] the
+        joining rows' cache views (the prompt right-aligned at ``kv_lens`` [n]),
+        ``state.seq_len`` the batch's cursor and ``state.kv_start`` [B] already updated
+        for the joining rows. Afterwards row ``rows[i]``'s state must be what ``prefill``
+        of that request alone gives. Default: nothing (right for stateless policies);
+        policies with per-row state override it (``row_state`` builds the state of the
+        joining rows alone, to run ``prefill`` on and copy from)."""
+
+    def row_state(self, state: PolicyState, rows: list[int], device: torch.device | str) -> PolicyState:
+        """A fresh state for the batch rows ``rows`` alone (``prefill_rows``' helper): the
+        batch's cursor, and the rows' own ``kv_start``."""
+        sub = self.new_state(len(rows), device)
+        sub.seq_len = state.seq_len
+        if state.kv_start is not None:
+            sub.kv_start = state.kv_start[torch.as_tensor(rows, device=state.kv_start.device)]
+        return sub
+
+    @property
+    def row_align(self) -> int:
+        """Serving: a joining request's first cache position must be a multiple of this
+        (its placement then changes nothing the policy computes; Quest's pages are
+        absolute positions). Default: 1."""
+        return 1
+
     @abstractmethod
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:

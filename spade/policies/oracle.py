@@ -59,3 +59,9 @@ class OraclePolicy(Policy):
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         reset_carry(state, layer)  # a new prompt: the carried threshold says nothing of it
+
+    def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        # the layer's carried thresholds (GPU kernels) restart for every row: a speed hint
+        # only, the selection is the exact top-K either way
+        reset_carry(state, layer)

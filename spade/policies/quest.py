@@ -97,6 +97,28 @@ class QuestPolicy(Policy):
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         self._build(state, layer, k_cache, kv_lens)
 
+    @property
+    def row_align(self) -> int:
+        return self.cfg.page_size  # pages are absolute: a request placed on a page boundary pages alike
+
+    def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """The joining rows' page bounds built from their prompts (empty pages before
+        ``kv_start``), copied into the batch's bounds."""
+        sub = self.row_state(state, rows, k_cache.device)
+        new = self._build(sub, layer, k_cache, kv_lens)
+        st = state.layers[layer]
+        B = state.batch_size
+        if st is None or st.kmin.shape[0] != B or st.kmin.shape[2:] != new.kmin.shape[2:] \
+                or st.kmin.device != new.kmin.device:
+            shape = (B, *new.kmin.shape[1:])
+            st = QuestLayerState(kmin=new.kmin.new_full(shape, float("inf")),
+                                 kmax=new.kmax.new_full(shape, float("-inf")))
+            state.layers[layer] = st
+        idx = torch.as_tensor(rows, device=st.kmin.device)
+        st.kmin.index_copy_(0, idx, new.kmin)
+        st.kmax.index_copy_(0, idx, new.kmax)
+
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:
         cfg = self.cfg

@@ -95,6 +95,14 @@ class TovaPolicy(Policy):
         slots.fill_(-1)
         slots[:, :n] = torch.where(top_w > float("-inf"), top_i, -1).to(torch.int32)
 
+    def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """The joining rows' held sets chosen from their prompts, copied into the batch's."""
+        sub = self.row_state(state, rows, k_cache.device)
+        self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
+        slots = state.layers[layer].slots
+        slots.index_copy_(0, torch.as_tensor(rows, device=slots.device), sub.layers[layer].slots.to(slots.device))
+
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:
         if is_dense(state, self.cfg.budget, self.name):

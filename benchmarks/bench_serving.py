@@ -1,0 +1,139 @@
+"""Offline request trace through ``spade.AsyncEngine`` (continuous batching).
+
+``--requests`` requests with prompt lengths uniform in ``[--prompt-min, --prompt-max]``
+(random token ids), output lengths uniform in ``[--out-min, --out-max]`` (greedy,
+``ignore_eos``), arriving as a Poisson process of ``--rate`` requests per second
+(``inf``: all at once), served by one engine with ``serving.max_batch`` slots.
+Reported per policy: output tokens/s over the whole trace, TTFT / TPOT / queue time
+p50 and p99, decode steps, sparse steps, the engine's counters. JSON to ``--out``.
+
+    python -m benchmarks.bench_serving --preset tiny --device cpu --requests 16 \\
+        --prompt-min 8 --prompt-max 64 --out-min 8 --out-max 32 --max-seq-len 128
+    python -m benchmarks.bench_serving --preset qwen3-8b --device cuda:0 --max-batch 8 --requests 32 \\
+        --prompt-min 2048 --prompt-max 8192 --out-min 256 --out-max 512 --max-seq-len 9216 \\
+        --policies full,asyncspade --budget 1024 --rate 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
+    from spade.serving import SamplingParams
+
+    t0 = time.perf_counter()
+
+    async def one(i: int, at: float, prompt: list[int], n: int):
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        last = None
+        async for out in engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"q{i}"):
+            last = out
+        return last
+
+    outs = await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+    return outs, time.perf_counter() - t0
+
+
+def run_policy(args, policy: str, jobs) -> dict:
+    import torch
+
+    import spade
+
+    overrides = [f"model.name={args.preset}", f"model.device={args.device}", f"model.max_seq_len={args.max_seq_len}",
+                 f"serving.max_batch={args.max_batch}", f"runtime.topology={args.topology}",
+                 f"policy.name={policy}", "generation.stop_at_eos=false"]
+    if policy != "full":
+        overrides.append(f"policy.budget={args.budget}")
+    if args.threshold:
+        overrides.append(f"runtime.sparse_threshold={args.threshold}")
+    engine = spade.AsyncEngine(spade.load_config(None, overrides=overrides + list(args.set)))
+
+    async def main():
+        warm = [(0.0, jobs[0][1][:16], 4)]  # compile / capture outside the timed trace
+        await _trace(engine, warm)
+        outs, wall = await _trace(engine, jobs)
+        st = engine.stats()
+        await engine.close()
+        return outs, wall, st
+
+    outs, wall, st = asyncio.run(main())
+    ntok = sum(len(o.token_ids) for o in outs)
+    ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
+    tpot = [o.tpot_s for o in outs if o.tpot_s is not None]
+    queue = [o.queue_s for o in outs if o.queue_s is not None]
+    return {
+        "policy": policy, "output_tokens": ntok, "wall_s": wall, "output_tok_per_s": ntok / wall,
+        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+        "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+        "queue_p50_s": _pct(queue, 0.5), "queue_p99_s": _pct(queue, 0.99),
+        "mean_tpot_s": statistics.mean(tpot) if tpot else None,
+        "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
+        "engine": st,
+        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--topology", default="inline")
+    ap.add_argument("--policies", default="full,asyncspade")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--threshold", type=int, default=0)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-min", type=int, default=32)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--out-min", type=int, default=16)
+    ap.add_argument("--out-max", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
+    ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], help="extra config overrides, e.g. policy.score_keys=int4")
+    ap.add_argument("--out", default="results/bench_serving.json")
+    args = ap.parse_args(argv)
+    if args.prompt_max + args.out_max > args.max_seq_len:
+        ap.error(f"--prompt-max + --out-max ({args.prompt_max + args.out_max}) exceed --max-seq-len "
+                 f"({args.max_seq_len})")
+    rng = random.Random(args.seed)
+    at, jobs = 0.0, []
+    for _ in range(args.requests):
+        T = rng.randint(args.prompt_min, args.prompt_max)
+        jobs.append((at, [rng.randrange(args.vocab) for _ in range(T)], rng.randint(args.out_min, args.out_max)))
+        if args.rate != float("inf"):
+            at += rng.expovariate(args.rate)
+    rows = [run_policy(args, p.strip(), jobs) for p in args.policies.split(",") if p.strip()]
+    rec = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "args": vars(args), "rows": rows}
+    for r in rows:
+        print(f"{r['policy']:>12}: {r['output_tok_per_s']:.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
+              f"p99 {r['ttft_p99_s']:.3f} s  TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 "
+              f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rec, indent=1, default=str))
+    return rec
+
+
+if __name__ == "__main__":
+    main()

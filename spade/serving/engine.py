@@ -1,0 +1,562 @@
+"""``spade.AsyncEngine``: continuous batching behind an asyncio API (vLLM's conventions).
+
+>>> import asyncio, spade                                     # doctest: +SKIP
+>>> engine = spade.AsyncEngine(spade.load_config("configs/cpu_tiny.yaml"))
+>>> async def main():
+...     async for out in engine.generate("Hello", spade.SamplingParams(max_tokens=8), "r1"):
+...         print(out.delta_text, end="", flush=True)
+...     await engine.close()
+>>> asyncio.run(main())
+
+One scheduler task on the caller's event loop drives a worker thread that owns the
+model (prefills, decode steps, sampling): between two decode steps it retires
+finished and aborted requests and admits waiting ones (FIFO, into free row slots;
+``spade.serving.slots`` says when a request fits), then runs one decode step for
+every row. Each request samples with its own ``SamplingParams`` (a per-request
+``torch.Generator`` when it samples, so its tokens do not depend on its batch mates)
+and streams one ``RequestOutput`` per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
+
+import torch
+
+from spade.config import SpadeConfig
+from spade.engine import check_prompt_text, check_prompts, load_model
+from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
+from spade.serving.params import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: topologies a slot batch serves today, with the policies each may run
+SERVED_TOPOLOGIES = ("inline", "colocated")
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    generator: Optional[torch.Generator] = None
+    row: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the whole text so far (cut at a stop string)
+    sent: str = ""  # the text already streamed
+    pending: Optional[int] = None  # the sampled token the next decode step feeds
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[str, int]] = None
+    admitted: Optional[float] = None
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    abort: bool = False
+    done: bool = False  # the iterator got its last item
+
+    def push(self, item) -> None:
+        """Hand ``item`` (an output or an exception) to the request's iterator, from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+
+class AsyncEngine:
+    """Continuous batching over ``serving.max_batch`` row slots of the static KV cache.
+
+    ``generate(prompt, params, request_id)`` is an async iterator of ``RequestOutput``
+    (one per generated token, the last with ``finish_reason`` set); ``abort(request_id)``
+    ends a request (its iterator ends with ``finish_reason="abort"``; an unknown id is
+    a no-op, as in vLLM); ``close()`` aborts everything and frees the model.
+    ``stats()`` (alias ``metrics()``) is a dict of counters for a server's /metrics.
+
+    Supported: ``runtime.topology`` ``inline`` (every policy) and ``colocated`` with the
+    policies the colocated runtime runs on the inference rank (``full``, ``quest``,
+    ``oracle``); the fast backend (``model.backend: fast``, or ``auto`` on a GPU or a
+    shape preset). Prompts are used as given (no chat template).
+    """
+
+    def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
+        self.cfg = config
+        rt = config.runtime
+        if rt.topology not in SERVED_TOPOLOGIES:
+            raise ConfigError(
+                f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does "
+                f"not follow requests joining and leaving the batch); use runtime.topology: "
+                f"{' or '.join(SERVED_TOPOLOGIES)}")
+        parts = load_model(config, max_batch=config.serving.max_batch, say=progress)
+        self.device, self.dtype = parts.device, parts.dtype
+        self.backend, self.policy = parts.backend, parts.policy
+        from spade.runtime.selector import is_async_policy
+
+        if rt.topology == "colocated" and is_async_policy(self.policy):
+            self._release()
+            raise ConfigError(
+                f"runtime.topology 'colocated' with policy {config.policy.name!r} runs a cache rank, which "
+                "spade.AsyncEngine does not drive yet; use runtime.topology: inline for this policy "
+                "(colocated serves full, quest and oracle)")
+        if parts.backend_kind != "fast":
+            self._release()
+            raise ConfigError(f"model.backend {parts.backend_kind!r}: spade.AsyncEngine needs the fast backend's "
+                              "row slots; set model.backend: fast")
+        pc = config.policy
+        if pc.name == "asyncspade" and (pc.refresh_every > 1 or pc.refresh_drift is not None or pc.score_channels):
+            self._release()
+            raise ConfigError(
+                f"policy.refresh_every ({pc.refresh_every}), policy.refresh_drift ({pc.refresh_drift}) and "
+                f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
+                "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
+                "score_channels: null to serve asyncspade")
+        from spade.serving.slots import SlotBatch
+
+        self.batch = SlotBatch(self.backend, self.policy, rt.sparse_threshold)
+        self.tokenizer = getattr(self.backend, "tokenizer", None)
+        self.eos = set(getattr(self.backend, "eos_token_ids", []) or [])
+        self.vocab = int(self.backend.vocab_size)
+        self.max_seq_len = int(self.backend.max_seq_len)
+        self._lock = threading.Lock()  # the queues and flags shared with the worker thread
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}  # row -> request
+        self._requests: dict[str, _Request] = {}  # id -> request (waiting or running)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spade-serve")
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._seeds = torch.Generator().manual_seed(config.generation.seed)  # seeds of unseeded sampled requests
+        self._step_tokens = torch.zeros(self.batch.B, dtype=torch.long, device=self.device)
+        self._counts = collections.Counter()
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, prompt: Union[str, Sequence[int], torch.Tensor], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the generation of ``prompt`` (text, or token ids used as given) with
+        ``params`` (default ``SamplingParams()``): one ``RequestOutput`` per token, the
+        last one with ``finish_reason`` set. Leaving the loop early aborts the request.
+        Bad input raises ``ArgumentError`` / ``ArgumentTypeError`` before any work."""
+        req = self._make_request(prompt, params, request_id)
+        self._add(req)
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    req.done = True
+                    raise item
+                if item.finished:
+                    req.done = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not req.done:  # the caller stopped listening (break, cancel): free its slot
+                await self.abort(req.id)
+
+    async def abort(self, request_id: str) -> None:
+        """End the request ``request_id``: its slot is freed before the next decode step and
+        its iterator ends with ``finish_reason="abort"``. An unknown (or finished) id is a
+        no-op, as in vLLM: a request may finish while its abort is on the way."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return
+            req.abort = True
+            if req.row < 0 and req in self._waiting:  # not admitted: end it here
+                self._waiting.remove(req)
+                self._finish(req, "abort")
+        self._poke()
+
+    async def close(self) -> None:
+        """Abort every request, stop the scheduler and free the model; idempotent. Later
+        ``generate`` calls raise ``EngineClosedError``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._poke()
+        task = self._task
+        if task is not None and not task.done() and self._loop is asyncio.get_running_loop():
+            try:
+                await task  # it sees the flag, aborts everything and shuts down
+            except Exception:  # the scheduler's own failure was reported to its requests
+                pass
+            return
+        # no scheduler on this loop (never started, or its loop ended): after any step in flight
+        await asyncio.wrap_future(self._pool.submit(self._abort_all))
+        self._shutdown()
+
+    def stats(self) -> dict:
+        """Counters for a server's /metrics (host values, no device sync)."""
+        with self._lock:
+            running, waiting = len(self._running), len(self._waiting)
+        b = self.batch
+        c = self._counts
+        return {
+            "requests_running": running, "requests_waiting": waiting,
+            "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
+            "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
+            "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
+            "steps": b.steps, "sparse_steps": b.sparse_steps, "cursor": b.cursor, "cursor_resets": b.resets,
+            "joins": b.joins, "joins_into_running": b.joins_running,
+            "late_packs": 0, "topk_fallbacks": None,  # no cache rank in the served topologies yet
+            "closed": self._closed,
+        }
+
+    metrics = stats
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ input checks
+    def _make_request(self, prompt, params, request_id) -> _Request:
+        if self._closed:
+            raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new spade.AsyncEngine(cfg)")
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ArgumentTypeError(f"params: expected a spade.SamplingParams, got {type(params).__name__}; "
+                                    "e.g. SamplingParams(max_tokens=64)")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise ArgumentTypeError(f"request_id: expected a non-empty str (or None for a fresh one), got "
+                                    f"{request_id!r}")
+        ids = self._encode(prompt)
+        T = len(ids)
+        if T + params.max_tokens > self.max_seq_len:
+            raise ArgumentError(
+                f"SamplingParams.max_tokens: the prompt has {T} tokens and max_tokens is {params.max_tokens}, "
+                f"{T + params.max_tokens} in all, over model.max_seq_len ({self.max_seq_len}); lower max_tokens to "
+                f"at most {self.max_seq_len - T}, shorten the prompt, or raise model.max_seq_len")
+        if params.stop and self.tokenizer is None:
+            raise ArgumentError(f"SamplingParams.stop: model '{self.cfg.model.name}' has no tokenizer, so there is "
+                                "no text to find stop strings in; use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab]
+        if bad:
+            raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab}) "
+                                f"of model '{self.cfg.model.name}'")
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,),
+                                                                                 generator=self._seeds))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        loop = asyncio.get_running_loop()
+        return _Request(id=request_id, prompt_ids=ids, params=params, queue=asyncio.Queue(), loop=loop,
+                        arrival=time.perf_counter(), generator=gen)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            check_prompt_text(prompt, "prompt")
+            if not prompt.strip():
+                raise ArgumentError("prompt: the prompt is empty; give it some text (or token ids)")
+            if self.tokenizer is None:
+                raise ArgumentError(f"prompt: model '{self.cfg.model.name}' has no tokenizer (a random-weight "
+                                    "preset); pass token ids, e.g. generate([1, 2, 3])")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ArgumentError("prompt: the text encodes to no tokens; give it some text")
+            return list(ids)
+        if isinstance(prompt, (list, tuple, torch.Tensor)):
+            if isinstance(prompt, (list, tuple)) and not prompt:
+                raise ArgumentError("prompt: the token-id list is empty; give at least one token id")
+            return check_prompts([prompt], "prompt", self.vocab, self.cfg.model.name)[0]
+        raise ArgumentTypeError(f"prompt: expected a str or a list of token ids, got "
+                                f"{'None' if prompt is None else type(prompt).__name__}")
+
+    def _add(self, req: _Request) -> None:
+        loop = req.loop
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new "
+                                        "spade.AsyncEngine(cfg)")
+            if req.id in self._requests:
+                raise ArgumentError(f"request_id: {req.id!r} is already running or waiting; give each request "
+                                    "its own id (or None for a fresh one)")
+            if self._loop is not None and self._loop is not loop and not self._loop.is_closed():
+                raise RuntimeError("spade.AsyncEngine is bound to the event loop of its first generate(); "
+                                   "call it from that loop")
+            for old in list(self._requests.values()):  # requests of an event loop that ended: no one listens
+                if old.loop.is_closed():
+                    old.abort = True
+                    if old.row < 0 and old in self._waiting:
+                        self._waiting.remove(old)
+                        self._finish(old, "abort")
+            self._requests[req.id] = req
+            self._waiting.append(req)
+            self._counts["prompt_tokens"] += len(req.prompt_ids)
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._scheduler(), name="spade-scheduler")
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:
+                pass
+
+    # ------------------------------------------------------------------ the scheduler
+    async def _scheduler(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if self._closed:
+                    break
+                with self._lock:
+                    idle = not self._waiting and not self._running
+                if idle:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                more = await loop.run_in_executor(self._pool, self._iteration)
+                if not more:
+                    await self._wake.wait()
+                    self._wake.clear()
+        except asyncio.CancelledError:  # its loop is ending: requests of that loop are dropped by _add
+            raise
+        except Exception as e:  # the scheduler itself failed (a bug): nobody may hang
+            log.exception("the spade.AsyncEngine scheduler failed")
+            self._fail_all(e)
+            raise
+        finally:
+            if self._closed:
+                await loop.run_in_executor(self._pool, self._abort_all)
+                self._shutdown()
+
+    def _iteration(self) -> bool:
+        """Worker thread: retire aborted requests, admit waiting ones (prefill, first
+        token), one decode step for the running rows. Returns whether work remains that
+        needs no new event (running rows, or waiting requests that may fit later)."""
+        b = self.batch
+        with self._lock:
+            for row, req in list(self._running.items()):
+                if req.abort:
+                    self._retire(req, "abort")
+            admits = self._admissions()
+        for req in admits:
+            self._join(req)
+        with self._lock:
+            rows = {row: req for row, req in self._running.items() if req.pending is not None}
+        if rows:
+            self._decode(rows)
+        with self._lock:
+            # waiting requests that do not fit yet become admissible as the cursor moves
+            return bool(self._running) or (bool(self._waiting) and b.empty)
+
+    def _admissions(self) -> list[_Request]:
+        """(Under the lock.) The waiting requests that join now, FIFO: each takes a free row
+        when it fits (``SlotBatch.fits``); the first that does not fit stops admission, so
+        the queue's order holds. An empty batch first moves the cursor to fit the head."""
+        b = self.batch
+        free = b.free_rows()
+        out: list[_Request] = []
+        if not self._waiting or not free:
+            return out
+        if b.empty:
+            b.reset(self._reset_cursor(min(len(free), len(self._waiting))))
+        S = b.cursor
+        while self._waiting and free:
+            req = self._waiting[0]
+            if b.fits(len(req.prompt_ids), req.params.max_tokens, S) is not None:
+                break
+            self._waiting.popleft()
+            req.row = free.pop(0)
+            self._running[req.row] = req
+            req.admitted = time.perf_counter()
+            out.append(req)
+        return out
+
+    def _reset_cursor(self, n: int) -> int:
+        """The cursor for an empty batch: the longest prompt among the next ``n`` waiting
+        requests whose generations all still fit (just the head's length when the policy
+        aligns rows: its first position is then 0)."""
+        reqs = list(itertools.islice(self._waiting, n))
+        S = len(reqs[0].prompt_ids)
+        if self.batch.align > 1:
+            return S
+        longest = reqs[0].params.max_tokens
+        for r in reqs[1:]:
+            S2 = max(S, len(r.prompt_ids))
+            longest2 = max(longest, r.params.max_tokens)
+            if S2 + longest2 - 1 > self.max_seq_len:
+                break
+            S, longest = S2, longest2
+        return S
+
+    def _join(self, req: _Request) -> None:
+        try:
+            logits = self.batch.join(req.row, torch.tensor(req.prompt_ids, dtype=torch.long))
+            tok = self._sample(logits, [req])[0]
+        except Exception as e:  # this request fails; the other rows are untouched
+            log.warning("prefill of request %s failed: %s", req.id, e)
+            with self._lock:
+                self._fail(req, e)
+            return
+        self._counts["prefills"] += 1
+        self._token(req, tok)
+
+    def _decode(self, rows: dict[int, _Request]) -> None:
+        toks = torch.zeros(self.batch.B, dtype=torch.long)
+        for row, req in rows.items():
+            toks[row] = req.pending
+        self._step_tokens.copy_(toks, non_blocking=True)
+        try:
+            logits = self.batch.step(self._step_tokens)
+            order = sorted(rows)
+            new = self._sample(logits[order], [rows[r] for r in order])
+        except Exception as e:  # every row of the step fails (its state is unknown); others go on
+            log.warning("a decode step failed (%d requests): %s", len(rows), e)
+            with self._lock:
+                for req in list(self._running.values()):
+                    self._fail(req, e)
+            return
+        for row, tok in zip(order, new):
+            self._token(rows[row], tok)
+
+    # ------------------------------------------------------------------ sampling and stopping
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
+        """One token per row of ``logits`` [n, V] float32, each with its request's
+        parameters: greedy rows by argmax, sampled rows from their own generator. One
+        device-to-host copy for all of them."""
+        out = logits.argmax(dim=-1)
+        for i, req in enumerate(reqs):
+            p = req.params
+            if p.greedy:
+                continue
+            x = logits[i].float() / p.temperature
+            if p.top_k > 0 and p.top_k < x.numel():
+                kth = torch.topk(x, p.top_k).values[-1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.top_p < 1.0:
+                sp, si = probs.sort(descending=True)
+                keep = sp.cumsum(-1) - sp < p.top_p  # the smallest prefix whose mass reaches top_p
+                probs = torch.zeros_like(probs).scatter_(-1, si, sp * keep)
+            out[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
+        return out.tolist()
+
+    def _detok(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _token(self, req: _Request, tok: int) -> None:
+        """Record ``tok`` for ``req``: stop tokens, EOS, stop strings, max_tokens; stream
+        the update; retire the request when it finished."""
+        now = time.perf_counter()
+        if req.first_token is None:
+            req.first_token = now
+        req.last_token = now
+        self._counts["tokens"] += 1
+        p = req.params
+        finish = None
+        if tok in p.stop_token_ids:
+            finish, req.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.eos:
+            finish = "stop"
+        else:
+            req.output_ids.append(tok)
+            text = self._detok(req.output_ids)
+            if p.stop:
+                start = max(0, len(req.text) - max(len(s) for s in p.stop))
+                hits = [(text.find(s, start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    text, finish, req.stop_reason = text[:i], "stop", s
+            req.text = text
+            if finish is None and len(req.output_ids) >= p.max_tokens:
+                finish = "length"
+        if finish is None and self.batch.cursor + 1 > self.max_seq_len:
+            finish = "length"  # the context limit (admission keeps the cursor short of it)
+        with self._lock:
+            if finish is not None:
+                self._retire(req, finish)
+            else:
+                req.pending = tok
+                req.push(self._output(req))
+
+    def _visible(self, req: _Request) -> str:
+        """The text a running request may stream: without a possibly incomplete character
+        at its end, nor the last ``len(stop) - 1`` characters (a stop string may be
+        forming there)."""
+        text = req.text
+        if req.finish_reason is None:
+            if req.params.stop:
+                text = text[:max(0, len(text) - (max(len(s) for s in req.params.stop) - 1))]
+            text = text.rstrip("\ufffd")
+        return text
+
+    def _output(self, req: _Request) -> RequestOutput:
+        vis = self._visible(req)
+        delta = vis[len(req.sent):] if vis.startswith(req.sent) else vis
+        req.sent = vis
+        n = len(req.output_ids)
+        ttft = req.first_token - req.arrival if req.first_token is not None else None
+        tpot = ((req.last_token - req.first_token) / (n - 1)) if n > 1 and req.first_token is not None else None
+        queue = req.admitted - req.arrival if req.admitted is not None else None
+        return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
+                             text=vis, delta_text=delta, finish_reason=req.finish_reason,
+                             stop_reason=req.stop_reason, ttft_s=ttft, tpot_s=tpot, queue_s=queue)
+
+    # ------------------------------------------------------------------ retirement (under the lock)
+    def _retire(self, req: _Request, reason: str) -> None:
+        """Free the request's row at once and stream its last output."""
+        if req.row >= 0 and self._running.get(req.row) is req:
+            del self._running[req.row]
+            self.batch.leave(req.row)
+        req.row = -1
+        req.pending = None
+        self._finish(req, reason)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        self._requests.pop(req.id, None)
+        req.finish_reason = reason
+        self._counts["aborted" if reason == "abort" else "finished"] += 1
+        req.push(self._output(req))
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        if req.row >= 0 and self._running.get(req.row) is req:
+            del self._running[req.row]
+            self.batch.leave(req.row)
+        req.row = -1
+        req.pending = None
+        self._requests.pop(req.id, None)
+        self._counts["failed"] += 1
+        req.push(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            for req in list(self._running.values()):
+                self._fail(req, exc)
+            while self._waiting:
+                self._fail(self._waiting.popleft(), exc)
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            for req in list(self._running.values()):
+                self._retire(req, "abort")
+            while self._waiting:
+                self._finish(self._waiting.popleft(), "abort")
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._release()
+
+    def _release(self) -> None:
+        close = getattr(getattr(self, "backend", None), "close", None)
+        if close is not None:
+            close()

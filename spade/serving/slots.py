@@ -1,0 +1,224 @@
+"""Row slots over the static KV cache with a shared write cursor ("dynamic left padding").
+
+The backend (``FastModel`` in slot mode) keeps ``max_batch`` rows; every row decodes
+every step and all share the write cursor ``S`` (the cache holds ``S`` entries per
+row; the next step writes index ``S``). Row ``b``'s request owns ``[kv_start[b], S)``:
+
+* a request of ``T`` prompt tokens JOINS a free row between decode steps: its prompt
+  is prefilled into ``[S - T, S)`` (RoPE positions ``0 .. T-1``), ``kv_start[b] = S - T``,
+  and the policy resets that row's state (``Policy.prefill_rows``). It joins only
+  when ``T <= S``, when ``S - T`` is a multiple of ``Policy.row_align`` and when its
+  whole generation fits before the end of the cache (``S + max_tokens - 1 <=
+  max_seq_len``): the cursor never reaches the end, so nothing is ever shifted or
+  compacted. A request that does not fit yet waits (the cursor grows one per step;
+  when the batch is empty the cursor resets to the next prompts' length);
+* a request LEAVES by freeing its row: the row keeps decoding a dummy token over
+  its own window ``[kv_start, S)`` with ``kv_start`` = the cursor at the leave (the
+  window starts at one token, the current one: no empty softmax, no NaN), and no
+  kernel reads across rows;
+* the sparse threshold θ applies per request: row ``b`` attends densely while its
+  own length ``S - kv_start[b]`` is ``<= max(θ, budget)``, exactly when the request
+  alone would (``ThresholdSelector`` plus the policy's own dense rule). A step whose
+  rows all agree runs one attention; a mixed step runs both and keeps each row's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade.attention import AttentionContext
+from spade import kernels
+from spade.policies.base import Policy, PolicyState
+from spade.runtime.selector import theta_eff
+
+
+class SlotSelector:
+    """The inline selector of a slot batch: the policy on the critical path, skipped on
+    steps where every row is dense (``all_dense``, set per step by ``SlotBatch``)."""
+
+    def __init__(self, policy: Policy, state: PolicyState):
+        self.policy = policy
+        self.state = state
+        self.all_dense = True
+
+    def begin_step(self, seq_len, kv_start):
+        self.state.seq_len = seq_len
+        self.state.kv_start = kv_start
+
+    def selection(self, layer, q, k_cache, kv_lens):
+        if self.all_dense:
+            return None
+        return self.policy.select(self.state, layer, q, k_cache, kv_lens)
+
+    def after(self, layer, q, k_cache, v_cache, kv_lens):
+        self.policy.observe(self.state, layer, q, k_cache, kv_lens)
+
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+        raise RuntimeError("a slot batch prefills rows through SlotBatch.join, not a batch prefill")
+
+
+class SlotContext(AttentionContext):
+    """``AttentionContext`` with per-row dense rows: in a ``mixed`` step the rows of
+    ``dense_rows`` [B] bool take dense attention, the others the policy's selection."""
+
+    def __init__(self, spec, selector: SlotSelector, *, device):
+        super().__init__(spec, selector, device=device)
+        self.mode = "dense"  # "dense" | "sparse" | "mixed": a host fact per step (a graph key)
+        self.dense_rows = torch.zeros(0, dtype=torch.bool, device=device)
+
+    def attend(self, layer, q, k_cache, v_cache, kv_lens):
+        sel = self.selector.selection(layer, q, k_cache, kv_lens)
+        if sel is not None and sel.keep > 0:
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
+        stats = self.layer_stats(layer, q, k_cache)
+        scale = self.spec.softmax_scale
+        if sel is None:
+            out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
+                                                  kv_start=self.kv_start, stats=stats)
+        else:
+            out = kernels.sparse_decode_attention(
+                q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
+                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats)
+            if self.mode == "mixed":  # rows still under their own threshold attend densely
+                dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
+                                                        kv_start=self.kv_start)
+                out = torch.where(self.dense_rows[:, None, None], dense, out)
+        self.selector.after(layer, q, k_cache, v_cache, kv_lens)
+        return out
+
+    def graph_key(self) -> tuple:
+        return super().graph_key() + (self.mode,)
+
+
+class SlotBatch:
+    """The rows of a slot-mode backend, their owners' placement and the policy state.
+
+    >>> batch = SlotBatch(backend, policy, theta=0)            # doctest: +SKIP
+    >>> batch.fits(T=12, max_tokens=32)                        # None: it may join now
+    >>> logits = batch.join(row=0, ids=torch.tensor(prompt))   # [1, V]
+    >>> logits = batch.step(tokens)                            # [B, V], every row
+    >>> batch.leave(0)
+    """
+
+    def __init__(self, backend, policy: Policy, theta: int):
+        if not hasattr(backend, "prefill_row"):
+            raise TypeError(f"{type(backend).__name__} has no slot mode (prefill_row); serve with the fast backend")
+        self.backend = backend
+        self.policy = policy
+        self.B = int(backend.max_batch)
+        self.L = int(backend.max_seq_len)
+        dev = backend.device
+        self.device = dev
+        self.state = policy.new_state(self.B, dev)
+        #: per-row dense threshold on the row's own length (None: always dense, e.g. ``full``)
+        self.theta_row = theta_eff(theta, policy) if policy.budget is not None else None
+        self.align = max(1, int(policy.row_align))
+        self.kv_start_host = [0] * self.B
+        self.kv_start = torch.zeros(self.B, dtype=torch.int32, device=dev)
+        self.active = [False] * self.B
+        self.selector = SlotSelector(policy, self.state)
+        self.ctx = SlotContext(backend.spec, self.selector, device=dev)
+        self.ctx.kv_start = self.kv_start
+        self.ctx.dense_rows = torch.zeros(self.B, dtype=torch.bool, device=dev)
+        self.steps = 0
+        self.sparse_steps = 0  # steps in which at least one row attended a sparse selection
+        self.resets = 0
+        self.joins = 0
+        self.joins_running = 0  # joins while other rows were decoding (not after a reset)
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def cursor(self) -> int:
+        return self.backend.seq_len if self.backend.batch_size == self.B else 0
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.active)
+
+    def free_rows(self) -> list[int]:
+        return [b for b in range(self.B) if not self.active[b]]
+
+    def used(self) -> int:
+        return sum(self.active)
+
+    def fits(self, T: int, max_tokens: int, cursor: int | None = None) -> str | None:
+        """Why a request of ``T`` prompt tokens and up to ``max_tokens`` new ones cannot
+        join at ``cursor`` (default: the current one) now, or None when it can."""
+        S = self.cursor if cursor is None else cursor
+        if T > S:
+            return f"its prompt ({T} tokens) is longer than the cursor ({S})"
+        if (S - T) % self.align:
+            return f"its first position {S - T} is not a multiple of {self.align}"
+        if S + max_tokens - 1 > self.L:
+            return f"its generation would pass the end of the cache ({S} + {max_tokens} - 1 > {self.L})"
+        return None
+
+    def reset(self, cursor: int) -> None:
+        """An empty batch: move the cursor to ``cursor`` (every row idle)."""
+        if not self.empty:
+            raise RuntimeError("SlotBatch.reset with rows in use")
+        self.backend.reset_slots(cursor)
+        self.kv_start_host = [cursor] * self.B
+        self.kv_start.fill_(cursor)
+        self.resets += 1
+
+    def join(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        """Prefill the prompt ``ids`` [T] into the free row ``row`` at the cursor and reset the
+        row's policy state. Returns the prompt's last logits [1, V] float32."""
+        if self.active[row]:
+            raise RuntimeError(f"row {row} is in use")
+        S, T = self.cursor, int(ids.numel())
+        why = self.fits(T, 1, S)
+        if why is not None:
+            raise RuntimeError(f"a request cannot join now: {why}")
+        self.kv_start_host[row] = S - T
+        self.kv_start[row] = S - T
+        self.state.seq_len = S
+        self.state.kv_start = self.kv_start
+        kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.device)
+        rows = [row]
+
+        def report(layer, q, k_row, v_row):
+            self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
+
+        try:
+            logits = self.backend.prefill_row(row, ids, report)
+        except BaseException:
+            self.kv_start_host[row] = self.kv_start_host[row] + T  # back to an idle window
+            self.kv_start[row] = self.kv_start_host[row]
+            raise
+        self.joins += 1
+        self.joins_running += not self.empty
+        self.active[row] = True
+        return logits
+
+    def leave(self, row: int) -> None:
+        """Free ``row``: from the next step it decodes a dummy token over its own window,
+        which starts at the cursor."""
+        self.active[row] = False
+        S = self.cursor
+        self.kv_start_host[row] = S
+        self.kv_start[row] = S
+
+    # ------------------------------------------------------------------ decode
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step of every row: ``tokens`` [B] (idle rows: any id). Returns
+        logits [B, V] float32."""
+        S = self.cursor + 1  # the cache length this step attends (its own token included)
+        if S > self.L:
+            raise RuntimeError(f"the cursor reached the end of the cache ({self.L})")
+        act = [b for b in range(self.B) if self.active[b]]
+        if self.theta_row is None:
+            dense = [True] * self.B
+        else:
+            dense = [S - self.kv_start_host[b] <= self.theta_row for b in range(self.B)]
+        n_dense = sum(dense[b] for b in act)
+        mode = "dense" if n_dense == len(act) else ("sparse" if n_dense == 0 else "mixed")
+        if mode == "mixed":
+            self.ctx.dense_rows.copy_(torch.tensor(dense, dtype=torch.bool), non_blocking=True)
+        self.ctx.mode = mode
+        self.selector.all_dense = mode == "dense"
+        logits = self.backend.decode(tokens, self.ctx)
+        self.steps += 1
+        self.sparse_steps += mode != "dense"
+        return logits

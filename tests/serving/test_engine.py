@@ -1,0 +1,184 @@
+"""AsyncEngine: continuous batching gives each request the tokens it gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import spade
+from spade.errors import ConfigError
+from spade.serving import SamplingParams
+
+from .conftest import collect, final, greedy, make_config, random_prompts, run
+
+CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
+         ("oracle", "inline"), ("full", "colocated"), ("quest", "colocated")]
+
+
+async def _staggered(engine, jobs):
+    """``jobs``: (arrival step, prompt, max_tokens); each request starts once the engine
+    has run that many decode steps (or at once when nothing is left running)."""
+
+    async def one(i, step, prompt, n):
+        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
+                                                   or engine.stats()["requests_waiting"]):
+            await asyncio.sleep(0.002)
+        return await final(engine, prompt, greedy(n), f"r{i}")
+
+    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+
+
+@pytest.mark.parametrize("policy,topology", CASES)
+def test_joined_requests_match_alone(policy, topology):
+    """Requests of different lengths joining at random steps: each one's greedy tokens
+    equal the same request alone, through the AsyncEngine and through Engine.generate."""
+    cfg = make_config(policy, topology)
+    g = torch.Generator().manual_seed(1)
+    prompts = random_prompts(6, seed=2)
+    jobs = [(int(torch.randint(0, 12, (1,), generator=g)) if i else 0, p, int(torch.randint(4, 24, (1,), generator=g)))
+            for i, p in enumerate(prompts)]
+    engine = spade.AsyncEngine(cfg)
+
+    async def main():
+        together = await _staggered(engine, jobs)
+        stats = engine.stats()
+        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+        await engine.close()
+        return together, alone, stats
+
+    together, alone, stats = run(main())
+    assert stats["slots_used"] == 0 and stats["requests_finished"] == len(jobs)
+    assert stats["joins_into_running"] >= 2  # rows really joined a running batch
+    if policy not in ("full",):
+        assert stats["sparse_steps"] > 0  # the policies' selections were really used
+    for (_, p, n), t, a in zip(jobs, together, alone):
+        assert t.finish_reason == a.finish_reason == "length"
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids
+    ref = spade.Engine(cfg)
+    try:
+        for (_, p, n), a in zip(jobs[:3], alone):
+            assert ref.generate([p], max_new_tokens=n)[0].token_ids == a.token_ids
+    finally:
+        ref.close()
+
+
+def test_sparse_rows_differ_from_dense():
+    """The asyncspade case above is not vacuous: its tokens differ from full attention's."""
+    prompts = random_prompts(4, seed=2, lo=14, hi=20)
+
+    async def tokens(policy):
+        engine = spade.AsyncEngine(make_config(policy))
+        outs = await asyncio.gather(*(final(engine, p, greedy(40), f"r{i}") for i, p in enumerate(prompts)))
+        await engine.close()
+        return [o.token_ids for o in outs]
+
+    assert run(tokens("asyncspade")) != run(tokens("full"))
+
+
+def test_more_requests_than_slots_queue():
+    cfg = make_config("asyncspade", max_batch=2)
+    prompts = random_prompts(5, seed=3)
+    engine = spade.AsyncEngine(cfg)
+
+    async def main():
+        outs = await asyncio.gather(*(final(engine, p, greedy(6 + i), f"r{i}") for i, p in enumerate(prompts)))
+        alone = [await final(engine, p, greedy(6 + i)) for i, p in enumerate(prompts)]
+        st = engine.stats()
+        await engine.close()
+        return outs, alone, st
+
+    outs, alone, st = run(main())
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    assert all(o.queue_s is not None and o.ttft_s >= o.queue_s for o in outs)
+    assert max(o.queue_s for o in outs) > 0
+    assert st["slots_used"] == 0 and st["requests_running"] == st["requests_waiting"] == 0
+
+
+def test_abort_mid_decode_frees_the_slot():
+    engine = spade.AsyncEngine(make_config("asyncspade", max_batch=2))
+
+    async def main():
+        seen = []
+        other = asyncio.ensure_future(final(engine, [5, 6, 7], greedy(30), "other"))
+        async for o in engine.generate([1, 2, 3, 4], greedy(60), "long"):
+            seen.append(o)
+            if len(seen) == 3:
+                assert engine.stats()["slots_used"] >= 1
+                await engine.abort("long")
+        await engine.abort("never-heard-of")  # unknown ids are a no-op (as in vLLM)
+        o = await other
+        st = engine.stats()
+        await engine.close()
+        return seen, o, st
+
+    seen, other, st = run(main())
+    assert seen[-1].finish_reason == "abort" and len(seen[-1].token_ids) < 60
+    assert other.finish_reason == "length" and len(other.token_ids) == 30
+    assert st["slots_used"] == 0 and st["slots_free"] == 2 and st["requests_aborted"] == 1
+
+
+def test_leaving_the_loop_early_aborts():
+    engine = spade.AsyncEngine(make_config("full", max_batch=1))
+
+    async def main():
+        async for o in engine.generate([1, 2, 3], greedy(50), "r"):
+            break
+        for _ in range(200):  # the abort is processed between two steps
+            if engine.stats()["slots_used"] == 0:
+                break
+            await asyncio.sleep(0.005)
+        st = engine.stats()
+        after = await final(engine, [4, 5], greedy(3))  # the slot serves the next request
+        await engine.close()
+        return st, after
+
+    st, after = run(main())
+    assert st["slots_used"] == 0 and st["requests_aborted"] == 1
+    assert len(after.token_ids) == 3
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8, seed=7), dict(temperature=1.0, top_k=5, seed=3),
+                                    dict(temperature=0.7, top_p=0.8, seed=11)])
+def test_seeded_sampling_ignores_batch_mates(params):
+    engine = spade.AsyncEngine(make_config("asyncspade", max_batch=3))
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, **params)
+
+    async def main():
+        alone = await final(engine, [9, 8, 7, 6], sp)
+        mates = [asyncio.ensure_future(final(engine, p, SamplingParams(max_tokens=25, temperature=1.0, seed=i,
+                                                                       ignore_eos=True)))
+                 for i, p in enumerate(random_prompts(2, seed=5))]
+        await asyncio.sleep(0.02)
+        together = await final(engine, [9, 8, 7, 6], sp)
+        await asyncio.gather(*mates)
+        await engine.close()
+        return alone, together
+
+    alone, together = run(main())
+    assert alone.token_ids == together.token_ids
+    assert len(set(alone.token_ids)) > 1  # really sampled
+
+
+def test_unseeded_sampled_requests_differ_from_greedy():
+    engine = spade.AsyncEngine(make_config("full", max_batch=2))
+
+    async def main():
+        g = await final(engine, [3, 4, 5], greedy(24))
+        s = await final(engine, [3, 4, 5], SamplingParams(max_tokens=24, temperature=2.0, ignore_eos=True))
+        await engine.close()
+        return g, s
+
+    g, s = run(main())
+    assert g.token_ids != s.token_ids
+
+
+def test_topology_refusals_name_the_field():
+    with pytest.raises(ConfigError, match="runtime.topology"):
+        spade.AsyncEngine(make_config("asyncspade", "colocated"))
+    with pytest.raises(ConfigError, match="runtime.topology"):
+        spade.AsyncEngine(make_config("full", "local"))
+    with pytest.raises(ConfigError, match="refresh_every"):
+        spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_every=2"]))
