@@ -170,6 +170,7 @@ def test_async_sdk_16_concurrent_equal_alone(tiny_server, http):
     assert delta("spade_prompt_tokens_total") == sum(u["prompt_tokens"] for _, u in together)
     assert delta("spade_generation_tokens_total") >= sum(u["completion_tokens"] for _, u in together)
     assert delta("spade_time_to_first_token_seconds_count") == 16
+    assert delta("spade_sparse_decode_steps_total") > 0  # past policy.budget the rows decode sparsely
     assert delta("spade_request_finished_total", finish_reason="length") == 16
     _idle(http, server)
 
