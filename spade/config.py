@@ -256,6 +256,11 @@ class ServeConfig(ConfigSection):
     out of the YAML; dumps and summaries show it as ``**********``."""
     served_model_name: str | None = None
     """The ``model`` clients name (default: ``model.name``)."""
+    default_max_tokens: int | None = Field(None, gt=0)
+    """``max_tokens`` of a request that leaves it out (None: OpenAI's defaults, 16 for
+    completions and the rest of the context for chat). A request joins a running batch
+    only if its whole generation fits the KV slot (docs/serving.md), so a bound here
+    keeps chat requests without ``max_tokens`` from waiting for an empty batch."""
     shutdown_grace_s: float = Field(10.0, ge=0)
     """SIGTERM / SIGINT: stop accepting, let requests in flight finish for this long, then
     abort them and close the engine."""

@@ -170,23 +170,21 @@ class ServerState:
             text = oai.plain_chat_prompt(messages)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def sampling(self, req, prompt: str | list[int], param: str, default_max: int | None) -> SamplingParams:
+    def sampling(self, req, prompt: list[int], param: str, default_max: int | None) -> SamplingParams:
         """SamplingParams, with the prompt and ``max_tokens`` checked against
-        ``model.max_seq_len`` when the prompt's length is known here."""
-        cap = self.cfg.model.max_seq_len
-        n = len(prompt) if isinstance(prompt, list) else None
-        if n is not None and n >= cap:
+        ``model.max_seq_len`` (``default_max`` None: the rest of the context)."""
+        cap, n = self.cfg.model.max_seq_len, len(prompt)
+        if n >= cap:
             raise oai.APIError(f"{param}: the prompt has {n} tokens; this model's context (model.max_seq_len) "
                                f"is {cap}, which leaves room for at most {cap - 1} prompt tokens and one to "
                                "generate", param=param, code="context_length_exceeded")
-        room = cap - (n if n is not None else 1)  # a text prompt the engine encodes has a token at least
+        room = cap - n
         default_max = room if default_max is None else min(default_max, room)
         params = oai.to_sampling_params(req, default_max_tokens=default_max)
         if params.max_tokens > room:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
                 else "max_tokens"
-            of = f"a prompt of {n} tokens" if n is not None else "the prompt"
-            raise oai.APIError(f"{field}: {params.max_tokens} tokens to generate after {of} "
+            raise oai.APIError(f"{field}: {params.max_tokens} tokens to generate after a prompt of {n} tokens "
                                f"exceed this model's context of {cap} (model.max_seq_len); ask for at most {room}",
                                param=field, code="context_length_exceeded")
         return params
@@ -408,7 +406,8 @@ def build_app(engine, cfg) -> FastAPI:
         req = oai.parse_request(oai.CompletionRequest, await _read_json(request))
         state.check_model(req.model)
         prompt = state.completion_prompt(req)
-        params = state.sampling(req, prompt, "prompt", default_max=16)  # OpenAI's default for completions
+        params = state.sampling(req, prompt, "prompt",  # 16: OpenAI's default for completions
+                                default_max=state.scfg.default_max_tokens or 16)
         return await _complete(state, request, prompt, params, stream=req.stream, chat=False,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
@@ -418,7 +417,8 @@ def build_app(engine, cfg) -> FastAPI:
         req = oai.parse_request(oai.ChatCompletionRequest, await _read_json(request))
         state.check_model(req.model)
         prompt = state.chat_prompt(req)
-        params = state.sampling(req, prompt, "messages", default_max=None)  # the rest of the context
+        params = state.sampling(req, prompt, "messages",  # None: the rest of the context
+                                default_max=state.scfg.default_max_tokens)
         return await _complete(state, request, prompt, params, stream=req.stream, chat=True,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
 

@@ -28,7 +28,7 @@ model: {{name: {MODEL}, backend: fast, dtype: float32, device: cpu, max_seq_len:
 policy: {{name: asyncspade, budget: 32, sink_tokens: 4, recent_tokens: 8, predictor: last, window: 4}}
 runtime: {{topology: inline}}
 serving: {{max_batch: 4}}
-serve: {{api_key: {KEY}, max_waiting: 64, shutdown_grace_s: 2}}
+serve: {{api_key: {KEY}, max_waiting: 64, shutdown_grace_s: 2, default_max_tokens: 3}}
 """
 
 PROMPTS = [
@@ -105,6 +105,15 @@ def test_chat_sync_stream_equals_nonstream(client):
     assert text == m.content
     assert chunks[-1].usage.model_dump() == r.usage.model_dump()
     assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
+
+
+def test_default_max_tokens(client):
+    """A request without max_tokens gets serve.default_max_tokens (3 here)."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[4]}],
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[4], temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
 
 
 TINY_AS = """
