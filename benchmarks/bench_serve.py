@@ -207,18 +207,20 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels: list[str] = []  # the offered rates, in sweep order ("inf": all at once), as categories
+    for run in runs:
+        for r in run["rows"]:
+            if str(r["rate"]) not in labels:
+                labels.append(str(r["rate"]))
     for run in runs:
         rows = [r for r in run["rows"] if r["completed"]]
-        finite = [r for r in rows if r["rate"] != "inf"]
-        if not finite:
-            continue
-        x = [r["rate"] for r in finite]
+        x = [labels.index(str(r["rate"])) for r in rows]
         for ax, key in ((axes[0], "ttft"), (axes[1], "tpot")):
-            ax.plot(x, [r[f"{key}_p50_ms"] for r in finite], marker="o", label=f"{run['label']} p50")
-            ax.plot(x, [r[f"{key}_p99_ms"] for r in finite], marker="x", linestyle="--",
-                    label=f"{run['label']} p99")
-        axes[2].plot(x, [r["output_tok_per_s"] for r in finite], marker="o", label=run["label"])
+            ax.plot(x, [r[f"{key}_p50_ms"] for r in rows], marker="o", label=f"{run['label']} p50")
+            ax.plot(x, [r[f"{key}_p99_ms"] for r in rows], marker="x", linestyle="--", label=f"{run['label']} p99")
+        axes[2].plot(x, [r["output_tok_per_s"] for r in rows], marker="o", label=run["label"])
     for ax, yl in zip(axes, ("TTFT (ms)", "TPOT (ms)", "output tokens/s")):
+        ax.set_xticks(range(len(labels)), labels)
         ax.set_xlabel("offered request rate (req/s)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
