@@ -20,7 +20,8 @@ Per rate: TTFT (send to the first streamed token), TPOT ((last token - first tok
 requests/s over the wall time of the rate's run (first send to last finish); failed
 requests. ``--out`` gets the JSON (config, the server's /v1/models metadata, rows);
 ``--plot`` (default: beside ``--out``) a PNG: TTFT and TPOT p50/p99 and output tokens/s
-against the offered rate, one line per policy.
+against the offered rate, one line per policy; ``--plot-from A.json B.json --plot X.png``
+draws several reports (one run per policy) in one figure.
 """
 
 from __future__ import annotations
@@ -182,8 +183,9 @@ def server_info(base_url: str, api_key: str) -> dict:
     return {"id": m.id, **(m.model_extra or {}).get("spade", {})}
 
 
-def sweep(base_url: str, api_key: str, args, rates: list[float], label: str) -> dict:
+def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | None = None) -> dict:
     info = server_info(base_url, api_key)
+    label = label or info.get("policy") or "server"
     model = args.model or info["id"]
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
     if args.warmup:  # first-request compile and allocation out of the measured runs
@@ -251,7 +253,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--out", default="results/bench_serve.json")
     ap.add_argument("--plot", help="PNG path (default: --out with .png)")
+    ap.add_argument("--plot-from", nargs="+", metavar="JSON",
+                    help="no run: plot the runs of these reports together into --plot (e.g. one GPU command per "
+                         "policy, then one figure)")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot (the PNG to write)")
+        reports = [json.loads(Path(p).read_text()) for p in args.plot_from]
+        runs = [run for rep in reports for run in rep["runs"]]
+        c = reports[0]["config"]
+        srv0 = runs[0]["server"] if runs else {}
+        plot(runs, Path(args.plot), f"spade serve, {srv0.get('model', '?')} ({srv0.get('topology', '?')}), input "
+                                    f"{c['input_len']} / output {c['output_len']} tokens, {c['num_prompts']} "
+                                    "requests per rate")
+        print(f"wrote {args.plot}")
+        return 0
     if bool(args.base_url) == bool(args.config):
         ap.error("give one of --base-url (a running server) or --config (start one)")
     if args.policies and not args.config:
@@ -268,17 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     runs = []
     if args.base_url:
-        runs.append(sweep(args.base_url.rstrip("/"), args.api_key, args, rates, label="server"))
+        runs.append(sweep(args.base_url.rstrip("/"), args.api_key, args, rates))
     else:
         for pol in [p.strip() for p in args.policies.split(",") if p.strip()] or [None]:
             sets = list(args.set) + ([f"policy.name={pol}"] if pol else [])
             srv = Server(args.config, sets, out.with_name(f"{out.stem}.{pol or 'server'}.log"), args.start_timeout_s)
             try:
-                run = sweep(srv.url + "/v1", args.api_key, args, rates, label=pol or "server")
+                run = sweep(srv.url + "/v1", args.api_key, args, rates, label=pol)
             finally:
                 rc = srv.stop()
             run["server_exit_code"] = rc
-            run["label"] = pol or run["server"].get("policy", "server")
             runs.append(run)
     report = {
         "bench": "serve", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),

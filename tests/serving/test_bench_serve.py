@@ -38,6 +38,9 @@ def test_bench_serve_smoke(tmp_path):
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"]
         assert r["output_tok_per_s"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 0
+    both = tmp_path / "both.png"
+    assert bench_serve.main(["--plot-from", str(out), str(out), "--plot", str(both)]) == 0
+    assert both.stat().st_size > 0
 
 
 def test_make_prompts_same_for_every_rate():
