@@ -34,3 +34,19 @@ def test_engine_refusal_is_one_line(capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "runtime.topology" in err and "Traceback" not in err
+
+
+def test_port_in_use_is_one_line(capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc = main(["serve", "--port", str(port), "--set", "model.name=tiny", "--set", "model.device=cpu",
+                   "--set", "runtime.topology=inline"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"could not listen on 127.0.0.1:{port}" in err and "serve.port" in err
