@@ -182,10 +182,11 @@ class LoadedModel:
     policy: object  # Policy
 
 
-def load_model(config: SpadeConfig, *, max_batch: int, say: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(config: SpadeConfig, *, max_batch: int, say: Callable[[str], None] | None = None,
+               backend: str | None = None) -> LoadedModel:
     """Resolve the device and dtype, load the backend with a KV cache of ``max_batch``
     rows of ``model.max_seq_len`` tokens, and build the policy: what ``Engine`` and
-    ``spade.AsyncEngine`` share."""
+    ``spade.AsyncEngine`` share. ``backend``: overrides ``model.backend``."""
     say = say or (lambda msg: None)
     m = config.model
     device = resolve_device(m.device)
@@ -194,7 +195,7 @@ def load_model(config: SpadeConfig, *, max_batch: int, say: Callable[[str], None
     from spade.models.registry import resolve_source
 
     source = resolve_source(m.name)
-    backend = m.backend
+    backend = backend or m.backend
     if backend == "auto":
         backend = "fast" if (device.type == "cuda" or source.kind == "preset") else "hf"
     if backend == "hf" and source.kind == "preset":

@@ -84,8 +84,8 @@ class AsyncEngine:
 
     Supported: ``runtime.topology`` ``inline`` (every policy) and ``colocated`` with the
     policies the colocated runtime runs on the inference rank (``full``, ``quest``,
-    ``oracle``); the fast backend (``model.backend: fast``, or ``auto`` on a GPU or a
-    shape preset). Prompts are used as given (no chat template).
+    ``oracle``); the fast backend (``model.backend`` ``fast`` or ``auto``; ``hf`` is
+    refused). Prompts are used as given (no chat template).
     """
 
     def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
@@ -96,29 +96,30 @@ class AsyncEngine:
                 f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does "
                 f"not follow requests joining and leaving the batch); use runtime.topology: "
                 f"{' or '.join(SERVED_TOPOLOGIES)}")
-        parts = load_model(config, max_batch=config.serving.max_batch, say=progress)
-        self.device, self.dtype = parts.device, parts.dtype
-        self.backend, self.policy = parts.backend, parts.policy
-        from spade.runtime.selector import is_async_policy
+        from spade.policies import POLICIES
 
-        if rt.topology == "colocated" and is_async_policy(self.policy):
-            self._release()
+        pc = config.policy
+        # the colocated runtime runs a cache rank for the policies that can select one step
+        # ahead (spade.runtime.selector.is_async_policy), which this engine does not drive yet
+        if rt.topology == "colocated" and not POLICIES.get(pc.name).needs_current_query \
+                and getattr(pc, "budget", None) is not None:
             raise ConfigError(
-                f"runtime.topology 'colocated' with policy {config.policy.name!r} runs a cache rank, which "
+                f"runtime.topology 'colocated' with policy {pc.name!r} runs a cache rank, which "
                 "spade.AsyncEngine does not drive yet; use runtime.topology: inline for this policy "
                 "(colocated serves full, quest and oracle)")
-        if parts.backend_kind != "fast":
-            self._release()
-            raise ConfigError(f"model.backend {parts.backend_kind!r}: spade.AsyncEngine needs the fast backend's "
-                              "row slots; set model.backend: fast")
-        pc = config.policy
         if pc.name == "asyncspade" and (pc.refresh_every > 1 or pc.refresh_drift is not None or pc.score_channels):
-            self._release()
             raise ConfigError(
                 f"policy.refresh_every ({pc.refresh_every}), policy.refresh_drift ({pc.refresh_drift}) and "
                 f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
                 "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
                 "score_channels: null to serve asyncspade")
+        if config.model.backend == "hf":
+            raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
+                              "model.backend: fast (or auto)")
+        # model.backend auto means fast here, on a CPU too (Engine picks hf there for real weights)
+        parts = load_model(config, max_batch=config.serving.max_batch, say=progress, backend="fast")
+        self.device, self.dtype = parts.device, parts.dtype
+        self.backend, self.policy = parts.backend, parts.policy
         from spade.serving.slots import SlotBatch
 
         self.batch = SlotBatch(self.backend, self.policy, rt.sparse_threshold)
@@ -206,7 +207,8 @@ class AsyncEngine:
             "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
-            "steps": b.steps, "sparse_steps": b.sparse_steps, "cursor": b.cursor, "cursor_resets": b.resets,
+            "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
+            "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running,
             "late_packs": 0, "topk_fallbacks": None,  # no cache rank in the served topologies yet
             "closed": self._closed,
@@ -221,7 +223,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ input checks
     def _make_request(self, prompt, params, request_id) -> _Request:
         if self._closed:
-            raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new spade.AsyncEngine(cfg)")
+            raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new "
+                                    "spade.AsyncEngine(cfg)")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -244,8 +247,8 @@ class AsyncEngine:
                                 "no text to find stop strings in; use stop_token_ids")
         bad = [t for t in params.stop_token_ids if t >= self.vocab]
         if bad:
-            raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab}) "
-                                f"of model '{self.cfg.model.name}'")
+            raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary "
+                                f"[0, {self.vocab}) of model '{self.cfg.model.name}'")
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,),

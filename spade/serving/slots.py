@@ -80,8 +80,11 @@ class SlotContext(AttentionContext):
                 q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
                 kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats)
             if self.mode == "mixed":  # rows still under their own threshold attend densely
+                # the sparse rows' dense windows shrink to their newest token: the dense pass
+                # reads only the dense rows' caches
+                start = torch.where(self.dense_rows, self.kv_start, (kv_lens - 1).to(self.kv_start.dtype))
                 dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                        kv_start=self.kv_start)
+                                                        kv_start=start)
                 out = torch.where(self.dense_rows[:, None, None], dense, out)
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
@@ -122,6 +125,7 @@ class SlotBatch:
         self.ctx.dense_rows = torch.zeros(self.B, dtype=torch.bool, device=dev)
         self.steps = 0
         self.sparse_steps = 0  # steps in which at least one row attended a sparse selection
+        self.mixed_steps = 0  # steps in which some rows were dense (their own threshold) and others sparse
         self.resets = 0
         self.joins = 0
         self.joins_running = 0  # joins while other rows were decoding (not after a reset)
@@ -221,4 +225,5 @@ class SlotBatch:
         logits = self.backend.decode(tokens, self.ctx)
         self.steps += 1
         self.sparse_steps += mode != "dense"
+        self.mixed_steps += mode == "mixed"
         return logits

@@ -20,7 +20,11 @@ POLICIES = {
     # window 16 > most prompts here: rows fill their query windows at different steps
     "asyncspade": ["policy.name=asyncspade", "policy.budget=12", "policy.sink_tokens=2", "policy.recent_tokens=4",
                    "runtime.sparse_threshold=16"],
+    "streaming": ["policy.name=streaming", "policy.budget=12", "policy.sink_tokens=2", "policy.recent_tokens=4"],
 }
+# compressed scoring keys: the joining rows' int8 / int4 copies (and int4 smoothing) are built alone and copied in
+for _keys in ("int8", "int4"):
+    POLICIES[f"asyncspade_{_keys}"] = POLICIES["asyncspade"] + [f"policy.score_keys={_keys}", "policy.window=4"]
 
 
 def make_config(policy: str = "full", topology: str = "inline", *, max_batch: int = 3, max_seq_len: int = 96,

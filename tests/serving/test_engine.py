@@ -11,10 +11,11 @@ import spade
 from spade.errors import ConfigError
 from spade.serving import SamplingParams
 
-from .conftest import collect, final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
-         ("oracle", "inline"), ("full", "colocated"), ("quest", "colocated")]
+         ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
+         ("full", "colocated"), ("quest", "colocated")]
 
 
 async def _staggered(engine, jobs):
@@ -53,6 +54,7 @@ def test_joined_requests_match_alone(policy, topology):
     assert stats["joins_into_running"] >= 2  # rows really joined a running batch
     if policy not in ("full",):
         assert stats["sparse_steps"] > 0  # the policies' selections were really used
+        assert stats["mixed_steps"] > 0  # and some steps mixed dense rows (own threshold) with sparse ones
     for (_, p, n), t, a in zip(jobs, together, alone):
         assert t.finish_reason == a.finish_reason == "length"
         assert len(t.token_ids) == n
@@ -182,3 +184,5 @@ def test_topology_refusals_name_the_field():
         spade.AsyncEngine(make_config("full", "local"))
     with pytest.raises(ConfigError, match="refresh_every"):
         spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_every=2"]))
+    with pytest.raises(ConfigError, match="model.backend"):
+        spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))

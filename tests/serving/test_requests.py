@@ -6,13 +6,12 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 import spade
 from spade.errors import ArgumentError, ArgumentTypeError, EngineClosedError
 from spade.serving import SamplingParams
 
-from .conftest import collect, final, greedy, make_config, random_prompts, run
+from .conftest import collect, final, greedy, make_config, run
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,10 @@ def engine():
     run(eng.close())
 
 
-def test_text_requests_together_match_alone(engine):
+@pytest.fixture(scope="module")
+def runs(engine):
+    """The prompts together (joining one another), then each alone."""
+
     async def main():
         together = await asyncio.gather(*(final(engine, p, SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True))
                                           for i, p in enumerate(PROMPTS)))
@@ -39,22 +42,22 @@ def test_text_requests_together_match_alone(engine):
                  for i, p in enumerate(PROMPTS)]
         return together, alone, st
 
-    together, alone, st = run(main())
+    return run(main())
+
+
+def test_text_requests_together_match_alone(engine, runs):
+    together, alone, st = runs
     assert st["sparse_steps"] > 0 and st["joins_into_running"] >= 1
     for t, a in zip(together, alone):
         assert t.token_ids == a.token_ids and t.text == a.text
         assert t.text == engine.tokenizer.decode(t.token_ids, skip_special_tokens=True)
 
 
-def test_stop_string_cuts_the_text(engine):
-    async def main():
-        ref = await final(engine, PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True))
-        words = ref.text.split()
-        stop = " " + words[len(words) // 2]
-        outs = await collect(engine, PROMPTS[1], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))
-        return ref, stop, outs
-
-    ref, stop, outs = run(main())
+def test_stop_string_cuts_the_text(engine, runs):
+    ref = runs[1][1]  # PROMPTS[1] alone, 12 tokens
+    words = ref.text.split()
+    stop = " " + words[len(words) // 2]
+    outs = run(collect(engine, PROMPTS[1], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True)))
     last = outs[-1]
     assert last.finish_reason == "stop" and last.stop_reason == stop
     assert last.text == ref.text[:ref.text.index(stop)]

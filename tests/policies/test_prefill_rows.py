@@ -1,0 +1,124 @@
+"""``Policy.prefill_rows``: a request joining a running batch (serving) gets the state a
+prefill of it alone gives, and keeps selecting what it selects alone, while the rows
+around it keep theirs. Rows sit right-aligned at a shared cursor (``spade.serving.slots``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spade.policies import build_policy
+from spade.policies.base import AttentionSpec, RopeSpec
+from spade.policies.asyncspade import AsyncSpadePolicyConfig
+from spade.policies.oracle import OraclePolicyConfig
+from spade.policies.quest import QuestPolicyConfig
+from spade.policies.streaming import StreamingPolicyConfig
+from spade.policies.tova import TovaPolicyConfig
+
+SPEC = AttentionSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, rope=RopeSpec(theta=10000.0, dim=16))
+L = 64
+#: (cursor at the join, prompt length, decode steps after it): rows join a batch at
+#: different cursors; first positions 0, 8, 0 are multiples of Quest's page size 4
+JOINS = [(12, 12, 3), (15, 7, 4), (19, 19, 9)]
+
+CONFIGS = {
+    "asyncspade": AsyncSpadePolicyConfig(budget=10, sink_tokens=1, recent_tokens=2, window=16),
+    "asyncspade_ridge_int8": AsyncSpadePolicyConfig(budget=10, sink_tokens=1, recent_tokens=2, window=16,
+                                                    predictor="ridge", score_keys="int8"),
+    "asyncspade_int4": AsyncSpadePolicyConfig(budget=10, sink_tokens=1, recent_tokens=2, window=16,
+                                              predictor="last", score_keys="int4"),
+    "oracle": OraclePolicyConfig(budget=10, sink_tokens=1, recent_tokens=2),
+    "quest": QuestPolicyConfig(budget=8, page_size=4),
+    "tova": TovaPolicyConfig(budget=7),
+    "streaming": StreamingPolicyConfig(budget=8, sink_tokens=2, recent_tokens=2),
+}
+
+
+def _mask(sel, kv_lens: torch.Tensor) -> torch.Tensor:
+    return sel.to_mask(kv_lens, L)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_joined_rows_select_as_alone(name):
+    pol = build_policy(CONFIGS[name], SPEC)
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D = 3, SPEC.n_q_heads, SPEC.n_kv_heads, SPEC.head_dim
+    total = max(S + n for S, _, n in JOINS)
+    # per row: the keys / values / queries of its whole sequence (prompt then decoded tokens)
+    seq_k = torch.randn(B, SPEC.n_layers, Hkv, total, D, generator=g)
+    seq_v = torch.randn(B, SPEC.n_layers, Hkv, total, D, generator=g)
+    seq_q = torch.randn(B, SPEC.n_layers, Hq, total, D, generator=g)
+    kb = torch.zeros(SPEC.n_layers, B, Hkv, L, D)  # the batch's cache (garbage before kv_start)
+    vb = torch.zeros_like(kb)
+    batch = pol.new_state(B, "cpu")
+    kv_start = torch.zeros(B, dtype=torch.int32)
+    alone = [None] * B  # per row: (state, k [n_layers, 1, Hkv, L, D], v)
+    done = [0] * B  # tokens of the row's sequence in the cache
+    S = 0
+    compared = 0
+    events = sorted((S0, r) for r, (S0, _, _) in enumerate(JOINS))
+    for S_join, r in events:
+        while S < S_join:  # decode steps of the rows already in, until this join's cursor
+            S += 1
+            compared += _step(pol, batch, alone, kb, vb, seq_k, seq_v, seq_q, kv_start, done, S)
+        T = JOINS[r][1]
+        kb[:, r, :, S - T:S] = seq_k[r, :, :, :T]
+        vb[:, r, :, S - T:S] = seq_v[r, :, :, :T]
+        kv_start[r] = S - T
+        batch.seq_len, batch.kv_start = S, kv_start
+        st = pol.new_state(1, "cpu")
+        st.seq_len = T
+        ka = torch.zeros(SPEC.n_layers, 1, Hkv, L, D)
+        va = torch.zeros_like(ka)
+        ka[:, 0, :, :T] = seq_k[r, :, :, :T]
+        va[:, 0, :, :T] = seq_v[r, :, :, :T]
+        for layer in range(SPEC.n_layers):
+            q = seq_q[r:r + 1, layer, :, :T]
+            pol.prefill_rows(batch, layer, [r], q, kb[layer, r:r + 1], vb[layer, r:r + 1], torch.tensor([S]))
+            pol.prefill(st, layer, q, ka[layer], va[layer], torch.tensor([T]))
+        alone[r] = (st, ka, va)
+        done[r] = T
+    for _ in range(JOINS[-1][2]):
+        S += 1
+        compared += _step(pol, batch, alone, kb, vb, seq_k, seq_v, seq_q, kv_start, done, S)
+    assert compared >= 6  # sparse selections were really compared
+
+
+def _step(pol, batch, alone, kb, vb, seq_k, seq_v, seq_q, kv_start, done, S) -> int:
+    """One decode step at cursor ``S`` (the cache length, this token included) for every
+    joined row, in the batch and alone; returns how many sparse selections matched."""
+    B = kb.shape[1]
+    rows = [r for r in range(B) if alone[r] is not None]
+    n = 0
+    for r in rows:  # this step's key and value, at index S - 1 in the batch
+        t = done[r]
+        kb[:, r, :, S - 1] = seq_k[r, :, :, t]
+        vb[:, r, :, S - 1] = seq_v[r, :, :, t]
+        alone[r][1][:, 0, :, t] = seq_k[r, :, :, t]
+        alone[r][2][:, 0, :, t] = seq_v[r, :, :, t]
+    batch.seq_len, batch.kv_start = S, kv_start
+    kv = torch.full((B,), S)
+    for layer in range(SPEC.n_layers):
+        q = torch.zeros(B, SPEC.n_q_heads, SPEC.head_dim)
+        for r in rows:
+            q[r] = seq_q[r, layer, :, done[r]]
+        sel_b = pol.select(batch, layer, q, kb[layer], kv)
+        for r in rows:
+            st, ka, va = alone[r]
+            st.seq_len = done[r] + 1
+            own = torch.tensor([done[r] + 1])
+            sel_a = pol.select(st, layer, q[r:r + 1], ka[layer], own)
+            if sel_a is None:  # dense alone: the slot batch attends this row densely (its own threshold)
+                continue
+            assert sel_b is not None
+            mb = _mask(sel_b, kv)[r, :, int(kv_start[r]):S]
+            ma = _mask(sel_a, own)[0, :, :done[r] + 1]
+            assert torch.equal(mb, ma), f"row {r} layer {layer} at cursor {S}"
+            n += 1
+        pol.observe(batch, layer, q, kb[layer], kv)
+        for r in rows:
+            st, ka, va = alone[r]
+            pol.observe(st, layer, q[r:r + 1], ka[layer], torch.tensor([done[r] + 1]))
+    for r in rows:
+        done[r] += 1
+    return n
