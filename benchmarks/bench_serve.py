@@ -131,16 +131,20 @@ async def run_rate(base_url: str, api_key: str, model: str, prompts: list[list[i
 
 
 class Server:
-    """``spade serve --config X --port 0`` in a subprocess; its log goes to ``log``."""
+    """``spade serve --config X --port 0`` in a subprocess; its output goes to ``log``.
+    ``url`` is where it listens once the constructor returns. ``env``: variables to
+    set (None: to unset) for the server."""
 
-    def __init__(self, config: str, sets: list[str], log: Path, start_timeout_s: float):
+    def __init__(self, config: str, sets: list[str], log: Path, start_timeout_s: float,
+                 env: dict[str, str | None] | None = None):
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log
         self._log = open(log, "w")
         cmd = [sys.executable, "-m", "spade.cli", "serve", "--config", config, "--port", "0"]
         for s in sets:
             cmd += ["--set", s]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.PIPE, text=True)
         self.url = None
@@ -159,19 +163,24 @@ class Server:
         self._pump = threading.Thread(target=pump, daemon=True)
         self._pump.start()
         if not ready.wait(start_timeout_s) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"spade serve did not start (log: {log}):\n{log.read_text()[-3000:]}")
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"spade serve did not start (log: {log}):\n{self.log()}")
 
-    def stop(self) -> int | None:
+    def log(self, chars: int = 3000) -> str:
+        return self.log_path.read_text()[-chars:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int | None:
+        """Send ``sig`` (unless it has exited), wait for the exit; SIGKILL after ``timeout``."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
-                self.proc.wait(120)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
         self._pump.join(10)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
         return self.proc.returncode
 
 

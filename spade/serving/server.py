@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
-from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, MissingDependencyError, SpadeError
+from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, MissingDependencyError
 
 try:
     import anyio

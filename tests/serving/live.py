@@ -4,19 +4,14 @@ Also the helpers to read /metrics and the process table."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.bench_serve import Server
+
 START_TIMEOUT_S = 240  # import torch + load SmolLM2 on two busy cores
+
 
 def children(pid: int) -> list[int]:
     """Process ids whose parent is ``pid`` (from /proc)."""
@@ -42,52 +37,19 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-class LiveServer:
-    """``spade serve --config <yaml> --port 0`` in a subprocess."""
+class LiveServer(Server):
+    """``spade serve --config <yaml> --port 0`` in a subprocess (the benchmark's launcher),
+    with one OpenMP thread (small CPU GEMMs crawl with two on a busy two-core machine)."""
 
-    def __init__(self, tmp: Path, config: str, *extra: str):
-        self.cfg_path = tmp / "serve.yaml"
-        self.cfg_path.write_text(config)
-        self.log_path = tmp / "serve.log"
-        # one OpenMP thread: small CPU GEMMs crawl with two on a busy two-core machine
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        env.pop("SPADE_SERVE__API_KEY", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spade.cli", "serve", "--config", str(self.cfg_path), "--port", "0", *extra],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.url = None
-        found = threading.Event()
-
-        def pump():  # keep reading stderr (a full pipe would block the server)
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                m = re.search(r"listening on (http://\S+)", line)
-                if m and self.url is None:
-                    self.url = m.group(1)
-                    found.set()
-            found.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not found.wait(START_TIMEOUT_S) or self.url is None:
-            self.stop(kill=True)
-            pytest.fail(f"spade serve did not start:\n{self.log()}")
+    def __init__(self, tmp: Path, config: str):
+        cfg = tmp / "serve.yaml"
+        cfg.write_text(config)
+        try:
+            super().__init__(str(cfg), [], tmp / "serve.log", START_TIMEOUT_S,
+                             env={"OMP_NUM_THREADS": "1", "SPADE_SERVE__API_KEY": None})
+        except RuntimeError as e:
+            pytest.fail(str(e))
         self.base = self.url + "/v1"
-
-    def log(self) -> str:
-        return "".join(self.lines[-60:])
-
-    def stop(self, kill: bool = False, timeout: float = 60) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._pump.join(5)
-        return self.proc.returncode
 
 
 def metric(text: str, name: str, **labels) -> float | None:

@@ -48,12 +48,16 @@ def http():
     return http_module()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = LiveServer(tmp_path_factory.mktemp("serve"), SMOL)
+def _live(tmp_path_factory, name: str, config: str):
+    s = LiveServer(tmp_path_factory.mktemp(name), config)
     yield s
     rc = s.stop()
     assert rc == 0, f"spade serve exited {rc}:\n{s.log()}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _live(tmp_path_factory, "serve", SMOL)
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +131,7 @@ serve: {max_waiting: 64, shutdown_grace_s: 5}
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    s = LiveServer(tmp_path_factory.mktemp("serve_tiny"), TINY_AS)
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"spade serve exited {rc}:\n{s.log()}"
+    yield from _live(tmp_path_factory, "serve_tiny", TINY_AS)
 
 
 def test_async_sdk_16_concurrent_equal_alone(tiny_server, http):
@@ -416,7 +417,7 @@ def test_overload_429_then_sigterm_drains_and_exits_0(tmp_path, http):
             t.join(120)
         rc = s.proc.wait(120)
     finally:
-        s.stop(kill=True)
+        s.stop(signal.SIGKILL)
     assert rc == 0, s.log()
     for o in outs:  # every stream in flight ran to its end
         assert o.get("status") == 200 and o["events"][-1] == "[DONE]", o
