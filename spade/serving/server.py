@@ -90,13 +90,8 @@ class ServerState:
         if self.draining:
             raise oai.APIError("the server is shutting down; retry on another replica", status=503,
                                type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
-        st = self.stats()
-        used, free = engine_value(st, "slots_used"), engine_value(st, "slots_free")
-        if used is not None and free is not None:
-            full = self.metrics.in_flight >= used + free + self.scfg.max_waiting
-        else:  # an engine that does not report slots: its own queue length
-            full = (engine_value(st, "waiting") or 0) >= self.scfg.max_waiting
-        if full:
+        slots = engine_value(self.stats(), "slots") or 0  # serving.max_batch
+        if self.metrics.in_flight >= slots + self.scfg.max_waiting:
             self.metrics.reject("overload")
             raise oai.APIError(f"the server is at capacity ({self.metrics.in_flight} requests in flight, "
                                f"serve.max_waiting={self.scfg.max_waiting}); retry later", status=429,
