@@ -263,8 +263,7 @@ class _Call:
         if task in done:
             return True, task.result()
         task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await asyncio.wait({task})  # let it unwind (its error, a cancellation, stays in the task)
         return False, None
 
     async def close(self) -> None:
