@@ -350,7 +350,17 @@ async def _complete(state: ServerState, request: Request, prompt, params: Sampli
         finally:
             await call.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=_SSE_HEADERS)
+    # run the stream up to its first event here: a started generator is closed (its
+    # finally frees the request) even if the response is cancelled before it iterates
+    stream_ = events()
+    head = await stream_.__anext__()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield head
+        async for b in stream_:
+            yield b
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 def build_app(engine, cfg) -> FastAPI:
