@@ -495,7 +495,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
 def summary(cfg: SpadeConfig) -> str:
     """A one-screen, human-readable summary of a config."""
     lines = []
-    for section in ("model", "policy", "runtime", "generation"):
+    for section in ("model", "policy", "runtime", "generation", "serving", "serve"):
         d = getattr(cfg, section).model_dump(mode="json")
         if section == "generation":
             d["prompts"] = f"{len(cfg.generation.prompts)} prompt(s)"
