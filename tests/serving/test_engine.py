@@ -186,3 +186,26 @@ def test_topology_refusals_name_the_field():
         spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_every=2"]))
     with pytest.raises(ConfigError, match="model.backend"):
         spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))
+
+
+def test_a_request_that_does_not_fit_waits_for_the_batch_to_drain():
+    """B's generation does not fit before the end of the cache at the cursor where it
+    arrives: it waits (and holds the queue) until A is done and the cursor resets, then
+    gets the tokens it gets alone."""
+    engine = spade.AsyncEngine(make_config("asyncspade", max_batch=2, max_seq_len=40))
+
+    async def main():
+        a = asyncio.ensure_future(final(engine, [1, 2, 3, 4, 5], greedy(20), "a"))
+        while engine.stats()["steps"] < 4:
+            await asyncio.sleep(0.002)
+        b_out = await final(engine, [7, 8, 9], greedy(36), "b")  # cursor >= 9: 9 + 36 - 1 > 40
+        a_out = await a
+        st = engine.stats()
+        alone = await final(engine, [7, 8, 9], greedy(36))
+        await engine.close()
+        return a_out, b_out, alone, st
+
+    a_out, b_out, alone, st = run(main())
+    assert b_out.queue_s > a_out.ttft_s  # it waited
+    assert st["joins_into_running"] == 0 and st["cursor_resets"] == 2
+    assert b_out.token_ids == alone.token_ids and len(b_out.token_ids) == 36
