@@ -98,17 +98,26 @@ class ChatCompletionRequest(_Request):
     response_format: Optional[dict[str, Any]] = None
 
 
+_EXPECTED = {"prompt": "a string, a list of token ids, or a list holding one of those",
+             "stop": "a string or a list of strings",
+             "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})"}
+"""What a union-typed field takes, for the message when a value matches none of its types."""
+
+
+def _is_tag(p) -> bool:
+    """pydantic's name of a union member in an error's location (``str``, ``list[int]``)."""
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)
+
+
 def _loc(loc: tuple) -> str:
     out = ""
     for p in loc:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif not out:
-            out = str(p)
-        elif p in ("str", "list[int]", "list[str]", "list[list[int]]", "function-after[...]"):
-            continue  # pydantic's union member tags
+        elif _is_tag(p):
+            continue
         else:
-            out += f".{p}"
+            out += f".{p}" if out else str(p)
     return out or "body"
 
 
@@ -123,7 +132,11 @@ def parse_request(kind: type[_Request], body: Any) -> _Request:
         where = _loc(tuple(err["loc"]))
         got = err.get("input")
         got_s = "" if err["type"] == "missing" or isinstance(got, (dict, list)) else f" (got {got!r})"
-        raise APIError(f"{where}: {err['msg']}{got_s}", param=where.split("[")[0].split(".")[0]) from None
+        msg = err["msg"]
+        if err["loc"] and _is_tag(err["loc"][-1]):  # no member of a union took it
+            field = [p for p in err["loc"] if isinstance(p, str) and not _is_tag(p)][-1]
+            msg, got_s = f"expected {_EXPECTED.get(field, 'another type')}, got {type(got).__name__}", ""
+        raise APIError(f"{where}: {msg}{got_s}", param=where.split("[")[0].split(".")[0]) from None
 
 
 def _refuse_unsupported(req: _Request) -> None:

@@ -74,6 +74,14 @@ def test_chat_refusals_and_messages():
         oai.chat_messages(req)
 
 
+def test_union_fields_say_what_they_take():
+    assert _refused({"prompt": 5}).message == \
+        "prompt: expected a string, a list of token ids, or a list holding one of those, got int"
+    assert _refused({"prompt": "x", "stop": 3}).message == "stop: expected a string or a list of strings, got int"
+    e = _refused({"messages": [{"role": "user", "content": 5}]}, oai.ChatCompletionRequest)
+    assert e.param == "messages" and e.message.startswith("messages[0].content: expected a string or a list")
+
+
 def test_body_must_be_an_object():
     with pytest.raises(oai.APIError) as e:
         oai.parse_request(oai.CompletionRequest, [1, 2])
