@@ -3,8 +3,9 @@
     spade run --config configs/cpu_tiny.yaml [--set policy.budget=512] [--out result.json]
     spade validate --config X.yaml
     spade policies | transports | models
-    spade bench {kernels,scoring,attention,decode,tpot,transports,serving,paged} [benchmark args...]
+    spade bench {kernels,scoring,attention,decode,tpot,transports,serving,paged,serve} [benchmark args...]
     spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
+    spade serve --config X.yaml [--host 127.0.0.1] [--port 8000]   (the OpenAI-compatible server)
 """
 
 from __future__ import annotations
@@ -244,11 +245,12 @@ BENCHES = {
     "transports": ["benchmarks.bench_transports"],
     "serving": ["benchmarks.bench_serving"],
     "paged": ["benchmarks.bench_paged"],
+    "serve": ["benchmarks.bench_serve"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
 source checkout (the folder is not part of the installed package)."""
 
-TAKES_CONFIG = {"tpot"}
+TAKES_CONFIG = {"tpot", "serve"}
 """Benchmarks whose ``main`` takes ``--config`` (``spade bench KIND --config X.yaml``)."""
 
 
@@ -281,6 +283,27 @@ def cmd_eval(args) -> int:
     sections = [s.strip() for s in args.only.split(",")] if args.only else None
     run_eval(cfg, args.out, sections)
     return 0
+
+
+def cmd_serve(args) -> int:
+    from spade.errors import MissingDependencyError
+
+    for pkg in ("fastapi", "uvicorn"):  # before the model loads
+        try:
+            __import__(pkg)
+        except ImportError:
+            raise MissingDependencyError(pkg, "spade serve", "pip install -e '.[serve]' (fastapi, uvicorn)") from None
+    overrides = list(args.set or [])
+    if args.host is not None:
+        overrides.append(f"serve.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"serve.port={args.port}")
+    args.set = overrides
+    cfg = _load(args)
+    _precheck(cfg)
+    from spade.serving.server import run_server
+
+    return run_server(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -317,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", "-o", help="output folder (default: eval.out_dir)")
     e.add_argument("--only", help="comma-separated sections to run (selection,perplexity,gsm8k,niah)")
     e.set_defaults(fn=cmd_eval)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    with_config(sv, required=False)
+    sv.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="TCP port (default: serve.port, 8000; 0: any free port)")
+    sv.set_defaults(fn=cmd_serve)
     return p
 
 

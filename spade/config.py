@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from spade.errors import ConfigError
@@ -237,6 +237,43 @@ class BenchConfig(ConfigSection):
         return v
 
 
+# --------------------------------------------------------------------------- serve
+class ServeConfig(ConfigSection):
+    """``spade serve``: the OpenAI-compatible HTTP server over ``AsyncEngine``."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (``0.0.0.0``: every interface; mind ``api_key``)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port (0: any free port, printed at start)."""
+    max_waiting: int = Field(64, ge=0)
+    """Requests that may wait for a free batch slot; one more gets 429 with ``Retry-After``."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A request still running after this many seconds is aborted (504, or an error event
+    on a stream)."""
+    api_key: SecretStr | None = None
+    """If set, every ``/v1/*`` request needs ``Authorization: Bearer <api_key>`` (401
+    otherwise); ``/health`` and ``/metrics`` stay open. ``SPADE_SERVE__API_KEY`` keeps it
+    out of the YAML; dumps and summaries show it as ``**********``."""
+    served_model_name: str | None = None
+    """The ``model`` clients name (default: ``model.name``)."""
+    default_max_tokens: int | None = Field(None, gt=0)
+    """``max_tokens`` of a request that leaves it out (None: OpenAI's defaults, 16 for
+    completions and the rest of the context for chat). A request joins a running batch
+    only if its whole generation fits the KV slot (docs/serving.md), so a bound here
+    keeps chat requests without ``max_tokens`` from waiting for an empty batch."""
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    """SIGTERM / SIGINT: stop accepting, let requests in flight finish for this long, then
+    abort them and close the engine."""
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v):
+        k = v.get_secret_value() if v is not None else None
+        if k is not None and (not k.strip() or any(c.isspace() for c in k)):
+            raise ValueError("an API key is one word without spaces (leave it out for no key)")
+        return v
+
+
 from spade.eval.config import EvalConfig  # noqa: E402  (pydantic only: the measurement sections)
 
 
@@ -275,6 +312,7 @@ class SpadeConfig(BaseSettings):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
@@ -457,7 +495,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
 def summary(cfg: SpadeConfig) -> str:
     """A one-screen, human-readable summary of a config."""
     lines = []
-    for section in ("model", "policy", "runtime", "generation"):
+    for section in ("model", "policy", "runtime", "generation", "serving", "serve"):
         d = getattr(cfg, section).model_dump(mode="json")
         if section == "generation":
             d["prompts"] = f"{len(cfg.generation.prompts)} prompt(s)"
