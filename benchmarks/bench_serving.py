@@ -26,14 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+from benchmarks.bench_serve import percentile
 
 
 async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
@@ -81,9 +74,9 @@ def run_policy(args, policy: str, jobs) -> dict:
     queue = [o.queue_s for o in outs if o.queue_s is not None]
     return {
         "policy": policy, "output_tokens": ntok, "wall_s": wall, "output_tok_per_s": ntok / wall,
-        "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-        "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
-        "queue_p50_s": _pct(queue, 0.5), "queue_p99_s": _pct(queue, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "queue_p50_s": percentile(queue, 0.5), "queue_p99_s": percentile(queue, 0.99),
         "mean_tpot_s": statistics.mean(tpot) if tpot else None,
         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
         "engine": st,
