@@ -125,7 +125,34 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec, indent=1, default=str))
+    if rows:
+        plot(rows, out.with_suffix(".png"), f"{args.preset}, {args.topology}, {args.requests} requests, "
+             f"prompts {args.prompt_min}-{args.prompt_max}, outputs {args.out_min}-{args.out_max}")
+        print(f"wrote {out} and {out.with_suffix('.png')}")
     return rec
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Output tokens/s and TPOT p50 / p99 per policy, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["policy"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.bar(names, [r["output_tok_per_s"] for r in rows], color="tab:blue")
+    a.set_ylabel("output tokens / s")
+    x = range(len(rows))
+    b.bar([i - 0.2 for i in x], [(r["tpot_p50_s"] or 0) * 1e3 for r in rows], width=0.4, label="p50")
+    b.bar([i + 0.2 for i in x], [(r["tpot_p99_s"] or 0) * 1e3 for r in rows], width=0.4, label="p99")
+    b.set_xticks(list(x), names)
+    b.set_ylabel("TPOT (ms)")
+    b.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
