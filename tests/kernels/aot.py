@@ -27,3 +27,48 @@ def run_aot_script(script: str) -> dict:
         pytest.skip("this triton cannot build ahead of time")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def sm90_compile(fn, args: dict, cons: dict, num_warps: int = 4, num_stages: int = 3):
+    """(In the child process.) Compile the ``@triton.jit`` function ``fn`` for sm_90 as a
+    launcher's call would specialise it: ``args`` maps argument names to ``("ptr",
+    dtype)`` or an int (``("i64", v)`` for another int type); ints equal to 1 become
+    constants, pointers and multiples of 16 get the divisibility hint; ``cons`` are the
+    constexprs; arguments in neither keep their defaults (constexprs the launcher leaves
+    alone). Returns the compiled kernel (``.asm["ttgir"]``, ``.asm["ptx"]``, ``.metadata``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs, consts = {}, {}, dict(cons)
+    for i, n in enumerate(fn.arg_names):
+        if n in cons:
+            sig[n] = "constexpr"
+            continue
+        if n not in args:
+            sig[n], consts[n] = "constexpr", fn.params[i].default
+            continue
+        kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
+        if kind == "ptr":
+            sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]
+        elif kind == "i32" and val == 1:
+            sig[n], consts[n] = "constexpr", 1
+        else:
+            sig[n] = kind
+            if kind == "i32" and val % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def loop_body(ttgir: str, last: bool = False) -> str:
+    """The body of the first (or, ``last``, the innermost last) ``scf.for`` of a TTGIR dump."""
+    loop = ttgir[(ttgir.rfind if last else ttgir.find)("scf.for"):]
+    return loop[:loop.find("scf.yield")]
+
+
+def smem_buffers(ttgir: str, dtype: str = "") -> list[str]:
+    """The leading dimension of each mutable shared-memory buffer (pipeline stages),
+    optionally only those of ``dtype`` (e.g. "xbf16")."""
+    return [l.split("memdesc<")[1].split("x")[0] for l in ttgir.splitlines()
+            if "local_alloc" in l and "mutable" in l and dtype in l]

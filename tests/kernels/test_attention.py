@@ -536,42 +536,16 @@ def test_gpu_fused_merge_graph_replay():
 # ----------------------------------------------------------------------------- sm_90 build
 _AOT_SCRIPT = r'''
 import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from spade.kernels import attention as A, gather as Gm, ridge as Rg
+from tests.kernels.aot import loop_body, sm90_compile, smem_buffers
 
 def build(fn, args, cons, num_warps=4, num_stages=3):
-    """Compile for sm_90 as the launcher's call would specialise it: ints equal to 1
-    become constants, pointers and multiples of 16 get the divisibility hint."""
-    sig, attrs, consts = {}, {}, dict(cons)
-    for i, n in enumerate(fn.arg_names):
-        if n in cons:
-            sig[n] = "constexpr"
-            continue
-        if n not in args:  # left to its default by the launcher (the paged cache's arguments)
-            sig[n], consts[n] = "constexpr", fn.params[i].default
-            continue
-        kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
-        if kind == "ptr":
-            sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]
-        elif kind == "i32" and val == 1:
-            sig[n], consts[n] = "constexpr", 1
-        else:
-            sig[n] = kind
-            if kind == "i32" and val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
-    ttgir = k.asm["ttgir"]
-    loop = ttgir[ttgir.find("scf.for"):]
-    loop = loop[:loop.find("scf.yield")]  # the main loop's body (it holds no nested region)
-    ptx = k.asm["ptx"]
+    k = sm90_compile(fn, args, cons, num_warps, num_stages)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     return dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared,
                 gdc=[ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")],
                 acq_rel_atomics=ttgir.count("atomic_rmw add, acq_rel, gpu"),
-                loads_in_loop=loop.count("tt.load "), kv_buffers=[l.split("memdesc<")[1].split("x")[0]
-                for l in ttgir.splitlines() if "local_alloc" in l and "mutable" in l])
+                loads_in_loop=loop_body(ttgir).count("tt.load "), kv_buffers=smem_buffers(ttgir))
 
 out = {}
 L, Hkv, G, D, KM = 32768, 8, 4, 128, 1980

@@ -153,34 +153,14 @@ def test_bad_block_tables_raise(device):
 
 _AOT_PAGED = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from spade.kernels import attention as A
+from tests.kernels.aot import loop_body, sm90_compile, smem_buffers
 
 def build(fn, args, cons):
-    sig, attrs, consts = {}, {}, dict(cons)
-    for i, n in enumerate(fn.arg_names):
-        if n in cons:
-            sig[n] = "constexpr"
-            continue
-        kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
-        if kind == "ptr":
-            sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]
-        elif kind == "i32" and val == 1:
-            sig[n], consts[n] = "constexpr", 1
-        else:
-            sig[n] = kind
-            if kind == "i32" and val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=3))
+    k = sm90_compile(fn, args, cons)
     ttgir = k.asm["ttgir"]
-    loop = ttgir[ttgir.rfind("scf.for"):]
-    loop = loop[:loop.find("scf.yield")]  # the innermost (last) loop's body
     return dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared,
-                loads_in_loop=loop.count("tt.load "), kv_buffers=[l.split("memdesc<")[1].split("x")[0]
-                for l in ttgir.splitlines() if "local_alloc" in l and "mutable" in l and "xbf16" in l])
+                loads_in_loop=loop_body(ttgir, last=True).count("tt.load "), kv_buffers=smem_buffers(ttgir, "xbf16"))
 
 out = {}
 Hkv, G, D, KM, NB = 8, 4, 128, 1980, 2048

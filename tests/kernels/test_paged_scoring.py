@@ -100,37 +100,14 @@ def test_paged_scoring_maps_the_table_in_several_rounds(device, monkeypatch):
 
 _AOT_SCORE = r'''
 import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from spade.kernels import scoring as S
+from tests.kernels.aot import loop_body, sm90_compile, smem_buffers
 
 def build(fn, args, cons):
-    sig, attrs, consts = {}, {}, dict(cons)
-    for i, n in enumerate(fn.arg_names):
-        if n in cons:
-            sig[n] = "constexpr"
-            continue
-        if n not in args:  # left to its default by the launcher
-            sig[n], consts[n] = "constexpr", fn.params[i].default
-            continue
-        kind, val = args[n] if isinstance(args[n], tuple) else ("i32", args[n])
-        if kind == "ptr":
-            sig[n], attrs[(i,)] = "*" + val, [["tt.divisibility", 16]]
-        elif kind == "i32" and val == 1:
-            sig[n], consts[n] = "constexpr", 1
-        else:
-            sig[n] = kind
-            if kind == "i32" and val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=3))
+    k = sm90_compile(fn, args, cons)
     ttgir = k.asm["ttgir"]
-    loop = ttgir[ttgir.rfind("scf.for"):]
-    loop = loop[:loop.find("scf.yield")]  # the innermost (last) loop's body
-    return dict(pipelined="async_copy_global_to_local" in ttgir, loads_in_loop=loop.count("tt.load "),
-                k_buffers=[l.split("memdesc<")[1].split("x")[0] for l in ttgir.splitlines()
-                           if "local_alloc" in l and "mutable" in l])
+    return dict(pipelined="async_copy_global_to_local" in ttgir,
+                loads_in_loop=loop_body(ttgir, last=True).count("tt.load "), k_buffers=smem_buffers(ttgir))
 
 L, Hkv, D = 32768, 8, 128
 p, f, i = ("ptr", "bf16"), ("ptr", "fp32"), ("ptr", "i32")
