@@ -249,6 +249,10 @@ class InferenceSession:
         step = self.step_state.index + 1
         self.gen += 1
         rows = sorted(joins)
+        resync = cursor + 1 > self.rt.theta  # the cache rank makes step ``step``'s selections again
+        if resync:  # (before the JOIN: the re-selection may arrive while the rows' data travels)
+            for p in range(len(self.packs)):
+                self.arrived[p] = min(self.arrived[p], step - 1)
         info = torch.tensor([[r, joins[r][0]] for r in rows], dtype=torch.int64)
         await self._send("ctl", [P.cmd(P.JOIN, cursor, step, self.gen), info, self.ctx.kv_start])
         acks = 0
@@ -263,10 +267,8 @@ class InferenceSession:
             await self._boot_ack()
             acks += 1
         self.stats["joins"] += len(rows)
-        if self.peer_gone is not None or cursor + 1 <= self.rt.theta:  # (no selection is made for this step)
+        if self.peer_gone is not None or not resync:
             return
-        for p in range(len(self.packs)):
-            self.arrived[p] = min(self.arrived[p], step - 1)
         if self._owed_since is None:
             self._owed_since = time.monotonic()
         self.stats["join_resyncs"] += 1
