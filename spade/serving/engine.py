@@ -40,7 +40,7 @@ from spade.serving.params import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 #: topologies a slot batch serves today (``check_served`` says which policies each runs)
-SERVED_TOPOLOGIES = ("inline", "colocated", "local")
+SERVED_TOPOLOGIES = ("inline", "colocated", "local", "multiprocess")
 #: policies a cache rank serves for a slot batch (rows joining and leaving)
 CACHE_RANK_POLICIES = ("asyncspade",)
 
