@@ -193,3 +193,26 @@ def test_soak_leaks_nothing(topology):
     assert stats["cache_epochs"] > 1
     assert tasks <= 2  # the open epoch's receiver and the link's own task (serve, or the transport's)
     assert link.closed and (link.proc is None or link.proc.poll() is not None)
+
+
+@pytest.mark.parametrize("on_late", ["stale", "full"])
+def test_late_selections_between_joins_follow_on_late(on_late):
+    """A slow cache rank with ``on_late`` stale / full: late packs take the stale selection
+    or dense attention between joins (tokens may then differ from the alone runs), joins
+    still wait for their re-selection, and every request completes."""
+    jobs = _jobs(5, seed=13, lo=17, hi=26, last_arrival=8, out_hi=10)
+    engine = spade.AsyncEngine(make_config("asyncspade", "colocated", max_batch=2,
+                                           extra=[f"runtime.on_late={on_late}"]),
+                               cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
+
+    async def main():
+        outs = await _staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert stats["late_packs"] > 0 and stats["join_resyncs"] > 0
+    assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
+    for (_, _, n), o in zip(jobs, outs):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
