@@ -216,6 +216,9 @@ class InferenceSession:
         s.stage_kv = not shared_kv
         if not s.q_buf or s.q_buf[0].shape[1] != B or bool(s.pack_buf) != (s.stage_kv and q_dtype == k0.dtype):
             s.allocate(B, spec.n_q_heads, Hkv, D, q_dtype, k0.dtype, be.device)
+            graphs = getattr(be, "_graphs", None)
+            if graphs:  # captured steps stage into the buffers they saw (a lost cache rank's epoch had others)
+                graphs.clear()
         for layer in range(spec.n_layers):
             s.kv_refs[layer] = (be.k_cache[layer][:B], be.v_cache[layer][:B])
             if shared_kv:
@@ -269,12 +272,12 @@ class InferenceSession:
         self.stats["joins"] += len(rows)
         if self.peer_gone is not None or not resync:
             return
-        if self._owed_since is None:
-            self._owed_since = time.monotonic()
         self.stats["join_resyncs"] += 1
         t0 = time.perf_counter()
         for p in range(len(self.packs)):
             while self.arrived[p] < step:
+                if self._owed_since is None:  # (any arrival clears it; these selections are still owed)
+                    self._owed_since = time.monotonic()
                 if not await self._alive(step, p):
                     break
                 self._wake.clear()
