@@ -65,7 +65,7 @@ class AsyncSlotBatch(SlotBatch):
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
-                       "join_resyncs": 0, "epochs": 0}
+                       "join_resyncs": 0, "epochs": 0, "topk_fallbacks": None}
 
     # ------------------------------------------------------------------ epochs
     def reset(self, cursor: int) -> None:
@@ -98,6 +98,10 @@ class AsyncSlotBatch(SlotBatch):
         t["late_packs"] += sess.late_packs
         for k in _SESSION_COUNTS:
             t[k] += sess.stats.get(k, 0)
+        # the cache rank's account of the epoch, sent with its END acknowledgement (NaN: no carried threshold)
+        fb = sess.stats.get("cache_host", {}).get("topk_fallbacks", float("nan"))
+        if fb == fb:
+            t["topk_fallbacks"] = (t["topk_fallbacks"] or 0) + int(fb)
 
     def live(self) -> dict:
         """The totals including the running epoch (host counters)."""

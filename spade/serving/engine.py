@@ -243,8 +243,9 @@ class AsyncEngine:
         if live is None:
             return {}
         t = live()
-        return {"late_packs": t["late_packs"], "cache_epochs": t["epochs"], "cache_restarts": t["restarts"],
-                "cache_peers_lost": t["peers_lost"], "dropped_selections": t["dropped_selections"],
+        return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"], "cache_epochs": t["epochs"],
+                "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
+                "dropped_selections": t["dropped_selections"],
                 "join_resyncs": t["join_resyncs"], "join_wait_s": t["join_wait_s"]}
 
     metrics = stats
