@@ -723,9 +723,11 @@ class AsyncSpadePolicy(Policy):
         idx = torch.as_tensor(rows, device=st.window.device)
         st.window.index_copy_(0, idx, new.window)
         if st.row_anchors is None:
-            # rows never prefilled hold nothing: count as if they had joined now with no query
-            st.row_anchors = [(state.seq_len, 0)] * B
-            st.anchor_seq_len, st.anchor_count = state.seq_len, 0
+            if st.anchor_seq_len is not None:  # a batch prefill (a restarted cache rank's boot): its rows keep it
+                st.row_anchors = [(st.anchor_seq_len, st.anchor_count)] * B
+            else:  # rows never prefilled hold nothing: count as if they had joined now with no query
+                st.row_anchors = [(state.seq_len, 0)] * B
+                st.anchor_seq_len, st.anchor_count = state.seq_len, 0
         for r in rows:
             st.row_anchors[r] = (state.seq_len, new.anchor_count)
         st.last_sel = None

@@ -201,9 +201,11 @@ class AsyncRuntime(Runtime):
         await sess.end()
         return sess.trace(rows, times)
 
-    async def session(self) -> "InferenceSession":
+    async def session(self, selector: AsyncSelector | None = None) -> "InferenceSession":
         """A generation session (``begin`` / ``step`` / ``end``): the benchmark drives
-        one directly to time steady-state steps."""
+        one directly to time steady-state steps. ``selector``: the session's
+        ``AsyncSelector`` (serving keeps one, and its attention context, for every
+        epoch: CUDA graphs key on them); None: a new one."""
         link = None if self.sync_policy else await self.link()
         if link is not None and self._owns_link:
             try:
@@ -215,10 +217,10 @@ class AsyncRuntime(Runtime):
                     link = await self.link(restart=True)
                 except TransportError as e2:  # not back: this generation starts dense, its supervisor retries
                     log.warning("starting a new cache rank failed (%s); decoding densely until one is up", e2)
-                    sess = InferenceSession(self, link)
+                    sess = InferenceSession(self, link, selector)
                     sess.start_lost(f"{type(e2).__name__}: {e2}")
                     return sess
-        return InferenceSession(self, link)
+        return InferenceSession(self, link, selector)
 
     async def link(self, *, restart: bool = False) -> CacheLink:
         """The open link (opened on first need). ``restart``: opened to replace a lost

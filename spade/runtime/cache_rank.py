@@ -231,12 +231,13 @@ class CacheRank:
         return info
 
     def _encode(self, info: tuple, o: dict | None, p: int, step: int, seq: int, s: P.Setup, view, prev: dict,
-                l0: int) -> list[torch.Tensor]:
+                l0: int, gen: int = 0) -> list[torch.Tensor]:
         """The pack's "sel" message (see ``spade.runtime.protocol``) from the host
-        facts ``info`` and the output buffers ``o`` of ``select_pack``."""
+        facts ``info`` and the output buffers ``o`` of ``select_pack``; ``gen``: the
+        inference rank's join counter this selection follows (serving)."""
         flags, K = info[:-1], info[-1]
         n = len(flags)
-        meta = torch.tensor([[p, step, seq, int(dense), sink, recent, K, 0] for dense, sink, recent in flags],
+        meta = torch.tensor([[p, step, seq, int(dense), sink, recent, K, 0, gen] for dense, sink, recent in flags],
                             dtype=torch.int64)
         if K == 0:
             if s.return_mode == "delta":
@@ -328,10 +329,11 @@ class _Generation:
                 (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
 
     async def run(self) -> None:
-        await self._boot()
-        self._buffers()
         T, s = self.T, self.s
-        if T + 1 > s.theta:
+        if not s.serving:  # (serving: every row idle until a JOIN)
+            await self._boot()
+        self._buffers()
+        if T + 1 > s.theta and not s.serving:
             for p in range(len(self.packs)):
                 await self._select_and_send(p, s.first_step, T + 1)
         while True:
@@ -344,6 +346,9 @@ class _Generation:
                 return
             if c[0] == P.SHUTDOWN:
                 raise _Shutdown()
+            if c[0] == P.JOIN:
+                await self._join(c[1], c[2], c[3], msg[1].tolist(), msg[2])
+                continue
             if c[0] != P.STEP:
                 raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
             await self._step(c[1], c[2], waited)
@@ -365,6 +370,37 @@ class _Generation:
                 self.policy.prefill(self.state, layer, q_tail, k, v, self.kv_lens)
             del msg, q_tail
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
+
+    async def _join(self, S: int, step: int, gen: int, rows: list[list[int]], kv_start: torch.Tensor) -> None:
+        """Serving: requests join rows ``rows`` ([row, prompt length]) at cursor ``S``
+        before decode step ``step``: each row's state becomes its request's alone
+        (``policy.prefill_rows`` on its prompt's keys and last queries), then step
+        ``step``'s selections are made again and sent tagged ``gen``."""
+        t, s, rank, policy, state = self.t, self.s, self.rank, self.policy, self.state
+        with rank._on():
+            if state.kv_start is None:
+                state.kv_start = kv_start.to(self.dev).clone()
+            else:
+                state.kv_start.copy_(kv_start.to(self.dev))
+            kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.dev)
+        state.seq_len = S
+        for layer in range(self.n_layers):
+            for row, T in rows:
+                msg = await t.recv("boot")
+                with rank._on():
+                    if not s.shared_kv:  # the row's prompt keys (and values) into the store
+                        self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])
+                        if self.vstore is not None:
+                            self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
+                    k, v = self.view(layer, S)
+                    policy.prefill_rows(state, layer, [row], msg[0], k[row:row + 1], v[row:row + 1], kv_lens)
+                del msg
+            await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
+        self.gen = gen
+        rank.stats["joins"] = rank.stats.get("joins", 0) + len(rows)
+        if S + 1 > s.theta:  # the selections already sent for ``step`` used the rows' old content
+            for p in range(len(self.packs)):
+                await self._select_and_send(p, step, S + 1)
 
     def _buffers(self) -> None:
         """The generation's host state and the fixed device buffers: inputs copied in per
@@ -392,6 +428,7 @@ class _Generation:
                          and self.policy.takes_new_keys(self.state))
         self.append_k = not s.shared_kv and not self.new_keys
         self.sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
+        self.gen = 0  # serving: the inference rank's join counter of the last JOIN
 
     def _observe_pack(self, p: int, seq: int) -> None:
         l0, l1 = self.packs[p]
@@ -481,7 +518,7 @@ class _Generation:
             key = ("select", p, _key(self.policy, self.state, seq))
             info = rank._run(key, lambda: self._select_pack(p, seq), self.graphs_on)
             tensors = rank._encode(info, self.out.get(p), p, step, seq, self.s, self.view, self.prev,
-                                   self.packs[p][0])
+                                   self.packs[p][0], self.gen)
         t1 = time.perf_counter()
         rank.stats["select_host_s"] += t1 - t0
         rank.stats["selections"] += 1

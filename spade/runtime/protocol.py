@@ -9,6 +9,8 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
     inference -> cache
       "ctl"   [cmd int64 [4] (cpu)]                    STEP(seq_len, step) | END | SHUTDOWN
               [cmd, setup uint8 (cpu, JSON), kv_lens [B], kv_start [B]?]       BOOT(B, T)
+              [cmd, rows int64 [n, 2] (cpu: row, prompt length T_i), kv_start [B]]
+                                                       JOIN(S, step, gen) (serving, below)
       "boot"  per layer: [q_tail [B, Hq, W, D], k [B, Hkv, T, D], v [B, Hkv, T, D]]
               (the prompt's KV and last W queries; only q_tail when the cache rank
               reads the inference rank's own cache: ``colocated`` with a static cache)
@@ -17,7 +19,7 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
               differ, or [q] alone with a shared cache
     cache -> inference
       "boot_ack" [layer int64 [1] (cpu)] after each "boot" (at most 2 unacknowledged)
-      "sel"   per pack per *sparse* step:
+      "sel"   per pack per *sparse* step (and per pack after a JOIN, below):
               [meta int64 [n, META] (cpu), payload...]
               indices: [idx int32 [n, B, Hkv, K]]
               kv:      [idx, k_sel [n, B, Hkv, K, D], v_sel [n, B, Hkv, K, D]]
@@ -31,6 +33,21 @@ A restarted cache rank (the first was lost mid-generation) gets the same BOOT at
 cache length it joins at: the KV so far as the "prompt", the last step's query as
 ``q_tail`` (W = 1: its query window refills as steps come), and ``first_step``, the
 decode step its first selections are for.
+
+Serving (``spade.serving``, a slot batch whose rows join and leave between steps):
+BOOT has ``Setup.serving`` set and no "boot" messages: every row is idle at the
+cursor ``T`` (no ``policy.prefill``, no first selections). A request joining rows
+``r_i`` (prompt lengths ``T_i``) before decode step ``step`` at cursor ``S`` is a JOIN:
+the whole ``kv_start`` vector (leaves included), then per layer, per joining row, a
+"boot" message [q_tail [1, Hq, W_i, D], k [1, Hkv, T_i, D], v (kv mode)] (k and v:
+the row's cache at ``[S - T_i, S)``; only q_tail with a shared cache), one
+"boot_ack" per layer. The cache rank applies ``policy.prefill_rows`` row by row and,
+when step ``step`` is past θ, selects that step again for every pack (the selection
+it already sent for ``step`` used the rows' old content) and sends it with the
+meta column ``META_GEN`` = ``gen``, the inference rank's join counter; the inference
+rank drops every selection of an older ``gen`` and waits for these before running
+``step``. A leave needs no message: the row's window is one token and its selections
+are ignored until a JOIN resets its state.
 
 Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
 KV and last W queries right after prefill and then *every* step's q/k/v, dense
@@ -52,14 +69,15 @@ from spade.policies.base import AttentionSpec, RopeSpec
 
 #: Handshake layout of a runtime link: bump when the messages below change.
 #: 2: ``Setup.first_step`` (a cache rank restarted mid-generation).
-PROTOCOL = "spade-async/2"
+#: 3: serving: ``Setup.serving``, JOIN, the ``META_GEN`` column of "sel".
+PROTOCOL = "spade-async/3"
 
 # ctl commands
-BOOT, STEP, END, SHUTDOWN = 1, 2, 3, 4
+BOOT, STEP, END, SHUTDOWN, JOIN = 1, 2, 3, 4, 5
 
 # meta columns of a "sel" message (one row per layer of the pack)
-META_PACK, META_STEP, META_SEQ, META_DENSE, META_SINK, META_RECENT, META_K, META_C = range(8)
-META = 8
+META_PACK, META_STEP, META_SEQ, META_DENSE, META_SINK, META_RECENT, META_K, META_C, META_GEN = range(9)
+META = 9
 
 # the cache rank's host-side account of one generation, sent with the END acknowledgement
 # (medians over the generation's packs / steps; the first steps include graph capture)
@@ -156,6 +174,7 @@ class Setup:
     has_kv_start: bool
     hooks: dict = field(default_factory=dict)
     first_step: int = 1  # the decode step of the first selection: >1 for a cache rank restarted mid-generation
+    serving: bool = False  # a slot batch: no prompt at BOOT (every row idle), rows come by JOIN
 
     def to_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(dataclasses.asdict(self)).encode()), dtype=torch.uint8)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from spade.attention import AttentionContext, ThresholdSelector
-from spade.errors import PeerTimeout, TransportError
+from spade.errors import ConfigError, PeerTimeout, TransportError
 from spade.runtime import protocol as P
 from spade.runtime.base import GenerationTrace, _sync, sample_and_report
 from spade.runtime.cache_rank import delta_apply
@@ -43,7 +43,7 @@ class _StepState:
 class InferenceSession:
     """The inference rank's side of one generation."""
 
-    def __init__(self, rt: AsyncRuntime, link: CacheLink | None):
+    def __init__(self, rt: AsyncRuntime, link: CacheLink | None, selector: AsyncSelector | None = None):
         self.rt = rt
         self.link = link
         self.be = rt.backend
@@ -60,7 +60,8 @@ class InferenceSession:
             "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
             "waited_packs": 0, "timed_out_packs": 0, "wait_s": 0.0, "sel_messages": 0, "peers_lost": 0,
-            "restarts": 0, "dense_fallback_steps": 0,
+            "restarts": 0, "dense_fallback_steps": 0, "joins": 0, "join_resyncs": 0, "join_wait_s": 0.0,
+            "dropped_selections": 0,
         }
         self.t_start = time.monotonic()
         self.events: list[dict] = []
@@ -95,9 +96,15 @@ class InferenceSession:
         self._no_restart: str | None = None  # why a lost cache rank is not restarted
         self.ctx: AttentionContext | None = None
         self.prefill_time_s = 0.0
-        self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
-                                                             return_mode=rt.return_mode,
-                                                             rerank=self.policy.rerank_keep())
+        if selector is not None and not rt.sync_policy:  # serving: one selector (and context) for every epoch
+            self.sel = selector
+        else:
+            self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
+                                                                 return_mode=rt.return_mode,
+                                                                 rerank=self.policy.rerank_keep())
+        self.gen = 0
+        """Serving: joins sent this session (``join_rows``); selections tagged with an older
+        one were made from rows' previous content and are dropped."""
 
     # ------------------------------------------------------------------ begin
     async def begin(self, prefill_fn: Callable[[AttentionContext], torch.Tensor], *, batch: int,
@@ -180,8 +187,108 @@ class InferenceSession:
                                  be.device, kv_dtype=k0.dtype, D=D, kv_start=self.ctx.kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
 
+    # ------------------------------------------------------------------ serving (spade.serving)
+    async def begin_serving(self, ctx: AttentionContext, cursor: int) -> None:
+        """Serving: boot the cache rank for a slot batch (every one of the backend's
+        ``max_batch`` rows, all idle) at the shared cursor ``cursor``; requests come by
+        ``join_rows``. ``ctx`` (whose selector is this session's) attends every step."""
+        be, s, spec = self.be, self.sel, self.spec
+        if self.rt.return_mode != "indices":
+            raise ConfigError(f"runtime.return_mode {self.rt.return_mode!r}: serving a slot batch through a cache "
+                              "rank takes runtime.return_mode: indices")
+        link = self.link
+        alive = self.peer_gone is None
+        if alive:
+            link.check()
+        if be.device.type == "cuda":
+            self._land_stream = torch.cuda.Stream(device=be.device)
+            if alive:
+                link.transport.recv_stream = self._land_stream
+        if alive and link.cache is not None:
+            self._cache_base = link.cache.consumed
+        self.ctx = ctx
+        B = int(be.max_batch)
+        k0 = be.k_cache[0]
+        Hkv, L, D = k0.shape[1], k0.shape[2], k0.shape[3]
+        q_dtype = getattr(be, "dtype", k0.dtype)
+        shared_kv = alive and link.shared is not None
+        s.shared = link.shared if shared_kv else None
+        s.stage_kv = not shared_kv
+        if not s.q_buf or s.q_buf[0].shape[1] != B or bool(s.pack_buf) != (s.stage_kv and q_dtype == k0.dtype):
+            s.allocate(B, spec.n_q_heads, Hkv, D, q_dtype, k0.dtype, be.device)
+            graphs = getattr(be, "_graphs", None)
+            if graphs:  # captured steps stage into the buffers they saw (a lost cache rank's epoch had others)
+                graphs.clear()
+        for layer in range(spec.n_layers):
+            s.kv_refs[layer] = (be.k_cache[layer][:B], be.v_cache[layer][:B])
+            if shared_kv:
+                link.shared.refs[layer] = s.kv_refs[layer]
+        s.kv_lens0 = torch.full((B,), cursor, dtype=torch.int64, device=be.device)
+        self._T0, self._capacity, self._static_len, self._shared_kv = cursor, L, L, shared_kv
+        self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q_dtype))
+        self._kv_dtype, self._B, self._D = k0.dtype, B, D
+        await self._send_boot(cursor, 0, s.kv_lens0, None, first_step=1, hooks=self.rt.hooks.to_dict(),
+                              serving=True)
+        layout = self.policy.selection_layout()
+        if layout is not None:
+            K, n_sink, n_recent = layout
+            for layer in range(spec.n_layers):
+                s.ensure_buffers(layer, B, spec.n_kv_heads, K, n_sink, n_recent, be.device, kv_dtype=k0.dtype,
+                                 D=D, kv_start=ctx.kv_start)
+        self._wake = asyncio.Event()
+        self._end_seen = asyncio.Event()
+        if self.peer_gone is None:
+            self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+
+    async def join_rows(self, cursor: int, joins: dict[int, tuple[int, list[tuple]]]) -> None:
+        """Serving: the requests prefilled into rows ``joins`` (row -> (prompt length T,
+        per layer (q_tail [1, Hq, W, D], k [1, Hkv, T, D] or None, v or None))) at
+        ``cursor`` join before the next decode step: JOIN (``spade.runtime.protocol``),
+        then wait for that step's selections made after it (a sync point at joins only;
+        with the cache rank lost nothing is sent: its successor boots from this rank's
+        cache)."""
+        if self.peer_gone is not None or not joins:
+            return
+        step = self.step_state.index + 1
+        self.gen += 1
+        rows = sorted(joins)
+        resync = cursor + 1 > self.rt.theta  # the cache rank makes step ``step``'s selections again
+        if resync:  # (before the JOIN: the re-selection may arrive while the rows' data travels)
+            for p in range(len(self.packs)):
+                self.arrived[p] = min(self.arrived[p], step - 1)
+        info = torch.tensor([[r, joins[r][0]] for r in rows], dtype=torch.int64)
+        await self._send("ctl", [P.cmd(P.JOIN, cursor, step, self.gen), info, self.ctx.kv_start])
+        acks = 0
+        for layer in range(self.spec.n_layers):
+            for r in rows:
+                q_tail, k, v = joins[r][1][layer]
+                await self._send("boot", [q_tail] if self._shared_kv else [q_tail, k] + ([v] if v is not None else []))
+            while layer + 1 - acks > BOOT_AHEAD:
+                await self._boot_ack()
+                acks += 1
+        while acks < self.spec.n_layers:
+            await self._boot_ack()
+            acks += 1
+        self.stats["joins"] += len(rows)
+        if self.peer_gone is not None or not resync:
+            return
+        self.stats["join_resyncs"] += 1
+        t0 = time.perf_counter()
+        for p in range(len(self.packs)):
+            while self.arrived[p] < step:
+                if self._owed_since is None:  # (any arrival clears it; these selections are still owed)
+                    self._owed_since = time.monotonic()
+                if not await self._alive(step, p):
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+        self.stats["join_wait_s"] += time.perf_counter() - t0
+
     async def _send_boot(self, T: int, W: int, kv_lens: torch.Tensor, layer_msg, *, first_step: int,
-                         hooks: dict) -> None:
+                         hooks: dict, serving: bool = False) -> None:
         """BOOT at cache length ``T`` and, per layer, ``W`` queries and (unless the cache
         rank reads this rank's cache) the K/V of positions ``[0, T)``; ``layer_msg(layer)``
         gives (q_tail, k cache, v cache)."""
@@ -191,11 +298,13 @@ class InferenceSession:
                         capacity=self._capacity, static_len=self._static_len, dtype=self._dtypes[0],
                         q_dtype=self._dtypes[1], pack_layers=self.P, return_mode=self.rt.return_mode,
                         theta=self.rt.theta, q_tail=W, shared_kv=self._shared_kv,
-                        has_kv_start=kv_start is not None, hooks=hooks, first_step=first_step)
+                        has_kv_start=kv_start is not None, hooks=hooks, first_step=first_step, serving=serving)
         msg = [P.cmd(P.BOOT, B, T), setup.to_tensor(), kv_lens]
         if kv_start is not None:
             msg.append(kv_start)
         await self._send("ctl", msg)
+        if serving:  # every row idle: no prompt travels
+            return
         # The prompt's KV can be most of a GPU: at most BOOT_AHEAD layers travel
         # unacknowledged, so neither side stages the whole cache at once.
         acks = 0
@@ -340,6 +449,7 @@ class InferenceSession:
         self._recv_error = None
         n = len(self.packs)
         self.arrived, self.ever, self.pending = [0] * n, [False] * n, [[] for _ in range(n)]
+        self.gen = 0  # the new cache rank counts joins from its boot
         self._qkv_sent = 0
         self._cache_base = link.cache.consumed if link.cache is not None else 0
         if self._land_stream is not None:
@@ -407,6 +517,9 @@ class InferenceSession:
                     self._end_seen.set()
                     return
                 p = meta[0][P.META_PACK]
+                if meta[0][P.META_GEN] < self.gen:  # made before a join from the rows' old content
+                    self.stats["dropped_selections"] += 1
+                    continue
                 if self._land_stream is not None and self.rt.return_mode != "delta":
                     # Copy into the fixed buffers right away, on the landing stream: the
                     # buffers' last readers (pack p of the step before) finished before the
@@ -602,8 +715,9 @@ class InferenceSession:
                 return
             await asyncio.sleep(0)
 
-    async def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step; returns the logits [B, V]."""
+    async def step(self, tokens: torch.Tensor, sparse: bool | None = None) -> torch.Tensor:
+        """One decode step; returns the logits [B, V]. ``sparse``: whether any row attends
+        a selection this step (serving decides per row; default: past θ)."""
         be, ctx = self.be, self.ctx
         if self.rt.sync_policy:
             return be.decode(tokens, ctx)
@@ -614,10 +728,11 @@ class InferenceSession:
         step = st.index
         if self.peer_gone is not None:
             await self._supervise(step)
-        st.sparse = seq > self.rt.theta and self.peer_gone is None
+        want = seq > self.rt.theta if sparse is None else bool(sparse)
+        st.sparse = want and self.peer_gone is None
         if st.sparse:
             self.stats["sparse_steps"] += 1
-        elif seq > self.rt.theta:  # meant to be sparse: the cache rank is lost
+        elif want:  # meant to be sparse: the cache rank is lost
             self._note_fallback(step)
         s = self.sel
         s.key = ("sparse", self.rt.return_mode) if st.sparse else ("dense",)

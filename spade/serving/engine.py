@@ -39,8 +39,42 @@ from spade.serving.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-#: topologies a slot batch serves today, with the policies each may run
-SERVED_TOPOLOGIES = ("inline", "colocated")
+#: topologies a slot batch serves today (``check_served`` says which policies each runs)
+SERVED_TOPOLOGIES = ("inline", "colocated", "local", "multiprocess")
+#: policies a cache rank serves for a slot batch (rows joining and leaving)
+CACHE_RANK_POLICIES = ("asyncspade",)
+
+
+def check_served(config: SpadeConfig) -> None:
+    """Refuse, before the model loads, what ``AsyncEngine`` cannot serve, with a
+    ``ConfigError`` naming the field, its value and the fix."""
+    from spade.policies import POLICIES
+
+    rt, pc = config.runtime, config.policy
+    if rt.topology not in SERVED_TOPOLOGIES:
+        raise ConfigError(
+            f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does not "
+            f"follow requests joining and leaving the batch there); use runtime.topology: "
+            f"{', '.join(SERVED_TOPOLOGIES)}")
+    cache_rank = (rt.topology != "inline" and not POLICIES.get(pc.name).needs_current_query
+                  and getattr(pc, "budget", None) is not None)
+    if cache_rank and pc.name not in CACHE_RANK_POLICIES:
+        raise ConfigError(
+            f"runtime.topology {rt.topology!r} with policy {pc.name!r} runs a cache rank, which spade.AsyncEngine "
+            f"drives for {', '.join(CACHE_RANK_POLICIES)} only; use runtime.topology: inline for this policy")
+    if cache_rank and rt.return_mode != "indices":
+        raise ConfigError(
+            f"runtime.return_mode {rt.return_mode!r}: spade.AsyncEngine serves a cache rank's selections as index "
+            "lists only (the kv and delta modes do not follow rows joining yet); set runtime.return_mode: indices")
+    if pc.name == "asyncspade" and (pc.refresh_every > 1 or pc.refresh_drift is not None or pc.score_channels):
+        raise ConfigError(
+            f"policy.refresh_every ({pc.refresh_every}), policy.refresh_drift ({pc.refresh_drift}) and "
+            f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
+            "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
+            "score_channels: null to serve asyncspade")
+    if config.model.backend == "hf":
+        raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
+                          "model.backend: fast (or auto)")
 
 
 @dataclass
@@ -82,47 +116,36 @@ class AsyncEngine:
     a no-op, as in vLLM); ``close()`` aborts everything and frees the model.
     ``stats()`` (alias ``metrics()``) is a dict of counters for a server's /metrics.
 
-    Supported: ``runtime.topology`` ``inline`` (every policy) and ``colocated`` with the
-    policies the colocated runtime runs on the inference rank (``full``, ``quest``,
-    ``oracle``); the fast backend (``model.backend`` ``fast`` or ``auto``; ``hf`` is
-    refused). Prompts are used as given (no chat template).
+    Supported: ``runtime.topology`` ``inline`` (every policy); ``colocated`` and ``local``
+    with ``asyncspade`` on a cache rank that follows the rows (``return_mode: indices``;
+    ``spade.serving.async_slots``) and with the policies those topologies run on the
+    inference rank (``full``, ``quest``, ``oracle``); the fast backend (``model.backend``
+    ``fast`` or ``auto``; ``hf`` is refused). ``check_served`` refuses the rest. Prompts
+    are used as given (no chat template). ``cache_hooks``: ``spade.runtime.protocol.CacheHooks``
+    for tests (a slow or dying cache rank).
     """
 
-    def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
+    def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None,
+                 cache_hooks=None):
         self.cfg = config
         rt = config.runtime
-        if rt.topology not in SERVED_TOPOLOGIES:
-            raise ConfigError(
-                f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does "
-                f"not follow requests joining and leaving the batch); use runtime.topology: "
-                f"{' or '.join(SERVED_TOPOLOGIES)}")
-        from spade.policies import POLICIES
-
-        pc = config.policy
-        # the colocated runtime runs a cache rank for the policies that can select one step
-        # ahead (spade.runtime.selector.is_async_policy), which this engine does not drive yet
-        if rt.topology == "colocated" and not POLICIES.get(pc.name).needs_current_query \
-                and getattr(pc, "budget", None) is not None:
-            raise ConfigError(
-                f"runtime.topology 'colocated' with policy {pc.name!r} runs a cache rank, which "
-                "spade.AsyncEngine does not drive yet; use runtime.topology: inline for this policy "
-                "(colocated serves full, quest and oracle)")
-        if pc.name == "asyncspade" and (pc.refresh_every > 1 or pc.refresh_drift is not None or pc.score_channels):
-            raise ConfigError(
-                f"policy.refresh_every ({pc.refresh_every}), policy.refresh_drift ({pc.refresh_drift}) and "
-                f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
-                "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
-                "score_channels: null to serve asyncspade")
-        if config.model.backend == "hf":
-            raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
-                              "model.backend: fast (or auto)")
+        check_served(config)
         # model.backend auto means fast here, on a CPU too (Engine picks hf there for real weights)
         parts = load_model(config, max_batch=config.serving.max_batch, say=progress, backend="fast")
         self.device, self.dtype = parts.device, parts.dtype
         self.backend, self.policy = parts.backend, parts.policy
+        from spade.runtime.selector import is_async_policy
         from spade.serving.slots import SlotBatch
 
-        self.batch = SlotBatch(self.backend, self.policy, rt.sparse_threshold)
+        if rt.topology != "inline" and is_async_policy(self.policy):
+            # the policy selects one step ahead on a cache rank that follows the rows
+            from spade.runtime.asyncrt import AsyncRuntime
+            from spade.serving.async_slots import AsyncSlotBatch
+
+            runtime = AsyncRuntime(config, self.backend, self.policy, hooks=cache_hooks)
+            self.batch = AsyncSlotBatch(self.backend, self.policy, rt.sparse_threshold, runtime)
+        else:  # inline, and the policies every topology runs on the inference rank
+            self.batch = SlotBatch(self.backend, self.policy, rt.sparse_threshold)
         self.tokenizer = getattr(self.backend, "tokenizer", None)
         self.eos = set(getattr(self.backend, "eos_token_ids", []) or [])
         self.vocab = int(self.backend.vocab_size)
@@ -210,9 +233,20 @@ class AsyncEngine:
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
             "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running,
-            "late_packs": 0, "topk_fallbacks": None,  # no cache rank in the served topologies yet
+            "late_packs": 0, "topk_fallbacks": None,  # (no cache rank: inline selections)
+            **self._cache_stats(),
             "closed": self._closed,
         }
+
+    def _cache_stats(self) -> dict:
+        live = getattr(self.batch, "live", None)
+        if live is None:
+            return {}
+        t = live()
+        return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"], "cache_epochs": t["epochs"],
+                "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
+                "dropped_selections": t["dropped_selections"],
+                "join_resyncs": t["join_resyncs"], "join_wait_s": t["join_wait_s"]}
 
     metrics = stats
 
@@ -556,8 +590,16 @@ class AsyncEngine:
                 self._finish(self._waiting.popleft(), "abort")
 
     def _shutdown(self) -> None:
+        # the batch's cache rank (its session, link and event loop) ends on the worker thread that drives it
+        self._pool.submit(self._close_batch)
         self._pool.shutdown(wait=True)
         self._release()
+
+    def _close_batch(self) -> None:
+        try:
+            self.batch.close()
+        except Exception:
+            log.exception("closing the serving batch's cache rank failed")
 
     def _release(self) -> None:
         close = getattr(getattr(self, "backend", None), "close", None)

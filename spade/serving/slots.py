@@ -179,14 +179,8 @@ class SlotBatch:
         self.kv_start[row] = S - T
         self.state.seq_len = S
         self.state.kv_start = self.kv_start
-        kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.device)
-        rows = [row]
-
-        def report(layer, q, k_row, v_row):
-            self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
-
         try:
-            logits = self.backend.prefill_row(row, ids, report)
+            logits = self.backend.prefill_row(row, ids, self._row_report(row, S, T))
         except BaseException:
             self.kv_start_host[row] = self.kv_start_host[row] + T  # back to an idle window
             self.kv_start[row] = self.kv_start_host[row]
@@ -195,6 +189,17 @@ class SlotBatch:
         self.joins_running += not self.empty
         self.active[row] = True
         return logits
+
+    def _row_report(self, row: int, S: int, T: int):
+        """The per-layer hook of ``prefill_row`` for a request of ``T`` tokens joining
+        ``row`` at cursor ``S``: the joining row's policy state (``Policy.prefill_rows``)."""
+        kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.device)
+        rows = [row]
+
+        def report(layer, q, k_row, v_row):
+            self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
+
+        return report
 
     def leave(self, row: int) -> None:
         """Free ``row``: from the next step it decodes a dummy token over its own window,
@@ -205,6 +210,16 @@ class SlotBatch:
         self.kv_start[row] = S
 
     # ------------------------------------------------------------------ decode
+    def _decode(self, tokens: torch.Tensor, mode: str) -> torch.Tensor:
+        """The step's model pass (``ctx.mode`` set): the policy inline, skipped when every
+        row is dense."""
+        self.selector.all_dense = mode == "dense"
+        return self.backend.decode(tokens, self.ctx)
+
+    def close(self) -> None:
+        """Nothing beyond the backend (which the engine frees) here; a batch with a cache
+        rank ends its session."""
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of every row: ``tokens`` [B] (idle rows: any id). Returns
         logits [B, V] float32."""
@@ -221,8 +236,7 @@ class SlotBatch:
         if mode == "mixed":
             self.ctx.dense_rows.copy_(torch.tensor(dense, dtype=torch.bool), non_blocking=True)
         self.ctx.mode = mode
-        self.selector.all_dense = mode == "dense"
-        logits = self.backend.decode(tokens, self.ctx)
+        logits = self._decode(tokens, mode)
         self.steps += 1
         self.sparse_steps += mode != "dense"
         self.mixed_steps += mode == "mixed"

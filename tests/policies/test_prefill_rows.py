@@ -122,3 +122,25 @@ def _step(pol, batch, alone, kb, vb, seq_k, seq_v, seq_q, kv_start, done, S) -> 
     for r in rows:
         done[r] += 1
     return n
+
+
+def test_a_join_after_a_batch_prefill_keeps_the_other_rows_windows():
+    """A cache rank restarted mid-serving boots the whole batch with ``prefill`` (one
+    query per row); a request joining later resets its own row only: the other rows
+    keep their window counts."""
+    pol = build_policy(CONFIGS["asyncspade"], SPEC)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, T = 3, SPEC.n_q_heads, SPEC.n_kv_heads, SPEC.head_dim, 10
+    st = pol.new_state(B, "cpu")
+    st.seq_len, st.kv_start = T, torch.zeros(B, dtype=torch.int32)
+    k = torch.randn(B, Hkv, L, D, generator=g)
+    for layer in range(SPEC.n_layers):
+        pol.prefill(st, layer, torch.randn(B, Hq, 1, D, generator=g), k, k, torch.full((B,), T))
+    st.seq_len = T + 3  # two decode steps later
+    before = pol.n_valid(st, 0)
+    assert before == 3
+    st.kv_start[1] = st.seq_len - 5  # a 5-token prompt joins row 1
+    for layer in range(SPEC.n_layers):
+        pol.prefill_rows(st, layer, [1], torch.randn(1, Hq, 5, D, generator=g), k[1:2], k[1:2],
+                         torch.full((1,), st.seq_len))
+        assert pol.row_counts(st, layer) == [before, 5, before]

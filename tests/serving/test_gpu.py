@@ -20,8 +20,8 @@ def _triton(_torch_kernels, monkeypatch):
     monkeypatch.delenv("SPADE_KERNELS", raising=False)
 
 
-def _cfg(policy: str):
-    return make_config(policy, max_batch=4, extra=["model.device=cuda:0", "model.dtype=float32"])
+def _cfg(policy: str, topology: str = "inline"):
+    return make_config(policy, topology, max_batch=4, extra=["model.device=cuda:0", "model.dtype=float32"])
 
 
 async def _staggered(engine, prompts, ns):
@@ -32,9 +32,11 @@ async def _staggered(engine, prompts, ns):
     return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))))
 
 
-@pytest.mark.parametrize("policy", ["full", "asyncspade", "quest"])
-def test_joined_requests_match_alone_on_gpu(policy):
-    engine = spade.AsyncEngine(_cfg(policy))
+@pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"), ("quest", "inline"),
+                                             ("asyncspade", "colocated"), ("asyncspade", "local")])
+def test_joined_requests_match_alone_on_gpu(policy, topology):
+    """(``local`` puts the cache rank on a second GPU when there is one.)"""
+    engine = spade.AsyncEngine(_cfg(policy, topology))
     prompts = random_prompts(6, seed=4)
     ns = [8 + 3 * i for i in range(6)]
 
@@ -66,3 +68,22 @@ def test_joins_and_leaves_do_not_recapture():
 
     keys, keys2 = run(main())
     assert keys == keys2 == 1
+
+
+def test_cache_rank_joins_and_leaves_do_not_recapture():
+    """asyncspade colocated: the inference rank's graphs are keyed by dense / sparse /
+    mixed only, so a second round of joins and leaves adds no key."""
+    engine = spade.AsyncEngine(_cfg("asyncspade", "colocated"))
+
+    async def main():
+        await _staggered(engine, random_prompts(6, seed=5, lo=14, hi=20), [12 + 2 * i for i in range(6)])
+        keys = set(engine.backend._graphs)
+        await _staggered(engine, random_prompts(8, seed=6, lo=14, hi=20), [10 + i for i in range(8)])
+        keys2 = set(engine.backend._graphs)
+        st = engine.stats()
+        await engine.close()
+        return keys, keys2, st
+
+    keys, keys2, st = run(main())
+    assert st["sparse_steps"] > 0 and st["joins_into_running"] >= 1
+    assert keys == keys2 and len(keys) <= 3

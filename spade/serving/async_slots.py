@@ -1,0 +1,174 @@
+"""Row slots whose selections come from a cache rank (``colocated``, ``local``,
+``multiprocess``): ``AsyncSlotBatch``.
+
+The slot batch of ``spade.serving.slots`` (shared cursor, per-row ``kv_start``,
+per-row θ) driven through the asynchronous runtime's ``InferenceSession``, step by
+step, on the runtime's own event loop (the engine's worker thread):
+
+* an **epoch** is one cache-rank generation: when the batch is empty and the cursor
+  resets, the session ends and a new one boots with every row idle
+  (``InferenceSession.begin_serving``);
+* a **join** prefills the row here (``FastModel.prefill_row``) and records, per layer,
+  the prompt's last W queries and (unless the cache rank reads this rank's cache) the
+  row's keys; before the next step the joins of the iteration travel as one JOIN and
+  the step waits for its selections made after it (``InferenceSession.join_rows``): the
+  cache rank's row state is then what the request alone would have, so its tokens
+  equal its alone run's;
+* a **leave** sends nothing: the free row's window is one token and its selections are
+  ignored until a JOIN resets its state;
+* per-row θ as in ``SlotBatch``: the cache rank selects for every row once the cursor
+  is past θ; rows under their own θ attend densely in a mixed step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spade.policies.base import Policy
+from spade.runtime import protocol as P
+from spade.runtime.selector import AsyncSelector
+from spade.serving.slots import SlotBatch, SlotContext
+
+
+#: the session counters an ``AsyncSlotBatch`` sums over its epochs
+_SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s", "join_resyncs")
+
+
+class AsyncSlotContext(SlotContext):
+    """``SlotContext`` over the session's ``AsyncSelector`` (its key says whether the
+    step's selections are the cache rank's or none)."""
+
+    def graph_key(self) -> tuple:
+        return (self.mode,) + tuple(self.selector.graph_key())
+
+
+class AsyncSlotBatch(SlotBatch):
+    """A ``SlotBatch`` whose policy runs on a cache rank (``spade.runtime.AsyncRuntime``).
+
+    >>> rt = AsyncRuntime(cfg, backend, policy)                 # doctest: +SKIP
+    >>> batch = AsyncSlotBatch(backend, policy, theta=0, runtime=rt)
+    >>> batch.reset(cursor=12); logits = batch.join(0, ids); logits = batch.step(tokens)
+    >>> batch.close()                                           # ends the session, closes the runtime
+    """
+
+    def __init__(self, backend, policy: Policy, theta: int, runtime):
+        super().__init__(backend, policy, theta)
+        self.rt = runtime
+        spec = backend.spec
+        self.sel = AsyncSelector(spec, P.packs_of(spec.n_layers, runtime.pack_layers), stage_kv=True, shared=None,
+                                 return_mode=runtime.return_mode, rerank=policy.rerank_keep())
+        ctx = AsyncSlotContext(spec, self.sel, device=self.device)
+        ctx.kv_start = self.kv_start
+        ctx.dense_rows = self.ctx.dense_rows
+        self.ctx = ctx
+        self.sess = None
+        self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
+        self._recording: list[tuple] | None = None
+        self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
+                       "join_resyncs": 0, "epochs": 0, "topk_fallbacks": None}
+
+    # ------------------------------------------------------------------ epochs
+    def reset(self, cursor: int) -> None:
+        self._end_epoch()
+        super().reset(cursor)
+        self._joins.clear()
+        self.sess = self.rt.run(self._begin(cursor))
+        self.totals["epochs"] += 1
+
+    async def _begin(self, cursor: int):
+        sess = await self.rt.session(selector=self.sel)
+        try:
+            await sess.begin_serving(self.ctx, cursor)
+        except BaseException:
+            await sess.abort()
+            raise
+        return sess
+
+    def _end_epoch(self) -> None:
+        sess, self.sess = self.sess, None
+        if sess is None:
+            return
+        try:
+            self.rt.run(sess.end())
+        finally:
+            self._account(sess)
+
+    def _account(self, sess) -> None:
+        t = self.totals
+        t["late_packs"] += sess.late_packs
+        for k in _SESSION_COUNTS:
+            t[k] += sess.stats.get(k, 0)
+        # the cache rank's account of the epoch, sent with its END acknowledgement (NaN: no carried threshold)
+        fb = sess.stats.get("cache_host", {}).get("topk_fallbacks", float("nan"))
+        if fb == fb:
+            t["topk_fallbacks"] = (t["topk_fallbacks"] or 0) + int(fb)
+
+    def live(self) -> dict:
+        """The totals including the running epoch (host counters)."""
+        out = dict(self.totals)
+        if self.sess is not None:
+            out["late_packs"] += self.sess.late_packs
+            for k in _SESSION_COUNTS:
+                out[k] += self.sess.stats.get(k, 0)
+        return out
+
+    # ------------------------------------------------------------------ rows
+    def _row_report(self, row: int, S: int, T: int):
+        """Record what the cache rank needs of the joining row (sent with the next step)."""
+        W = min(T, self.policy.rows) if self.policy.rows else T
+        shared = self.sess is not None and self.sess._shared_kv
+        rec = self._recording = []
+
+        def report(layer, q, k_row, v_row):
+            q_tail = q[:, :, T - W:].clone()
+            if shared:
+                rec.append((q_tail, None, None))
+            else:
+                rec.append((q_tail, k_row[:, :, S - T:S].clone(), None))
+
+        return report
+
+    def join(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+        if self.sess is None:
+            raise RuntimeError("AsyncSlotBatch.join before reset (no serving epoch)")
+        self._recording = None
+        logits = super().join(row, ids)
+        self._joins[row] = (int(ids.numel()), self._recording)
+        self._recording = None
+        return logits
+
+    def leave(self, row: int) -> None:
+        super().leave(row)
+        self._joins.pop(row, None)  # joined and left before a step: nothing to tell
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, tokens: torch.Tensor, mode: str) -> torch.Tensor:
+        try:
+            return self.rt.run(self._astep(tokens, mode))
+        except BaseException:  # the step's state is unknown: drop the epoch (the engine fails its rows)
+            sess, self.sess = self.sess, None
+            self._joins.clear()
+            if sess is not None:
+                try:
+                    self.rt.run(sess.abort())
+                finally:
+                    self._account(sess)
+            raise
+
+    async def _astep(self, tokens: torch.Tensor, mode: str) -> torch.Tensor:
+        sess = self.sess
+        if sess is None:
+            raise RuntimeError("a decode step outside a serving epoch (a failed step ended the last one)")
+        if self._joins:
+            joins, self._joins = self._joins, {}
+            await sess.join_rows(self.cursor, joins)
+        logits = await sess.step(tokens, sparse=mode != "dense")
+        await sess.wait_device()
+        return logits
+
+    def close(self) -> None:
+        """End the epoch's session and close the runtime (its cache rank, link and loop)."""
+        try:
+            self._end_epoch()
+        finally:
+            self.rt.close()

@@ -1,0 +1,227 @@
+"""AsyncEngine with asyncspade on a cache rank that follows the rows (colocated, local,
+multiprocess over nccl (gloo on a CPU), ucx and nixl):
+joined == alone == inline, joins while a selection is in flight, abort, a lost cache
+rank, a soak."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import spade
+from spade.runtime.protocol import CacheHooks
+from spade.transports import availability
+from tests.runtime.conftest import free_port
+
+from .conftest import final, greedy, make_config, random_prompts, run
+
+TOPOLOGIES = ("colocated", "local")
+def _multiprocess(transport: str) -> list[str]:
+    """Overrides of a cache process over ``transport`` on free ports (skips an unusable one)."""
+    ok, why = availability()[transport]
+    if not ok:
+        pytest.skip(f"transport {transport!r} is not usable here: {why}")
+    port = "master_port" if transport == "nccl" else "port"  # (nccl: gloo on a CPU)
+    return [f"runtime.transport.name={transport}", f"runtime.transport.{port}={free_port()}"]
+
+
+def _jobs(n: int, seed: int, *, lo: int = 3, hi: int = 22, first: int = 30, last_arrival: int = 24,
+          out_hi: int = 24):
+    """(arrival step, prompt, max_tokens): the first at once (a long prompt: the cursor
+    starts past θ, so short prompts joining it are dense rows in mixed steps), the others
+    at random steps."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = random_prompts(n, seed=seed + 1, lo=lo, hi=hi)
+    prompts[0] = random_prompts(1, seed=seed + 2, lo=first, hi=first)[0]
+    return [(int(torch.randint(0, last_arrival, (1,), generator=g)) if i else 0, p,
+             int(torch.randint(4, out_hi + 1, (1,), generator=g)) if i else out_hi) for i, p in enumerate(prompts)]
+
+
+async def _staggered(engine, jobs, prefix="r"):
+    """Each request starts once the engine has run its arrival step (or at once when
+    nothing is left running)."""
+
+    async def one(i, step, prompt, n):
+        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
+                                                   or engine.stats()["requests_waiting"]):
+            await asyncio.sleep(0.002)
+        return await final(engine, prompt, greedy(n), f"{prefix}{i}")
+
+    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+
+
+def _inline_alone(jobs, **kw) -> list[list[int]]:
+    engine = spade.AsyncEngine(make_config("asyncspade", "inline", **kw))
+
+    async def main():
+        out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
+        await engine.close()
+        return out
+
+    return run(main())
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES + ("multiprocess/nccl", "multiprocess/ucx", "multiprocess/nixl"))
+def test_joined_rows_match_alone_and_inline(topology):
+    """Requests of different prompt lengths and max_tokens join a running batch at random
+    steps, past θ (the cache rank re-selects the step after each join): each one's greedy
+    tokens equal the same request alone through the same engine, and the inline
+    topology's."""
+    jobs = _jobs(8, seed=5)
+    topology, _, transport = topology.partition("/")
+    engine = spade.AsyncEngine(make_config("asyncspade", topology,
+                                           extra=_multiprocess(transport) if transport else None))
+
+    async def main():
+        together = await _staggered(engine, jobs)
+        stats = engine.stats()
+        tasks = [len(asyncio.all_tasks(engine.batch.rt._loop))]
+        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+        tasks.append(len(asyncio.all_tasks(engine.batch.rt._loop)))
+        link = engine.batch.rt._link
+        await engine.close()
+        return together, alone, stats, tasks, link
+
+    together, alone, stats, tasks, link = run(main())
+    assert stats["slots_used"] == 0 and stats["requests_finished"] == len(jobs)
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["mixed_steps"] > 0
+    assert stats["join_resyncs"] > 0  # joins past θ: the cache rank's selections were made again
+    assert stats["cache_peers_lost"] == 0
+    # eight more epochs leave no task behind on the runtime's loop (what stays: the open
+    # epoch's receiver and the link's own, an in-process cache rank's serve task or a
+    # transport's progress tasks)
+    assert tasks[0] == tasks[1]
+    assert link.closed and (link.proc is None or link.proc.poll() is not None)  # no cache process outlives close
+    inline = _inline_alone(jobs)
+    for (_, p, n), t, a, i in zip(jobs, together, alone, inline):
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids == i
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_join_while_a_selection_is_in_flight(topology):
+    """A slow cache rank: when a request joins, the selections of the next step made from
+    the row's old content are still on their way; they are dropped (join counter), the
+    re-selection is waited for, and every request keeps its alone tokens."""
+    # two rows, many requests: joins land in rows that served another request just before
+    jobs = _jobs(8, seed=11, lo=17, hi=30, last_arrival=16, out_hi=10)
+    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=2),
+                               cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
+
+    async def main():
+        together = await _staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return together, stats
+
+    together, stats = run(main())
+    assert stats["dropped_selections"] > 0 and stats["join_resyncs"] > 0
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
+    for t, i in zip(together, _inline_alone(jobs)):
+        assert t.token_ids == i
+
+
+def test_abort_mid_decode_frees_the_slot():
+    engine = spade.AsyncEngine(make_config("asyncspade", "colocated", max_batch=2))
+    prompts = random_prompts(3, seed=4, lo=18, hi=26)
+
+    async def main():
+        got = []
+        async for out in engine.generate(prompts[0], greedy(40), "long"):
+            got.append(out)
+            if len(got) == 6:
+                await engine.abort("long")
+        mid = engine.stats()
+        after = await final(engine, prompts[1], greedy(12), "next")
+        await engine.close()
+        return got[-1], mid, after
+
+    last, mid, after = run(main())
+    assert last.finish_reason == "abort" and len(last.token_ids) < 40
+    assert mid["slots_used"] == 0 and mid["requests_running"] == 0
+    assert after.token_ids == _inline_alone([(0, prompts[1], 12)])[0]
+
+
+def test_a_lost_cache_rank_is_restarted_mid_serving():
+    """The cache rank dies at step 6 of the first epoch: the running rows decode densely,
+    a new cache rank boots from the current batch (every row), and every request
+    completes. Tokens after the loss may differ from the alone runs (the new cache rank's
+    query windows restart), so only completion is asserted."""
+    jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
+    engine = spade.AsyncEngine(make_config("asyncspade", "colocated"), cache_hooks=CacheHooks(die_at_step=6))
+
+    async def main():
+        outs = await _staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert stats["cache_peers_lost"] >= 1 and stats["cache_restarts"] >= 1
+    assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
+    for (_, _, n), o in zip(jobs, outs):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
+
+
+@pytest.mark.parametrize("topology", ["colocated", "multiprocess"])
+def test_soak_leaks_nothing(topology):
+    """120 random requests (lengths, arrivals, aborts; fixed seed): all end; slots, queue,
+    the runtime loop's tasks and the cache process are gone or back afterwards."""
+    g = torch.Generator().manual_seed(7)
+    n = 120
+    prompts = random_prompts(n, seed=8, lo=2, hi=24)
+    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=4, max_seq_len=80,
+                                           extra=_multiprocess("nccl") if topology == "multiprocess" else None))
+
+    async def one(i):
+        await asyncio.sleep(float(torch.rand(1, generator=g)) * 0.5)
+        m = int(torch.randint(1, 12, (1,), generator=g))
+        cut = int(torch.randint(0, 3 * m, (1,), generator=g))  # < m: aborted after `cut` tokens
+        outs = []
+        async for out in engine.generate(prompts[i], greedy(m), f"s{i}"):
+            outs.append(out)
+            if len(outs) == cut:
+                await engine.abort(f"s{i}")
+        return outs[-1]
+
+    async def main():
+        outs = await asyncio.gather(*(one(i) for i in range(n)))
+        stats = engine.stats()
+        tasks = len(asyncio.all_tasks(engine.batch.rt._loop))
+        link = engine.batch.rt._link
+        await engine.close()
+        return outs, stats, tasks, link
+
+    outs, stats, tasks, link = run(main())
+    assert all(o.finished for o in outs)
+    assert stats["requests_finished"] + stats["requests_aborted"] == n and stats["requests_failed"] == 0
+    assert stats["requests_aborted"] > 0 and stats["slots_used"] == 0 and stats["requests_waiting"] == 0
+    assert stats["join_resyncs"] > 0 and stats["sparse_steps"] > 0
+    assert stats["cache_epochs"] > 1
+    assert tasks <= 2  # the open epoch's receiver and the link's own task (serve, or the transport's)
+    assert link.closed and (link.proc is None or link.proc.poll() is not None)
+
+
+@pytest.mark.parametrize("on_late", ["stale", "full"])
+def test_late_selections_between_joins_follow_on_late(on_late):
+    """A slow cache rank with ``on_late`` stale / full: late packs take the stale selection
+    or dense attention between joins (tokens may then differ from the alone runs), joins
+    still wait for their re-selection, and every request completes."""
+    jobs = _jobs(5, seed=13, lo=17, hi=26, last_arrival=8, out_hi=10)
+    engine = spade.AsyncEngine(make_config("asyncspade", "colocated", max_batch=2,
+                                           extra=[f"runtime.on_late={on_late}"]),
+                               cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
+
+    async def main():
+        outs = await _staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert stats["late_packs"] > 0 and stats["join_resyncs"] > 0
+    assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
+    for (_, _, n), o in zip(jobs, outs):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
