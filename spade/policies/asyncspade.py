@@ -47,8 +47,8 @@ from pydantic import Field, model_validator
 from spade import kernels
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
-from spade.policies.common import (derived, is_dense, last_token_keys, layer_carry, reset_carry, row_start,
-                                   topk_selection)
+from spade.policies.common import (derived, empty_indices, is_dense, last_token_keys, layer_carry, middle_bounds,
+                                   reset_carry, row_start, topk_selection)
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,37 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     rank keeps appending them (``takes_new_keys`` is False). Amortised cost: at most
     1/(factor - 1) extra quantisations of each key."""
 
+    prefilter_pages: int = Field(0, ge=0)
+    """N: hierarchical selection (page prefilter). 0 (default): off, the token-level scan
+    of every cached key, bit for bit. N > 0: per (row, KV head) the policy keeps the
+    element-wise min / max of the exact keys of every ``prefilter_page_size`` tokens
+    (built at prefill, folded in as tokens arrive); each selection scores those page
+    bounds with the predicted query (the Quest upper bound; the group reduced by max,
+    by sum with ``group_reduce: sum_logits``), keeps the N best pages of the middle
+    range (sinks and the recent window excluded as ever), and scores only their tokens
+    on the usual scoring copy (exact / int8 / int4, ``score_channels``) to pick the
+    top-K (``sum_softmax``: each head normalised over those tokens plus the sinks and
+    the recent window). ``N * prefilter_page_size >= `` the middle: the token-level
+    selection. The level-2 top-K is ``torch.topk`` over the candidates, so ``topk``
+    (carry / radix) does not apply. Reads ``4 D / page_size`` bytes per cached token
+    (bf16 bounds) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
+    every key (spade.kernels.prefilter, docs/policies.md)."""
+    prefilter_page_size: int = Field(32, ge=1, le=1024)
+    """Tokens per page of the prefilter's bounds (``prefilter_pages``)."""
+
+    @model_validator(mode="after")
+    def _prefilter_fits(self):
+        if self.prefilter_pages:
+            need = self.rerank * max(0, self.budget - self.sink_tokens - self.recent_tokens)
+            have = self.prefilter_pages * self.prefilter_page_size
+            if have < need:
+                raise ValueError(
+                    f"policy.prefilter_pages ({self.prefilter_pages}) x prefilter_page_size "
+                    f"({self.prefilter_page_size}) = {have} candidate tokens, fewer than the {need} middle tokens "
+                    f"the selection keeps (rerank x (budget - sink_tokens - recent_tokens)): raise prefilter_pages "
+                    f"to at least {-(-need // self.prefilter_page_size)}, or 0 for the token-level scan")
+        return self
+
     @model_validator(mode="after")
     def _refresh_modes(self):
         if self.refresh_drift is not None and self.refresh_every > 1:
@@ -274,6 +305,11 @@ class AsyncSpadeLayerState:
     fresh: torch.Tensor | None = None
     """``refresh_drift``: int32 [B, Hkv, K] the step's new selection goes to before the
     per-head choice writes ``keep``."""
+    pmin: torch.Tensor | None = None
+    """``prefilter_pages``: element-wise min of the exact keys of every page [B, Hkv, Pc, D]
+    in the cache dtype (Pc pages of capacity; ``kernels.quest_build`` / ``quest_update``)."""
+    pmax: torch.Tensor | None = None
+    """``prefilter_pages``: the pages' element-wise max, as ``pmin``."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -518,6 +554,85 @@ class AsyncSpadePolicy(Policy):
             slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
             st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
 
+    def page_bounds(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
+                    kv_lens: torch.Tensor | None, *, k_new: torch.Tensor | None = None,
+                    build: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefilter_pages``: the page bounds of ``k_cache`` [B, Hkv, L, D] as views
+        [B, Hkv, ceil(L / page), D], kept in ``st``. With ``kv_lens`` (an observe), the
+        newest key of each row (``k_new``, else the cache's row ``kv_lens - 1``) is folded
+        into its page, device-side (a page's first token resets it). ``build``, missing
+        bounds, another layout or a cache past their capacity: rebuilt from the exact keys
+        of ``[kv_start, kv_lens)`` (capacity doubled as the cache grows; in place when the
+        layout and capacity hold, so a captured graph keeps its addresses) — a RuntimeError
+        once the caller kept decoded keys out of the cache (``st.keys_elsewhere``)."""
+        ps = self.cfg.prefilter_page_size
+        B, H, L, D = k_cache.shape
+        need = -(-L // ps)
+        pm = st.pmin
+        same = (pm is not None and pm.shape[:2] == (B, H) and pm.shape[3] == D and pm.dtype == k_cache.dtype
+                and pm.device == k_cache.device)
+        if build or not same or pm.shape[2] < need:
+            if st.keys_elsewhere:
+                raise RuntimeError(
+                    f"asyncspade: the prefilter's page bounds need a rebuild from the exact keys (cache "
+                    f"{tuple(k_cache.shape)}, bounds {None if pm is None else tuple(pm.shape)}), but observe took the "
+                    "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed")
+            lens = kv_lens if kv_lens is not None else torch.full((B,), L, dtype=torch.int64)
+            lens = lens.to(k_cache.device)
+            kmin, kmax = kernels.quest_build(k_cache, lens, ps, kv_start=state.kv_start)
+            if same and pm.shape[2] >= need:
+                st.pmin[:, :, :need].copy_(kmin)
+                st.pmax[:, :, :need].copy_(kmax)
+            else:
+                cap = max(need, 2 * pm.shape[2]) if same else max(need, -(-(st.kq.shape[2] if st.kq is not None
+                                                                              else L) // ps))
+                if cap == need:
+                    st.pmin, st.pmax = kmin.contiguous(), kmax.contiguous()
+                else:
+                    st.pmin = torch.full((B, H, cap, D), float("inf"), dtype=k_cache.dtype, device=k_cache.device)
+                    st.pmax = torch.full((B, H, cap, D), float("-inf"), dtype=k_cache.dtype, device=k_cache.device)
+                    st.pmin[:, :, :need] = kmin
+                    st.pmax[:, :, :need] = kmax
+        elif kv_lens is not None:
+            kv = kv_lens.to(k_cache.device)
+            src = last_token_keys(k_cache, kv) if k_new is None else k_new
+            kernels.quest_update(st.pmin, st.pmax, src, kv.to(torch.int64) - 1, ps)
+        return st.pmin[:, :, :need], st.pmax[:, :, :need]
+
+    def _prefilter_selection(self, state: PolicyState, st: AsyncSpadeLayerState, q_page: torch.Tensor,
+                             q: torch.Tensor, k_score: torch.Tensor, k_scale: torch.Tensor | None,
+                             k_cache: torch.Tensor, kv_lens: torch.Tensor, norm_lens: torch.Tensor | None,
+                             n_cand: int, out: torch.Tensor | None) -> Selection:
+        """``prefilter_pages``: ``topk_selection``'s selection found by the two-level scan
+        (``kernels.prefilter_select``)."""
+        cfg = self.cfg
+        B, Hkv = k_cache.shape[:2]
+        k_top = n_cand - cfg.sink_tokens - cfg.recent_tokens
+        kv_start = state.kv_start
+        if k_top <= 0:
+            return Selection(indices=empty_indices(B, Hkv, k_cache.device), n_sink=cfg.sink_tokens,
+                             n_recent=cfg.recent_tokens, kv_start=kv_start)
+        if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32
+                                or not out.is_contiguous() or out.device != k_cache.device):
+            out = None
+        lo, hi = derived(state.memo, ("middle_bounds", cfg.sink_tokens, cfg.recent_tokens), (kv_lens, kv_start),
+                         lambda: middle_bounds(kv_lens, kv_start, cfg.sink_tokens, cfg.recent_tokens))
+        lo, hi = lo.to(k_cache.device), hi.to(k_cache.device)
+        norm_pos = None
+        if cfg.group_reduce == "sum_softmax":  # the normaliser's sinks and recent window (see scoring._norm_range)
+            n_lo = torch.minimum(row_start(kv_start, kv_lens).to(lo.device), lo)
+            n_hi = torch.maximum((kv_lens if norm_lens is None else norm_lens).to(hi.device, torch.int64), hi)
+            from spade.kernels.prefilter import norm_positions
+
+            norm_pos = norm_positions(n_lo, lo, hi, n_hi, cfg.sink_tokens, cfg.recent_tokens)
+        kmin, kmax = self.page_bounds(state, st, k_cache, None)
+        page_reduce = "sum_logits" if cfg.group_reduce == "sum_logits" else "max_logits"
+        idx = kernels.prefilter_select(q_page, kmin, kmax, q, k_score, lo, hi, k_top, cfg.prefilter_pages,
+                                       cfg.prefilter_page_size, scale=self.spec.softmax_scale,
+                                       reduce=cfg.group_reduce, page_reduce=page_reduce, k_scale=k_scale,
+                                       norm_pos=norm_pos, out=out)
+        return Selection(indices=idx, n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens, kv_start=kv_start)
+
     @property
     def keeps_copy(self) -> bool:
         """Whether the selection scores a copy of the keys the policy keeps (int8, int4, or
@@ -572,6 +687,9 @@ class AsyncSpadePolicy(Policy):
             if self.channels is not None:
                 self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device))
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
+        if self.cfg.prefilter_pages:
+            st.keys_elsewhere = False
+            self.page_bounds(state, st, k_cache, kv_lens, build=True)
 
     def takes_new_keys(self, state: PolicyState) -> bool:
         # compressed scoring keys: observe quantises the step's key, select scores the copy;
@@ -598,6 +716,10 @@ class AsyncSpadePolicy(Policy):
             self.scoring_keys(st, k_cache, fit=(kv, state.kv_start), rebuild=not first)
         elif self.keeps_copy:
             self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
+        if self.cfg.prefilter_pages:
+            if k_new is not None:
+                st.keys_elsewhere = True
+            self.page_bounds(state, st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
@@ -724,12 +846,16 @@ class AsyncSpadePolicy(Policy):
             out = st.fresh
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
         n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid
-        sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
-                             n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                             scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                             norm_lens=norm_lens, out=out, memo=state.memo,
-                             carry=layer_carry(state, layer, cfg.topk, k_score),
-                             carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        if cfg.prefilter_pages:  # hierarchical: page bounds first, then the best pages' tokens
+            sel = self._prefilter_selection(state, st, q_drift, q_hat, k_score, k_scale, k_cache, kv_lens,
+                                            norm_lens, n_cand, out)
+        else:
+            sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
+                                 n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
+                                 scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
+                                 norm_lens=norm_lens, out=out, memo=state.memo,
+                                 carry=layer_carry(state, layer, cfg.topk, k_score),
+                                 carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
         if drift and sel.indices is st.fresh:
             self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
