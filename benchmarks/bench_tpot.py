@@ -191,7 +191,8 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
     if getattr(a, "cur_channels", 0):
         out.append(f"policy.score_channels={a.cur_channels}")
     if getattr(a, "cur_prefilter", 0):
-        out += [f"policy.prefilter_pages={a.cur_prefilter}", f"policy.prefilter_page_size={a.prefilter_page_size}"]
+        out += [f"policy.prefilter_pages={a.cur_prefilter}", f"policy.prefilter_page_size={a.prefilter_page_size}",
+                f"policy.prefilter_summary={a.prefilter_summary}"]
     if getattr(a, "refresh_drift", None) is not None:
         out.append(f"policy.refresh_drift={a.refresh_drift}")
     return out
@@ -851,6 +852,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "bounds first, then the tokens of the N best pages; rows named .../p=<N>)")
     ap.add_argument("--prefilter-page-size", type=int, default=32,
                     help="policy.prefilter_page_size of the --prefilter rows")
+    ap.add_argument("--prefilter-summary", default="mean", choices=("mean", "bounds"),
+                    help="policy.prefilter_summary of the --prefilter rows (page means or Quest bounds)")
     ap.add_argument("--refresh-drift", type=float, default=None,
                     help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")

@@ -97,7 +97,9 @@ class SelectionEvalConfig(_Budgets):
     ``asyncspade[<predictor>,...,prefilter=f]`` with ``token_overlap``, the overlap with the
     token-level selection of the same predicted query (empty: not measured)."""
     prefilter_page_size: PosInt = 32
-    """Tokens per page of the prefilter's bounds."""
+    """Tokens per page of the prefilter's summaries."""
+    prefilter_summaries: list[Literal["mean", "bounds"]] = Field(default_factory=lambda: ["mean"])
+    """``policy.prefilter_summary`` values replayed (``bounds`` rows end ``,bounds]``)."""
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)

@@ -30,6 +30,7 @@ of q_t, vs d) and Fig. 5 (ridge prediction with vs without the one-step shift).
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -451,30 +452,29 @@ class _LayerReplay:
 
     def _prefilter(self, q_hat: torch.Tensor, asy_label: str) -> None:
         """asyncspade's page prefilter (``policy.prefilter_pages``, ``spade.kernels.prefilter``'s
-        references): per budget and factor f, the ``f * ceil(K_mid / page)`` pages of best
-        bound for the predicted query, then the tokens of those pages ranked by it (the group
+        references): per summary, budget and factor f, the ``f * ceil(K_mid / page)`` best pages
+        for the predicted query, then the tokens of those pages ranked by it (the group
         reduction as the token-level scan's; ``sum_softmax`` normalised over the candidates,
         the sinks and the recent window). Records recall, overlap with the oracle, and
         ``token_overlap`` with the same query's token-level selection."""
         from spade.kernels import prefilter as pf
-        from spade.kernels.quest import quest_build_ref, quest_page_scores_ref
-        from spade.kernels.radix_topk import topk_from_scores_ref
+        from spade.kernels.quest import quest_build_ref
 
         cfg, dev, T = self.cfg, self.dev, self.T
         ps = cfg.prefilter_page_size
-        kmin, kmax = quest_build_ref(self.kc, self.kv_sel, ps)
-        p_lo, p_hi = pf.page_range(self.lo, self.hi, ps)
         tok = self.ranked(q_hat, self.reduces)  # the token-level selection of the same query
         zero = torch.zeros_like(self.lo)
         norm_pos = pf.norm_positions(zero, self.lo, self.hi, self.kv_sel.long(), cfg.sink_tokens, cfg.recent_tokens)
-        for red in self.reduces:
-            page_red = "sum_logits" if red == "sum_logits" else "max_logits"
-            pscore = quest_page_scores_ref(q_hat, kmin, kmax, p_hi, scale=self.spec.softmax_scale, reduce=page_red,
-                                           page_start=p_lo)
-            for f in cfg.prefilter_factors:
+        for summ_name in cfg.prefilter_summaries:
+            summary = ((pf.page_sums(self.kc, self.kv_sel, ps)[1],) if summ_name == "mean"
+                       else quest_build_ref(self.kc, self.kv_sel, ps))
+            for red, f in itertools.product(self.reduces, cfg.prefilter_factors):
+                page_red = "max_logits" if red == "max_logits" else "sum_logits"  # as the policy's
                 n_max = f * -(-self.kmax // ps)
-                pages = topk_from_scores_ref(pscore, p_lo, p_hi, n_max)  # best first (torch.topk, sorted)
-                policy = f"{asy_label[:-1]},prefilter={f}]"
+                # best first: the torch references' top-K is sorted
+                pages = pf.best_pages(q_hat, summary, self.lo, self.hi, n_max, ps, scale=self.spec.softmax_scale,
+                                      page_reduce=page_red)
+                policy = f"{asy_label[:-1]},prefilter={f}" + ("]" if summ_name == "mean" else ",bounds]")
                 for blabel, budget in self.settings:
                     kt = (budget - self.n_fixed).to(dev)  # [B] K_mid per row
                     n_b = f * ((kt + ps - 1) // ps)  # pages kept per row

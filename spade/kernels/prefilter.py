@@ -3,11 +3,20 @@
 At long contexts the budget K is a tiny fraction of the cache, yet a token-level scan
 reads every cached key each step. The prefilter reads far fewer bytes:
 
-1. *Level 1 (pages)*: per (row, KV head) Quest bounds of every ``page_size`` tokens
-   (element-wise min / max of the keys, ``spade.kernels.quest``) are scored with the
-   query: the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` per head, reduced over the
-   group; the ``n_pages`` best pages of the middle range ``[lo, hi)`` are kept (the exact
-   radix top-K of ``spade.kernels.radix_topk``).
+1. *Level 1 (pages)*: a summary of every ``page_size`` tokens per (row, KV head) is
+   scored with the query, and the ``n_pages`` best pages of the middle range ``[lo, hi)``
+   are kept. Two summaries:
+
+   * ``mean``: the mean of the page's valid keys ([B, Hkv, P, D], ``page_means``; kept
+     up to date by ``page_means_update`` from exact fp32 sums). Scored as keys are,
+     ``scale · q_g · mean``, reduced over the group: the fused scoring + radix top-K of
+     ``spade.kernels.scoring`` with the pages as the "tokens".
+   * ``bounds``: Quest's element-wise min / max of the page's keys
+     (``spade.kernels.quest``), scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)``
+     per head; then the radix top-K of ``spade.kernels.radix_topk``.
+
+   On SmolLM2-135M (8k tokens, K = t/64) the mean kept more of the token-level top-K
+   than the bound (docs/policies.md), and reads half its bytes.
 2. *Level 2 (tokens)*: the tokens of those pages that lie in ``[lo, hi)`` are the
    candidates (``n_pages * page_size`` per row and head, ``-1`` elsewhere); they are
    scored on the selection's key copy (exact, int8 or packed int4, with its per-token
@@ -20,12 +29,13 @@ normaliser range): when the pages cover the whole middle that is the token-level
 normaliser exactly, so the selection is the token-level one; otherwise it is the
 normaliser restricted to what was read.
 
-Bytes per (row, KV head): level 1 reads ``2 · D`` bound elements per page
-(``4 · D / page_size`` bytes per token in bf16: 16 B at D=128, page 32, a quarter of an
-int4 copy's 64), level 2 ``n_pages · page_size`` keys of the copy.
+Bytes per (row, KV head): level 1 reads ``D`` (mean) or ``2 · D`` (bounds) elements
+per page (``2 · D / page_size`` bytes per token in bf16 for the mean: 8 B at D=128,
+page 32, an eighth of an int4 copy's 64), level 2 ``n_pages · page_size`` keys of the
+copy.
 
-Level 1 dispatches like the rest of the suite (Triton page scores and radix top-K on
-CUDA, the torch references elsewhere). Level 2 is plain torch ops on the device (an
+Level 1 dispatches like the rest of the suite (Triton kernels on CUDA, the torch
+references elsewhere). Level 2 is plain torch ops on the device (an
 index gather of the candidates' rows, one batched product, ``torch.topk``): fixed
 shapes, no host sync, so it is captured in a CUDA graph; ``prefilter_select_ref`` is
 the same computation written without the level-1 kernels, the reference the tests
@@ -39,18 +49,24 @@ import torch
 from spade.kernels.common import _check_rows
 from spade.kernels.quest import quest_page_scores_ref, quest_page_scores_triton
 from spade.kernels.radix_topk import topk_from_scores_ref, topk_from_scores_triton
-from spade.kernels.scoring import _default_scale, _group_logits_ref
+from spade.kernels.scoring import _default_scale, _group_logits_ref, score_topk_ref, score_topk_triton
 
 __all__ = [
+    "SUMMARIES",
+    "page_counts",
+    "page_sums",
+    "page_means_update",
     "page_range",
     "pages_to_candidates",
     "norm_positions",
     "candidate_topk",
+    "best_pages",
     "prefilter_select_ref",
     "prefilter_select",
     "prefilter_bytes",
 ]
 
+SUMMARIES = ("mean", "bounds")
 _REDUCES = ("sum_logits", "max_logits", "sum_softmax")
 _PAGE_REDUCES = ("sum_logits", "max_logits")
 
@@ -66,6 +82,53 @@ def _check(page_size: int, n_pages: int, k_top: int, reduce: str, page_reduce: s
         raise ValueError(f"reduce must be one of {_REDUCES}, got {reduce!r}")
     if page_reduce not in _PAGE_REDUCES:
         raise ValueError(f"page_reduce must be one of {_PAGE_REDUCES}, got {page_reduce!r}")
+
+
+def page_counts(n_pages: int, page_size: int, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> torch.Tensor:
+    """Valid keys of each page, ``[kv_start, kv_lens)`` ∩ the page: int64 [B, n_pages]."""
+    dev = kv_lens.device
+    p0 = torch.arange(n_pages, device=dev, dtype=torch.int64)[None, :] * page_size
+    s = torch.zeros_like(kv_lens, dtype=torch.int64) if kv_start is None else kv_start.to(dev, torch.int64)
+    a = torch.maximum(p0, s[:, None])
+    b = torch.minimum(p0 + page_size, kv_lens.long()[:, None])
+    return (b - a).clamp_min(0)
+
+
+def page_sums(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
+              kv_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page sums of the valid keys of ``k`` [B, Hkv, L, D] (fp32 [B, Hkv, P, D], P =
+    ceil(L / page_size)) and their means in k's dtype (0 for a page without keys)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+    B, H, L, D = k.shape
+    P = -(-L // page_size)
+    kv = kv_lens.to(k.device)
+    pos = torch.arange(P * page_size, device=k.device)
+    s = torch.zeros_like(kv) if kv_start is None else kv_start.to(k.device)
+    valid = ((pos[None, :] >= s.long()[:, None]) & (pos[None, :] < kv.long()[:, None])).view(B, 1, P, page_size, 1)
+    kp = torch.nn.functional.pad(k, (0, 0, 0, P * page_size - L)).view(B, H, P, page_size, D)
+    sums = torch.where(valid, kp, torch.zeros((), dtype=k.dtype, device=k.device)).sum(3, dtype=torch.float32)
+    n = page_counts(P, page_size, kv, kv_start).clamp_min(1)  # [B, P]
+    return sums, (sums / n[:, None, :, None]).to(k.dtype)
+
+
+def page_means_update(psum: torch.Tensor, pmean: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                      page_size: int, kv_start: torch.Tensor | None = None) -> None:
+    """In place: fold ``k_new`` [B, Hkv, D] written at positions ``pos`` [B] into the page
+    sums ``psum`` (fp32) and means ``pmean`` [B, Hkv, P, D]; a page's first valid position
+    (its start, or ``kv_start``) resets it. Device-side (no host sync)."""
+    B = psum.shape[0]
+    pos = pos.to(psum.device).long()
+    page = pos // page_size  # [B]
+    s = torch.zeros_like(pos) if kv_start is None else kv_start.to(psum.device).long()
+    first_valid = torch.maximum(page * page_size, s)
+    n = (pos - first_valid + 1).clamp_min(1)  # keys in the page with this one
+    rows = torch.arange(B, device=psum.device)
+    kn = k_new.float()
+    cur = torch.where((n == 1)[:, None, None], torch.zeros_like(kn), psum[rows, :, page])
+    new = cur + kn
+    psum[rows, :, page] = new
+    pmean[rows, :, page] = (new / n[:, None, None].float()).to(pmean.dtype)
 
 
 def page_range(lo: torch.Tensor, hi: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,59 +222,80 @@ def candidate_topk(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k_top: 
     return res
 
 
-def _prefilter(q_page, kmin, kmax, q, k, lo, hi, k_top, n_pages, page_size, *, scale, reduce, page_reduce,
+def best_pages(q_page: torch.Tensor, summary: tuple[torch.Tensor, ...], lo: torch.Tensor, hi: torch.Tensor,
+               n_pages: int, page_size: int, *, scale: float | None = None, page_reduce: str = "sum_logits",
+               triton: bool = False) -> torch.Tensor:
+    """Level 1: the ``n_pages`` best pages of the middle ``[lo, hi)`` by ``summary``
+    (``(mean,)`` or ``(kmin, kmax)``, [B, Hkv, P, D] each) scored with ``q_page``
+    [B, Hq, D]: int32 [B, Hkv, n_pages] page numbers, ``-1`` padding."""
+    if page_reduce not in _PAGE_REDUCES:
+        raise ValueError(f"page_reduce must be one of {_PAGE_REDUCES}, got {page_reduce!r}")
+    if len(summary) not in (1, 2):
+        raise ValueError(f"summary is (mean,) or (kmin, kmax), got {len(summary)} tensors")
+    p_lo, p_hi = page_range(lo, hi, page_size)
+    if len(summary) == 1:  # page means: scored as keys, the fused scoring + top-K
+        fn = score_topk_triton if triton else score_topk_ref
+        return fn(q_page, summary[0], p_lo, p_hi, n_pages, scale=scale, reduce=page_reduce)
+    kmin, kmax = summary
+    if triton:
+        ps = quest_page_scores_triton(q_page, kmin, kmax, p_hi, scale=scale, reduce=page_reduce, page_start=p_lo)
+        return topk_from_scores_triton(ps, p_lo, p_hi, n_pages)
+    ps = quest_page_scores_ref(q_page, kmin, kmax, p_hi, scale=scale, reduce=page_reduce, page_start=p_lo)
+    return topk_from_scores_ref(ps, p_lo, p_hi, n_pages)
+
+
+def _prefilter(q_page, summary, q, k, lo, hi, k_top, n_pages, page_size, *, scale, reduce, page_reduce,
                k_scale, norm_pos, out, triton_level1: bool) -> torch.Tensor:
     _check(page_size, n_pages, k_top, reduce, page_reduce)
     B, Hkv = k.shape[:2]
     lo = _check_rows(lo, B, "lo", k.device)
     hi = _check_rows(hi, B, "hi", k.device)
-    if kmin.shape[:2] != (B, Hkv) or kmin.shape != kmax.shape:
-        raise ValueError(f"page bounds {tuple(kmin.shape)} / {tuple(kmax.shape)} must be [B={B}, Hkv={Hkv}, P, D]")
-    if kmin.shape[2] < -(-k.shape[2] // page_size):
-        raise ValueError(f"{kmin.shape[2]} pages of {page_size} do not cover the {k.shape[2]} cached positions")
-    p_lo, p_hi = page_range(lo, hi, page_size)
-    if triton_level1:
-        ps = quest_page_scores_triton(q_page, kmin, kmax, p_hi, scale=scale, reduce=page_reduce, page_start=p_lo)
-        pages = topk_from_scores_triton(ps, p_lo, p_hi, n_pages)
-    else:
-        ps = quest_page_scores_ref(q_page, kmin, kmax, p_hi, scale=scale, reduce=page_reduce, page_start=p_lo)
-        pages = topk_from_scores_ref(ps, p_lo, p_hi, n_pages)
+    s0 = summary[0]
+    if s0.shape[:2] != (B, Hkv) or any(t.shape != s0.shape for t in summary):
+        raise ValueError(f"page summary {[tuple(t.shape) for t in summary]} must be [B={B}, Hkv={Hkv}, P, D]")
+    if s0.shape[2] < -(-k.shape[2] // page_size):
+        raise ValueError(f"{s0.shape[2]} pages of {page_size} do not cover the {k.shape[2]} cached positions")
+    pages = best_pages(q_page, summary, lo, hi, n_pages, page_size, scale=scale, page_reduce=page_reduce,
+                       triton=triton_level1)
     cand = pages_to_candidates(pages, lo, hi, page_size)
     return candidate_topk(q, k, cand, k_top, scale=scale, reduce=reduce, k_scale=k_scale, norm_pos=norm_pos, out=out)
 
 
-def prefilter_select_ref(q_page: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q: torch.Tensor,
+def prefilter_select_ref(q_page: torch.Tensor, summary: tuple[torch.Tensor, ...], q: torch.Tensor,
                          k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k_top: int, n_pages: int,
                          page_size: int, *, scale: float | None = None, reduce: str = "sum_logits",
-                         page_reduce: str = "max_logits", k_scale: torch.Tensor | None = None,
+                         page_reduce: str = "sum_logits", k_scale: torch.Tensor | None = None,
                          norm_pos: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of ``prefilter_select``: level 1 with the torch references of the page
-    scores and the radix top-K."""
-    return _prefilter(q_page, kmin, kmax, q, k, lo, hi, k_top, n_pages, page_size, scale=scale, reduce=reduce,
+    scores and the top-K."""
+    return _prefilter(q_page, summary, q, k, lo, hi, k_top, n_pages, page_size, scale=scale, reduce=reduce,
                       page_reduce=page_reduce, k_scale=k_scale, norm_pos=norm_pos, out=out, triton_level1=False)
 
 
-def prefilter_select(q_page: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+def prefilter_select(q_page: torch.Tensor, summary: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor,
                      lo: torch.Tensor, hi: torch.Tensor, k_top: int, n_pages: int, page_size: int, *,
-                     scale: float | None = None, reduce: str = "sum_logits", page_reduce: str = "max_logits",
+                     scale: float | None = None, reduce: str = "sum_logits", page_reduce: str = "sum_logits",
                      k_scale: torch.Tensor | None = None, norm_pos: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, triton: bool = True) -> torch.Tensor:
     """The ``k_top`` best positions of ``[lo, hi)`` found by the two-level scan.
 
-    ``q_page`` [B, Hq, D]: the query the page bounds ``kmin`` / ``kmax`` [B, Hkv, P, D]
-    (pages of ``page_size``, over the exact keys) are scored with; ``q`` [B, Hq, D]: the
-    query as the copy ``k`` is scored (int4: with its smoothing folded in; may equal
-    ``q_page``). ``n_pages`` best pages per (row, KV head) by the ``page_reduce`` of the
-    heads' bounds; their tokens scored with ``reduce`` (``candidate_topk``). int32
-    [B, Hkv, k_top], ``-1`` padding. ``triton``: level 1 with the Triton kernels."""
-    return _prefilter(q_page, kmin, kmax, q, k, lo, hi, k_top, n_pages, page_size, scale=scale, reduce=reduce,
+    ``q_page`` [B, Hq, D]: the query the page ``summary`` is scored with (``(mean,)`` or
+    ``(kmin, kmax)``, [B, Hkv, P, D] each, pages of ``page_size`` over the exact keys);
+    ``q`` [B, Hq, D]: the query as the copy ``k`` is scored (int4: with its smoothing
+    folded in; may equal ``q_page``). ``n_pages`` best pages per (row, KV head) by the
+    ``page_reduce`` of the heads' page scores (``best_pages``); their tokens scored with
+    ``reduce`` (``candidate_topk``). int32 [B, Hkv, k_top], ``-1`` padding. ``triton``:
+    level 1 with the Triton kernels."""
+    return _prefilter(q_page, summary, q, k, lo, hi, k_top, n_pages, page_size, scale=scale, reduce=reduce,
                       page_reduce=page_reduce, k_scale=k_scale, norm_pos=norm_pos, out=out, triton_level1=triton)
 
 
 def prefilter_bytes(L: int, D: int, n_pages: int, page_size: int, *, bound_bytes: int = 2,
-                    key_bytes_per_token: float) -> tuple[float, float]:
+                    key_bytes_per_token: float, summary: str = "mean") -> tuple[float, float]:
     """Bytes read per (row, KV head) for a cache of L tokens: (level 1 + level 2, the
-    token-level scan), given the copy's bytes per token (int4 at D=128: 64 + 4 of scale)."""
+    token-level scan), given the copy's bytes per token (int4 at D=128: 64 + 4 of scale)
+    and the summary's element size ``bound_bytes``."""
     pages = -(-L // page_size)
-    two_level = pages * 2 * D * bound_bytes + min(L, n_pages * page_size) * key_bytes_per_token
+    per_page = D * bound_bytes * (1 if summary == "mean" else 2)
+    two_level = pages * per_page + min(L, n_pages * page_size) * key_bytes_per_token
     return float(two_level), float(L * key_bytes_per_token)

@@ -209,21 +209,26 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
 
     prefilter_pages: int = Field(0, ge=0)
     """N: hierarchical selection (page prefilter). 0 (default): off, the token-level scan
-    of every cached key, bit for bit. N > 0: per (row, KV head) the policy keeps the
-    element-wise min / max of the exact keys of every ``prefilter_page_size`` tokens
-    (built at prefill, folded in as tokens arrive); each selection scores those page
-    bounds with the predicted query (the Quest upper bound; the group reduced by max,
-    by sum with ``group_reduce: sum_logits``), keeps the N best pages of the middle
-    range (sinks and the recent window excluded as ever), and scores only their tokens
-    on the usual scoring copy (exact / int8 / int4, ``score_channels``) to pick the
-    top-K (``sum_softmax``: each head normalised over those tokens plus the sinks and
-    the recent window). ``N * prefilter_page_size >= `` the middle: the token-level
+    of every cached key, bit for bit. N > 0: per (row, KV head) the policy keeps a
+    summary of the exact keys of every ``prefilter_page_size`` tokens (``prefilter_summary``;
+    built at prefill, folded in as tokens arrive); each selection scores the page
+    summaries with the predicted query (the group reduced by sum; by max with
+    ``group_reduce: max_logits``), keeps the N best pages of the middle range (sinks and
+    the recent window excluded as ever), and scores only their tokens on the usual
+    scoring copy (exact / int8 / int4, ``score_channels``) to pick the top-K
+    (``sum_softmax``: each head normalised over those tokens plus the sinks and the
+    recent window). ``N * prefilter_page_size >=`` the middle: the token-level
     selection. The level-2 top-K is ``torch.topk`` over the candidates, so ``topk``
-    (carry / radix) does not apply. Reads ``4 D / page_size`` bytes per cached token
-    (bf16 bounds) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
+    (carry / radix) does not apply. Reads ``2 D / page_size`` bytes per cached token
+    (bf16 means) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
     every key (spade.kernels.prefilter, docs/policies.md)."""
     prefilter_page_size: int = Field(32, ge=1, le=1024)
-    """Tokens per page of the prefilter's bounds (``prefilter_pages``)."""
+    """Tokens per page of the prefilter's summaries (``prefilter_pages``)."""
+    prefilter_summary: Literal["mean", "bounds"] = "mean"
+    """What level 1 scores per page: ``mean`` (default), the mean of the page's keys in the
+    cache dtype, scored as a key (D elements per page); ``bounds``, Quest's element-wise
+    min / max scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (2 D elements).
+    On SmolLM2-135M the mean kept more of the token-level top-K (docs/policies.md)."""
 
     @model_validator(mode="after")
     def _prefilter_fits(self):
@@ -305,11 +310,11 @@ class AsyncSpadeLayerState:
     fresh: torch.Tensor | None = None
     """``refresh_drift``: int32 [B, Hkv, K] the step's new selection goes to before the
     per-head choice writes ``keep``."""
-    pmin: torch.Tensor | None = None
-    """``prefilter_pages``: element-wise min of the exact keys of every page [B, Hkv, Pc, D]
-    in the cache dtype (Pc pages of capacity; ``kernels.quest_build`` / ``quest_update``)."""
-    pmax: torch.Tensor | None = None
-    """``prefilter_pages``: the pages' element-wise max, as ``pmin``."""
+    pages: tuple[torch.Tensor, ...] | None = None
+    """``prefilter_pages``: the page summaries [B, Hkv, Pc, D] each (Pc pages of capacity):
+    ``mean`` — (fp32 sums, means in the cache dtype) (``kernels.prefilter.page_sums`` /
+    ``page_means_update``); ``bounds`` — (min, max) in the cache dtype
+    (``kernels.quest_build`` / ``quest_update``)."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -556,48 +561,61 @@ class AsyncSpadePolicy(Policy):
 
     def page_bounds(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                     kv_lens: torch.Tensor | None, *, k_new: torch.Tensor | None = None,
-                    build: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``prefilter_pages``: the page bounds of ``k_cache`` [B, Hkv, L, D] as views
-        [B, Hkv, ceil(L / page), D], kept in ``st``. With ``kv_lens`` (an observe), the
-        newest key of each row (``k_new``, else the cache's row ``kv_lens - 1``) is folded
-        into its page, device-side (a page's first token resets it). ``build``, missing
-        bounds, another layout or a cache past their capacity: rebuilt from the exact keys
-        of ``[kv_start, kv_lens)`` (capacity doubled as the cache grows; in place when the
-        layout and capacity hold, so a captured graph keeps its addresses) — a RuntimeError
-        once the caller kept decoded keys out of the cache (``st.keys_elsewhere``)."""
-        ps = self.cfg.prefilter_page_size
+                    build: bool = False, fold: bool = True) -> tuple[torch.Tensor, ...]:
+        """``prefilter_pages``: the page summaries of ``k_cache`` [B, Hkv, L, D] as views
+        [B, Hkv, ceil(L / page), D] — ``(mean,)`` or ``(min, max)`` — kept in ``st``. With
+        ``kv_lens`` and ``fold`` (an observe), the newest key of each row (``k_new``, else the cache's
+        row ``kv_lens - 1``) is folded into its page, device-side (a page's first valid
+        token resets it). ``build``, missing summaries, another layout or a cache past
+        their capacity: rebuilt from the exact keys of ``[kv_start, kv_lens)`` (capacity
+        doubled as the cache grows; in place when the layout and capacity hold, so a
+        captured graph keeps its addresses) — a RuntimeError once the caller kept decoded
+        keys out of the cache (``st.keys_elsewhere``)."""
+        from spade.kernels import prefilter as pf
+
+        ps, mean = self.cfg.prefilter_page_size, self.cfg.prefilter_summary == "mean"
         B, H, L, D = k_cache.shape
         need = -(-L // ps)
-        pm = st.pmin
-        same = (pm is not None and pm.shape[:2] == (B, H) and pm.shape[3] == D and pm.dtype == k_cache.dtype
-                and pm.device == k_cache.device)
-        if build or not same or pm.shape[2] < need:
+        cur = st.pages
+        dts = (torch.float32, k_cache.dtype) if mean else (k_cache.dtype, k_cache.dtype)
+        same = (cur is not None and cur[0].shape[:2] == (B, H) and cur[0].shape[3] == D
+                and tuple(t.dtype for t in cur) == dts and cur[0].device == k_cache.device)
+        if build or not same or cur[0].shape[2] < need:
             if st.keys_elsewhere:
                 raise RuntimeError(
-                    f"asyncspade: the prefilter's page bounds need a rebuild from the exact keys (cache "
-                    f"{tuple(k_cache.shape)}, bounds {None if pm is None else tuple(pm.shape)}), but observe took the "
-                    "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed")
+                    f"asyncspade: the prefilter's page summaries need a rebuild from the exact keys (cache "
+                    f"{tuple(k_cache.shape)}, pages {None if cur is None else tuple(cur[0].shape)}), but observe took "
+                    "the step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed")
             lens = kv_lens if kv_lens is not None else torch.full((B,), L, dtype=torch.int64)
             lens = lens.to(k_cache.device)
-            kmin, kmax = kernels.quest_build(k_cache, lens, ps, kv_start=state.kv_start)
-            if same and pm.shape[2] >= need:
-                st.pmin[:, :, :need].copy_(kmin)
-                st.pmax[:, :, :need].copy_(kmax)
+            if mean:
+                made = pf.page_sums(k_cache, lens, ps, kv_start=state.kv_start)
             else:
-                cap = max(need, 2 * pm.shape[2]) if same else max(need, -(-(st.kq.shape[2] if st.kq is not None
-                                                                              else L) // ps))
+                made = kernels.quest_build(k_cache, lens, ps, kv_start=state.kv_start)
+            if same and cur[0].shape[2] >= need:
+                for t, m in zip(cur, made):
+                    t[:, :, :need].copy_(m)
+            else:
+                cap_rows = st.kq.shape[2] if st.kq is not None else L
+                cap = max(need, 2 * cur[0].shape[2]) if same else max(need, -(-cap_rows // ps))
                 if cap == need:
-                    st.pmin, st.pmax = kmin.contiguous(), kmax.contiguous()
+                    st.pages = tuple(m.contiguous() for m in made)
                 else:
-                    st.pmin = torch.full((B, H, cap, D), float("inf"), dtype=k_cache.dtype, device=k_cache.device)
-                    st.pmax = torch.full((B, H, cap, D), float("-inf"), dtype=k_cache.dtype, device=k_cache.device)
-                    st.pmin[:, :, :need] = kmin
-                    st.pmax[:, :, :need] = kmax
-        elif kv_lens is not None:
+                    fills = (0.0, 0.0) if mean else (float("inf"), float("-inf"))
+                    st.pages = tuple(torch.full((B, H, cap, D), f, dtype=m.dtype, device=k_cache.device)
+                                     for m, f in zip(made, fills))
+                    for t, m in zip(st.pages, made):
+                        t[:, :, :need] = m
+        elif kv_lens is not None and fold:
             kv = kv_lens.to(k_cache.device)
             src = last_token_keys(k_cache, kv) if k_new is None else k_new
-            kernels.quest_update(st.pmin, st.pmax, src, kv.to(torch.int64) - 1, ps)
-        return st.pmin[:, :, :need], st.pmax[:, :, :need]
+            pos = kv.to(torch.int64) - 1
+            if mean:
+                pf.page_means_update(cur[0], cur[1], src, pos, ps, state.kv_start)
+            else:
+                kernels.quest_update(cur[0], cur[1], src, pos, ps)
+        pages = st.pages
+        return (pages[1][:, :, :need],) if mean else (pages[0][:, :, :need], pages[1][:, :, :need])
 
     def _prefilter_selection(self, state: PolicyState, st: AsyncSpadeLayerState, q_page: torch.Tensor,
                              q: torch.Tensor, k_score: torch.Tensor, k_scale: torch.Tensor | None,
@@ -625,9 +643,9 @@ class AsyncSpadePolicy(Policy):
             from spade.kernels.prefilter import norm_positions
 
             norm_pos = norm_positions(n_lo, lo, hi, n_hi, cfg.sink_tokens, cfg.recent_tokens)
-        kmin, kmax = self.page_bounds(state, st, k_cache, None)
-        page_reduce = "sum_logits" if cfg.group_reduce == "sum_logits" else "max_logits"
-        idx = kernels.prefilter_select(q_page, kmin, kmax, q, k_score, lo, hi, k_top, cfg.prefilter_pages,
+        summary = self.page_bounds(state, st, k_cache, kv_lens, fold=False)  # (built at prefill / observe)
+        page_reduce = "max_logits" if cfg.group_reduce == "max_logits" else "sum_logits"
+        idx = kernels.prefilter_select(q_page, summary, q, k_score, lo, hi, k_top, cfg.prefilter_pages,
                                        cfg.prefilter_page_size, scale=self.spec.softmax_scale,
                                        reduce=cfg.group_reduce, page_reduce=page_reduce, k_scale=k_scale,
                                        norm_pos=norm_pos, out=out)

@@ -16,10 +16,11 @@ from tests.policies.sim import DecodeSim, make_policy, middle_sets
 COMMON = dict(budget=13, sink_tokens=2, recent_tokens=3, window=4)
 
 
+@pytest.mark.parametrize("summary", ["mean", "bounds"])
 @pytest.mark.parametrize("score_keys", ["exact", "int4"])
 @pytest.mark.parametrize("reduce", ["sum_softmax", "sum_logits", "max_logits"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
-def test_pages_covering_the_row_give_the_token_level_selection(score_keys, reduce, heads):
+def test_pages_covering_the_row_give_the_token_level_selection(summary, score_keys, reduce, heads):
     """prefilter_pages x page_size >= the context: every step's selection is the token-level
     one (GQA and MHA, left padding, B > 1); the bounds grow through observe past the
     prompt's pages."""
@@ -27,7 +28,8 @@ def test_pages_covering_the_row_give_the_token_level_selection(score_keys, reduc
     sim = DecodeSim(B=2, Hq=Hq, Hkv=Hkv, D=16, prompt_len=29, steps=6, n_layers=2, kv_start=[0, 3], seed=5)
     cfg = dict(COMMON, score_keys=score_keys, group_reduce=reduce)
     base = sim.run(make_policy("asyncspade", sim, **cfg))
-    got = sim.run(make_policy("asyncspade", sim, **cfg, prefilter_pages=5, prefilter_page_size=7))
+    got = sim.run(make_policy("asyncspade", sim, **cfg, prefilter_pages=5, prefilter_page_size=7,
+                              prefilter_summary=summary))
     for a, b in zip(base, got):
         assert middle_sets(a.sel) == middle_sets(b.sel)
         assert b.sel.indices.shape == a.sel.indices.shape
@@ -43,8 +45,9 @@ def test_k_of_one_and_k_above_the_context():
         assert sets[0] == sets[1] and (sets[0][-1] is None) == (budget == 40)
 
 
+@pytest.mark.parametrize("summary", ["mean", "bounds"])
 @pytest.mark.parametrize("score_keys", ["exact", "int4"])
-def test_crafted_top_k_inside_few_pages(score_keys):
+def test_crafted_top_k_inside_few_pages(summary, score_keys):
     """Keys aligned with every query in two pages (the rest small noise): two pages hold the
     whole true top-K, so 2 of the 25 pages give the token-level selection."""
     g = torch.Generator().manual_seed(0)
@@ -64,7 +67,7 @@ def test_crafted_top_k_inside_few_pages(score_keys):
     for pages in (0, 2):
         cfg = AsyncSpadePolicyConfig(budget=2 + 4 + 8, sink_tokens=2, recent_tokens=4, predictor="last", window=2,
                                      rope_aware=False, score_keys=score_keys, prefilter_pages=pages,
-                                     prefilter_page_size=ps)
+                                     prefilter_page_size=ps, prefilter_summary=summary)
         pol = AsyncSpadePolicy(cfg, spec)
         st = pol.new_state(B, "cpu")
         st.seq_len = L
@@ -75,7 +78,8 @@ def test_crafted_top_k_inside_few_pages(score_keys):
     assert all(min(s) >= 5 * ps and len(s) == 8 for s in sels[1][0])
 
 
-def test_recall_on_random_data_beats_blind_pages(capsys):
+@pytest.mark.parametrize("summary", ["mean", "bounds"])
+def test_recall_on_random_data_beats_blind_pages(summary):
     """Random keys have no page structure, yet the bounds still rank pages by what they
     can hold: the prefiltered selection keeps more of the token-level top-K than the
     fraction of the middle its pages cover (the expectation of choosing pages blindly)."""
@@ -83,7 +87,8 @@ def test_recall_on_random_data_beats_blind_pages(capsys):
     cfg = dict(budget=21, sink_tokens=2, recent_tokens=3, window=4, group_reduce="sum_logits")
     base = sim.run(make_policy("asyncspade", sim, **cfg))
     pages, ps = 4, 8  # 32 of ~150 middle tokens
-    got = sim.run(make_policy("asyncspade", sim, **cfg, prefilter_pages=pages, prefilter_page_size=ps))
+    got = sim.run(make_policy("asyncspade", sim, **cfg, prefilter_pages=pages, prefilter_page_size=ps,
+                              prefilter_summary=summary))
     hit = tot = 0
     cover = []
     for a, b in zip(base, got):
@@ -92,7 +97,7 @@ def test_recall_on_random_data_beats_blind_pages(capsys):
             for x, y in zip(ra, rb):
                 hit, tot = hit + len(x & y), tot + len(x)
     recall, blind = hit / tot, sum(cover) / len(cover)
-    print(f"prefilter recall vs token-level on random data: {recall:.3f} (blind pages: {blind:.3f})")
+    print(f"prefilter ({summary}) recall vs token-level on random data: {recall:.3f} (blind pages: {blind:.3f})")
     assert blind < recall < 1.0
 
 
@@ -104,11 +109,14 @@ def test_config_refuses_too_few_candidates():
         AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, rerank=2, prefilter_pages=3)
 
 
-def test_bounds_from_new_keys_equal_bounds_from_the_cache():
-    """A cache rank observing with ``k_new`` (``takes_new_keys``) folds the same bounds as
-    one reading the cache's newest row; a rebuild then needs the exact keys and refuses."""
+@pytest.mark.parametrize("summary", ["mean", "bounds"])
+def test_pages_from_new_keys_equal_pages_from_the_cache(summary):
+    """A cache rank observing with ``k_new`` (``takes_new_keys``) folds the same page
+    summaries as one reading the cache's newest row; a rebuild then needs the exact keys
+    and refuses."""
     sim = DecodeSim(B=2, Hq=4, Hkv=2, D=8, prompt_len=13, steps=9, n_layers=1, kv_start=[0, 2], seed=4)
-    pol = make_policy("asyncspade", sim, **COMMON, score_keys="int4", prefilter_pages=4, prefilter_page_size=4)
+    pol = make_policy("asyncspade", sim, **COMMON, score_keys="int4", prefilter_pages=4, prefilter_page_size=4,
+                      prefilter_summary=summary)
     assert pol.takes_new_keys(pol.new_state(2, "cpu"))
     k = sim.k_all[0].clone()
     L = k.shape[2]
@@ -123,6 +131,6 @@ def test_bounds_from_new_keys_equal_bounds_from_the_cache():
             kn = k[:, :, t]
             pol.observe(st, 0, sim.q_all[0, :, :, t], k, torch.tensor([t + 1, t + 1]), k_new=kn if use_new else None)
         states.append(st.layers[0])
-    assert torch.equal(states[0].pmin, states[1].pmin) and torch.equal(states[0].pmax, states[1].pmax)
+    assert all(torch.equal(a, b) for a, b in zip(states[0].pages, states[1].pages))
     with pytest.raises(RuntimeError, match="needs a rebuild"):
         pol.observe(st, 0, sim.q_all[0, :, :, 0], torch.cat([k, k], 2), torch.tensor([L, L]), k_new=k[:, :, 0])

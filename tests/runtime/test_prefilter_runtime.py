@@ -11,13 +11,15 @@ from spade.runtime.inline import InlineRuntime
 from tests.runtime.conftest import BUDGET, NEW, T, config, generate_cfg, greedy
 
 
-@pytest.mark.parametrize("score_keys,topology,pack,mode", [
-    ("int4", "local", 2, "indices"),   # the cache rank quantises and folds the keys it receives (k_new)
-    ("exact", "colocated", 1, "kv"),   # reads the model's own cache
+@pytest.mark.parametrize("score_keys,topology,pack,mode,summary", [
+    ("int4", "local", 2, "indices", "mean"),   # the cache rank quantises and folds the keys it receives (k_new)
+    ("exact", "colocated", 1, "kv", "mean"),   # reads the model's own cache
+    ("int4", "local", 1, "delta", "bounds"),
 ])
-def test_prefilter_matches_inline_tokens(model, prompt, inline_tokens, score_keys, topology, pack, mode):
+def test_prefilter_matches_inline_tokens(model, prompt, inline_tokens, score_keys, topology, pack, mode, summary):
     # 3 pages of 4 = 12 candidates for K_mid = 9, of middles up to ~25 tokens: a real prefilter
-    pf = [f"policy.score_keys={score_keys}", "policy.prefilter_pages=3", "policy.prefilter_page_size=4"]
+    pf = [f"policy.score_keys={score_keys}", "policy.prefilter_pages=3", "policy.prefilter_page_size=4",
+          f"policy.prefilter_summary={summary}"]
     cfg = config(*pf)
     want = InlineRuntime(cfg, model, build_policy(cfg.policy, model.spec)).generate(
         *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
