@@ -559,7 +559,7 @@ class AsyncSpadePolicy(Policy):
             slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
             st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
 
-    def page_bounds(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
+    def page_summaries(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                     kv_lens: torch.Tensor | None, *, k_new: torch.Tensor | None = None,
                     build: bool = False, fold: bool = True) -> tuple[torch.Tensor, ...]:
         """``prefilter_pages``: the page summaries of ``k_cache`` [B, Hkv, L, D] as views
@@ -643,7 +643,7 @@ class AsyncSpadePolicy(Policy):
             from spade.kernels.prefilter import norm_positions
 
             norm_pos = norm_positions(n_lo, lo, hi, n_hi, cfg.sink_tokens, cfg.recent_tokens)
-        summary = self.page_bounds(state, st, k_cache, kv_lens, fold=False)  # (built at prefill / observe)
+        summary = self.page_summaries(state, st, k_cache, kv_lens, fold=False)  # (built at prefill / observe)
         page_reduce = "max_logits" if cfg.group_reduce == "max_logits" else "sum_logits"
         idx = kernels.prefilter_select(q_page, summary, q, k_score, lo, hi, k_top, cfg.prefilter_pages,
                                        cfg.prefilter_page_size, scale=self.spec.softmax_scale,
@@ -707,7 +707,7 @@ class AsyncSpadePolicy(Policy):
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
         if self.cfg.prefilter_pages:
             st.keys_elsewhere = False
-            self.page_bounds(state, st, k_cache, kv_lens, build=True)
+            self.page_summaries(state, st, k_cache, kv_lens, build=True)
 
     def takes_new_keys(self, state: PolicyState) -> bool:
         # compressed scoring keys: observe quantises the step's key, select scores the copy;
@@ -737,7 +737,7 @@ class AsyncSpadePolicy(Policy):
         if self.cfg.prefilter_pages:
             if k_new is not None:
                 st.keys_elsewhere = True
-            self.page_bounds(state, st, k_cache, kv_lens, k_new=k_new)
+            self.page_summaries(state, st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
