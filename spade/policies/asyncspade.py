@@ -233,14 +233,18 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     @model_validator(mode="after")
     def _prefilter_fits(self):
         if self.prefilter_pages:
-            need = self.rerank * max(0, self.budget - self.sink_tokens - self.recent_tokens)
-            have = self.prefilter_pages * self.prefilter_page_size
+            # the middle's first and last pages may hold as few as one of its tokens each, so
+            # N pages hold at least N * page - 2 (page - 1) candidates: enough to fill K_mid
+            ps = self.prefilter_page_size
+            keep = self.rerank * max(0, self.budget - self.sink_tokens - self.recent_tokens)
+            need = keep + 2 * (ps - 1)
+            have = self.prefilter_pages * ps
             if have < need:
                 raise ValueError(
-                    f"policy.prefilter_pages ({self.prefilter_pages}) x prefilter_page_size "
-                    f"({self.prefilter_page_size}) = {have} candidate tokens, fewer than the {need} middle tokens "
-                    f"the selection keeps (rerank x (budget - sink_tokens - recent_tokens)): raise prefilter_pages "
-                    f"to at least {-(-need // self.prefilter_page_size)}, or 0 for the token-level scan")
+                    f"policy.prefilter_pages ({self.prefilter_pages}) x prefilter_page_size ({ps}) = {have} tokens "
+                    f"may hold fewer candidates than the {keep} middle tokens the selection keeps (rerank x (budget - "
+                    f"sink_tokens - recent_tokens)), the middle's two edge pages being partial: raise prefilter_pages "
+                    f"to at least {-(-need // ps)}, or 0 for the token-level scan")
         return self
 
     @model_validator(mode="after")

@@ -207,10 +207,10 @@ def test_bench_tpot_prefilter_cpu_run(tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
            "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
            "--packs", "2", "--methods", "asyncspade/colocated", "--linear", "cublas", "--no-plots",
-           "--score-keys", "int4", "--prefilter", "4", "--prefilter-page-size", "16", "--out", str(out)]
+           "--score-keys", "int4", "--prefilter", "6", "--prefilter-page-size", "16", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["configs"][0]["rows"]
-    assert set(rows) == {"asyncspade/colocated/P=2/int4/p=4"}
-    row = rows["asyncspade/colocated/P=2/int4/p=4"]
+    assert set(rows) == {"asyncspade/colocated/P=2/int4/p=6"}
+    row = rows["asyncspade/colocated/P=2/int4/p=6"]
     assert row["tpot_ms"] > 0 and row["late_packs"] == 0

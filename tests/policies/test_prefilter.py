@@ -49,7 +49,8 @@ def test_k_of_one_and_k_above_the_context():
 @pytest.mark.parametrize("score_keys", ["exact", "int4"])
 def test_crafted_top_k_inside_few_pages(summary, score_keys):
     """Keys aligned with every query in two pages (the rest small noise): two pages hold the
-    whole true top-K, so 2 of the 25 pages give the token-level selection."""
+    whole true top-K, so 2 of the 25 pages give the token-level selection (K_mid = 2: the
+    fewest pages of 8 that always fill it are 2)."""
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, D, L, ps = 1, 4, 2, 16, 200, 8
     spec = AttentionSpec(n_layers=1, n_q_heads=Hq, n_kv_heads=Hkv, head_dim=D)
@@ -65,7 +66,7 @@ def test_crafted_top_k_inside_few_pages(summary, score_keys):
     sels = []
     from spade.policies.asyncspade import AsyncSpadePolicy
     for pages in (0, 2):
-        cfg = AsyncSpadePolicyConfig(budget=2 + 4 + 8, sink_tokens=2, recent_tokens=4, predictor="last", window=2,
+        cfg = AsyncSpadePolicyConfig(budget=2 + 4 + 2, sink_tokens=2, recent_tokens=4, predictor="last", window=2,
                                      rope_aware=False, score_keys=score_keys, prefilter_pages=pages,
                                      prefilter_page_size=ps, prefilter_summary=summary)
         pol = AsyncSpadePolicy(cfg, spec)
@@ -75,7 +76,8 @@ def test_crafted_top_k_inside_few_pages(summary, score_keys):
         st.seq_len = L + 1
         sels.append(middle_sets(pol.select(st, 0, None, k, kv)))
     assert sels[0] == sels[1]
-    assert all(min(s) >= 5 * ps and len(s) == 8 for s in sels[1][0])
+    assert all(len(s) == 2 and all(p * ps <= t < (p + 1) * ps for t in s for p in [t // ps]) and
+               {t // ps for t in s} <= {5, 17} for s in sels[1][0])
 
 
 @pytest.mark.parametrize("summary", ["mean", "bounds"])
@@ -102,11 +104,12 @@ def test_recall_on_random_data_beats_blind_pages(summary):
 
 
 def test_config_refuses_too_few_candidates():
+    # K_mid = 80: 80 + 2 x 31 = 142 tokens of pages of 32 -> at least 5 pages
+    with pytest.raises(ValidationError, match="at least 5"):
+        AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, prefilter_pages=4, prefilter_page_size=32)
+    AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, prefilter_pages=5, prefilter_page_size=32)
     with pytest.raises(ValidationError, match="prefilter_pages"):
-        AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, prefilter_pages=2, prefilter_page_size=32)
-    AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, prefilter_pages=3, prefilter_page_size=32)
-    with pytest.raises(ValidationError, match="prefilter_pages"):
-        AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, rerank=2, prefilter_pages=3)
+        AsyncSpadePolicyConfig(budget=100, sink_tokens=4, recent_tokens=16, rerank=2, prefilter_pages=5)
 
 
 @pytest.mark.parametrize("summary", ["mean", "bounds"])

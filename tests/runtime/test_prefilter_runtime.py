@@ -17,8 +17,8 @@ from tests.runtime.conftest import BUDGET, NEW, T, config, generate_cfg, greedy
     ("int4", "local", 1, "delta", "bounds"),
 ])
 def test_prefilter_matches_inline_tokens(model, prompt, inline_tokens, score_keys, topology, pack, mode, summary):
-    # 3 pages of 4 = 12 candidates for K_mid = 9, of middles up to ~25 tokens: a real prefilter
-    pf = [f"policy.score_keys={score_keys}", "policy.prefilter_pages=3", "policy.prefilter_page_size=4",
+    # 4 pages of 4 (at least 10 candidates) for K_mid = 9, of middles up to ~25 tokens: a real prefilter
+    pf = [f"policy.score_keys={score_keys}", "policy.prefilter_pages=4", "policy.prefilter_page_size=4",
           f"policy.prefilter_summary={summary}"]
     cfg = config(*pf)
     want = InlineRuntime(cfg, model, build_policy(cfg.policy, model.spec)).generate(
