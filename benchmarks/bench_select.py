@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                          "keys of --keys, top-K), vs the token-level scan (the default config row); rows carry the "
                          "bytes read and the recall vs the token-level top-K on this random data")
     ap.add_argument("--page-size", type=int, default=32, help="tokens per page of --prefilter")
-    ap.add_argument("--prefilter-summary", default="mean",
-                    help="page summaries of --prefilter (comma-separated): mean (policy.prefilter_summary default), "
-                         "bounds (Quest min/max)")
+    ap.add_argument("--prefilter-summary", default="bounds",
+                    help="page summaries of --prefilter (comma-separated): bounds (Quest min/max, "
+                         "policy.prefilter_summary's default), mean")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s

@@ -852,7 +852,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "bounds first, then the tokens of the N best pages; rows named .../p=<N>)")
     ap.add_argument("--prefilter-page-size", type=int, default=32,
                     help="policy.prefilter_page_size of the --prefilter rows")
-    ap.add_argument("--prefilter-summary", default="mean", choices=("mean", "bounds"),
+    ap.add_argument("--prefilter-summary", default="bounds", choices=("bounds", "mean"),
                     help="policy.prefilter_summary of the --prefilter rows (page means or Quest bounds)")
     ap.add_argument("--refresh-drift", type=float, default=None,
                     help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")

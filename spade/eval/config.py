@@ -98,8 +98,8 @@ class SelectionEvalConfig(_Budgets):
     token-level selection of the same predicted query (empty: not measured)."""
     prefilter_page_size: PosInt = 32
     """Tokens per page of the prefilter's summaries."""
-    prefilter_summaries: list[Literal["mean", "bounds"]] = Field(default_factory=lambda: ["mean"])
-    """``policy.prefilter_summary`` values replayed (``bounds`` rows end ``,bounds]``)."""
+    prefilter_summaries: list[Literal["bounds", "mean"]] = Field(default_factory=lambda: ["bounds"])
+    """``policy.prefilter_summary`` values replayed (``mean`` rows end ``,mean]``)."""
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)

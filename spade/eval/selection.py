@@ -474,7 +474,7 @@ class _LayerReplay:
                 # best first: the torch references' top-K is sorted
                 pages = pf.best_pages(q_hat, summary, self.lo, self.hi, n_max, ps, scale=self.spec.softmax_scale,
                                       page_reduce=page_red)
-                policy = f"{asy_label[:-1]},prefilter={f}" + ("]" if summ_name == "mean" else ",bounds]")
+                policy = f"{asy_label[:-1]},prefilter={f}" + ("]" if summ_name == "bounds" else ",mean]")
                 for blabel, budget in self.settings:
                     kt = (budget - self.n_fixed).to(dev)  # [B] K_mid per row
                     n_b = f * ((kt + ps - 1) // ps)  # pages kept per row

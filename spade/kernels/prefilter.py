@@ -15,8 +15,8 @@ reads every cached key each step. The prefilter reads far fewer bytes:
      (``spade.kernels.quest``), scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)``
      per head; then the radix top-K of ``spade.kernels.radix_topk``.
 
-   On SmolLM2-135M (8k tokens, K = t/64) the mean kept more of the token-level top-K
-   than the bound (docs/policies.md), and reads half its bytes.
+   On SmolLM2-135M (8k tokens) the bounds kept more attention mass, the means more of
+   the token-level top-K's tokens, at half the bytes (docs/policies.md).
 2. *Level 2 (tokens)*: the tokens of those pages that lie in ``[lo, hi)`` are the
    candidates (``n_pages * page_size`` per row and head, ``-1`` elsewhere); they are
    scored on the selection's key copy (exact, int8 or packed int4, with its per-token

@@ -219,16 +219,17 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     (``sum_softmax``: each head normalised over those tokens plus the sinks and the
     recent window). ``N * prefilter_page_size >=`` the middle: the token-level
     selection. The level-2 top-K is ``torch.topk`` over the candidates, so ``topk``
-    (carry / radix) does not apply. Reads ``2 D / page_size`` bytes per cached token
-    (bf16 means) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
+    (carry / radix) does not apply. Reads ``4 D / page_size`` bytes per cached token
+    (bf16 bounds; half that for means) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
     every key (spade.kernels.prefilter, docs/policies.md)."""
     prefilter_page_size: int = Field(32, ge=1, le=1024)
     """Tokens per page of the prefilter's summaries (``prefilter_pages``)."""
-    prefilter_summary: Literal["mean", "bounds"] = "mean"
-    """What level 1 scores per page: ``mean`` (default), the mean of the page's keys in the
-    cache dtype, scored as a key (D elements per page); ``bounds``, Quest's element-wise
-    min / max scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (2 D elements).
-    On SmolLM2-135M the mean kept more of the token-level top-K (docs/policies.md)."""
+    prefilter_summary: Literal["bounds", "mean"] = "bounds"
+    """What level 1 scores per page: ``bounds`` (default), Quest's element-wise min / max in
+    the cache dtype, scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (2 D
+    elements per page); ``mean``, the mean of the page's keys, scored as a key (D
+    elements: half the bytes). On SmolLM2-135M the bounds kept more attention mass and
+    the means more of the token-level top-K's tokens (docs/policies.md)."""
 
     @model_validator(mode="after")
     def _prefilter_fits(self):

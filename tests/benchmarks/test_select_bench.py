@@ -79,3 +79,4 @@ def test_tiny_prefilter_rows(tmp_path):
         assert every["bytes_ratio"] > few["bytes_ratio"]
     # (tiny fp32 shapes: page summaries of d = 16 in fp32 are no smaller than an int4 copy's rows)
     assert pf[0]["bytes_ratio"] < 1  # exact keys, page means, 4 pages
+    assert pf[0]["config"]["summary"] == "mean"

@@ -194,7 +194,7 @@ def test_bench_tpot_prefilter_rows_and_overrides(monkeypatch):
         if name.startswith("asyncspade"):
             on = name.endswith("/p=4")
             assert ("policy.prefilter_pages=4" in ov) == on and ("policy.prefilter_page_size=16" in ov) == on
-            assert ("policy.prefilter_summary=mean" in ov) == on
+            assert ("policy.prefilter_summary=bounds" in ov) == on
     assert a.cur_prefilter == 0  # restored after the rows
     with pytest.raises(SystemExit):
         bt.parse_args(["--prefilter", "-1"])

@@ -320,7 +320,7 @@ def test_prefilter_rows_measure_the_policys_prefiltered_selection(reduce, rng):
     kc = k[None].expand(B, *k.shape)
     q_t = q[:, ts].transpose(0, 1).contiguous()
     probs = true_probs(q_t, kc, (ts + 1).to(torch.int32), spec.softmax_scale)
-    for summary, sfx in (("mean", ""), ("bounds", ",bounds")):
+    for summary, sfx in (("bounds", ""), ("mean", ",mean")):
         pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=24, sink_tokens=2, recent_tokens=4, predictor="last",
                                                       window=cfg.window, group_reduce=reduce, rope_aware=False,
                                                       prefilter_pages=10, prefilter_page_size=4,  # 2 * ceil(18 / 4)
