@@ -195,7 +195,7 @@ def candidate_topk(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k_top: 
     kg = _rows(k, cand)  # [B, Hkv, M, Dk]
     ksg = None if k_scale is None else _rows(k_scale, cand)  # [B, Hkv, M]
     logits = _group_logits_ref(q, kg, sc, ksg)  # [B, Hkv, G, M] fp32
-    neg = torch.tensor(float("-inf"), device=logits.device)
+    neg = float("-inf")  # a Python scalar: no host-to-device copy (illegal while a CUDA graph captures)
     if reduce == "sum_logits":
         s = logits.sum(2)
     elif reduce == "max_logits":
@@ -216,7 +216,7 @@ def candidate_topk(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k_top: 
     res = torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=cand.device) if out is None else out.fill_(-1)
     kk = min(k_top, M)
     if kk > 0:
-        top, j = s.topk(kk, dim=-1)  # [B, Hkv, kk]
+        _, j = s.topk(kk, dim=-1)  # [B, Hkv, kk]
         picked = cand.gather(2, j)
         res[..., :kk] = torch.where(valid.gather(2, j), picked, torch.full_like(picked, -1))
     return res
