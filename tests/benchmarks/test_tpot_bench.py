@@ -175,3 +175,42 @@ def test_bench_tpot_rerank_rows_and_overrides(monkeypatch):
             assert ("policy.refresh_every=3" in ov) == ("/r=3" in name)
     with pytest.raises(SystemExit):
         bt.parse_args(["--rerank", "0"])
+
+
+def test_bench_tpot_prefilter_rows_and_overrides(monkeypatch):
+    """``--prefilter 0,4``: every asyncspade row again with ``policy.prefilter_pages=4`` and
+    the page size (named ``/p=4``), the other methods once; bad values are refused."""
+    from benchmarks import bench_tpot as bt
+
+    a = bt.parse_args(["--methods", "optimal,asyncspade/inline,asyncspade/colocated", "--packs", "2",
+                       "--prefilter", "0,4", "--prefilter-page-size", "16"])
+    ran = {}
+    monkeypatch.setattr(bt, "run_inline", lambda model, m, *rest: bt.policy_overrides("asyncspade", 64, a))
+    monkeypatch.setattr(bt, "run_async", lambda *rest: bt.policy_overrides("asyncspade", 64, a))
+    bt.rows_for_budget(None, 2, 256, 64, a, {}, False, lambda name, fn: ran.setdefault(name, fn()))
+    assert list(ran) == ["asyncspade/inline", "optimal", "asyncspade/inline/p=4", "asyncspade/colocated/P=2",
+                         "asyncspade/colocated/P=2/p=4"]
+    for name, ov in ran.items():
+        if name.startswith("asyncspade"):
+            on = name.endswith("/p=4")
+            assert ("policy.prefilter_pages=4" in ov) == on and ("policy.prefilter_page_size=16" in ov) == on
+            assert ("policy.prefilter_summary=bounds" in ov) == on
+    assert a.cur_prefilter == 0  # restored after the rows
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--prefilter", "-1"])
+
+
+def test_bench_tpot_prefilter_cpu_run(tmp_path):
+    """A real colocated run with the prefilter on (tiny preset, CPU): the row is timed and
+    no pack is late."""
+    out = tmp_path / "bench_tpot.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
+           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
+           "--packs", "2", "--methods", "asyncspade/colocated", "--linear", "cublas", "--no-plots",
+           "--score-keys", "int4", "--prefilter", "6", "--prefilter-page-size", "16", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["configs"][0]["rows"]
+    assert set(rows) == {"asyncspade/colocated/P=2/int4/p=6"}
+    row = rows["asyncspade/colocated/P=2/int4/p=6"]
+    assert row["tpot_ms"] > 0 and row["late_packs"] == 0

@@ -296,3 +296,41 @@ def test_channel_ranking_matches_asyncspade_select_with_score_channels(rope, rng
     assert recommend_channels(rows, [1, 2, 4], 0.01)["K=8 asyncspade[last] -"]["r"] == "d/2"
     assert recommend_channels(rows, [1, 2, 4], 0.03)["K=8 asyncspade[last] -"]["r"] == "d/4"
     assert recommend_channels(rows, [1, 2, 4], 0.001)["K=8 asyncspade[last] -"]["r"] == "d"
+
+
+@pytest.mark.parametrize("reduce", ["sum_logits", "sum_softmax"])
+def test_prefilter_rows_measure_the_policys_prefiltered_selection(reduce, rng):
+    """``prefilter_factors``: the replayed rows give the recall of ``AsyncSpadePolicy``'s
+    selection with ``prefilter_pages = f * ceil(K_mid / page)`` (page means and Quest
+    bounds), position by position; pages covering every middle give the token-level
+    selection (token_overlap 1)."""
+    from spade.eval.selection import positions_for
+
+    qs, ks = _random_capture(rng, layers=1, hq=6, hkv=2)
+    spec = _spec(6, 2, 16, layers=1)
+    cfg = _cfg(budgets=[24], context_fractions=[], baselines=["oracle"], predictors=["last"], rope_aware=[False],
+               group_reduces=[reduce], prefilter_factors=[2, 5], prefilter_page_size=4,
+               prefilter_summaries=["mean", "bounds"], shift_ablation=False, distances=[1])
+    acc = Acc(1)
+    evaluate_captured(cfg, spec, qs, ks, acc)
+    rows = {r["policy"]: r for r in summarize(acc)}
+    q, k = qs[0], ks[0]
+    ts = positions_for(cfg, q.shape[1])
+    B, L, R = len(ts), q.shape[1], cfg.window + 1
+    kc = k[None].expand(B, *k.shape)
+    q_t = q[:, ts].transpose(0, 1).contiguous()
+    probs = true_probs(q_t, kc, (ts + 1).to(torch.int32), spec.softmax_scale)
+    for summary, sfx in (("bounds", ""), ("mean", ",mean")):
+        pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=24, sink_tokens=2, recent_tokens=4, predictor="last",
+                                                      window=cfg.window, group_reduce=reduce, rope_aware=False,
+                                                      prefilter_pages=10, prefilter_page_size=4,  # 2 * ceil(18 / 4)
+                                                      prefilter_summary=summary), spec)
+        st, sel, _, kv = _select_once(pol, torch.stack([q[:, t - R:t] for t in ts.tolist()]), kc, ts)
+        want = float(torch.einsum("bhgl,bhl->bhg", probs, attended_mask(sel, kv, L, 2).to(probs.dtype)).mean())
+        # sum_softmax: the policy's normaliser leaves the newest key out (it selects a step
+        # ahead), the replay's spans the whole row as its token-level rows do: near, not equal
+        tol = 1e-6 if reduce == "sum_logits" else 5e-3
+        assert rows[f"asyncspade[last,prefilter=2{sfx}]"]["recall"] == pytest.approx(want, abs=tol)
+        assert rows[f"asyncspade[last,prefilter=2{sfx}]"]["token_overlap"] < 1.0
+        assert rows[f"asyncspade[last,prefilter=5{sfx}]"]["token_overlap"] == pytest.approx(1.0)  # 25 pages >= L
+        assert rows[f"asyncspade[last,prefilter=5{sfx}]"]["recall"] == pytest.approx(rows["asyncspade[last]"]["recall"])
