@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="extra config override (key=value)")
     ap.add_argument("--out", default="results/soak.json")
     args = ap.parse_args(argv)
+    kinds = [f.strip() for f in args.faults.split(",") if f.strip()]
+    bad = [f for f in kinds if f not in ("kill", "close", "stop")]
+    if bad or not kinds:
+        ap.error(f"--faults {args.faults!r}: each fault is one of kill, close, stop")
+    if "close" in kinds and args.topology == "multiprocess":  # refused before any work, not at the third fault
+        ap.error("--faults close closes an in-process cache rank's transport end: use colocated or local, or "
+                 "--faults kill,stop with multiprocess")
 
     torch.manual_seed(args.seed)
     if args.threads > 0:

@@ -255,7 +255,7 @@ for s in "${stages[@]}"; do
       run "soak_$topo" ${SOAK_TIMEOUT:-480} python3 -m benchmarks.soak --preset ${SOAK_PRESET:-qwen3-1.7b} --device cuda:0 \
         --dtype bfloat16 --topology "$topo" --transport nccl --batch 4 --prompt-len 2048 --budget 256 \
         --steps ${SOAK_STEPS:-10000} --steps-per-request ${SOAK_PER_REQUEST:-2500} --fault-every ${SOAK_EVERY:-400} \
-        --faults ${SOAK_FAULTS:-kill,stop,close} --peer-deadline-s 15 --threads 0 ${SOAK_ARGS:-} \
+        --faults ${SOAK_FAULTS:-$([ "$topo" = multiprocess ] && echo kill,stop || echo kill,stop,close)} --peer-deadline-s 15 --threads 0 ${SOAK_ARGS:-} \
         --out "$OUT/soak_gpu_$topo.json" ;;
     cli)  # the CLI end to end on this GPU: `spade run` with the single-GPU config (CLI_CONFIG; random-weight
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept

@@ -217,14 +217,14 @@ def test_gpu_graph_replay_follows_the_table_in_place():
         table.set_row(b, perm[b * nb:(b + 1) * nb])
     tab = table.sync()
     kw = dict(n_sink=4, n_recent=64, block_table=tab)
-    for indices in (idx, None):
+    for i, indices in enumerate((idx, None)):
         A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)  # compile, make counters
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)
         # move row 1's blocks elsewhere (copying their tokens) and re-point the table in place
-        new = perm[B * nb:B * nb + nb]
+        new = perm[(B + i) * nb:(B + i + 1) * nb]  # blocks row 1 never held
         old = table.host_row(1)
         k_pool[new] = k_pool[old]
         v_pool[new] = v_pool[old]
@@ -235,7 +235,9 @@ def test_gpu_graph_replay_follows_the_table_in_place():
         g.replay()
         fresh = A.sparse_decode_attention_triton(q, k_pool, v_pool, kv_lens, indices, **kw)
         torch.cuda.synchronize()
-        assert torch.isfinite(out).all() and torch.equal(out, fresh)
+        # (the split-K combine's order may differ between launches: equal up to bf16 rounding)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), fresh.float(), rtol=2e-2, atol=2e-3)
         k_pool[old] = k_pool[new]  # back where they were, for the next pass
         v_pool[old] = v_pool[new]
         table.set_row(1, old)
