@@ -860,9 +860,6 @@ class AsyncSpadePolicy(Policy):
                 f"policy.score_channels ({cfg.score_channels}) keep state shared by every row, which a request "
                 "joining a running batch cannot have yet: set refresh_every: 1, refresh_drift: null and "
                 "score_channels: null to serve asyncspade")
-        if cfg.prefilter_pages:
-            raise ConfigError(f"policy.prefilter_pages ({cfg.prefilter_pages}): the page summaries do not follow "
-                              "rows joining a running batch yet; set policy.prefilter_pages: 0 to serve asyncspade")
         sub = self.row_state(state, rows, k_cache.device)
         self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
         new = sub.layers[layer]

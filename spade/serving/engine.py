@@ -72,10 +72,6 @@ def check_served(config: SpadeConfig) -> None:
             f"policy.score_channels ({pc.score_channels}) keep state shared by all rows, which a request "
             "joining a running batch cannot have: set refresh_every: 1, refresh_drift: null and "
             "score_channels: null to serve asyncspade")
-    if pc.name == "asyncspade" and pc.prefilter_pages:
-        raise ConfigError(
-            f"policy.prefilter_pages ({pc.prefilter_pages}): the page prefilter's page summaries do not follow rows "
-            "joining a running batch yet; set policy.prefilter_pages: 0 to serve asyncspade")
     if config.model.backend == "hf":
         raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
                           "model.backend: fast (or auto)")

@@ -185,8 +185,6 @@ def test_topology_refusals_name_the_field():
             spade.AsyncEngine(make_config("asyncspade", "local", extra=[f"runtime.return_mode={mode}"]))
     with pytest.raises(ConfigError, match="refresh_every"):
         spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_every=2"]))
-    with pytest.raises(ConfigError, match=r"policy.prefilter_pages \(64\)"):
-        spade.AsyncEngine(make_config("asyncspade", extra=["policy.prefilter_pages=64", "policy.prefilter_page_size=4"]))
     with pytest.raises(ConfigError, match="model.backend"):
         spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))
 
