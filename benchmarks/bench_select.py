@@ -177,32 +177,6 @@ def _overlap_fns(q, k, ks, lo, hi, K: int, layers: int):
     return run, reset, outs
 
 
-def _prefilter_fns(q, k, kk, ks, lo, hi, K: int, n_pages: int, page_size: int, summary: str, cuda: bool):
-    """Closures running the first n stages of the page prefilter (``spade.kernels.prefilter``)
-    on page summaries built once from the exact keys ``k``: 1 = level 1 (the best ``n_pages``
-    pages: page means through the fused scoring + top-K, or Quest bounds' scores + radix
-    top-K), 2 = + level 2 (the pages' tokens scored on ``kk`` / ``ks`` and the top-K).
-    Returns (run, out): ``out`` the int32 [B, Hkv, K] selection."""
-    from spade.kernels import prefilter as pf, quest
-
-    B = k.shape[0]
-    kv = torch.full((B,), k.shape[2], dtype=torch.int32, device=k.device)
-    if summary == "mean":
-        summ = (pf.page_sums(k, kv, page_size)[1],)
-    else:
-        summ = (quest.quest_build_triton if cuda else quest.quest_build_ref)(k, kv, page_size)
-    out = torch.full((B, k.shape[1], K), -1, dtype=torch.int32, device=k.device)
-    held: dict = {}
-
-    def run(n: int) -> None:
-        held["pages"] = pf.best_pages(q, summ, lo, hi, n_pages, page_size, page_reduce="sum_logits", triton=cuda)
-        if n >= 2:
-            cand = pf.pages_to_candidates(held["pages"], lo, hi, page_size)
-            pf.candidate_topk(q, kk, cand, K, reduce="sum_logits", k_scale=ks, out=out)
-
-    return run, out
-
-
 def _carry_cfg(spec: str) -> dict:
     """``BITS:WARPS[:WORDS]`` as ``SELECT_CONFIG`` overrides (``default``: none)."""
     if spec == "default":
@@ -238,15 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", default=str(D),
                     help="key dims scored, comma-separated: 128 is the full head; r < 128 is the scoring copy of "
                          "policy.score_channels r (rows carry d)")
-    ap.add_argument("--prefilter", default="",
-                    help="also time the page prefilter (policy.prefilter_pages) with these page counts N,... "
-                         "per (row, KV head): level 1 (the best N pages), + level 2 (the pages' tokens scored on the "
-                         "keys of --keys, top-K), vs the token-level scan (the default config row); rows carry the "
-                         "bytes read and the recall vs the token-level top-K on this random data")
-    ap.add_argument("--page-size", type=int, default=32, help="tokens per page of --prefilter")
-    ap.add_argument("--prefilter-summary", default="bounds",
-                    help="page summaries of --prefilter (comma-separated): bounds (Quest min/max, "
-                         "policy.prefilter_summary's default), mean")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
     t_end = time.monotonic() + args.budget_s
@@ -267,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
                 for b, w, m, p in itertools.product((512, 1024, 2048), (4, 8), (1024, 4096), (4, 8))]
     if args.tiny:
         shapes, K, hq, hkv, d, rep = [(2, 300)], 17, 4, 2, 16, 1
-        args.page_size = min(args.page_size, 8)
         grid_cfg = [dict(BLOCK=64, num_warps=1, MIN_CHUNK=64, PER_SM=2, TIE_BLOCK=32),
                     dict(BLOCK=128, num_warps=1, MIN_CHUNK=128)]
     rows_out: list[dict] = []
@@ -326,29 +290,6 @@ def main(argv: list[str] | None = None) -> int:
 
         base = timed_stages({})
         record(dict(B=B, L=L, K=K, keys=keys, d=d, config="default", **(base or {})))
-        for summary, n_pages in itertools.product([x for x in args.prefilter_summary.split(",") if x],
-                                                  [int(x) for x in args.prefilter.split(",") if x]):
-            from spade.kernels.prefilter import prefilter_bytes
-
-            ps = args.page_size
-            try:
-                run, out = _prefilter_fns(q, k, kk, ks, lo, hi, K, n_pages, ps, summary, cuda)
-                run(2)
-                top = truth.topk(K, dim=-1).indices  # the token-level selection
-                hit = (out.long()[..., :, None] == top[..., None, :]).any(-1).sum(-1)  # [B, Hkv]
-                recall = float(hit.double().mean() / K)
-                ms = [_graph_ms(lambda n=n: run(n), rep=rep) for n in (1, 2)]
-                kb = {"int4": d / 2 + 4, "int8": d + 4, "int8_float": d + 4}.get(keys, d * k.element_size())
-                two, one = prefilter_bytes(L, d, n_pages, ps, bound_bytes=k.element_size(), key_bytes_per_token=kb,
-                                           summary=summary)
-                res = dict(pages_ms=ms[0], tokens_ms=ms[1] - ms[0],
-                           total_ms=ms[1], vs_token_level=ms[1] / base["total_ms"] if base and "total_ms" in base
-                           else None, bytes_per_head=two, token_level_bytes_per_head=one,
-                           bytes_ratio=two / one, recall_vs_token_level=recall)
-            except Exception as e:
-                res = dict(error=f"{type(e).__name__}: {e}"[:200])
-            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(prefilter=n_pages, page_size=ps, summary=summary),
-                        **res))
         for cc in [c for c in args.carry.split(",") if c]:
             radix_topk.SELECT_CONFIG.clear()
             radix_topk.SELECT_CONFIG.update(_carry_cfg(cc))

@@ -190,9 +190,6 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.rerank={a.cur_rerank}")
     if getattr(a, "cur_channels", 0):
         out.append(f"policy.score_channels={a.cur_channels}")
-    if getattr(a, "cur_prefilter", 0):
-        out += [f"policy.prefilter_pages={a.cur_prefilter}", f"policy.prefilter_page_size={a.prefilter_page_size}",
-                f"policy.prefilter_summary={a.prefilter_summary}"]
     if getattr(a, "refresh_drift", None) is not None:
         out.append(f"policy.refresh_drift={a.refresh_drift}")
     return out
@@ -303,8 +300,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                    + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a)
                    + "".join(f"_{k}{v}" for k, v in (("r", getattr(a, "cur_refresh", 1)),
                                                       ("m", getattr(a, "cur_rerank", 1)),
-                                                      ("c", getattr(a, "cur_channels", 0)),
-                                                      ("p", getattr(a, "cur_prefilter", 0))) if v not in (0, 1)))
+                                                      ("c", getattr(a, "cur_channels", 0))) if v not in (0, 1)))
             timeline = None
             if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
                     or tag in a.profile_rows.split(","):
@@ -470,22 +466,21 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
         "gather_kv_ms": statistics.median(time_graph(lambda: kernels.gather_kv(kc, vc, sel.indices), **it)),
     }
     W = a.window + 1
-    # (name, scoring keys, score_channels, rerank, prefilter_pages): asyncspade once per variant of the rows
-    variants = [(n, "exact", 0, 1, 0) for n in ("quest", "tova", "oracle")]
-    for sk, ch, m, pf in itertools.product(["exact"] + [sk for sk in a.score_keys if sk != "exact"],
-                                           getattr(a, "score_channels", [0]), getattr(a, "rerank", [1]),
-                                           getattr(a, "prefilter", [0])):
+    # (name, scoring keys, score_channels, rerank): asyncspade once per variant of the rows
+    variants = [(n, "exact", 0, 1) for n in ("quest", "tova", "oracle")]
+    for sk, ch, m in itertools.product(["exact"] + [sk for sk in a.score_keys if sk != "exact"],
+                                       getattr(a, "score_channels", [0]), getattr(a, "rerank", [1])):
         variants.append(("asyncspade" + ("" if sk == "exact" else f"_{sk}") + (f"_c{ch}" if ch else "")
-                         + (f"_m{m}" if m > 1 else "") + (f"_p{pf}" if pf else ""), sk, ch, m, pf))
-    for name, sk, ch, m, pf in variants:
-        a.cur_score_keys, a.cur_channels, a.cur_rerank, a.cur_prefilter = sk, ch, m, pf
+                         + (f"_m{m}" if m > 1 else ""), sk, ch, m))
+    for name, sk, ch, m in variants:
+        a.cur_score_keys, a.cur_channels, a.cur_rerank = sk, ch, m
         try:
             cfg = make_config(policy_overrides(name.split("_")[0], K, a))
         except Exception as e:
             out[f"select_{name}_error"] = f"{type(e).__name__}: {e}"
             continue
         finally:
-            a.cur_score_keys, a.cur_channels, a.cur_rerank, a.cur_prefilter = "exact", 0, 1, 0
+            a.cur_score_keys, a.cur_channels, a.cur_rerank = "exact", 0, 1
         pol = build_policy(cfg.policy, spec)
         st = pol.new_state(B, dev)
         st.seq_len = L
@@ -637,7 +632,7 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
             row["cache_ms_per_pack_runtime"] = runtime_pack
             if t_opt is not None:
                 row["overlaps_runtime"] = runtime_pack <= row["inference_ms_per_pack"]
-        # every other variant (scoring keys, _c<r> score_channels, _m<m> rerank, _p<N> prefilter) the rows ran
+        # every other variant (scoring keys, _c<r> score_channels, _m<m> rerank) the rows ran
         pre, suf = "select_asyncspade_", f"_pack{n}_graph_ms"
         for key in [k for k in lt if k.startswith(pre) and k.endswith(suf) and k != f"select_asyncspade{suf}"]:
             v = key[len(pre):-len(suf)]
@@ -847,13 +842,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--score-channels", default="0",
                     help="policy.score_channels values of the asyncspade rows (comma-separated; r of the head "
                          "dim's channels in the scoring copy, 0: all; r > 0 adds rows named .../c=<r>)")
-    ap.add_argument("--prefilter", default="0",
-                    help="policy.prefilter_pages values of the asyncspade rows (comma-separated; N > 0: page "
-                         "bounds first, then the tokens of the N best pages; rows named .../p=<N>)")
-    ap.add_argument("--prefilter-page-size", type=int, default=32,
-                    help="policy.prefilter_page_size of the --prefilter rows")
-    ap.add_argument("--prefilter-summary", default="bounds", choices=("bounds", "mean"),
-                    help="policy.prefilter_summary of the --prefilter rows (page means or Quest bounds)")
     ap.add_argument("--refresh-drift", type=float, default=None,
                     help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
@@ -904,9 +892,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.rerank = _int_list(ap, "--rerank", a.rerank, 1, 16, "policy.rerank", 1)
     a.score_channels = _int_list(ap, "--score-channels", a.score_channels, 0, 1 << 16,
                                  "policy.score_channels; 0: all", 0)
-    a.prefilter = _int_list(ap, "--prefilter", a.prefilter, 0, 1 << 20, "policy.prefilter_pages; 0: off", 0)
     a.cur_refresh, a.cur_rerank = 1, 1
-    a.cur_channels = a.cur_prefilter = 0
+    a.cur_channels = 0
     return a
 
 
@@ -964,42 +951,38 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for rr, ch, n, sk, pf in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys,
-                                                   a.prefilter):
-            if rr == 1 and ch == 0 and n == 1 and sk == "exact" and pf == 0:
+        for rr, ch, n, sk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys):
+            if rr == 1 and ch == 0 and n == 1 and sk == "exact":
                 continue  # the plain asyncspade/inline row above
 
-            def go_inline(sk=sk, n=n, rr=rr, ch=ch, pf=pf):
-                a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels, a.cur_prefilter = sk, n, rr, ch, pf
+            def go_inline(sk=sk, n=n, rr=rr, ch=ch):
+                a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = sk, n, rr, ch
                 try:
                     return run_inline(model, "asyncspade/inline", B, L, K, a)
                 finally:
                     a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = "exact", 1, 1, 0
-                    a.cur_prefilter = 0
 
             record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}")
-                   + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}")
-                   + ("" if pf == 0 else f"/p={pf}"), go_inline)
+                   + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"), go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for rr, ch, n, sk, mode, P, ct, pf in itertools.product(a.rerank, a.score_channels, a.refresh_every,
-                                                                 a.score_keys, a.modes, a.packs, threads, a.prefilter):
+        for rr, ch, n, sk, mode, P, ct in itertools.product(a.rerank, a.score_channels, a.refresh_every,
+                                                             a.score_keys, a.modes, a.packs, threads):
             name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
                     + ("" if sk == "exact" else f"/{sk}")
                     + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}")
-                    + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}")
-                    + ("" if pf == 0 else f"/p={pf}"))
+                    + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"))
 
-            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch, pf=pf):
+            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch):
                 a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = sk, ct, n, rr
-                a.cur_channels, a.cur_prefilter = ch, pf
+                a.cur_channels = ch
                 try:
                     return run_async(model, topo, P, mode, B, L, K, a, shared)
                 finally:
                     a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = "exact", "auto", 1, 1
-                    a.cur_channels = a.cur_prefilter = 0
+                    a.cur_channels = 0
 
             record(name, go)
 

@@ -89,17 +89,6 @@ class SelectionEvalConfig(_Budgets):
     (``recommend_channels``: the smallest whose recall is within
     ``channels_tolerance`` of r = d)."""
     channels_tolerance: float = Field(0.01, ge=0)
-    prefilter_factors: list[PosInt] = Field(default_factory=list)
-    """asyncspade's page prefilter (``policy.prefilter_pages``) replayed for each predictor:
-    a factor f keeps ``f * ceil(K_mid / prefilter_page_size)`` pages per (row, KV head) (the
-    pages' token count f times the budget), scored by the page bounds of the exact keys
-    with the predicted query, and selects among their tokens; rows
-    ``asyncspade[<predictor>,...,prefilter=f]`` with ``token_overlap``, the overlap with the
-    token-level selection of the same predicted query (empty: not measured)."""
-    prefilter_page_size: PosInt = 32
-    """Tokens per page of the prefilter's summaries."""
-    prefilter_summaries: list[Literal["bounds", "mean"]] = Field(default_factory=lambda: ["bounds"])
-    """``policy.prefilter_summary`` values replayed (``mean`` rows end ``,mean]``)."""
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
     page_size: int = Field(16, gt=0)

@@ -30,7 +30,6 @@ of q_t, vs d) and Fig. 5 (ridge prediction with vs without the one-step shift).
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -441,53 +440,12 @@ class _LayerReplay:
                 for m in cfg.reranks:
                     if m > 1:
                         self._rerank(q_hat, m, f"{_asy_label(pred, rope)[:-1]},rerank={m}]")
-                if cfg.prefilter_factors:
-                    self._prefilter(q_hat, _asy_label(pred, rope))
                 for n in cfg.score_channels:
                     if n > 1:
                         q_sub = q_hat * self.channel_mask(win, self.D // n)
                         for red, rk in self.ranked(q_sub, self.reduces).items():
                             self.record_ranked(_asy_label(pred, rope, n), red, rk, self.ref[red])
         return win
-
-    def _prefilter(self, q_hat: torch.Tensor, asy_label: str) -> None:
-        """asyncspade's page prefilter (``policy.prefilter_pages``, ``spade.kernels.prefilter``'s
-        references): per summary, budget and factor f, the ``f * ceil(K_mid / page)`` best pages
-        for the predicted query, then the tokens of those pages ranked by it (the group
-        reduction as the token-level scan's; ``sum_softmax`` normalised over the candidates,
-        the sinks and the recent window). Records recall, overlap with the oracle, and
-        ``token_overlap`` with the same query's token-level selection."""
-        from spade.kernels import prefilter as pf
-        from spade.kernels.quest import quest_build_ref
-
-        cfg, dev, T = self.cfg, self.dev, self.T
-        ps = cfg.prefilter_page_size
-        tok = self.ranked(q_hat, self.reduces)  # the token-level selection of the same query
-        zero = torch.zeros_like(self.lo)
-        norm_pos = pf.norm_positions(zero, self.lo, self.hi, self.kv_sel.long(), cfg.sink_tokens, cfg.recent_tokens)
-        for summ_name in cfg.prefilter_summaries:
-            summary = ((pf.page_sums(self.kc, self.kv_sel, ps)[1],) if summ_name == "mean"
-                       else quest_build_ref(self.kc, self.kv_sel, ps))
-            for red, f in itertools.product(self.reduces, cfg.prefilter_factors):
-                page_red = "max_logits" if red == "max_logits" else "sum_logits"  # as the policy's
-                n_max = f * -(-self.kmax // ps)
-                # best first: the torch references' top-K is sorted
-                pages = pf.best_pages(q_hat, summary, self.lo, self.hi, n_max, ps, scale=self.spec.softmax_scale,
-                                      page_reduce=page_red)
-                policy = f"{asy_label[:-1]},prefilter={f}" + ("]" if summ_name == "bounds" else ",mean]")
-                for blabel, budget in self.settings:
-                    kt = (budget - self.n_fixed).to(dev)  # [B] K_mid per row
-                    n_b = f * ((kt + ps - 1) // ps)  # pages kept per row
-                    slot = torch.arange(n_max, device=dev)[None, None, :]
-                    rows = torch.where(slot < n_b[:, None, None], pages, torch.full_like(pages, -1))
-                    cand = pf.pages_to_candidates(rows, self.lo, self.hi, ps)
-                    idx = pf.candidate_topk(q_hat, self.kc, cand, self.kmax, scale=self.spec.softmax_scale,
-                                            reduce=red, norm_pos=norm_pos if red == "sum_softmax" else None)
-                    rk = Ranked.from_order(idx.long(), T)  # best first, -1 last
-                    key = (blabel, policy, red)
-                    self.acc.add((*key, "recall"), self.layer, rk.recall(self.probs, self.fmass, kt))
-                    self.acc.add((*key, "overlap"), self.layer, rk.overlap(self.ref[red], kt))
-                    self.acc.add((*key, "token_overlap"), self.layer, rk.overlap(tok[red], kt))
 
     def _rerank(self, q_hat: torch.Tensor, m: int, policy: str) -> None:
         """Two-stage selection (``policy.rerank`` m): per budget, the predicted query's top
@@ -692,7 +650,7 @@ def summarize(acc: Acc) -> list[dict]:
     out = []
     for b, p, r in keys:
         rec: dict[str, Any] = {"budget": b, "policy": p, "reduce": r}
-        for m in ("recall", "overlap", "token_overlap"):
+        for m in ("recall", "overlap"):
             key = (b, p, r, m)
             if key in acc.data:
                 rec[m] = acc.mean(key)

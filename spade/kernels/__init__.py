@@ -51,7 +51,6 @@ __all__ = [
     "quest_update",
     "quest_page_scores",
     "quest_select",
-    "prefilter_select",
     "gather_kv",
     "sparse_decode_attention",
     "rerank_select",
@@ -171,20 +170,6 @@ def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, 
     fn = quest.quest_select_triton if use_triton(q) else quest.quest_select_ref
     return fn(q, kmin, kmax, kv_lens, n_pages_sel, page_size, scale=scale, reduce=reduce,
               kv_start=kv_start)
-
-
-def prefilter_select(q_page, summary, q, k, lo, hi, k_top, n_pages, page_size, *, scale=None,
-                     reduce="sum_logits", page_reduce="sum_logits", k_scale=None, norm_pos=None, out=None):
-    """Two-level top-K of ``[lo, hi)``: the ``n_pages`` best pages by their ``summary``
-    (``(mean,)`` or Quest's ``(kmin, kmax)``, [B, Hkv, P, D] each, scored with ``q_page``),
-    then the ``k_top`` best tokens of those pages scored with ``q`` on the copy ``k``
-    (``k_scale`` for int8 / int4): int32 [B, Hkv, k_top], ``-1`` padding
-    (``spade.kernels.prefilter``)."""
-    from spade.kernels import prefilter
-
-    return prefilter.prefilter_select(q_page, summary, q, k, lo, hi, k_top, n_pages, page_size, scale=scale,
-                                      reduce=reduce, page_reduce=page_reduce, k_scale=k_scale, norm_pos=norm_pos,
-                                      out=out, triton=use_triton(q))
 
 
 def gather_kv(k, v, indices, block_table=None):

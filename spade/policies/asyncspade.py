@@ -47,8 +47,8 @@ from pydantic import Field, model_validator
 from spade import kernels
 from spade.errors import ConfigError
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
-from spade.policies.common import (derived, empty_indices, is_dense, last_token_keys, layer_carry, middle_bounds,
-                                   reset_carry, row_start, topk_selection)
+from spade.policies.common import (derived, is_dense, last_token_keys, layer_carry, reset_carry, row_start,
+                                   topk_selection)
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -207,47 +207,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     rank keeps appending them (``takes_new_keys`` is False). Amortised cost: at most
     1/(factor - 1) extra quantisations of each key."""
 
-    prefilter_pages: int = Field(0, ge=0)
-    """N: hierarchical selection (page prefilter). 0 (default): off, the token-level scan
-    of every cached key, bit for bit. N > 0: per (row, KV head) the policy keeps a
-    summary of the exact keys of every ``prefilter_page_size`` tokens (``prefilter_summary``;
-    built at prefill, folded in as tokens arrive); each selection scores the page
-    summaries with the predicted query (the group reduced by sum; by max with
-    ``group_reduce: max_logits``), keeps the N best pages of the middle range (sinks and
-    the recent window excluded as ever), and scores only their tokens on the usual
-    scoring copy (exact / int8 / int4, ``score_channels``) to pick the top-K
-    (``sum_softmax``: each head normalised over those tokens plus the sinks and the
-    recent window). ``N * prefilter_page_size >=`` the middle: the token-level
-    selection. The level-2 top-K is ``torch.topk`` over the candidates, so ``topk``
-    (carry / radix) does not apply. Reads ``4 D / page_size`` bytes per cached token
-    (bf16 bounds; half that for means) plus ``N * page_size`` keys of the copy per (row, KV head) instead of
-    every key (spade.kernels.prefilter, docs/policies.md)."""
-    prefilter_page_size: int = Field(32, ge=1, le=1024)
-    """Tokens per page of the prefilter's summaries (``prefilter_pages``)."""
-    prefilter_summary: Literal["bounds", "mean"] = "bounds"
-    """What level 1 scores per page: ``bounds`` (default), Quest's element-wise min / max in
-    the cache dtype, scored by the upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (2 D
-    elements per page); ``mean``, the mean of the page's keys, scored as a key (D
-    elements: half the bytes). On SmolLM2-135M the bounds kept more attention mass and
-    the means more of the token-level top-K's tokens (docs/policies.md)."""
-
-    @model_validator(mode="after")
-    def _prefilter_fits(self):
-        if self.prefilter_pages:
-            # the middle's first and last pages may hold as few as one of its tokens each, so
-            # N pages hold at least N * page - 2 (page - 1) candidates: enough to fill K_mid
-            ps = self.prefilter_page_size
-            keep = self.rerank * max(0, self.budget - self.sink_tokens - self.recent_tokens)
-            need = keep + 2 * (ps - 1)
-            have = self.prefilter_pages * ps
-            if have < need:
-                raise ValueError(
-                    f"policy.prefilter_pages ({self.prefilter_pages}) x prefilter_page_size ({ps}) = {have} tokens "
-                    f"may hold fewer candidates than the {keep} middle tokens the selection keeps (rerank x (budget - "
-                    f"sink_tokens - recent_tokens)), the middle's two edge pages being partial: raise prefilter_pages "
-                    f"to at least {-(-need // ps)}, or 0 for the token-level scan")
-        return self
-
     @model_validator(mode="after")
     def _refresh_modes(self):
         if self.refresh_drift is not None and self.refresh_every > 1:
@@ -319,11 +278,6 @@ class AsyncSpadeLayerState:
     fresh: torch.Tensor | None = None
     """``refresh_drift``: int32 [B, Hkv, K] the step's new selection goes to before the
     per-head choice writes ``keep``."""
-    pages: tuple[torch.Tensor, ...] | None = None
-    """``prefilter_pages``: the page summaries [B, Hkv, Pc, D] each (Pc pages of capacity):
-    ``mean`` — (fp32 sums, means in the cache dtype) (``kernels.prefilter.page_sums`` /
-    ``page_means_update``); ``bounds`` — (min, max) in the cache dtype
-    (``kernels.quest_build`` / ``quest_update``)."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -579,98 +533,6 @@ class AsyncSpadePolicy(Policy):
             slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
             st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
 
-    def page_summaries(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
-                    kv_lens: torch.Tensor | None, *, k_new: torch.Tensor | None = None,
-                    build: bool = False, fold: bool = True) -> tuple[torch.Tensor, ...]:
-        """``prefilter_pages``: the page summaries of ``k_cache`` [B, Hkv, L, D] as views
-        [B, Hkv, ceil(L / page), D] — ``(mean,)`` or ``(min, max)`` — kept in ``st``. With
-        ``kv_lens`` and ``fold`` (an observe), the newest key of each row (``k_new``, else the cache's
-        row ``kv_lens - 1``) is folded into its page, device-side (a page's first valid
-        token resets it). ``build``, missing summaries, another layout or a cache past
-        their capacity: rebuilt from the exact keys of ``[kv_start, kv_lens)`` (capacity
-        doubled as the cache grows; in place when the layout and capacity hold, so a
-        captured graph keeps its addresses) — a RuntimeError once the caller kept decoded
-        keys out of the cache (``st.keys_elsewhere``)."""
-        from spade.kernels import prefilter as pf
-
-        ps, mean = self.cfg.prefilter_page_size, self.cfg.prefilter_summary == "mean"
-        B, H, L, D = k_cache.shape
-        need = -(-L // ps)
-        cur = st.pages
-        dts = (torch.float32, k_cache.dtype) if mean else (k_cache.dtype, k_cache.dtype)
-        same = (cur is not None and cur[0].shape[:2] == (B, H) and cur[0].shape[3] == D
-                and tuple(t.dtype for t in cur) == dts and cur[0].device == k_cache.device)
-        if build or not same or cur[0].shape[2] < need:
-            if st.keys_elsewhere:
-                raise RuntimeError(
-                    f"asyncspade: the prefilter's page summaries need a rebuild from the exact keys (cache "
-                    f"{tuple(k_cache.shape)}, pages {None if cur is None else tuple(cur[0].shape)}), but observe took "
-                    "the step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed")
-            lens = kv_lens if kv_lens is not None else torch.full((B,), L, dtype=torch.int64)
-            lens = lens.to(k_cache.device)
-            if mean:
-                made = pf.page_sums(k_cache, lens, ps, kv_start=state.kv_start)
-            else:
-                made = kernels.quest_build(k_cache, lens, ps, kv_start=state.kv_start)
-            if same and cur[0].shape[2] >= need:
-                for t, m in zip(cur, made):
-                    t[:, :, :need].copy_(m)
-            else:
-                cap_rows = st.kq.shape[2] if st.kq is not None else L
-                cap = max(need, 2 * cur[0].shape[2]) if same else max(need, -(-cap_rows // ps))
-                if cap == need:
-                    st.pages = tuple(m.contiguous() for m in made)
-                else:
-                    fills = (0.0, 0.0) if mean else (float("inf"), float("-inf"))
-                    st.pages = tuple(torch.full((B, H, cap, D), f, dtype=m.dtype, device=k_cache.device)
-                                     for m, f in zip(made, fills))
-                    for t, m in zip(st.pages, made):
-                        t[:, :, :need] = m
-        elif kv_lens is not None and fold:
-            kv = kv_lens.to(k_cache.device)
-            src = last_token_keys(k_cache, kv) if k_new is None else k_new
-            pos = kv.to(torch.int64) - 1
-            if mean:
-                pf.page_means_update(cur[0], cur[1], src, pos, ps, state.kv_start)
-            else:
-                kernels.quest_update(cur[0], cur[1], src, pos, ps)
-        pages = st.pages
-        return (pages[1][:, :, :need],) if mean else (pages[0][:, :, :need], pages[1][:, :, :need])
-
-    def _prefilter_selection(self, state: PolicyState, st: AsyncSpadeLayerState, q_page: torch.Tensor,
-                             q: torch.Tensor, k_score: torch.Tensor, k_scale: torch.Tensor | None,
-                             k_cache: torch.Tensor, kv_lens: torch.Tensor, norm_lens: torch.Tensor | None,
-                             n_cand: int, out: torch.Tensor | None) -> Selection:
-        """``prefilter_pages``: ``topk_selection``'s selection found by the two-level scan
-        (``kernels.prefilter_select``)."""
-        cfg = self.cfg
-        B, Hkv = k_cache.shape[:2]
-        k_top = n_cand - cfg.sink_tokens - cfg.recent_tokens
-        kv_start = state.kv_start
-        if k_top <= 0:
-            return Selection(indices=empty_indices(B, Hkv, k_cache.device), n_sink=cfg.sink_tokens,
-                             n_recent=cfg.recent_tokens, kv_start=kv_start)
-        if out is not None and (out.shape != (B, Hkv, k_top) or out.dtype != torch.int32
-                                or not out.is_contiguous() or out.device != k_cache.device):
-            out = None
-        lo, hi = derived(state.memo, ("middle_bounds", cfg.sink_tokens, cfg.recent_tokens), (kv_lens, kv_start),
-                         lambda: middle_bounds(kv_lens, kv_start, cfg.sink_tokens, cfg.recent_tokens))
-        lo, hi = lo.to(k_cache.device), hi.to(k_cache.device)
-        norm_pos = None
-        if cfg.group_reduce == "sum_softmax":  # the normaliser's sinks and recent window (see scoring._norm_range)
-            n_lo = torch.minimum(row_start(kv_start, kv_lens).to(lo.device), lo)
-            n_hi = torch.maximum((kv_lens if norm_lens is None else norm_lens).to(hi.device, torch.int64), hi)
-            from spade.kernels.prefilter import norm_positions
-
-            norm_pos = norm_positions(n_lo, lo, hi, n_hi, cfg.sink_tokens, cfg.recent_tokens)
-        summary = self.page_summaries(state, st, k_cache, kv_lens, fold=False)  # (built at prefill / observe)
-        page_reduce = "max_logits" if cfg.group_reduce == "max_logits" else "sum_logits"
-        idx = kernels.prefilter_select(q_page, summary, q, k_score, lo, hi, k_top, cfg.prefilter_pages,
-                                       cfg.prefilter_page_size, scale=self.spec.softmax_scale,
-                                       reduce=cfg.group_reduce, page_reduce=page_reduce, k_scale=k_scale,
-                                       norm_pos=norm_pos, out=out)
-        return Selection(indices=idx, n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens, kv_start=kv_start)
-
     @property
     def keeps_copy(self) -> bool:
         """Whether the selection scores a copy of the keys the policy keeps (int8, int4, or
@@ -725,9 +587,6 @@ class AsyncSpadePolicy(Policy):
             if self.channels is not None:
                 self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device))
             self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
-        if self.cfg.prefilter_pages:
-            st.keys_elsewhere = False
-            self.page_summaries(state, st, k_cache, kv_lens, build=True)
 
     def takes_new_keys(self, state: PolicyState) -> bool:
         # compressed scoring keys: observe quantises the step's key, select scores the copy;
@@ -754,10 +613,6 @@ class AsyncSpadePolicy(Policy):
             self.scoring_keys(st, k_cache, fit=(kv, state.kv_start), rebuild=not first)
         elif self.keeps_copy:
             self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
-        if self.cfg.prefilter_pages:
-            if k_new is not None:
-                st.keys_elsewhere = True
-            self.page_summaries(state, st, k_cache, kv_lens, k_new=k_new)
 
     def predict_layers(self, state: PolicyState, layers: range) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
@@ -958,16 +813,12 @@ class AsyncSpadePolicy(Policy):
             out = st.fresh
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
         n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid
-        if cfg.prefilter_pages:  # hierarchical: page bounds first, then the best pages' tokens
-            sel = self._prefilter_selection(state, st, q_drift, q_hat, k_score, k_scale, k_cache, kv_lens,
-                                            norm_lens, n_cand, out)
-        else:
-            sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
-                                 n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                                 scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                                 norm_lens=norm_lens, out=out, memo=state.memo,
-                                 carry=layer_carry(state, layer, cfg.topk, k_score),
-                                 carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
+                             n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
+                             scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
+                             norm_lens=norm_lens, out=out, memo=state.memo,
+                             carry=layer_carry(state, layer, cfg.topk, k_score),
+                             carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
         if drift and sel.indices is st.fresh:
             self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)

@@ -57,26 +57,3 @@ def test_tiny_overlap_rows(tmp_path):
         assert "error" not in r and r["deficit"] <= 1e-4 and r["config"]["layers"] == 2
         assert abs(r["per_layer_ms"] * 2 - r["total_ms"]) < 1e-9
     assert all(r["vs_serial"] > 0 for r in ov[1:])
-
-
-def test_tiny_prefilter_rows(tmp_path):
-    """``--prefilter N``: the page prefilter's stages (level 1: the best pages; level 2: their
-    tokens), its bytes against the token-level scan's, and its recall vs the token-level
-    top-K; with every page kept (N x page >= L) the selection is the token-level one."""
-    out = tmp_path / "sel.json"
-    assert bench_select.main(["--tiny", "--keys", "exact,int4", "--no-grid", "--prefilter", "4,40",
-                              "--prefilter-summary", "mean,bounds", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    pf = [r for r in rows if isinstance(r["config"], dict) and "prefilter" in r["config"]]
-    assert [(r["keys"], r["config"]["summary"], r["config"]["prefilter"]) for r in pf] == [
-        (keys, s, n) for keys in ("exact", "int4") for s in ("mean", "bounds") for n in (4, 40)]
-    for r in pf:
-        assert "error" not in r, r
-        assert abs(r["pages_ms"] + r["tokens_ms"] - r["total_ms"]) < 1e-6
-        assert 0 <= r["recall_vs_token_level"] <= 1 and r["vs_token_level"] > 0
-    for few, every in zip(pf[::2], pf[1::2]):
-        assert few["recall_vs_token_level"] < 1 and every["recall_vs_token_level"] == 1.0
-        assert every["bytes_ratio"] > few["bytes_ratio"]
-    # (tiny fp32 shapes: page summaries of d = 16 in fp32 are no smaller than an int4 copy's rows)
-    assert pf[0]["bytes_ratio"] < 1  # exact keys, page means, 4 pages
-    assert pf[0]["config"]["summary"] == "mean"

@@ -33,13 +33,6 @@ CONFIGS = {
     # smallest budgets: no middle at all, one held token, two pages
     "oracle-nomid": dict(budget=6, sink_tokens=2, recent_tokens=4),
     "asyncspade-nomid": dict(budget=5, sink_tokens=0, recent_tokens=5, predictor="ridge"),
-    # the page prefilter: pages that fill K_mid = 18 (and 19: the budget of the full-attention test),
-    # 5 of 8 (bounds), 7 of 4 (means), and without a middle
-    "asyncspade-prefilter": dict(budget=BUDGET, sink_tokens=2, recent_tokens=4, window=4, prefilter_pages=5,
-                                 prefilter_page_size=8),
-    "asyncspade-prefiltermean": dict(budget=BUDGET, sink_tokens=2, recent_tokens=4, window=4, prefilter_pages=7,
-                                     prefilter_page_size=4, prefilter_summary="mean"),
-    "asyncspade-prefilter-nomid": dict(budget=5, sink_tokens=0, recent_tokens=5, prefilter_pages=2),
     "tova-min": dict(budget=2),
     "quest-min": dict(budget=8, page_size=4),
 }

@@ -17,11 +17,6 @@ CASES = {
     "quest": dict(budget=16, page_size=4),
     "tova": dict(budget=12),
     "asyncspade": dict(budget=20, sink_tokens=2, recent_tokens=3, window=4, rope_aware=True),
-    # the page prefilter (6 pages of 4 of a ~25-token middle), on the int4 copy; bounds and means
-    "asyncspade-prefilter": dict(budget=20, sink_tokens=2, recent_tokens=3, window=4, rope_aware=True,
-                                 score_keys="int4", prefilter_pages=6, prefilter_page_size=4),
-    "asyncspade-prefiltermean": dict(budget=20, sink_tokens=2, recent_tokens=3, window=4, rope_aware=True,
-                                     prefilter_pages=6, prefilter_page_size=4, prefilter_summary="mean"),
 }
 
 
@@ -31,9 +26,9 @@ def test_policy_with_triton_kernels(name, monkeypatch):
         pytest.skip("drives the kernels on CPU tensors (interpreter); on a GPU the kernel and runtime GPU tests cover Triton")
     sim = DecodeSim(B=2, Hq=4, Hkv=2, D=16, kv_start=[0, 3], prompt_len=29, steps=3, seed=12,
                     rope=RopeSpec(theta=10000.0))
-    ref = sim.run(make_policy(name.split("-")[0], sim, **CASES[name]))
+    ref = sim.run(make_policy(name, sim, **CASES[name]))
     monkeypatch.setenv("SPADE_KERNELS", "triton")
-    tri = sim.run(make_policy(name.split("-")[0], sim, **CASES[name]))
+    tri = sim.run(make_policy(name, sim, **CASES[name]))
     assert len(ref) == len(tri)
     for a, b in zip(ref, tri):
         assert b.sel is not None
