@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="completions: the few-shot prompt as text; chat: the model's chat template, shots as turns")
     ap.add_argument("--num-concurrent", type=int, default=8, help="requests lm-eval keeps in flight")
     ap.add_argument("--max-length", type=int, default=2048, help="lm-eval's context length (model.max_seq_len)")
-    ap.add_argument("--request-timeout-s", type=int, default=3600)
+    ap.add_argument("--request-timeout-s", type=int, default=7200,
+                    help="per request, for lm-eval and the server (serve.request_timeout_s)")
     ap.add_argument("--start-timeout-s", type=float, default=900)
     ap.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds (few-shot sampling) and the request seed")
     ap.add_argument("--out", default="results/reasoning.json")
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import lm_eval
 
+    # SIGTERM unwinds like Ctrl-C, so the running server is stopped (finally below), not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = task_config(args.task, data, args.num_fewshot, args.max_gen_toks)
     plan = runs_of(policies, budgets)
     print(f"reasoning: {len(plan)} runs ({', '.join(label_of(*p) for p in plan)}), task {cfg['task']}, "
@@ -302,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for i, (pol, k) in enumerate(plan):
         label = label_of(pol, k)
-        sets = list(args.set) + ([f"model.name={args.model}"] if args.model else []) + [f"policy.name={pol}"] + \
+        # the server's own request timeout as long as lm-eval's (its 600-s default cuts long CPU runs, and
+        # lm-eval then retries the request from scratch); --set can still override it
+        sets = [f"serve.request_timeout_s={args.request_timeout_s}", *args.set] + \
+            ([f"model.name={args.model}"] if args.model else []) + [f"policy.name={pol}"] + \
             ([f"policy.budget={k}"] if k is not None else [])
         print(f"[{i + 1}/{len(plan)}] {label}: starting spade serve", flush=True)
         t0 = time.perf_counter()
