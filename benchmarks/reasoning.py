@@ -174,9 +174,19 @@ def run_lm_eval(url: str, model: str, cfg: dict, args) -> dict:
     return {"n": n, "accuracy": acc, "samples": samples}
 
 
+def parse_policy(spec: str) -> tuple[str, list[str]]:
+    """``name[:field=value...]`` -> (name, ``policy.field=value`` overrides), e.g.
+    ``asyncspade:rerank=4`` -> ("asyncspade", ["policy.rerank=4"])."""
+    name, *fields = spec.split(":")
+    for f in fields:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*=\S+", f):
+            raise SetupError(f"--policies entry {spec!r}: {f!r} is not field=value (e.g. asyncspade:rerank=4)")
+    return name, [f"policy.{f}" for f in fields]
+
+
 def runs_of(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
-    return [(p, None) for p in policies if p in DENSE_POLICIES] + \
-           [(p, k) for p in policies if p not in DENSE_POLICIES for k in budgets]
+    dense = [p for p in policies if parse_policy(p)[0] in DENSE_POLICIES]
+    return [(p, None) for p in dense] + [(p, k) for p in policies if p not in dense for k in budgets]
 
 
 def check_args(args) -> tuple[list[str], list[int]]:
@@ -193,14 +203,14 @@ def check_args(args) -> tuple[list[str], list[int]]:
     args.config = str(Path(args.config).resolve())  # the servers run in the repository root
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = POLICIES.names()
-    bad = [p for p in policies if p not in known]
+    bad = [p for p in policies if parse_policy(p)[0] not in known]
     if not policies or bad:
         raise SetupError(f"--policies {args.policies!r}: unknown {bad or 'empty'}; choose from {', '.join(known)}")
     try:
         budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     except ValueError:
         raise SetupError(f"--budgets {args.budgets!r}: a comma list of integers, e.g. 64,128") from None
-    if any(p not in DENSE_POLICIES for p in policies) and (not budgets or min(budgets) < 1):
+    if any(parse_policy(p)[0] not in DENSE_POLICIES for p in policies) and (not budgets or min(budgets) < 1):
         raise SetupError(f"--budgets {args.budgets!r}: at least one budget K >= 1 for {policies}")
     for name in ("limit", "num_concurrent", "max_gen_toks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -211,6 +221,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
 
 
 def label_of(policy: str, budget: int | None) -> str:
+    """A run's name in file names and logs: ``asyncspade_rerank=4-k64``."""
+    policy = policy.replace(":", "_")
     return policy if budget is None else f"{policy}-k{budget}"
 
 
@@ -254,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", "-c", default="configs/cpu_serve.yaml", help="the `spade serve` config")
     ap.add_argument("--set", action="append", default=[], help="config override for every server (repeatable)")
     ap.add_argument("--model", help="model.name for the servers (default: the config's)")
-    ap.add_argument("--policies", default="full,asyncspade", help="comma list; full runs once, the others per budget")
+    ap.add_argument("--policies", default="full,asyncspade",
+                    help="comma list of name[:field=value...] (e.g. asyncspade:rerank=4); full runs once, the "
+                         "others per budget")
     ap.add_argument("--budgets", default="64", help="comma list of policy.budget values (K)")
     ap.add_argument("--task", choices=sorted(TASKS), default="gsm8k")
     ap.add_argument("--limit", type=int, help="the first N test problems (default: all 1319)")
@@ -309,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         # the server's own request timeout as long as lm-eval's (its 600-s default cuts long CPU runs, and
         # lm-eval then retries the request from scratch); --set can still override it
         sets = [f"serve.request_timeout_s={args.request_timeout_s}", *args.set] + \
-            ([f"model.name={args.model}"] if args.model else []) + [f"policy.name={pol}"] + \
+            ([f"model.name={args.model}"] if args.model else []) + [f"policy.name={parse_policy(pol)[0]}"] + \
+            parse_policy(pol)[1] + \
             ([f"policy.budget={k}"] if k is not None else [])
         print(f"[{i + 1}/{len(plan)}] {label}: starting spade serve", flush=True)
         t0 = time.perf_counter()

@@ -54,6 +54,8 @@ def test_reasoning_end_to_end_smollm2(tmp_path):
     (["--policies", "quest", "--budgets", "6x"], ["--budgets", "integers"]),
     (["--config", "no/such.yaml"], ["--config", "no/such.yaml"]),
     (["--limit", "0"], ["--limit", ">= 1"]),
+    (["--policies", "asyncspade:rerank"], ["asyncspade:rerank", "field=value"]),
+    (["--policies", "nope:rerank=4"], ["unknown", "nope:rerank=4"]),
 ])
 def test_bad_arguments_fail_before_any_server(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("a server started"))
@@ -94,6 +96,11 @@ def test_build_gsm8k_and_task_config(tmp_path):
 def test_runs_of_dense_once_sparse_per_budget():
     assert reasoning.runs_of(["asyncspade", "full", "quest"], [64, 128]) == [
         ("full", None), ("asyncspade", 64), ("asyncspade", 128), ("quest", 64), ("quest", 128)]
+    assert reasoning.runs_of(["asyncspade:rerank=4"], [64]) == [("asyncspade:rerank=4", 64)]
+    assert reasoning.parse_policy("asyncspade:rerank=4:predictor=last") == (
+        "asyncspade", ["policy.rerank=4", "policy.predictor=last"])
+    assert reasoning.label_of("asyncspade:rerank=4", 64) == "asyncspade_rerank=4-k64"
+    assert reasoning.label_of("full", None) == "full"
 
 
 def test_scrape_metrics_sums_label_sets(monkeypatch):
