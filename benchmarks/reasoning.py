@@ -11,9 +11,9 @@ error (95% CI = 1.96 x stderr).
     # smoke run (CPU): 10 problems, full attention vs asyncspade at K=64
     nice -n 19 python -m benchmarks.reasoning --config configs/cpu_serve.yaml --model qwen2.5-coder-0.5b \\
         --policies full,asyncspade --budgets 64 --limit 10 --out results/reasoning_smoke.json
-    # 8-shot chain of thought (prompts ~800 tokens), several policies and budgets
+    # 8-shot chain of thought, several policies and budgets, the two-stage asyncspade beside them
     python -m benchmarks.reasoning --config configs/cpu_serve.yaml --model qwen2.5-coder-0.5b \\
-        --task gsm8k_cot --policies full,oracle,quest,asyncspade --budgets 64,128 --limit 250
+        --task gsm8k_cot --policies full,oracle,quest,asyncspade,asyncspade:rerank=4 --budgets 64,128 --limit 250
 
 Tasks (YAMLs in ``benchmarks/lm_eval_tasks/``, derived from lm-eval's own gsm8k and
 gsm8k-cot tasks: same prompts, stop strings, regexes, filters and metric): ``gsm8k``
