@@ -28,12 +28,12 @@ def test_import_spade_needs_no_server_packages():
 def test_engine_refusal_is_one_line(capsys):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    # an AsyncEngine refuses a topology it cannot serve before loading anything
+    # an AsyncEngine refuses what it cannot serve (a cache rank's kv return mode) before loading anything
     rc = main(["serve", "--port", "0", "--set", "model.name=tiny", "--set", "model.device=cpu",
-               "--set", "runtime.topology=local"])
+               "--set", "runtime.topology=local", "--set", "runtime.return_mode=kv"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "runtime.topology" in err and "Traceback" not in err
+    assert "runtime.return_mode" in err and "Traceback" not in err
 
 
 def test_port_in_use_is_one_line(capsys):
