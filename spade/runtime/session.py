@@ -107,6 +107,22 @@ class InferenceSession:
         one were made from rows' previous content and are dropped."""
 
     # ------------------------------------------------------------------ begin
+    def _attach(self) -> bool:
+        """Before a boot: check the link, give it this session's landing stream (CUDA) and
+        note where the cache rank's consumed count starts. Returns whether the cache rank is
+        alive (else the generation starts dense: ``start_lost``)."""
+        link, dev = self.link, self.be.device
+        alive = self.peer_gone is None
+        if alive:
+            link.check()
+        if dev.type == "cuda":
+            self._land_stream = torch.cuda.Stream(device=dev)
+            if alive:
+                link.transport.recv_stream = self._land_stream
+        if alive and link.cache is not None:
+            self._cache_base = link.cache.consumed
+        return alive
+
     async def begin(self, prefill_fn: Callable[[AttentionContext], torch.Tensor], *, batch: int,
                     max_new_tokens: int = 0) -> torch.Tensor:
         """Run ``prefill_fn(ctx)`` (dense, reports each layer to ``ctx.prefill``) and
@@ -123,15 +139,7 @@ class InferenceSession:
             self.prefill_time_s = time.perf_counter() - t0
             return logits
         link = self.link
-        alive = self.peer_gone is None  # (else the generation starts dense: ``start_lost``)
-        if alive:
-            link.check()
-        if be.device.type == "cuda":
-            self._land_stream = torch.cuda.Stream(device=be.device)
-            if alive:
-                link.transport.recv_stream = self._land_stream
-        if alive and link.cache is not None:
-            self._cache_base = link.cache.consumed
+        alive = self._attach()
         self.sel.shared = link.shared if alive else None
         self.ctx = AsyncAttentionContext(be.spec, self.sel, device=be.device)
         _sync(be.device)
@@ -197,15 +205,7 @@ class InferenceSession:
             raise ConfigError(f"runtime.return_mode {self.rt.return_mode!r}: serving a slot batch through a cache "
                               "rank takes runtime.return_mode: indices")
         link = self.link
-        alive = self.peer_gone is None
-        if alive:
-            link.check()
-        if be.device.type == "cuda":
-            self._land_stream = torch.cuda.Stream(device=be.device)
-            if alive:
-                link.transport.recv_stream = self._land_stream
-        if alive and link.cache is not None:
-            self._cache_base = link.cache.consumed
+        alive = self._attach()
         self.ctx = ctx
         B = int(be.max_batch)
         k0 = be.k_cache[0]
