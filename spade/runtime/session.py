@@ -258,17 +258,14 @@ class InferenceSession:
                 self.arrived[p] = min(self.arrived[p], step - 1)
         info = torch.tensor([[r, joins[r][0]] for r in rows], dtype=torch.int64)
         await self._send("ctl", [P.cmd(P.JOIN, cursor, step, self.gen), info, self.ctx.kv_start])
-        acks = 0
-        for layer in range(self.spec.n_layers):
+        def layer_msgs(layer: int) -> list[list[torch.Tensor]]:
+            out = []
             for r in rows:
                 q_tail, k, v = joins[r][1][layer]
-                await self._send("boot", [q_tail] if self._shared_kv else [q_tail, k] + ([v] if v is not None else []))
-            while layer + 1 - acks > BOOT_AHEAD:
-                await self._boot_ack()
-                acks += 1
-        while acks < self.spec.n_layers:
-            await self._boot_ack()
-            acks += 1
+                out.append([q_tail] if self._shared_kv else [q_tail, k] + ([v] if v is not None else []))
+            return out
+
+        await self._send_layers(layer_msgs)
         self.stats["joins"] += len(rows)
         if self.peer_gone is not None or not resync:
             return
@@ -305,18 +302,25 @@ class InferenceSession:
         await self._send("ctl", msg)
         if serving:  # every row idle: no prompt travels
             return
-        # The prompt's KV can be most of a GPU: at most BOOT_AHEAD layers travel
-        # unacknowledged, so neither side stages the whole cache at once.
-        acks = 0
-        for layer in range(self.spec.n_layers):
+        def layer_msgs(layer: int) -> list[list[torch.Tensor]]:
             q_tail, k, v = layer_msg(layer)
             if self._shared_kv:
-                await self._send("boot", [q_tail])
-            else:
-                kv = [k[:, :, :T].contiguous()]
-                if self.rt.return_mode == "kv":  # values only where the cache rank gathers them
-                    kv.append(v[:, :, :T].contiguous())
-                await self._send("boot", [q_tail, *kv])
+                return [[q_tail]]
+            kv = [k[:, :, :T].contiguous()]
+            if self.rt.return_mode == "kv":  # values only where the cache rank gathers them
+                kv.append(v[:, :, :T].contiguous())
+            return [[q_tail, *kv]]
+
+        await self._send_layers(layer_msgs)
+
+    async def _send_layers(self, layer_msgs) -> None:
+        """Per layer, the "boot" messages ``layer_msgs(layer)`` and one acknowledgement.
+        The prompt's KV can be most of a GPU: at most BOOT_AHEAD layers travel
+        unacknowledged, so neither side stages the whole cache at once."""
+        acks = 0
+        for layer in range(self.spec.n_layers):
+            for msg in layer_msgs(layer):
+                await self._send("boot", msg)
             while layer + 1 - acks > BOOT_AHEAD:
                 await self._boot_ack()
                 acks += 1
