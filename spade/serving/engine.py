@@ -162,6 +162,7 @@ class AsyncEngine:
         self._seeds = torch.Generator().manual_seed(config.generation.seed)  # seeds of unseeded sampled requests
         self._step_tokens = torch.zeros(self.batch.B, dtype=torch.long, device=self.device)
         self._counts = collections.Counter()
+        self._times = {"prefill_s": 0.0, "decode_s": 0.0}  # worker wall time in joins and in decode steps
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: Union[str, Sequence[int], torch.Tensor], params: SamplingParams | None = None,
@@ -233,6 +234,7 @@ class AsyncEngine:
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
             "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running,
+            "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
             "late_packs": 0, "topk_fallbacks": None,  # (no cache rank: inline selections)
             **self._cache_stats(),
             "closed": self._closed,
@@ -383,12 +385,18 @@ class AsyncEngine:
                 if req.abort:
                     self._retire(req, "abort")
             admits = self._admissions()
+        t0 = time.perf_counter()
         for req in admits:
             self._join(req)
+        t1 = time.perf_counter()
         with self._lock:
             rows = {row: req for row, req in self._running.items() if req.pending is not None}
         if rows:
             self._decode(rows)
+        t2 = time.perf_counter()
+        with self._lock:
+            self._times["prefill_s"] += t1 - t0
+            self._times["decode_s"] += t2 - t1
         with self._lock:
             # waiting requests that do not fit yet become admissible as the cursor moves
             return bool(self._running) or (bool(self._waiting) and b.empty)

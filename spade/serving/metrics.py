@@ -76,6 +76,8 @@ ENGINE_SERIES = (
     ("steps", "spade_decode_steps_total", "counter", "Decode steps the engine ran (one for the whole batch)."),
     ("sparse_steps", "spade_sparse_decode_steps_total", "counter",
      "Decode steps in which a row attended a sparse top-K selection (not every token)."),
+    ("prefill_s", "spade_prefill_seconds_total", "counter", "Engine wall seconds spent prefilling joining requests."),
+    ("decode_s", "spade_decode_seconds_total", "counter", "Engine wall seconds spent in decode steps."),
     ("late_packs", "spade_late_packs_total", "counter",
      "Selection packs the cache rank delivered late (runtime.on_late handled them)."),
     ("topk_fallbacks", "spade_topk_fallbacks_total", "counter",
