@@ -320,6 +320,9 @@ class AsyncSpadePolicy(Policy):
         self.channels: int | None = r if r and r < D else None
         """r channels per KV head the scoring copy holds, or None (all: ``score_channels``
         unset, 0 or the head dim, which is exactly the behaviour without channels)."""
+        self._row_index: dict[tuple, torch.Tensor] = {}
+        """(device, rows) -> the rows as a device index (``_predict_rows``): made by the eager
+        call of a graph key, reused by its capture (no host-to-device copy inside a graph)."""
 
     @property
     def rows(self) -> int:
@@ -697,10 +700,20 @@ class AsyncSpadePolicy(Policy):
         for n in sorted(set(counts)):
             if n == 0:
                 continue
-            idx = torch.as_tensor([b for b, c in enumerate(counts) if c == n], device=out.device)
+            idx = self._rows_index(tuple(b for b, c in enumerate(counts) if c == n), out.device)
             out.index_copy_(0, idx, predict(st.window.index_select(0, idx), n, self.cfg.predictor,
                                             self.cfg.ridge_eps))
         return out
+
+    def _rows_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``rows`` as an int64 index on ``device``, made once per row set: a graph key's
+        eager call makes it, its CUDA-graph capture reuses it (a host-to-device copy cannot
+        be captured)."""
+        key = (str(device), rows)
+        idx = self._row_index.get(key)
+        if idx is None:
+            idx = self._row_index[key] = torch.as_tensor(rows, dtype=torch.int64, device=device)
+        return idx
 
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:

@@ -139,6 +139,7 @@ class CacheRank:
         self.consumed = 0  # "qkv" packs fully handled (observed, selection launched and sent), cumulative
         self.use_graphs = True
         self._graphs: dict = {}
+        self._seen: set = set()  # graph keys run once (eagerly); the second call captures
         self._pool = None
         self._capture_stream = None
         if self.device.type == "cuda":
@@ -198,10 +199,13 @@ class CacheRank:
                 and s.return_mode in ("indices", "kv") and (s.shared_kv or s.static_len > 0))
 
     def _run(self, key: tuple, fn, graphs_on: bool):
-        """``fn()`` eagerly, or as a CUDA graph: the first call of a key runs eagerly
-        (warm-up: Triton compiles, outputs are allocated) on the capture stream, then
-        is captured; later calls replay. ``fn`` returns host facts, which a key fixes
-        (the policy's ``graph_key`` is part of it, as on the inference rank)."""
+        """``fn()`` eagerly, or as a CUDA graph: the first call of a key runs eagerly; the
+        second runs eagerly on the capture stream (warm-up: Triton compiles, outputs are
+        allocated), then is captured; later calls replay. A key seen once costs no capture:
+        while the rows of a serving batch fill their query windows at different steps,
+        each step has a key of its own (``AsyncSpade.graph_key``). ``fn`` returns host
+        facts, which a key fixes (the policy's ``graph_key`` is part of it, as on the
+        inference rank)."""
         if not graphs_on:
             return fn()
         hit = self._graphs.get(key)
@@ -210,6 +214,9 @@ class CacheRank:
                 return fn()
             hit[0].replay()
             return hit[1]
+        if key not in self._seen:  # first sight: eager
+            self._seen.add(key)
+            return fn()
         cur = torch.cuda.current_stream(self.device)
         cap = self._capture_stream
         cap.wait_stream(cur)
@@ -412,6 +419,7 @@ class _Generation:
         rank.generation_stats = {}
         self.graphs_on = rank._graphs_enabled(s)
         rank._graphs = {}
+        rank._seen = set()
         self.q_in: dict[int, list[torch.Tensor]] = {}
         self.parts: dict[int, tuple] = {}
         self.out: dict[int, dict] = {}
@@ -579,6 +587,7 @@ class _Generation:
         if dev.type == "cuda":  # buffers of this generation were used on several streams
             torch.cuda.synchronize(dev)
         rank._graphs = {}
+        rank._seen = set()
 
 
 def _account(acct: dict[str, list[float]]) -> dict[str, float]:

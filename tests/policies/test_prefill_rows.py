@@ -144,3 +144,32 @@ def test_a_join_after_a_batch_prefill_keeps_the_other_rows_windows():
         pol.prefill_rows(st, layer, [1], torch.randn(1, Hq, 5, D, generator=g), k[1:2], k[1:2],
                          torch.full((1,), st.seq_len))
         assert pol.row_counts(st, layer) == [before, 5, before]
+
+    # rows with different window fills predict per fill; the index of each fill's rows is
+    # made once (a CUDA-graph capture of the step reuses it: no host-to-device copy inside)
+    made = []
+    real = torch.as_tensor
+
+    def counting(*a, **kw):
+        made.append(a[0])
+        return real(*a, **kw)
+
+    torch.as_tensor = counting
+    try:
+        first = pol.predict_query(st, 0, torch.full((B,), st.seq_len))
+        n_made = len(made)
+        again = pol.predict_query(st, 0, torch.full((B,), st.seq_len))
+    finally:
+        torch.as_tensor = real
+    assert n_made == 2 and len(made) == n_made  # one index per fill, none on the repeat
+    torch.testing.assert_close(first, again)
+    from spade.policies.predictors import predict, rotate
+
+    win = st.layers[0].window
+    kv = torch.full((B,), st.seq_len)
+    pos = pol._positions(st, kv)
+    for rows_, n in (([0, 2], before), ([1], 5)):  # each fill's rows: what they predict alone
+        want = predict(win[rows_], n, pol.cfg.predictor, pol.cfg.ridge_eps)
+        if pol.rope_aware:
+            want = rotate(want, pos[rows_], SPEC.rope)
+        torch.testing.assert_close(first[rows_], want)
