@@ -210,6 +210,13 @@ class ServingConfig(ConfigSection):
     max_batch: int = Field(8, ge=1)
     """Row slots of the static KV cache: requests decoded together (more wait in a queue).
     Each slot holds ``model.max_seq_len`` tokens."""
+    prefill_chunk: int = Field(2048, ge=0)
+    """Prompt tokens prefilled per scheduler iteration while rows are decoding (chunked
+    prefill): a joining prompt is prefilled this many tokens at a time, one piece between
+    two decode steps, so running requests keep decoding. 0: every join prefills its whole
+    prompt between two steps (the others wait). An iteration with no row decoding
+    prefills whole prompts either way. Default 2048: one piece of an 8B model is then
+    compute-bound (a few decode steps' time) while a 32k prompt takes 16 steps."""
 
 
 # --------------------------------------------------------------------------- bench / eval
