@@ -177,3 +177,41 @@ def test_chunk_sizes_and_fits():
     assert "pass the end of the cache (24 + 74 - 1 > 96)" in b.fits(20, 74, pieces=5)  # the longer horizon
     assert "pieces of at least one token" in b.fits(3, 4, pieces=4)
     run(engine.close())
+
+
+def test_chunked_join_on_smollm2():
+    """Real weights (SmolLM2-135M, fp32): a text prompt joining in pieces of 3 while another
+    request decodes gets the tokens and text it gets alone."""
+    try:
+        cfg = spade.load_config(None, overrides=[
+            "model.name=smollm2-135m", "model.backend=fast", "model.dtype=float32", "model.device=cpu",
+            "model.max_seq_len=64", "model.chat_template=false", "runtime.topology=inline", "serving.max_batch=2",
+            "serving.prefill_chunk=3", "policy.name=asyncspade", "policy.budget=16", "policy.sink_tokens=2",
+            "policy.recent_tokens=4", "policy.window=4", "runtime.sparse_threshold=16",
+            "generation.stop_at_eos=false"])
+        engine = spade.AsyncEngine(cfg)
+    except spade.SpadeError as e:  # the weights' package is not installed here
+        pytest.skip(f"SmolLM2-135M is not available: {e}")
+    first, joining = "def fibonacci(n):", "Once upon a time, in a small village, there lived an old"
+
+    async def main():
+        seen = []
+
+        async def running():
+            async for o in engine.generate(first, greedy(22), "first"):
+                seen.append(o)
+
+        task = asyncio.ensure_future(running())
+        while len(seen) < 6:  # the cursor nears the joining prompt's length (13 tokens)
+            await asyncio.sleep(0.002)
+        together = await final(engine, joining, greedy(8), "joining")
+        await task
+        st = engine.stats()
+        alone = await final(engine, joining, greedy(8), "alone")
+        await engine.close()
+        return together, alone, st
+
+    together, alone, st = run(main())
+    assert st["prefill_pieces"] >= st["joins"] + 3  # the join into the running row was chunked
+    assert st["joins_into_running"] == 1 and st["sparse_steps"] > 0
+    assert together.token_ids == alone.token_ids and together.text == alone.text
