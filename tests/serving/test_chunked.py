@@ -51,8 +51,8 @@ def _serve(cfg, jobs, *, alone: bool):
 
 CASES = [("full", "inline", 7), ("quest", "inline", 1), ("quest", "inline", 7), ("tova", "inline", 7),
          ("tova", "inline", 64), ("asyncspade", "inline", 1), ("asyncspade", "inline", 64),
-         ("asyncspade_int8", "inline", 1), ("asyncspade_int4", "inline", 7), ("asyncspade", "colocated", 1),
-         ("asyncspade", "colocated", 7), ("asyncspade", "multiprocess/nccl", 7)]
+         ("asyncspade_int8", "inline", 7), ("asyncspade_int4", "inline", 7), ("asyncspade", "colocated", 7),
+         ("asyncspade", "multiprocess/nccl", 7)]
 
 
 @pytest.mark.parametrize("policy,topology,chunk", CASES)
