@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['policy']:>12}: {r['output_tok_per_s']:.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
               f"p99 {r['ttft_p99_s']:.3f} s  TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 "
               f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}  "
-              f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  decode {r['engine']['decode_s']:.2f} s "
+              f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  "
+              f"decode {r['engine']['decode_s']:.2f} s "
               f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@ model (prefills, decode steps, sampling): between two decode steps it retires
 finished and aborted requests and admits waiting ones (FIFO, into free row slots;
 ``spade.serving.slots`` says when a request fits), prefilling their prompts in pieces
 of at most ``serving.prefill_chunk`` tokens per iteration while rows decode (chunked
-prefill: the running rows keep decoding), then runs one decode step for every row. Each request samples with its own ``SamplingParams`` (a per-request
+prefill: the running rows keep decoding), then runs one decode step for every row.
+Each request samples with its own ``SamplingParams`` (a per-request
 ``torch.Generator`` when it samples, so its tokens do not depend on its batch mates)
 and streams one ``RequestOutput`` per token.
 """

@@ -297,11 +297,13 @@ class SlotBatch:
                 tail = q if keep is None else q[:, :, max(0, T - keep):]
             else:
                 prev = job.tails[layer] if layer < len(job.tails) else None
+                if keep is not None:
+                    q = q[:, :, max(0, q.shape[2] - keep):]
                 tail = q if prev is None else torch.cat([prev, q], dim=2)
                 if keep is not None:
                     tail = tail[:, :, max(0, tail.shape[2] - keep):]
                 if not last:
-                    tail = tail.clone() if keep is not None else tail  # not a view of the whole chunk's q
+                    tail = tail.clone() if keep is not None else tail  # not a view of the whole piece's q
                     if layer < len(job.tails):
                         job.tails[layer] = tail
                     else:
