@@ -263,3 +263,35 @@ def test_soak_with_aborts_at_any_stage_leaks_nothing():
     assert st["requests_finished"] + st["requests_aborted"] == n and st["requests_failed"] == 0
     assert st["requests_aborted"] > 0 and st["prefill_pieces"] > st["joins"] and st["joins_into_running"] > 0
     assert st["slots_used"] == 0 and st["requests_prefilling"] == 0 and left == ({}, [], {})
+
+
+def test_join_goes_on_when_every_other_row_finishes():
+    """The only running request finishes while a 40-token prompt joins in pieces of 4: the
+    remaining pieces still come one per step (steps no row samples from move the cursor),
+    and the request's tokens equal its alone run's."""
+    long = random_prompts(1, seed=12, lo=40, hi=40)[0]
+    engine = spade.AsyncEngine(make_config("asyncspade", max_seq_len=160, extra=["serving.prefill_chunk=4"]))
+
+    async def main():
+        seen = []
+
+        async def running():
+            async for o in engine.generate([3, 1, 4, 1, 5], greedy(46), "run"):
+                seen.append(o)
+
+        task = asyncio.ensure_future(running())
+        while len(seen) < 42:  # 4 tokens left: it finishes after the join's 4th piece
+            await asyncio.sleep(0.001)
+        steps = engine.stats()["steps"]
+        joined = await final(engine, long, greedy(6), "long")
+        await task
+        st = engine.stats()
+        alone = await final(engine, long, greedy(6), "alone")
+        await engine.close()
+        return seen[-1], joined, alone, st, steps
+
+    run_out, joined, alone, st, steps = run(main())
+    assert run_out.finish_reason == "length" and len(run_out.token_ids) == 46
+    assert st["prefill_pieces"] == 1 + 10 and st["joins_into_running"] == 0  # it ended alone
+    assert st["steps"] - steps >= 10 - 1 + 6 - 1  # a step per piece but the last, then its own
+    assert joined.token_ids == alone.token_ids and len(alone.token_ids) == 6
