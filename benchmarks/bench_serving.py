@@ -61,6 +61,8 @@ def run_policy(args, policy: str, jobs) -> dict:
                  f"policy.name={policy}", "generation.stop_at_eos=false"]
     if policy != "full":
         overrides.append(f"policy.budget={args.budget}")
+    if args.prefill_chunk is not None:
+        overrides.append(f"serving.prefill_chunk={args.prefill_chunk}")
     if args.threshold:
         overrides.append(f"runtime.sparse_threshold={args.threshold}")
     engine = spade.AsyncEngine(spade.load_config(None, overrides=overrides + list(args.set)))
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threshold", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="serving.prefill_chunk (prompt tokens per iteration while rows decode; 0: whole prompts); "
+                         "default: the config's")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-min", type=int, default=32)
     ap.add_argument("--prompt-max", type=int, default=256)
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['policy']:>12}: {r['output_tok_per_s']:.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
               f"p99 {r['ttft_p99_s']:.3f} s  TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 "
               f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}  "
-              f"prefill {r['engine']['prefill_s']:.2f} s  decode {r['engine']['decode_s']:.2f} s "
+              f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  "
+              f"decode {r['engine']['decode_s']:.2f} s "
               f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

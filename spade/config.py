@@ -210,6 +210,15 @@ class ServingConfig(ConfigSection):
     max_batch: int = Field(8, ge=1)
     """Row slots of the static KV cache: requests decoded together (more wait in a queue).
     Each slot holds ``model.max_seq_len`` tokens."""
+    prefill_chunk: int = Field(2048, ge=0)
+    """Prompt tokens prefilled per scheduler iteration while rows are decoding (chunked
+    prefill): a joining prompt is prefilled this many tokens at a time, one piece between
+    two decode steps, so running requests keep decoding. 0: every join prefills its whole
+    prompt between two steps (the others wait). An iteration with no row decoding
+    prefills whole prompts either way. Default 2048 (by arithmetic, not yet measured): a
+    piece uses each weight it reads for 2048 tokens, far above the ~300 where bf16 GEMMs
+    turn compute-bound on an H100 (989 TFLOP/s over 3.35 TB/s), so pieces cost little more
+    than one whole prefill, while a 32k prompt takes 16 steps (docs/serving.md)."""
 
 
 # --------------------------------------------------------------------------- bench / eval

@@ -725,45 +725,69 @@ class FastModel(DecodeBackend):
 
     @torch.no_grad()
     def prefill_row(self, row: int, input_ids: torch.Tensor,
-                    report: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-        """Serving: prefill one prompt ``input_ids`` [T] into row ``row`` right-aligned at
-        the shared cursor, cache positions ``[seq_len - T, seq_len)``, RoPE positions
-        ``0 .. T-1`` (after ``reset_slots``; the other rows are untouched). Each layer
-        reports ``report(layer, q [1, Hq, T, D], k_row [1, Hkv, L, D], v_row)`` (the
-        row's cache views). Returns the last position's logits [1, V] float32."""
-        S, T = self._seq_len, int(input_ids.numel())
+                    report: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None], *,
+                    first: int | None = None, offset: int = 0, last: bool = True) -> torch.Tensor | None:
+        """Serving: prefill one prompt, or one chunk of it, into row ``row`` (after
+        ``reset_slots``; the other rows are untouched).
+
+        Whole prompt (the defaults): ``input_ids`` [T] go right-aligned at the shared
+        cursor, cache positions ``[seq_len - T, seq_len)``, RoPE positions ``0 .. T-1``.
+        A chunk (chunked prefill, ``spade.serving.slots``): the prompt's first token sits
+        at cache index ``first``; ``input_ids`` [c] are its tokens ``offset .. offset+c-1``
+        at cache positions ``first + offset ..`` (RoPE positions ``offset ..``), and they
+        attend the row's cache ``[first, first + offset)`` written by the earlier chunks
+        and themselves, causally. Every position written lies below the cursor; the last
+        chunk (``last``) ends exactly at it.
+
+        Each layer reports ``report(layer, q [1, Hq, c, D], k_row [1, Hkv, L, D], v_row)``
+        (the chunk's queries and the row's cache views). With ``last`` the row's decode
+        position becomes the prompt's last and the last position's logits [1, V] float32
+        are returned; else None."""
+        S, c = self._seq_len, int(input_ids.numel())
         if self._batch != self.max_batch:
             raise ModelError("prefill_row before reset_slots: the backend is not in slot mode")
         if not 0 <= row < self.max_batch:
             raise ConfigError(f"row {row} is outside the {self.max_batch} slots (model max_batch)")
-        if not 1 <= T <= S:
-            raise ConfigError(f"a prompt of {T} tokens does not fit before the cursor at {S}")
-        ids = input_ids.to(self.device).reshape(1, T)
-        mask = torch.ones(1, T, dtype=torch.bool, device=self.device)
+        if first is None:
+            first = S - c - offset
+        end = first + offset + c  # one past the chunk's last cache position
+        if c < 1 or offset < 0 or first < 0 or end > S or (last and end != S):
+            raise ConfigError(
+                f"a prompt chunk of {c} tokens at prompt offset {offset} from cache position {first} does not "
+                f"fit before the cursor at {S}" + (" (a last chunk must end at the cursor)" if last else ""))
+        ids = input_ids.to(self.device).reshape(1, c)
+        mask = torch.ones(1, c, dtype=torch.bool, device=self.device)
 
-        def region(li: int):
-            return self.k_cache[li][row:row + 1, :, S - T:S], self.v_cache[li][row:row + 1, :, S - T:S]
+        def region(li: int):  # the prompt's cache so far: its earlier chunks, then this one
+            return self.k_cache[li][row:row + 1, :, first:end], self.v_cache[li][row:row + 1, :, first:end]
 
         def fwd(li: int, q_all: torch.Tensor) -> None:
             report(li, q_all, self.k_cache[li][row:row + 1], self.v_cache[li][row:row + 1])
 
-        x = self._prompt_pass(ids, mask, False, region, fwd)
-        self._meta[1, row] = T - 1
+        x = self._prompt_pass(ids, mask, False, region, fwd, offset=offset)
+        if not last:
+            return None
+        self._meta[1, row] = offset + c - 1
         self._x[row].copy_(x[0, -1])
         h = rms_norm_torch(x[:, -1], self.norm, self.arch.eps)  # [1, H]
         return F.linear(h, self.lm_head).float()
 
     def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, padded: bool,
                      region: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                     report: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+                     report: Callable[[int, torch.Tensor], None], offset: int = 0) -> torch.Tensor:
         """The dense pass over a left-padded prompt ``ids`` [B, T] (``mask`` [B, T]):
-        layer ``li``'s keys and values go to ``region(li)`` (two [B, Hkv, T, D] views of
-        the cache), then ``report(li, q_all)`` gets the prompt's queries [B, Hq, T, D].
-        Returns the residual stream [B, T, H] after the last layer."""
+        layer ``li``'s keys and values go to ``region(li)`` (two [B, Hkv, offset + T, D]
+        views of the cache: ``offset`` > 0 is a later chunk of one unpadded prompt, whose
+        first ``offset`` positions hold the earlier chunks' keys and values), then
+        ``report(li, q_all)`` gets the tokens' queries [B, Hq, T, D]. Returns the residual
+        stream [B, T, H] after the last layer."""
         a = self.arch
         dev = self.device
         B, T = ids.shape
-        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: left padding does not shift positions
+        if offset and padded:
+            raise ValueError("a prompt chunk at an offset cannot be padded")
+        # [B, T]: left padding does not shift positions; a chunk starts at its offset
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0) + offset
         cos = self.cos_tab[pos].to(self.dtype)[:, :, None, :]  # [B, T, 1, rot]
         sin = self.sin_tab[pos].to(self.dtype)[:, :, None, :]
         C = max(1, min(self.prefill_chunk, T))
@@ -784,9 +808,12 @@ class FastModel(DecodeBackend):
                 q = apply_rope_torch(q, cos[:, c0:c1], sin[:, c0:c1])
                 k = apply_rope_torch(k, cos[:, c0:c1], sin[:, c0:c1])
                 q_all[:, :, c0:c1] = q.transpose(1, 2)
-                kc[:, :, c0:c1] = k.transpose(1, 2)
-                vc[:, :, c0:c1] = v.transpose(1, 2)
-            o_all = self._prefill_attention(q_all, kc[:, :, :T], vc[:, :, :T], mask, padded, C)  # [B, Hq, T, D]
+                kc[:, :, offset + c0:offset + c1] = k.transpose(1, 2)
+                vc[:, :, offset + c0:offset + c1] = v.transpose(1, 2)
+            if offset:  # a later chunk: its queries attend the earlier chunks and themselves
+                o_all = self._chunk_attention(q_all, kc[:, :, :offset + T], vc[:, :, :offset + T])
+            else:
+                o_all = self._prefill_attention(q_all, kc[:, :, :T], vc[:, :, :T], mask, padded, C)  # [B, Hq, T, D]
             for c0 in range(0, T, C):  # pass 2: o_proj and MLP per chunk of tokens
                 c1 = min(T, c0 + C)
                 xc = x[:, c0:c1] + F.linear(o_all[:, :, c0:c1].transpose(1, 2).reshape(B, c1 - c0, Hq * D),
@@ -824,6 +851,27 @@ class FastModel(DecodeBackend):
             out[:, :, c0:c1] = F.scaled_dot_product_attention(q[:, :, c0:c1], k[:, :, :c1], v[:, :, :c1],
                                                               attn_mask=allowed[:, None], scale=scale)
         return out
+
+    def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a prompt chunk: q [B, Hq, c, D] are the last ``c`` of the
+        ``n`` positions of k/v [B, Hkv, n, D]; query ``i`` sees keys ``0 .. n - c + i`` (the
+        lower-right causal mask). Grouped K/V heads are expanded, as in
+        ``_prefill_attention``. Returns [B, Hq, c, D].
+
+        On CUDA the mask is ``torch.nn.attention.bias.causal_lower_right`` (the fused
+        kernels apply it without building it); elsewhere an explicit [c, n] boolean mask
+        (importing that module loads torch._dynamo: seconds on a CPU box)."""
+        c, n = q.shape[2], k.shape[2]
+        G = q.shape[1] // k.shape[1]
+        if G > 1:
+            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, Hq, n, D]
+        if q.device.type == "cuda":
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(c, n)
+        else:
+            mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(diagonal=n - c)  # [c, n]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.softmax_scale)
 
     @torch.no_grad()
     def fake_prefill(self, seq_len: int, batch: int | None = None, *, ctx=None, std: float = 1.0,

@@ -235,7 +235,8 @@ class Policy(ABC):
     @property
     def rows(self) -> int | None:
         """Newest prompt queries ``prefill`` reads (a cache rank is sent only these at
-        boot), or None for all of them. Default: None."""
+        boot; a serving join prefilled in pieces keeps only these for ``prefill_rows``),
+        or None for all of them. Default: None."""
         return None
 
     def selection_layout(self) -> tuple[int, int, int] | None:

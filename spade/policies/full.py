@@ -16,5 +16,9 @@ class FullPolicy(Policy):
     name = "full"
     needs_current_query = False
 
+    @property
+    def rows(self) -> int:
+        return 0  # its prefill reads no prompt query
+
     def select(self, state, layer, q, k_cache, kv_lens):
         return None

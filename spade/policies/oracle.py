@@ -44,6 +44,10 @@ class OraclePolicy(Policy):
     name = "oracle"
     needs_current_query = True
 
+    @property
+    def rows(self) -> int:
+        return 0  # its prefill reads no prompt query
+
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:
         cfg = self.cfg

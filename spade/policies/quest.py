@@ -72,6 +72,10 @@ class QuestPolicy(Policy):
     needs_current_query = True
 
     @property
+    def rows(self) -> int:
+        return 0  # its prefill reads no prompt query
+
+    @property
     def n_pages_sel(self) -> int:
         return self.cfg.budget // self.cfg.page_size
 

@@ -36,6 +36,10 @@ class StreamingPolicy(Policy):
     name = "streaming"
     needs_current_query = False
 
+    @property
+    def rows(self) -> int:
+        return 0  # its prefill reads no prompt query
+
     def selection_layout(self) -> tuple[int, int, int]:
         c = self.cfg  # no middle: the window takes every slot but the sinks
         return 0, c.sink_tokens, c.budget - c.sink_tokens

@@ -65,6 +65,10 @@ class TovaPolicy(Policy):
     needs_current_query = False
     evicts = True
 
+    @property
+    def rows(self) -> int:
+        return 1  # its prefill reads the last prompt query only
+
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:
         state = super().new_state(batch_size, device)
         state.layers = [

@@ -8,9 +8,10 @@ step, on the runtime's own event loop (the engine's worker thread):
 * an **epoch** is one cache-rank generation: when the batch is empty and the cursor
   resets, the session ends and a new one boots with every row idle
   (``InferenceSession.begin_serving``);
-* a **join** prefills the row here (``FastModel.prefill_row``) and records, per layer,
-  the prompt's last W queries and (unless the cache rank reads this rank's cache) the
-  row's keys; before the next step the joins of the iteration travel as one JOIN and
+* a **join** prefills the row here (``FastModel.prefill_row``, whole or in pieces: the
+  cache rank hears nothing of a chunked join until its last piece) and records, per
+  layer, the prompt's last W queries and (unless the cache rank reads this rank's cache)
+  the row's keys; before the next step the joins of the iteration travel as one JOIN and
   the step waits for its selections made after it (``InferenceSession.join_rows``): the
   cache rank's row state is then what the request alone would have, so its tokens
   equal its alone run's;
@@ -114,13 +115,17 @@ class AsyncSlotBatch(SlotBatch):
 
     # ------------------------------------------------------------------ rows
     def _row_report(self, row: int, S: int, T: int):
-        """Record what the cache rank needs of the joining row (sent with the next step)."""
-        W = min(T, self.policy.rows) if self.policy.rows else T
+        """Record what the cache rank needs of the joining row (sent with the next step):
+        per layer the prompt's last W queries and, unless the cache rank reads this rank's
+        cache, the row's keys at ``[S - T, S)``. Called after the join's last piece only,
+        so a chunked join sends what an unchunked one does, once."""
+        rows = self.policy.rows
+        W = min(T, rows) if rows else T
         shared = self.sess is not None and self.sess._shared_kv
         rec = self._recording = []
 
-        def report(layer, q, k_row, v_row):
-            q_tail = q[:, :, T - W:].clone()
+        def report(layer, q, k_row, v_row):  # q: the prompt's newest queries [1, Hq, <= T, D]
+            q_tail = q[:, :, max(0, q.shape[2] - W):].clone()
             if shared:
                 rec.append((q_tail, None, None))
             else:
@@ -128,12 +133,17 @@ class AsyncSlotBatch(SlotBatch):
 
         return report
 
-    def join(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int]) -> None:
         if self.sess is None:
-            raise RuntimeError("AsyncSlotBatch.join before reset (no serving epoch)")
+            raise RuntimeError("AsyncSlotBatch.begin_join before reset (no serving epoch)")
+        super().begin_join(row, ids, sizes)
+
+    def prefill_next(self, row: int) -> torch.Tensor | None:
         self._recording = None
-        logits = super().join(row, ids)
-        self._joins[row] = (int(ids.numel()), self._recording)
+        T = self.prefilling[row].T if row in self.prefilling else 0
+        logits = super().prefill_next(row)
+        if logits is not None:  # the last piece: the row's JOIN goes with the next step
+            self._joins[row] = (T, self._recording)
         self._recording = None
         return logits
 

@@ -11,8 +11,10 @@
 One scheduler task on the caller's event loop drives a worker thread that owns the
 model (prefills, decode steps, sampling): between two decode steps it retires
 finished and aborted requests and admits waiting ones (FIFO, into free row slots;
-``spade.serving.slots`` says when a request fits), then runs one decode step for
-every row. Each request samples with its own ``SamplingParams`` (a per-request
+``spade.serving.slots`` says when a request fits), prefilling their prompts in pieces
+of at most ``serving.prefill_chunk`` tokens per iteration while rows decode (chunked
+prefill: the running rows keep decoding), then runs one decode step for every row.
+Each request samples with its own ``SamplingParams`` (a per-request
 ``torch.Generator`` when it samples, so its tokens do not depend on its batch mates)
 and streams one ``RequestOutput`` per token.
 """
@@ -227,13 +229,13 @@ class AsyncEngine:
         b = self.batch
         c = self._counts
         return {
-            "requests_running": running, "requests_waiting": waiting,
+            "requests_running": running, "requests_waiting": waiting, "requests_prefilling": len(b.prefilling),
             "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
             "cursor": b.cursor, "cursor_resets": b.resets,
-            "joins": b.joins, "joins_into_running": b.joins_running,
+            "joins": b.joins, "joins_into_running": b.joins_running, "prefill_pieces": c["prefill_pieces"],
             "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
             "late_packs": 0, "topk_fallbacks": None,  # (no cache rank: inline selections)
             **self._cache_stats(),
@@ -386,12 +388,13 @@ class AsyncEngine:
                     self._retire(req, "abort")
             admits = self._admissions()
         t0 = time.perf_counter()
-        for req in admits:
-            self._join(req)
+        for req in admits:  # the next piece of each join this iteration (whole prompts: one piece)
+            self._prefill(req)
         t1 = time.perf_counter()
         with self._lock:
             rows = {row: req for row, req in self._running.items() if req.pending is not None}
-        if rows:
+            joining = bool(b.prefilling)
+        if rows or joining:  # a join in progress needs the cursor to move one step per piece
             self._decode(rows)
         t2 = time.perf_counter()
         with self._lock:
@@ -402,26 +405,56 @@ class AsyncEngine:
             return bool(self._running) or (bool(self._waiting) and b.empty)
 
     def _admissions(self) -> list[_Request]:
-        """(Under the lock.) The waiting requests that join now, FIFO: each takes a free row
-        when it fits (``SlotBatch.fits``); the first that does not fit stops admission, so
-        the queue's order holds. An empty batch first moves the cursor to fit the head."""
+        """(Under the lock.) The requests whose next prompt piece runs this iteration: the
+        joins in progress (chunked prefill), then the waiting requests that start joining
+        now, FIFO: each takes a free row when it fits (``SlotBatch.fits``); the first that
+        does not fit stops admission, so the queue's order holds. An empty batch first moves
+        the cursor to fit the head.
+
+        While rows decode (or a join is in progress), an iteration prefills at most
+        ``serving.prefill_chunk`` prompt tokens: the next piece of the join in progress,
+        then whole prompts that fit in what is left, then the first piece of the next
+        prompt (one join in pieces at a time: its pieces must come one per step). With no
+        row decoding, or ``prefill_chunk`` 0, every request that fits joins whole."""
+        from spade.serving.slots import chunk_sizes
+
         b = self.batch
+        C = self.cfg.serving.prefill_chunk
+        out = [self._running[row] for row in sorted(b.prefilling)]
         free = b.free_rows()
-        out: list[_Request] = []
         if not self._waiting or not free:
             return out
         if b.empty:
             b.reset(self._reset_cursor(min(len(free), len(self._waiting))))
+        decoding = any(r.pending is not None for r in self._running.values())
+        budget = None  # prompt tokens left this iteration (None: no limit)
+        if C > 0 and (decoding or b.prefilling):
+            budget = C - sum(job.next_size for job in b.prefilling.values())
         S = b.cursor
         while self._waiting and free:
             req = self._waiting[0]
-            if b.fits(len(req.prompt_ids), req.params.max_tokens, S) is not None:
+            T = len(req.prompt_ids)
+            if budget is None:
+                sizes = [T]
+            elif budget <= 0 or any(len(j.sizes) - j.piece > 1 for j in b.prefilling.values()):
+                break  # the budget is spent, or a join has pieces left after this iteration
+            else:
+                sizes = chunk_sizes(T, budget, C)
+            if b.fits(T, req.params.max_tokens, S, len(sizes)) is not None:
                 break
             self._waiting.popleft()
             req.row = free.pop(0)
             self._running[req.row] = req
             req.admitted = time.perf_counter()
+            try:
+                b.begin_join(req.row, torch.tensor(req.prompt_ids, dtype=torch.long), sizes)
+            except Exception as e:  # (fits said yes: a bug) this request fails, the others go on
+                log.warning("request %s cannot join: %s", req.id, e)
+                self._fail(req, e)
+                continue
             out.append(req)
+            if budget is not None:
+                budget -= sizes[0]
         return out
 
     def _reset_cursor(self, n: int) -> int:
@@ -441,11 +474,15 @@ class AsyncEngine:
             S, longest = S2, longest2
         return S
 
-    def _join(self, req: _Request) -> None:
+    def _prefill(self, req: _Request) -> None:
+        """The next piece of ``req``'s join; after its last, the first token."""
         try:
-            logits = self.batch.join(req.row, torch.tensor(req.prompt_ids, dtype=torch.long))
+            logits = self.batch.prefill_next(req.row)
+            self._counts["prefill_pieces"] += 1
+            if logits is None:  # pieces left: the request decodes after its last one
+                return
             tok = self._sample(logits, [req])[0]
-        except Exception as e:  # this request fails; the other rows are untouched
+        except Exception as e:  # this request fails (its row is freed); the other rows are untouched
             log.warning("prefill of request %s failed: %s", req.id, e)
             with self._lock:
                 self._fail(req, e)
@@ -454,6 +491,8 @@ class AsyncEngine:
         self._token(req, tok)
 
     def _decode(self, rows: dict[int, _Request]) -> None:
+        """One decode step of every row; ``rows`` (maybe none: a join in progress moves the
+        cursor) are the requests that sample from it."""
         toks = torch.zeros(self.batch.B, dtype=torch.long)
         for row, req in rows.items():
             toks[row] = req.pending
@@ -461,7 +500,7 @@ class AsyncEngine:
         try:
             logits = self.batch.step(self._step_tokens)
             order = sorted(rows)
-            new = self._sample(logits[order], [rows[r] for r in order])
+            new = self._sample(logits[order], [rows[r] for r in order]) if order else []
         except Exception as e:  # every row of the step fails (its state is unknown); others go on
             log.warning("a decode step failed (%d requests): %s", len(rows), e)
             with self._lock:

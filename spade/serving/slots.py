@@ -12,6 +12,16 @@ row; the next step writes index ``S``). Row ``b``'s request owns ``[kv_start[b],
   max_seq_len``): the cursor never reaches the end, so nothing is ever shifted or
   compacted. A request that does not fit yet waits (the cursor grows one per step;
   when the batch is empty the cursor resets to the next prompts' length);
+* a join may be CHUNKED (``begin_join`` / ``prefill_next``): the prompt is prefilled
+  in ``n`` pieces, one per decode step of the other rows, and the request starts
+  decoding after the last one, at the cursor ``S0 + n - 1`` (``S0``: the cursor at the
+  first piece). The prompt occupies ``[S0 + n - 1 - T, S0 + n - 1)``, so every piece
+  but the last ends below the cursor of its step as long as each holds a token (the
+  ``n - 1 - k`` pieces after piece ``k`` keep at least that many tokens after it): the
+  dummy tokens the row decodes meanwhile at the cursor land at positions a later piece
+  overwrites, and no piece's position is written after it. The row's policy state is
+  made once, after the last piece, from the prompt's last queries (``Policy.rows``)
+  and the row's whole prompt cache: what an unchunked join gives;
 * a request LEAVES by freeing its row: the row keeps decoding a dummy token over
   its own window ``[kv_start, S)`` with ``kv_start`` = the cursor at the leave (the
   window starts at one token, the current one: no empty softmax, no NaN), and no
@@ -23,6 +33,8 @@ row; the next step writes index ``S``). Row ``b``'s request owns ``[kv_start[b],
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +105,45 @@ class SlotContext(AttentionContext):
         return super().graph_key() + (self.mode,)
 
 
+@dataclass
+class RowPrefill:
+    """A join in progress (chunked prefill): the prompt ``ids`` [T], the sizes of its
+    pieces, and ``end``, the cursor at which it starts decoding (its prompt occupies
+    ``[end - T, end)``)."""
+
+    ids: torch.Tensor
+    sizes: list[int]
+    end: int
+    done: int = 0  # prompt tokens prefilled so far
+    piece: int = 0  # pieces run so far
+    tails: list = field(default_factory=list)  # per layer: the newest prompt queries so far (``Policy.rows``)
+
+    @property
+    def T(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def next_cursor(self) -> int:
+        """The cursor the next piece must run at (one decode step per piece)."""
+        return self.end - (len(self.sizes) - 1 - self.piece)
+
+    @property
+    def next_size(self) -> int:
+        return self.sizes[self.piece]
+
+
+def chunk_sizes(T: int, first: int, chunk: int) -> list[int]:
+    """The pieces of a prompt of ``T`` tokens prefilled ``chunk`` tokens per step, the
+    first one ``first`` tokens (what is left of the step's budget; ``0 < first <=
+    chunk``): e.g. ``chunk_sizes(10, 3, 4) == [3, 4, 3]``."""
+    if not 0 < first <= chunk:
+        raise ValueError(f"chunk_sizes: first piece {first} must be in [1, {chunk}]")
+    if T <= first:
+        return [T]
+    rest = T - first
+    return [first] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+
+
 class SlotBatch:
     """The rows of a slot-mode backend, their owners' placement and the policy state.
 
@@ -101,6 +152,8 @@ class SlotBatch:
     >>> logits = batch.join(row=0, ids=torch.tensor(prompt))   # [1, V]
     >>> logits = batch.step(tokens)                            # [B, V], every row
     >>> batch.leave(0)
+    >>> batch.begin_join(1, torch.tensor(prompt), [5, 5, 2])   # a chunked join: 3 pieces
+    >>> batch.prefill_next(1); batch.step(tokens)              # None (piece 1), then a step
     """
 
     def __init__(self, backend, policy: Policy, theta: int):
@@ -119,6 +172,9 @@ class SlotBatch:
         self.kv_start_host = [0] * self.B
         self.kv_start = torch.zeros(self.B, dtype=torch.int32, device=dev)
         self.active = [False] * self.B
+        self.prefilling: dict[int, RowPrefill] = {}  # rows whose join is in progress (chunked prefill)
+        #: queries of the prompt's end the policy's row state reads (``Policy.rows``; None: all)
+        self.q_keep = None if policy.rows is None else max(1, int(policy.rows))
         self.selector = SlotSelector(policy, self.state)
         self.ctx = SlotContext(backend.spec, self.selector, device=dev)
         self.ctx.kv_start = self.kv_start
@@ -137,20 +193,24 @@ class SlotBatch:
 
     @property
     def empty(self) -> bool:
-        return not any(self.active)
+        return not any(self.active) and not self.prefilling
 
     def free_rows(self) -> list[int]:
-        return [b for b in range(self.B) if not self.active[b]]
+        return [b for b in range(self.B) if not self.active[b] and b not in self.prefilling]
 
     def used(self) -> int:
-        return sum(self.active)
+        return sum(self.active) + len(self.prefilling)
 
-    def fits(self, T: int, max_tokens: int, cursor: int | None = None) -> str | None:
+    def fits(self, T: int, max_tokens: int, cursor: int | None = None, pieces: int = 1) -> str | None:
         """Why a request of ``T`` prompt tokens and up to ``max_tokens`` new ones cannot
-        join at ``cursor`` (default: the current one) now, or None when it can."""
-        S = self.cursor if cursor is None else cursor
+        start joining at ``cursor`` (default: the current one) now, its prompt prefilled in
+        ``pieces`` steps (it then decodes from the cursor ``cursor + pieces - 1``), or None
+        when it can."""
+        S = (self.cursor if cursor is None else cursor) + pieces - 1
+        if pieces < 1 or pieces > T:
+            return f"a prompt of {T} tokens cannot be prefilled in {pieces} pieces of at least one token"
         if T > S:
-            return f"its prompt ({T} tokens) is longer than the cursor ({S})"
+            return f"its prompt ({T} tokens) is longer than the cursor it would decode from ({S})"
         if (S - T) % self.align:
             return f"its first position {S - T} is not a multiple of {self.align}"
         if S + max_tokens - 1 > self.L:
@@ -169,30 +229,94 @@ class SlotBatch:
     def join(self, row: int, ids: torch.Tensor) -> torch.Tensor:
         """Prefill the prompt ``ids`` [T] into the free row ``row`` at the cursor and reset the
         row's policy state. Returns the prompt's last logits [1, V] float32."""
-        if self.active[row]:
+        self.begin_join(row, ids, [int(ids.numel())])
+        return self.prefill_next(row)
+
+    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int]) -> None:
+        """Reserve the free row ``row`` for the prompt ``ids`` [T], to be prefilled in pieces of
+        ``sizes`` tokens (each >= 1, summing to T), one per ``prefill_next`` call, a decode
+        step between two calls: it decodes from the cursor ``cursor + len(sizes) - 1``.
+        Nothing runs yet."""
+        if self.active[row] or row in self.prefilling:
             raise RuntimeError(f"row {row} is in use")
-        S, T = self.cursor, int(ids.numel())
-        why = self.fits(T, 1, S)
+        T = int(ids.numel())
+        if sum(sizes) != T or min(sizes, default=0) < 1:
+            raise ValueError(f"prompt pieces {sizes} must each hold a token and sum to the prompt's {T} tokens")
+        why = self.fits(T, 1, self.cursor, len(sizes))
         if why is not None:
             raise RuntimeError(f"a request cannot join now: {why}")
-        self.kv_start_host[row] = S - T
-        self.kv_start[row] = S - T
-        self.state.seq_len = S
-        self.state.kv_start = self.kv_start
+        self.prefilling[row] = RowPrefill(ids=ids, sizes=list(sizes), end=self.cursor + len(sizes) - 1)
+
+    def prefill_next(self, row: int) -> torch.Tensor | None:
+        """The next piece of ``row``'s join (``begin_join``), at the cursor its plan expects.
+        After the last piece the row's policy state is reset from its whole prompt, the row
+        decodes from the next step on, and the prompt's last logits [1, V] float32 are
+        returned; before it, None. A failure frees the row."""
+        job = self.prefilling.get(row)
+        if job is None:
+            raise RuntimeError(f"row {row} has no join in progress")
+        S = self.cursor
+        if S != job.next_cursor:  # one decode step between two pieces, or the placement is wrong
+            self.leave(row)
+            raise RuntimeError(f"piece {job.piece} of row {row}'s prompt expected the cursor at {job.next_cursor}, "
+                               f"found {S}: a decode step must run between two pieces")
+        c, off, T = job.next_size, job.done, job.T
+        last = off + c == T
+        first = job.end - T
+        if last:
+            self.kv_start_host[row] = first
+            self.kv_start[row] = first
+            self.state.seq_len = S
+            self.state.kv_start = self.kv_start
         try:
-            logits = self.backend.prefill_row(row, ids, self._row_report(row, S, T))
+            out = self.backend.prefill_row(row, job.ids[off:off + c], self._piece_report(row, job, last),
+                                           first=first, offset=off, last=last)
         except BaseException:
-            self.kv_start_host[row] = self.kv_start_host[row] + T  # back to an idle window
-            self.kv_start[row] = self.kv_start_host[row]
+            self.leave(row)
             raise
+        job.done += c
+        job.piece += 1
+        if not last:
+            return None
+        del self.prefilling[row]
         self.joins += 1
-        self.joins_running += not self.empty
+        self.joins_running += any(self.active)
         self.active[row] = True
-        return logits
+        return out
+
+    def _piece_report(self, row: int, job: RowPrefill, last: bool):
+        """The per-layer hook of a piece's pass: keep the prompt's newest queries (what the
+        policy's row state reads, ``Policy.rows``); after the last piece, the row's state
+        from them and the row's whole prompt (``_row_report``)."""
+        keep, T = self.q_keep, job.T
+        final = self._row_report(row, job.end, T) if last else None
+        single = last and job.piece == 0  # an unchunked join: the piece's queries are the prompt's
+
+        def report(layer, q, k_row, v_row):
+            if single:
+                tail = q if keep is None else q[:, :, max(0, T - keep):]
+            else:
+                prev = job.tails[layer] if layer < len(job.tails) else None
+                if keep is not None:
+                    q = q[:, :, max(0, q.shape[2] - keep):]
+                tail = q if prev is None else torch.cat([prev, q], dim=2)
+                if keep is not None:
+                    tail = tail[:, :, max(0, tail.shape[2] - keep):]
+                if not last:
+                    tail = tail.clone() if keep is not None else tail  # not a view of the whole piece's q
+                    if layer < len(job.tails):
+                        job.tails[layer] = tail
+                    else:
+                        job.tails.append(tail)
+                    return
+            final(layer, tail, k_row, v_row)
+
+        return report
 
     def _row_report(self, row: int, S: int, T: int):
-        """The per-layer hook of ``prefill_row`` for a request of ``T`` tokens joining
-        ``row`` at cursor ``S``: the joining row's policy state (``Policy.prefill_rows``)."""
+        """The per-layer hook after the last piece of a request of ``T`` tokens that decodes
+        from cursor ``S``: the joining row's policy state (``Policy.prefill_rows``) from
+        the prompt's newest queries [1, Hq, <= T, D] and the row's cache views."""
         kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.device)
         rows = [row]
 
@@ -202,9 +326,10 @@ class SlotBatch:
         return report
 
     def leave(self, row: int) -> None:
-        """Free ``row``: from the next step it decodes a dummy token over its own window,
-        which starts at the cursor."""
+        """Free ``row`` (a request that finished, or left mid-join): from the next step it
+        decodes a dummy token over its own window, which starts at the cursor."""
         self.active[row] = False
+        self.prefilling.pop(row, None)
         S = self.cursor
         self.kv_start_host[row] = S
         self.kv_start[row] = S

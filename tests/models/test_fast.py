@@ -227,6 +227,62 @@ def test_chunked_prefill_matches_one_chunk():
         torch.testing.assert_close(kc, kw, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (4, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("c,n", [(1, 1), (1, 9), (5, 13), (13, 13)])
+def test_chunk_attention_matches_reference(Hq, Hkv, c, n):
+    """A prompt piece's causal attention (the last ``c`` of ``n`` positions) against a
+    per-query softmax written out."""
+    m = FastModel.from_config("tiny", max_batch=1, max_seq_len=16)
+    g = torch.Generator().manual_seed(c * 100 + n + Hkv)
+    D = 8
+    q, k, v = (torch.randn(1, h, L, D, generator=g) for h, L in ((Hq, c), (Hkv, n), (Hkv, n)))
+    out = m._chunk_attention(q, k, v)
+    scale = m.spec.softmax_scale
+    ref = torch.empty_like(q)
+    for h in range(Hq):
+        kv = h // (Hq // Hkv)
+        for i in range(c):
+            see = n - c + i + 1  # keys 0 .. n - c + i
+            w = torch.softmax(q[0, h, i] @ k[0, kv, :see].T * scale, dim=-1)
+            ref[0, h, i] = w @ v[0, kv, :see]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_row_in_pieces_matches_whole():
+    """Serving's chunked prefill: a prompt prefilled into a row in pieces (a decode step
+    of the other rows between two pieces) leaves the row's cache, position and last
+    logits what one whole pass leaves; the pieces' bounds are checked."""
+    hf = perturbed_hf("tiny", seed=15)
+    m = FastModel.from_hf_model(hf, max_batch=2, max_seq_len=40)
+    T = 20
+    ids = torch.randint(0, m.vocab_size, (T,), generator=torch.Generator().manual_seed(16))
+    ctx = full_ctx(m, 2)
+    m.reset_slots(24)
+    ctx.kv_start = torch.tensor([24 - T, 24 - T], dtype=torch.int32)
+    whole = m.prefill_row(0, ids, lambda *a: None)  # [4, 24)
+    seen = []
+    sizes, end = [7, 1, 9, 3], 24 + 3  # four pieces from cursor 24: decodes from 27, prompt at [7, 27)
+    off = 0
+    for i, c in enumerate(sizes):
+        last = i == len(sizes) - 1
+        out = m.prefill_row(1, ids[off:off + c], lambda li, q, kr, vr: seen.append((li, q.shape[2])),
+                            first=end - T, offset=off, last=last)
+        assert (out is None) != last
+        off += c
+        if not last:
+            m.decode(torch.tensor([3, 5]), ctx)  # writes both rows at the cursor: row 1's next piece overwrites
+    assert m.seq_len == end and seen == [(li, c) for c in sizes for li in range(m.spec.n_layers)]
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+    for kc, vc in zip(m.k_cache, m.v_cache):
+        torch.testing.assert_close(kc[1, :, end - T:end], kc[0, :, 24 - T:24], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[1, :, end - T:end], vc[0, :, 24 - T:24], rtol=1e-5, atol=1e-5)
+    assert m.positions.tolist()[1] == T - 1
+    with pytest.raises(ConfigError, match="does not fit before the cursor at 27"):  # past the cursor
+        m.prefill_row(1, ids[:5], lambda *a: None, first=25, offset=0, last=False)
+    with pytest.raises(ConfigError, match="a last chunk must end at the cursor"):
+        m.prefill_row(1, ids[:5], lambda *a: None, first=10, offset=0, last=True)
+
+
 def test_prefill_sets_context_and_metadata():
     m = FastModel.from_config("tiny", max_batch=3, max_seq_len=24)
     ids, mask = left_padded([5, 2, 5], m.vocab_size, torch.Generator().manual_seed(13))

@@ -54,6 +54,28 @@ def test_joined_requests_match_alone_on_gpu(policy, topology):
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
 
 
+@pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"),
+                                             ("asyncspade", "colocated")])
+def test_chunked_joins_match_alone_on_gpu(policy, topology):
+    """Chunked prefill on CUDA (the pieces' lower-right causal SDPA, decode steps with CUDA
+    graphs between pieces): joined in pieces of 5 == alone."""
+    engine = spade.AsyncEngine(make_config(policy, topology, max_batch=4, extra=[
+        "model.device=cuda:0", "model.dtype=float32", "serving.prefill_chunk=5"]))
+    prompts = random_prompts(6, seed=4, lo=12, hi=24)
+    ns = [30] + [8 + 3 * i for i in range(5)]
+
+    async def main():
+        together = await _staggered(engine, prompts, ns)
+        st = engine.stats()
+        alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)]
+        await engine.close()
+        return together, alone, st
+
+    together, alone, st = run(main())
+    assert st["joins_into_running"] >= 1 and st["prefill_pieces"] > st["joins"]
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+
+
 def test_joins_and_leaves_do_not_recapture():
     """``full``: one graph key for every step, whatever rows join or leave."""
     engine = spade.AsyncEngine(_cfg("full"))
