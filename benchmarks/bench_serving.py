@@ -32,7 +32,7 @@ from benchmarks.bench_serve import percentile
 WARM_TOKENS = 8
 #: engine.stats() counters reported for the timed trace alone (the warm-up's share taken off)
 TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "tokens_generated", "joins",
-                  "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets")
+                  "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces")
 
 
 async def _trace(engine, jobs: list[tuple[float, list[int], int]]):

@@ -68,6 +68,7 @@ class Histogram:
 ENGINE_SERIES = (
     ("running", "spade_num_requests_running", "gauge", "Requests in the running batch."),
     ("waiting", "spade_num_requests_waiting", "gauge", "Requests waiting for a batch slot."),
+    ("prefilling", "spade_num_requests_prefilling", "gauge", "Requests whose prompt is being prefilled in pieces."),
     ("slots_used", "spade_slots_used", "gauge", "Batch slots (a request's KV cache rows) in use."),
     ("slots_free", "spade_slots_free", "gauge", "Batch slots free."),
     ("kv_blocks_used", "spade_kv_blocks_used", "gauge", "KV cache blocks in use."),
