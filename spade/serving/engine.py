@@ -553,7 +553,10 @@ class AsyncEngine:
             finish = "stop"
         else:
             req.output_ids.append(tok)
-            text = self._detok(req.output_ids)
+            if self.tokenizer is None:  # ids as text: one more, without re-joining them all
+                text = f"{req.text} {tok}" if len(req.output_ids) > 1 else str(tok)
+            else:
+                text = self._detok(req.output_ids)
             if p.stop:
                 start = max(0, len(req.text) - max(len(s) for s in p.stop))
                 hits = [(text.find(s, start), s) for s in p.stop]
@@ -592,7 +595,7 @@ class AsyncEngine:
         ttft = req.first_token - req.arrival if req.first_token is not None else None
         tpot = ((req.last_token - req.first_token) / (n - 1)) if n > 1 and req.first_token is not None else None
         queue = req.admitted - req.arrival if req.admitted is not None else None
-        return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt_ids), token_ids=list(req.output_ids),
+        return RequestOutput(request_id=req.id, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
                              text=vis, delta_text=delta, finish_reason=req.finish_reason,
                              stop_reason=req.stop_reason, ttft_s=ttft, tpot_s=tpot, queue_s=queue)
 

@@ -95,7 +95,8 @@ class RequestOutput:
     and what follows it are cut from ``text``); ``delta_text``: the text this update
     added. ``finish_reason``: None while running, then ``"stop"`` (EOS, a stop token
     or a stop string), ``"length"`` (``max_tokens`` or the context), ``"abort"``.
-    Timing: ``ttft_s`` (arrival to first token), ``tpot_s`` (mean seconds per output
+    ``prompt_token_ids``: the prompt's ids, one list shared by every update of the
+    request (read it, do not change it). Timing: ``ttft_s`` (arrival to first token), ``tpot_s`` (mean seconds per output
     token after the first), ``queue_s`` (arrival to admission)."""
 
     request_id: str
