@@ -121,6 +121,7 @@ class AsyncRuntime(Runtime):
         self.peer_deadline_s = float(rt.peer_deadline_s)
         self.max_restarts_per_min = int(rt.max_restarts_per_min)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic, the last minute's
+        self._restart: asyncio.Task | None = None  # a lost cache rank's successor, handed over by a session
         self.hooks = hooks or P.CacheHooks()
         self.sync_policy = not is_async_policy(policy)
         self.theta = theta_eff(rt.sparse_threshold, policy) if not self.sync_policy else int(rt.sparse_threshold)
@@ -206,8 +207,30 @@ class AsyncRuntime(Runtime):
         one directly to time steady-state steps. ``selector``: the session's
         ``AsyncSelector`` (serving keeps one, and its attention context, for every
         epoch: CUDA graphs key on them); None: a new one."""
-        link = None if self.sync_policy else await self.link()
-        if link is not None and self._owns_link:
+        if self.sync_policy:
+            return InferenceSession(self, None, selector)
+        pending, self._restart = self._restart, None
+        if pending is not None and not pending.done():
+            # a cache rank lost in an earlier generation whose successor is still coming up
+            # (a process spawns for seconds; serving epochs and short generations end sooner):
+            # this generation starts dense and adopts the restart instead of starting another
+            sess = InferenceSession(self, self._link, selector)
+            sess.adopt_restart(pending)
+            return sess
+        restored = False
+        if pending is not None:  # it came up (or failed) between generations
+            exc = None if pending.cancelled() else pending.exception()
+            restored = not pending.cancelled() and exc is None
+            if exc is not None:
+                log.warning("restarting the cache rank failed (%s: %s)", type(exc).__name__, exc)
+        if self._link is not None and self._owns_link and self._link.closed:
+            # lost in an earlier generation and not replaced (restart refused by the cap, or it
+            # failed): this generation starts dense, its supervisor restarts (within the cap)
+            sess = InferenceSession(self, self._link, selector)
+            sess.start_lost("the cache rank was lost in an earlier generation and not replaced yet", new_loss=False)
+            return sess
+        link = await self.link()
+        if self._owns_link:
             try:
                 link.check()
             except TransportError as e:  # it died between generations: a new one
@@ -220,7 +243,25 @@ class AsyncRuntime(Runtime):
                     sess = InferenceSession(self, link, selector)
                     sess.start_lost(f"{type(e2).__name__}: {e2}")
                     return sess
-        return InferenceSession(self, link, selector)
+        sess = InferenceSession(self, link, selector)
+        if restored:
+            sess.restored_before_start()
+        return sess
+
+    def hand_over_restart(self, task: asyncio.Task) -> None:
+        """A session ended while its lost cache rank's successor was still coming up: the
+        next session adopts ``task`` (``close`` cancels it, killing a half-open process)."""
+        self._restart = task
+
+    async def _drop_restart(self) -> None:
+        task, self._restart = self._restart, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
 
     async def link(self, *, restart: bool = False) -> CacheLink:
         """The open link (opened on first need). ``restart``: opened to replace a lost
@@ -258,6 +299,11 @@ class AsyncRuntime(Runtime):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
+        if self._restart is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                self.run(self._drop_restart())
+            except Exception:
+                pass
         if self._link is not None and self._owns_link and not self._link.closed:
             if self._loop is not None and not self._loop.is_closed():
                 try:
@@ -274,6 +320,7 @@ class AsyncRuntime(Runtime):
         self._loop = None
 
     async def aclose(self) -> None:
+        await self._drop_restart()
         if self._link is not None and self._owns_link:
             await self._link.close()
 
