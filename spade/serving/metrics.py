@@ -86,6 +86,8 @@ ENGINE_SERIES = (
      "Cache ranks lost (died, transport broke, silent past runtime.peer_deadline_s); decoding went dense."),
     ("cache_restarts", "spade_cache_restarts_total", "counter",
      "Cache ranks restarted and booted from the running batch after a loss; sparse again from there."),
+    ("cache_dense_fallback_steps", "spade_cache_dense_fallback_steps_total", "counter",
+     "Decode steps meant sparse that ran dense because the cache rank was lost (until its restart)."),
 )
 
 
