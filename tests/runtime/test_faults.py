@@ -428,11 +428,8 @@ def _gone(pid: int) -> bool:
 def test_sigkill_of_the_cache_process_is_restarted(long_model, prompt, monkeypatch):
     """ucx: SIGKILL at a seeded random step: the loss is survived densely, a new process
     connects over the same transport and port, boots from the inference rank's cache,
-    and the generation is sparse again; no process or thread is left over.
-
-    Known leak, not fixed: after a restart ucxx keeps about 16 file descriptors of its
-    native context (epoll, sockets, shm) although every UcxTransport is closed and the
-    context reset (docs/reliability.md); the fd check is off here, on for nccl and nixl."""
+    and the generation is sparse again; no process, thread or file descriptor is left
+    over (ucx kept its lost worker's descriptors before: docs/reliability.md)."""
     die = random.Random(25).randint(3, 8)
     killed = []
 
@@ -443,7 +440,7 @@ def test_sigkill_of_the_cache_process_is_restarted(long_model, prompt, monkeypat
 
     paced = Paced(monkeypatch, action=kill)
     t0 = time.monotonic()
-    with Leaks(fds=False):
+    with Leaks():
         tr = _run(long_model, prompt, *_mp("ucx", *DEADLINE), new=LONG, on_token=paced.on_token)
     assert time.monotonic() - t0 < 90
     lost, back = tr.stats["events"][:2]
