@@ -670,3 +670,44 @@ def test_a_cache_rank_that_does_not_come_back_is_retried_not_lost(long_model, pr
     n = len(tr.tokens[0])
     assert all(len(r) == n for r in tr.tokens) and n < LONG  # stopped a few steps after the restore
     assert tr.stats["sparse_steps"] > 0 and tr.stats["restarts"] == 1
+
+
+# ----------------------------------------------------------------------------- a spare cache process
+def test_standby_takes_over_a_killed_cache_process(long_model, prompt, monkeypatch):
+    """runtime.standby (nccl: gloo): a spare cache process is spawned and connected
+    beside the live one. The live one is SIGKILLed once the spare is up: the spare takes
+    over (the link's process is the spare's; a boot, no spawn), a new spare is spawned
+    behind it, sparse from the restore, and nothing is left after close."""
+    cfg = config(*_mp("nccl", *DEADLINE, "runtime.standby=true"))
+    rt = AsyncRuntime(cfg, long_model, build_policy(cfg.policy, long_model.spec))
+    seen: dict = {}
+
+    def kill(i, sess):
+        spare = rt.standby_pid()
+        if i >= 3 and spare is not None and "killed" not in seen:
+            seen["killed"], seen["spare"] = sess.link.proc.pid, spare
+            os.kill(sess.link.proc.pid, signal.SIGKILL)
+
+    paced = Paced(monkeypatch, dt=0.1, action=kill)
+    try:
+        with Leaks():
+            tr = rt.generate(*prompt, max_new_tokens=LONG, sample_fn=greedy, on_token=paced.on_token)
+            live = rt._link.proc.pid
+            again = rt._standby is not None
+            rt.close()
+    finally:
+        rt.close()
+    assert "killed" in seen, "the spare cache process did not come up within the generation"
+    lost, back = tr.stats["events"][:2]
+    assert lost["event"] == "peer_lost" and back["event"] == "peer_restored", tr.stats["events"]
+    assert live == seen["spare"] and live != seen["killed"] and _gone(seen["killed"])
+    assert again  # a new spare behind the one taken
+    assert back["degraded_s"] < 5.0, back  # a boot over a connected link (a spawn: 6-16 s here)
+    assert tr.stats["sparse_steps"] > 0 and tr.stats["dense_fallback"][-1][1] == back["step"] - 1
+
+
+def test_standby_needs_a_cache_process():
+    from spade.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="runtime.standby"):
+        config("runtime.topology=colocated", "runtime.standby=true")
