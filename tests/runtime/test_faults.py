@@ -673,12 +673,13 @@ def test_a_cache_rank_that_does_not_come_back_is_retried_not_lost(long_model, pr
 
 
 # ----------------------------------------------------------------------------- a spare cache process
-def test_standby_takes_over_a_killed_cache_process(long_model, prompt, monkeypatch):
+@pytest.mark.parametrize("transport", ["nccl", "ucx", "nixl"])
+def test_standby_takes_over_a_killed_cache_process(long_model, prompt, monkeypatch, transport):
     """runtime.standby (nccl: gloo): a spare cache process is spawned and connected
     beside the live one. The live one is SIGKILLed once the spare is up: the spare takes
     over (the link's process is the spare's; a boot, no spawn), a new spare is spawned
     behind it, sparse from the restore, and nothing is left after close."""
-    cfg = config(*_mp("nccl", *DEADLINE, "runtime.standby=true"))
+    cfg = config(*_mp(transport, *DEADLINE, "runtime.standby=true"))
     rt = AsyncRuntime(cfg, long_model, build_policy(cfg.policy, long_model.spec))
     seen: dict = {}
 
