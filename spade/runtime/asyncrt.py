@@ -343,12 +343,19 @@ class AsyncRuntime(Runtime):
         """Run a coroutine on this runtime's loop (for synchronous callers). Inside a
         running event loop the runtime's loop lives on a thread of its own (made on
         first need, kept for the runtime's life: the cache link is bound to it) and the
-        caller blocks on the result."""
+        caller blocks on the result. So it does with ``runtime.standby`` (multiprocess):
+        a spare cache process (and a restart handed over between generations) connects
+        in the background, which needs the loop running between generations too (a gloo
+        link's store, for one, is served by this side's coroutine)."""
         if self._loop_thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop).result()
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            if self._loop is None and self._owns_loop and self.standby and self.topology == "multiprocess":
+                self._loop_thread = LoopThread(name="spade-runtime")
+                self._loop = self._loop_thread.loop
+                return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
             if self._loop is None:
                 self._loop = new_event_loop()
             return self._loop.run_until_complete(coro)

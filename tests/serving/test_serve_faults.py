@@ -37,9 +37,9 @@ STOP_S = 0.6
 BOUND_S = 120.0
 
 
-def _engine(**kw) -> spade.AsyncEngine:
+def _engine(*extra: str, **kw) -> spade.AsyncEngine:
     return spade.AsyncEngine(make_config("asyncspade", "multiprocess", max_batch=4, max_seq_len=128,
-                                         extra=_multiprocess("nccl") + DEADLINES), **kw)
+                                         extra=_multiprocess("nccl") + DEADLINES + list(extra)), **kw)
 
 
 def _cache_pid(engine) -> int:
@@ -172,6 +172,40 @@ def test_engine_sigstop_past_the_deadline_is_a_loss():
     assert end["cache_restarts"] >= 1 and end["cache_peers_lost"] == 1 and end["requests_failed"] == 0
     _sparse_again(restored, end)
 
+
+def test_engine_standby_restores_within_the_round():
+    """runtime.standby: once the spare cache process is connected, a SIGKILL of the live
+    one mid-decode is restored within the same round of requests (a boot over the
+    spare's link, no spawn): the restart is counted when the round ends, every request
+    completes, and the next round decodes sparsely with no dense-fallback step."""
+    prompts = random_prompts(4, seed=51, lo=18, hi=30)
+    jobs = [(p, n) for p, n in zip(prompts, (60, 54, 48, 57))]
+    killed: list[int] = []
+    with Leaks():
+        engine = _engine("runtime.standby=true")
+
+        async def main():
+            await _round(engine, jobs[:1], "w")  # the live link (and the spare behind it) open
+            end = time.monotonic() + BOUND_S
+            while engine.batch.rt.standby_pid() is None:
+                assert time.monotonic() < end, "the spare cache process did not connect"
+                await asyncio.sleep(0.1)
+            spare = engine.batch.rt.standby_pid()
+            outs = await _round(engine, jobs, "k", lambda pid: killed.append(pid) or os.kill(pid, signal.SIGKILL))
+            after = engine.stats()
+            live = _cache_pid(engine)
+            again = await _round(engine, jobs, "a")
+            end_stats = engine.stats()
+            await engine.close()
+            return spare, outs, after, live, again, end_stats
+
+        spare, outs, after, live, again, end_stats = run(main())
+    for (_, n), o in zip(jobs, outs + again):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
+    assert after["cache_peers_lost"] == 1 and after["cache_restarts"] == 1, after
+    assert live == spare and _gone(killed[0])
+    _sparse_again(after, end_stats)
+    assert end_stats["requests_failed"] == 0
 
 # --------------------------------------------------------------------------- a live `spade serve`
 SERVE = """
