@@ -500,10 +500,12 @@ def test_sigstop_longer_than_the_deadline_is_a_loss(long_model, prompt, monkeypa
     paced = Paced(monkeypatch, action=stop)
     with Leaks():
         tr = _run(long_model, prompt, *_mp("nixl", *DEADLINE), new=LONG, on_token=paced.on_token)
-    lost, back = tr.stats["events"][:2]
+    ev = tr.stats["events"]
     # (a selection owed past the deadline, or a send blocked past it)
-    assert lost["event"] == "peer_lost" and "peer_deadline_s=1.5" in lost["reason"], lost
-    assert back["event"] == "peer_restored"
+    assert ev[0]["event"] == "peer_lost" and "peer_deadline_s=1.5" in ev[0]["reason"], ev
+    # restored (on a busy box the new process's boot send once missed the 1.5 s deadline
+    # too: one more loss, restarted again)
+    assert ev[-1]["event"] == "peer_restored", ev
     assert _gone(stopped[0])
 
 
