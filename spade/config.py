@@ -139,6 +139,11 @@ class RuntimeConfig(ConfigSection):
     """Restarts of a lost cache rank per sliding minute, per runtime. Past the cap the
     generation stays dense to its end (one warning); 0 never restarts. Under torchrun
     (the launcher owns rank 1) and with a shared link nothing is restarted."""
+    standby: bool = False
+    """``multiprocess`` only: keep one spare cache process spawned and connected beside the
+    live one. A lost cache rank's restart takes the spare (a boot, no spawn, imports or
+    connect), and a new spare is spawned behind it. Costs one idle process (on a GPU, its
+    CUDA context on the cache device). Not under torchrun (the launcher owns rank 1)."""
     cache_thread: Literal["auto", "coroutine"] = "auto"
     """``colocated`` / ``local``: the in-process cache rank is a coroutine on the inference
     rank's event loop (``auto`` = ``coroutine``, the only choice), which keeps running while
@@ -162,6 +167,12 @@ class RuntimeConfig(ConfigSection):
             raise ValueError(
                 "topology 'multiprocess' puts the cache rank in another process, which the 'local' "
                 "transport cannot reach: set runtime.transport.name to nccl, ucx or nixl"
+            )
+        if self.standby and self.topology != "multiprocess":
+            raise ValueError(
+                f"runtime.standby: true keeps a spare cache process, but runtime.topology {self.topology!r} "
+                "has no cache process (an in-process cache rank restarts at once): set runtime.standby: false, "
+                "or runtime.topology: multiprocess"
             )
         if self.topology != "multiprocess" and name != "local":
             where = "has no cache rank" if self.topology == "inline" else \

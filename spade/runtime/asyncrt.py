@@ -121,6 +121,9 @@ class AsyncRuntime(Runtime):
         self.peer_deadline_s = float(rt.peer_deadline_s)
         self.max_restarts_per_min = int(rt.max_restarts_per_min)
         self._restart_times: collections.deque[float] = collections.deque()  # monotonic, the last minute's
+        self._restart: asyncio.Task | None = None  # a lost cache rank's successor, handed over by a session
+        self.standby = bool(getattr(rt, "standby", False))
+        self._standby: asyncio.Task | None = None  # opening (or opened) the spare link (runtime.standby)
         self.hooks = hooks or P.CacheHooks()
         self.sync_policy = not is_async_policy(policy)
         self.theta = theta_eff(rt.sparse_threshold, policy) if not self.sync_policy else int(rt.sparse_threshold)
@@ -206,8 +209,30 @@ class AsyncRuntime(Runtime):
         one directly to time steady-state steps. ``selector``: the session's
         ``AsyncSelector`` (serving keeps one, and its attention context, for every
         epoch: CUDA graphs key on them); None: a new one."""
-        link = None if self.sync_policy else await self.link()
-        if link is not None and self._owns_link:
+        if self.sync_policy:
+            return InferenceSession(self, None, selector)
+        pending, self._restart = self._restart, None
+        if pending is not None and not pending.done():
+            # a cache rank lost in an earlier generation whose successor is still coming up
+            # (a process spawns for seconds; serving epochs and short generations end sooner):
+            # this generation starts dense and adopts the restart instead of starting another
+            sess = InferenceSession(self, self._link, selector)
+            sess.adopt_restart(pending)
+            return sess
+        restored = False
+        if pending is not None:  # it came up (or failed) between generations
+            exc = None if pending.cancelled() else pending.exception()
+            restored = not pending.cancelled() and exc is None
+            if exc is not None:
+                log.warning("restarting the cache rank failed (%s: %s)", type(exc).__name__, exc)
+        if self._link is not None and self._owns_link and self._link.closed:
+            # lost in an earlier generation and not replaced (restart refused by the cap, or it
+            # failed): this generation starts dense, its supervisor restarts (within the cap)
+            sess = InferenceSession(self, self._link, selector)
+            sess.start_lost("the cache rank was lost in an earlier generation and not replaced yet", new_loss=False)
+            return sess
+        link = await self.link()
+        if self._owns_link:
             try:
                 link.check()
             except TransportError as e:  # it died between generations: a new one
@@ -220,32 +245,117 @@ class AsyncRuntime(Runtime):
                     sess = InferenceSession(self, link, selector)
                     sess.start_lost(f"{type(e2).__name__}: {e2}")
                     return sess
-        return InferenceSession(self, link, selector)
+        sess = InferenceSession(self, link, selector)
+        if restored:
+            sess.restored_before_start()
+        return sess
+
+    def hand_over_restart(self, task: asyncio.Task) -> None:
+        """A session ended while its lost cache rank's successor was still coming up: the
+        next session adopts ``task`` (``close`` cancels it, killing a half-open process)."""
+        self._restart = task
+
+    async def _drop_restart(self) -> None:
+        task, self._restart = self._restart, None
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
 
     async def link(self, *, restart: bool = False) -> CacheLink:
         """The open link (opened on first need). ``restart``: opened to replace a lost
-        cache rank (see ``CacheLink.open``)."""
+        cache rank (see ``CacheLink.open``); with ``runtime.standby`` it takes the spare
+        link when that one is alive. Either way a new spare is then started."""
         if self._link is None or self._link.closed:
-            self._link = await CacheLink.open(self.cfg, inference_device=self.backend.device,
-                                              cache_device=self.cache_device,
-                                              policy=self.policy if self.topology != "multiprocess" else None,
-                                              topology=self.topology,
-                                              connect_timeout_s=max(120.0, self.peer_deadline_s),
-                                              restart=restart)
+            spare = await self._take_standby() if restart else None
+            self._link = spare or await self._open(restart=restart)
             self._owns_link = True
             self._link_box[0] = self._link
+            self._start_standby()
         return self._link
+
+    async def _open(self, *, restart: bool = False, spare: bool = False) -> CacheLink:
+        return await CacheLink.open(self.cfg, inference_device=self.backend.device, cache_device=self.cache_device,
+                                    policy=self.policy if self.topology != "multiprocess" else None,
+                                    topology=self.topology, connect_timeout_s=max(120.0, self.peer_deadline_s),
+                                    restart=restart, spare=spare)
+
+    # ------------------------------------------------------------------ the spare cache process
+    def _start_standby(self) -> None:
+        """``runtime.standby``: spawn and connect a spare cache process in the background
+        (multiprocess, an owned link, not under torchrun), unless one is there."""
+        if not (self.standby and self.topology == "multiprocess" and self._owns_link) or torchrun_world():
+            return
+        if self._standby is None:
+            self._standby = asyncio.get_running_loop().create_task(self._open_spare())
+
+    async def _open_spare(self) -> CacheLink:
+        link = await self._open(spare=True)
+        self._link_box.append(link)  # (the finalizer's safety net kills it too)
+        return link
+
+    async def _take_standby(self) -> CacheLink | None:
+        """The spare link, alive (waited for if it is still coming up: it started before
+        the loss, so it is never later than a new spawn), or None."""
+        task, self._standby = self._standby, None
+        if task is None:
+            return None
+        try:
+            link = await task
+        except Exception as e:
+            log.warning("the spare cache process did not come up (%s: %s); spawning a new one", type(e).__name__, e)
+            return None
+        try:
+            link.check()
+        except TransportError as e:
+            log.warning("the spare cache process is gone (%s); spawning a new one", e)
+            await link.abandon()
+            return None
+        log.info("a lost cache rank is replaced by the spare cache process (pid %s)",
+                 link.proc.pid if link.proc is not None else "?")
+        return link
+
+    async def _drop_standby(self) -> None:
+        """Close the spare link (SHUTDOWN to its process), or stop it coming up."""
+        task, self._standby = self._standby, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()  # (a half-open link kills its process)
+        try:
+            link = await task
+        except BaseException:
+            return
+        await link.close()
+
+    def standby_pid(self) -> int | None:
+        """The spare cache process's pid once it is connected (None: none, or not yet)."""
+        t = self._standby
+        if t is None or not t.done() or t.cancelled() or t.exception() is not None:
+            return None
+        proc = t.result().proc
+        return proc.pid if proc is not None else None
 
     def run(self, coro):
         """Run a coroutine on this runtime's loop (for synchronous callers). Inside a
         running event loop the runtime's loop lives on a thread of its own (made on
         first need, kept for the runtime's life: the cache link is bound to it) and the
-        caller blocks on the result."""
+        caller blocks on the result. So it does with ``runtime.standby`` (multiprocess):
+        a spare cache process (and a restart handed over between generations) connects
+        in the background, which needs the loop running between generations too (a gloo
+        link's store, for one, is served by this side's coroutine)."""
         if self._loop_thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop).result()
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            if self._loop is None and self._owns_loop and self.standby and self.topology == "multiprocess":
+                self._loop_thread = LoopThread(name="spade-runtime")
+                self._loop = self._loop_thread.loop
+                return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
             if self._loop is None:
                 self._loop = new_event_loop()
             return self._loop.run_until_complete(coro)
@@ -258,6 +368,16 @@ class AsyncRuntime(Runtime):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
+        if ((self._restart is not None or self._standby is not None) and self._loop is not None
+                and not self._loop.is_closed()):
+            try:
+                self.run(self._drop_restart())
+            except Exception:
+                pass
+            try:
+                self.run(self._drop_standby())
+            except Exception:
+                pass
         if self._link is not None and self._owns_link and not self._link.closed:
             if self._loop is not None and not self._loop.is_closed():
                 try:
@@ -266,6 +386,9 @@ class AsyncRuntime(Runtime):
                     self._link.kill()
             else:
                 self._link.kill()
+        for spare in self._link_box[1:]:  # spares, the live one among them: killed if their close did not end them
+            spare.kill()
+        del self._link_box[1:]
         if self._loop_thread is not None:
             self._loop_thread.stop()  # the thread closes its loop
             self._loop_thread = None
@@ -274,10 +397,13 @@ class AsyncRuntime(Runtime):
         self._loop = None
 
     async def aclose(self) -> None:
+        await self._drop_restart()
+        await self._drop_standby()
         if self._link is not None and self._owns_link:
             await self._link.close()
 
 
 def _kill_box(box: list) -> None:  # pragma: no cover - garbage-collection safety net
-    if box[0] is not None:
-        box[0].kill()
+    for link in box:
+        if link is not None:
+            link.kill()

@@ -89,11 +89,12 @@ class CacheLink:
     @classmethod
     async def open(cls, cfg, *, inference_device: torch.device, cache_device: torch.device,
                    policy: Policy | None, topology: str, connect_timeout_s: float = 120.0,
-                   restart: bool = False) -> "CacheLink":
+                   restart: bool = False, spare: bool = False) -> "CacheLink":
         """``colocated``/``local``: an in-process cache rank over the local transport;
         ``multiprocess``: spawn (or, under torchrun, meet) the cache process. ``restart``:
         it replaces a lost one, whose link may still hold the configured port; a spawned
-        process then meets on free ports (``Transport.on_free_port``)."""
+        process then meets on free ports (``Transport.on_free_port``). ``spare``: a standby
+        beside the live link (``runtime.standby``), on free ports likewise."""
         link = cls()
         link.topology = topology
         link.cache_device = cache_device
@@ -132,7 +133,9 @@ class CacheLink:
             if tcfg.name == "nccl":
                 kw["init_method"] = "env://"
         else:
-            if restart:
+            if spare:
+                tcfg, _ = cls_t.on_free_port(tcfg)  # (the live link holds the configured port)
+            elif restart:
                 tcfg, why = cls_t.on_free_port(tcfg)
                 if why is not None:
                     log.warning("the new cache rank meets on %s port %d (%s, still held by the lost link)",

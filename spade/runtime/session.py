@@ -382,14 +382,30 @@ class InferenceSession:
         if self.rt._owns_link:
             self._abandon_task = asyncio.get_running_loop().create_task(self.link.abandon())
 
-    def start_lost(self, reason: str) -> None:
+    def start_lost(self, reason: str, *, new_loss: bool = True) -> None:
         """Before ``begin``: the cache rank is lost and a new one did not come up. The
         generation starts dense (nothing is sent; the boot's bookkeeping is kept for the
-        successor) and ``_supervise`` tries again from its first step."""
+        successor) and ``_supervise`` tries again from its first step. ``new_loss``: the
+        loss was found now (counted, a ``restart_failed`` event); False: an earlier
+        generation counted it."""
         self.peer_gone = reason
         self.stats["peer_gone"] = reason
-        self.stats["peers_lost"] += 1
-        self._event("restart_failed", reason=reason)
+        if new_loss:
+            self.stats["peers_lost"] += 1
+            self._event("restart_failed", reason=reason)
+
+    def adopt_restart(self, task: asyncio.Task) -> None:
+        """Before ``begin``: an earlier generation lost its cache rank and ended while the
+        successor (``task``, opening a link) was coming up. This one starts dense and
+        ``_supervise`` boots the successor once it is connected (``peer_restored``)."""
+        self.start_lost("the cache rank lost in an earlier generation is restarting", new_loss=False)
+        self._restart_task = task
+
+    def restored_before_start(self) -> None:
+        """The successor of a cache rank lost in an earlier generation came up between
+        generations: counted as a restart (``peer_restored`` at step 0)."""
+        self.stats["restarts"] += 1
+        self._event("peer_restored", restart=self.stats["restarts"], degraded_steps=None)
 
     def _note_fallback(self, step: int) -> None:
         """Decode step ``step`` was meant to be sparse but (some of) its packs ran dense."""
@@ -806,20 +822,24 @@ class InferenceSession:
                         "the cache rank did not acknowledge the end of the generation within "
                         f"runtime.peer_deadline_s={self.rt.peer_deadline_s:g}"))
         await self._stop_recv()
-        await self._stop_restart()
+        await self._stop_restart(hand_over=True)
 
-    async def _stop_restart(self) -> None:
-        """Stop a restart in flight (its half-open link kills its process) and wait,
-        bounded, for a lost link to be dropped: nothing of a lost cache rank outlives
-        the generation. The next generation opens a new link."""
+    async def _stop_restart(self, hand_over: bool = False) -> None:
+        """A restart in flight: ``hand_over``, the runtime keeps it for the next
+        generation (``AsyncRuntime.session`` adopts it, ``close`` cancels it); else it is
+        stopped (its half-open link kills its process). Then wait, bounded, for a lost
+        link to be dropped: nothing of the lost cache rank outlives the generation."""
         if self._restart_task is not None:
-            if not self._restart_task.done():
-                self._restart_task.cancel()
-            try:
-                await self._restart_task
-            except BaseException:
-                pass
-            self._restart_task = None
+            task, self._restart_task = self._restart_task, None
+            if hand_over and self.rt._owns_link:
+                self.rt.hand_over_restart(task)
+            else:
+                if not task.done():
+                    task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
         if self._abandon_task is not None:
             try:
                 await asyncio.wait_for(self._abandon_task, 15.0)

@@ -32,7 +32,8 @@ from spade.serving.slots import SlotBatch, SlotContext
 
 
 #: the session counters an ``AsyncSlotBatch`` sums over its epochs
-_SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s", "join_resyncs")
+_SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s", "join_resyncs",
+                   "dense_fallback_steps")
 
 
 class AsyncSlotContext(SlotContext):
@@ -66,7 +67,7 @@ class AsyncSlotBatch(SlotBatch):
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
-                       "join_resyncs": 0, "epochs": 0, "topk_fallbacks": None}
+                       "join_resyncs": 0, "dense_fallback_steps": 0, "epochs": 0, "topk_fallbacks": None}
 
     # ------------------------------------------------------------------ epochs
     def reset(self, cursor: int) -> None:

@@ -249,6 +249,7 @@ class AsyncEngine:
         t = live()
         return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"], "cache_epochs": t["epochs"],
                 "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
+                "cache_dense_fallback_steps": t["dense_fallback_steps"],
                 "dropped_selections": t["dropped_selections"],
                 "join_resyncs": t["join_resyncs"], "join_wait_s": t["join_wait_s"]}
 

@@ -83,6 +83,12 @@ ENGINE_SERIES = (
      "Selection packs the cache rank delivered late (runtime.on_late handled them)."),
     ("topk_fallbacks", "spade_topk_fallbacks_total", "counter",
      "Steps that attended densely instead of over a top-K selection (late, lost or restarted cache rank)."),
+    ("cache_peers_lost", "spade_cache_peers_lost_total", "counter",
+     "Cache ranks lost (died, transport broke, silent past runtime.peer_deadline_s); decoding went dense."),
+    ("cache_restarts", "spade_cache_restarts_total", "counter",
+     "Cache ranks restarted and booted from the running batch after a loss; sparse again from there."),
+    ("cache_dense_fallback_steps", "spade_cache_dense_fallback_steps_total", "counter",
+     "Decode steps meant sparse that ran dense because the cache rank was lost (until its restart)."),
 )
 
 

@@ -178,6 +178,31 @@ def _drop_progress_task(loop: asyncio.AbstractEventLoop | None) -> None:
         log.debug("ucx: could not detach the progress task: %s", e)
 
 
+def _req(aw: Awaitable) -> asyncio.Task:
+    """A ucxx request (``Endpoint.send`` / ``recv``) as a task whose failure keeps no
+    frame alive (``_forget_frames``)."""
+    task = asyncio.ensure_future(aw)
+    task.add_done_callback(_forget_frames)
+    return task
+
+
+def _forget_frames(task: asyncio.Task) -> None:
+    """Clear the frames of a failed ucxx request's traceback.
+
+    NOTE: ucxx's C++ request holds its Python future, the future holds the exception
+    (``UCXXCanceledError`` when the peer died), the exception's traceback holds the frame
+    of ``Endpoint.recv``/``send``, and that frame holds the request: a cycle through
+    native code that the garbage collector cannot see. It kept the endpoint and the UCX
+    worker (epoll, eventfds, sockets, shm: ~11-16 descriptors) alive after every link
+    lost to a dead peer, although ``ucxx.reset()`` had run. Clearing the frames' locals
+    breaks it; the exception's type and message stay."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+
+
 def _buf(t: torch.Tensor) -> Any:
     """What ucxx can send from / receive into: numpy for host, the CUDA tensor itself
     (``__cuda_array_interface__``) for device memory; both as flat bytes."""
@@ -332,13 +357,13 @@ class UcxTransport(Transport):
         if len(body) + 4 > _CTL_CAP:
             raise TransportError(f"ucx: control message too large ({len(body)} bytes)")
         buf = np.frombuffer(struct.pack("<I", len(body)) + body, dtype=np.uint8).copy()
-        await self._guard(self._ep.send(buf, tag=(_CTL, n, 0)), deadline, "handshake")
+        await self._guard(_req(self._ep.send(buf, tag=(_CTL, n, 0))), deadline, "handshake")
 
     async def _ctl_recv(self, n: int, deadline: float | None) -> dict:
         import numpy as np
 
         buf = np.zeros(_CTL_CAP, dtype=np.uint8)
-        await self._guard(self._ep.recv(buf, tag=(_CTL, n, 0)), deadline, "handshake")
+        await self._guard(_req(self._ep.recv(buf, tag=(_CTL, n, 0))), deadline, "handshake")
         (length,) = struct.unpack_from("<I", buf, 0)
         return json.loads(bytes(buf[4 : 4 + length]))
 
@@ -443,13 +468,13 @@ class UcxTransport(Transport):
                     if n:
                         msg[off : off + n] = byte_view(t).numpy()
                     off += n
-                await self._guard(self._ep.send(msg, tag=(tid, seq, 0)), deadline, f"send {tag!r}")
+                await self._guard(_req(self._ep.send(msg, tag=(tid, seq, 0))), deadline, f"send {tag!r}")
                 return
             hdr = np.frombuffer(pack_header(WIRE_VERSION, tid, seq, tensors, 0, total), dtype=np.uint8).copy()
             bufs = [_buf(t) for t in tensors]  # validates contiguity before anything is posted
             await stream_ready(tensors, deadline)
-            sends = [self._ep.send(hdr, tag=(tid, seq, 0))]
-            sends += [self._ep.send(b, tag=(tid, seq, i + 1)) for i, (b, n) in enumerate(zip(bufs, sizes)) if n]
+            sends = [_req(self._ep.send(hdr, tag=(tid, seq, 0)))]
+            sends += [_req(self._ep.send(b, tag=(tid, seq, i + 1))) for i, (b, n) in enumerate(zip(bufs, sizes)) if n]
             await self._guard(asyncio.gather(*sends), deadline, f"send {tag!r}")
         except PeerTimeout as e:
             # The receiver cannot skip a sequence number: a half-sent message
@@ -495,7 +520,7 @@ class UcxTransport(Transport):
         pend = self._rx_pending.get(tag)
         if pend is None:
             hbuf = np.empty(HEADER_CAP + INLINE_MAX, dtype=np.uint8)
-            pend = (asyncio.ensure_future(self._ep.recv(hbuf, tag=(tid, seq, 0))), hbuf)
+            pend = (_req(self._ep.recv(hbuf, tag=(tid, seq, 0))), hbuf)
             self._rx_pending[tag] = pend
         task, hbuf = pend
         try:
@@ -528,7 +553,7 @@ class UcxTransport(Transport):
         else:
             bufs = [_buf(d) for d in dest]
             await stream_ready(dest, deadline)  # earlier readers of the buffers are done
-            recvs = [self._ep.recv(b, tag=(tid, seq, i + 1)) for i, (b, n) in enumerate(zip(bufs, sizes)) if n]
+            recvs = [_req(self._ep.recv(b, tag=(tid, seq, i + 1))) for i, (b, n) in enumerate(zip(bufs, sizes)) if n]
             try:
                 await self._guard(asyncio.gather(*recvs), deadline, f"recv {tag!r}")
             except PeerTimeout as e:

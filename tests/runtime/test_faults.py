@@ -428,11 +428,8 @@ def _gone(pid: int) -> bool:
 def test_sigkill_of_the_cache_process_is_restarted(long_model, prompt, monkeypatch):
     """ucx: SIGKILL at a seeded random step: the loss is survived densely, a new process
     connects over the same transport and port, boots from the inference rank's cache,
-    and the generation is sparse again; no process or thread is left over.
-
-    Known leak, not fixed: after a restart ucxx keeps about 16 file descriptors of its
-    native context (epoll, sockets, shm) although every UcxTransport is closed and the
-    context reset (docs/reliability.md); the fd check is off here, on for nccl and nixl."""
+    and the generation is sparse again; no process, thread or file descriptor is left
+    over (ucx kept its lost worker's descriptors before: docs/reliability.md)."""
     die = random.Random(25).randint(3, 8)
     killed = []
 
@@ -443,7 +440,7 @@ def test_sigkill_of_the_cache_process_is_restarted(long_model, prompt, monkeypat
 
     paced = Paced(monkeypatch, action=kill)
     t0 = time.monotonic()
-    with Leaks(fds=False):
+    with Leaks():
         tr = _run(long_model, prompt, *_mp("ucx", *DEADLINE), new=LONG, on_token=paced.on_token)
     assert time.monotonic() - t0 < 90
     lost, back = tr.stats["events"][:2]
@@ -503,10 +500,12 @@ def test_sigstop_longer_than_the_deadline_is_a_loss(long_model, prompt, monkeypa
     paced = Paced(monkeypatch, action=stop)
     with Leaks():
         tr = _run(long_model, prompt, *_mp("nixl", *DEADLINE), new=LONG, on_token=paced.on_token)
-    lost, back = tr.stats["events"][:2]
+    ev = tr.stats["events"]
     # (a selection owed past the deadline, or a send blocked past it)
-    assert lost["event"] == "peer_lost" and "peer_deadline_s=1.5" in lost["reason"], lost
-    assert back["event"] == "peer_restored"
+    assert ev[0]["event"] == "peer_lost" and "peer_deadline_s=1.5" in ev[0]["reason"], ev
+    # restored (on a busy box the new process's boot send once missed the 1.5 s deadline
+    # too: one more loss, restarted again)
+    assert ev[-1]["event"] == "peer_restored", ev
     assert _gone(stopped[0])
 
 
@@ -673,3 +672,45 @@ def test_a_cache_rank_that_does_not_come_back_is_retried_not_lost(long_model, pr
     n = len(tr.tokens[0])
     assert all(len(r) == n for r in tr.tokens) and n < LONG  # stopped a few steps after the restore
     assert tr.stats["sparse_steps"] > 0 and tr.stats["restarts"] == 1
+
+
+# ----------------------------------------------------------------------------- a spare cache process
+@pytest.mark.parametrize("transport", ["nccl", "ucx", "nixl"])
+def test_standby_takes_over_a_killed_cache_process(long_model, prompt, monkeypatch, transport):
+    """runtime.standby (nccl: gloo): a spare cache process is spawned and connected
+    beside the live one. The live one is SIGKILLed once the spare is up: the spare takes
+    over (the link's process is the spare's; a boot, no spawn), a new spare is spawned
+    behind it, sparse from the restore, and nothing is left after close."""
+    cfg = config(*_mp(transport, *DEADLINE, "runtime.standby=true"))
+    rt = AsyncRuntime(cfg, long_model, build_policy(cfg.policy, long_model.spec))
+    seen: dict = {}
+
+    def kill(i, sess):
+        spare = rt.standby_pid()
+        if i >= 3 and spare is not None and "killed" not in seen:
+            seen["killed"], seen["spare"] = sess.link.proc.pid, spare
+            os.kill(sess.link.proc.pid, signal.SIGKILL)
+
+    paced = Paced(monkeypatch, dt=0.1, action=kill)
+    try:
+        with Leaks():
+            tr = rt.generate(*prompt, max_new_tokens=LONG, sample_fn=greedy, on_token=paced.on_token)
+            live = rt._link.proc.pid
+            again = rt._standby is not None
+            rt.close()
+    finally:
+        rt.close()
+    assert "killed" in seen, "the spare cache process did not come up within the generation"
+    lost, back = tr.stats["events"][:2]
+    assert lost["event"] == "peer_lost" and back["event"] == "peer_restored", tr.stats["events"]
+    assert live == seen["spare"] and live != seen["killed"] and _gone(seen["killed"])
+    assert again  # a new spare behind the one taken
+    assert back["degraded_s"] < 5.0, back  # a boot over a connected link (a spawn: 6-16 s here)
+    assert tr.stats["sparse_steps"] > 0 and tr.stats["dense_fallback"][-1][1] == back["step"] - 1
+
+
+def test_standby_needs_a_cache_process():
+    from spade.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="runtime.standby"):
+        config("runtime.topology=colocated", "runtime.standby=true")

@@ -724,7 +724,36 @@ async def reneg_1(env: Env) -> dict:
     return {"ok": True}
 
 
+def open_fds() -> int:
+    """File descriptors of this process (``/proc/self/fd``)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def lost_0(env: Env) -> dict:
+    """A link to a peer that dies, dropped as the runtime drops a lost cache rank's
+    (``abort``, then ``close``): what the process holds afterwards (file descriptors,
+    threads), once it settles. The test runs it repeatedly against a fresh peer each
+    time (a restarted cache rank) and compares the counts."""
+    t = await env.open()
+    try:
+        await t.send("ping", [__import__("torch").ones(8, device=env.device)])
+        out = await _expect_gone(t, env)
+    finally:
+        await t.abort()
+        await t.close()
+    del t
+    end, last = time.monotonic() + 3.0, open_fds()
+    while time.monotonic() < end:  # (a library may close descriptors from its own threads)
+        await asyncio.sleep(0.1)
+        n = open_fds()
+        if n == last:
+            break
+        last = n
+    return {**out, "fds": open_fds(), "threads": native_threads()}
+
+
 SCENARIOS: dict[str, tuple[Callable[[Env], Awaitable[dict]], Callable[[Env], Awaitable[dict]]]] = {
+    "peer_lost_repeatedly": (lost_0, killed_1),
     "basic": (basic_0, basic_1),
     "order": (order_0, order_1),
     "inflight": (inflight_0, inflight_1),

@@ -202,6 +202,19 @@ def test_peer_killed_is_noticed_not_a_hang(pair):
     assert res[0]["send_error"] is not None, "send to a dead peer must raise"
 
 
+def test_links_lost_to_dead_peers_leak_nothing(pair):
+    """A peer killed again and again (a cache rank restarted N times), each lost link
+    aborted and closed: the surviving rank's file descriptors and threads come back to
+    what they were after the first loss (ucx kept ~11 descriptors of its worker per
+    loss: docs/reliability.md)."""
+    if pair.name in IN_PROCESS:
+        pytest.skip(f"{pair.name} is in-process: its peer cannot die separately")
+    runs = [pair.run("peer_lost_repeatedly", may_die=(1,), recv_timeout=30.0)[0] for _ in range(3)]
+    fds, threads = [r["fds"] for r in runs], [r["threads"] for r in runs]
+    assert max(fds[1:]) <= fds[0] + 2, f"open file descriptors after each lost link: {fds}"
+    assert max(threads[1:]) <= threads[0], f"threads after each lost link: {threads}"
+
+
 def test_close_releases_everything(pair):
     pair.run("close")
 
