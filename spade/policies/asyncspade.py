@@ -738,9 +738,12 @@ class AsyncSpadePolicy(Policy):
         if st.row_anchors is None:
             if st.anchor_seq_len is not None:  # a batch prefill (a restarted cache rank's boot): its rows keep it
                 st.row_anchors = [(st.anchor_seq_len, st.anchor_count)] * B
-            else:  # rows never prefilled hold nothing: count as if they had joined now with no query
-                st.row_anchors = [(state.seq_len, 0)] * B
-                st.anchor_seq_len, st.anchor_count = state.seq_len, 0
+            else:  # rows never prefilled (idle): counted full. Their windows' zeros predict a zero query
+                # and their selections are ignored until they join, so the batch keeps one graph key
+                # (one CUDA graph) while the joined rows' windows are full, instead of a key per step
+                # while idle rows would fill (seen once each: eager on the cache rank)
+                st.row_anchors = [(state.seq_len, self.rows)] * B
+                st.anchor_seq_len, st.anchor_count = state.seq_len, self.rows
         for r in rows:
             st.row_anchors[r] = (state.seq_len, new.anchor_count)
         st.last_sel = None

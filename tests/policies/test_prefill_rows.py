@@ -173,3 +173,33 @@ def test_a_join_after_a_batch_prefill_keeps_the_other_rows_windows():
         if pol.rope_aware:
             want = rotate(want, pos[rows_], SPEC.rope)
         torch.testing.assert_close(first[rows_], want)
+
+
+def test_idle_rows_keep_the_batch_on_one_graph_key():
+    """Rows that never joined (idle slots) count as full windows: a batch whose joined rows'
+    windows are full has one graph key from its first step, not one per step while idle
+    rows would fill (on a GPU each new key of the cache rank runs eagerly). A short prompt
+    (fewer queries than the window) still gets its own count, as it has alone."""
+    pol = build_policy(CONFIGS["asyncspade_int4"], SPEC)
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D = 4, SPEC.n_q_heads, SPEC.n_kv_heads, SPEC.head_dim
+    W = pol.rows
+    st = pol.new_state(B, "cpu")
+    T = W + 3
+    st.seq_len, st.kv_start = T, torch.full((B,), T, dtype=torch.int32)
+    st.kv_start[1] = 0
+    k = torch.randn(1, Hkv, L, D, generator=g)
+    for layer in range(SPEC.n_layers):  # a long prompt joins row 1 of an idle batch
+        pol.prefill_rows(st, layer, [1], torch.randn(1, Hq, T, D, generator=g), k, k, torch.full((1,), T))
+    keys = set()
+    for step in range(4):
+        st.seq_len = T + 1 + step
+        assert pol.row_counts(st, 0) == [W] * B
+        keys.add(pol.graph_key(st))
+    assert len(keys) == 1
+    short = 3  # a 3-token prompt joins row 2: its count is its own until its window fills
+    st.kv_start[2] = st.seq_len - short
+    for layer in range(SPEC.n_layers):
+        pol.prefill_rows(st, layer, [2], torch.randn(1, Hq, short, D, generator=g), k, k,
+                         torch.full((1,), st.seq_len))
+    assert pol.row_counts(st, 0) == [W, W, short, W]
