@@ -70,3 +70,16 @@ def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 20, vocab: int = 51
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def staggered(engine, jobs, prefix="r"):
+    """``jobs``: (arrival step, prompt, max_tokens); each request starts once the engine
+    has run that many decode steps (or at once when nothing is left running)."""
+
+    async def one(i, step, prompt, n):
+        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
+                                                   or engine.stats()["requests_waiting"]):
+            await asyncio.sleep(0.002)
+        return await final(engine, prompt, greedy(n), f"{prefix}{i}")
+
+    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))

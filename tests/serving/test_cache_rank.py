@@ -15,7 +15,7 @@ from spade.runtime.protocol import CacheHooks
 from spade.transports import availability
 from tests.runtime.conftest import free_port
 
-from .conftest import final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 TOPOLOGIES = ("colocated", "local")
 def _multiprocess(transport: str) -> list[str]:
@@ -37,19 +37,6 @@ def _jobs(n: int, seed: int, *, lo: int = 3, hi: int = 22, first: int = 30, last
     prompts[0] = random_prompts(1, seed=seed + 2, lo=first, hi=first)[0]
     return [(int(torch.randint(0, last_arrival, (1,), generator=g)) if i else 0, p,
              int(torch.randint(4, out_hi + 1, (1,), generator=g)) if i else out_hi) for i, p in enumerate(prompts)]
-
-
-async def _staggered(engine, jobs, prefix="r"):
-    """Each request starts once the engine has run its arrival step (or at once when
-    nothing is left running)."""
-
-    async def one(i, step, prompt, n):
-        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
-                                                   or engine.stats()["requests_waiting"]):
-            await asyncio.sleep(0.002)
-        return await final(engine, prompt, greedy(n), f"{prefix}{i}")
-
-    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
 
 
 def _inline_alone(jobs, **kw) -> list[list[int]]:
@@ -75,7 +62,7 @@ def test_joined_rows_match_alone_and_inline(topology):
                                            extra=_multiprocess(transport) if transport else None))
 
     async def main():
-        together = await _staggered(engine, jobs)
+        together = await staggered(engine, jobs)
         stats = engine.stats()
         tasks = [len(asyncio.all_tasks(engine.batch.rt._loop))]
         alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
@@ -111,7 +98,7 @@ def test_join_while_a_selection_is_in_flight(topology):
                                cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
 
     async def main():
-        together = await _staggered(engine, jobs)
+        together = await staggered(engine, jobs)
         stats = engine.stats()
         await engine.close()
         return together, stats
@@ -153,7 +140,7 @@ def test_a_lost_cache_rank_is_restarted_mid_serving():
     engine = spade.AsyncEngine(make_config("asyncspade", "colocated"), cache_hooks=CacheHooks(die_at_step=6))
 
     async def main():
-        outs = await _staggered(engine, jobs)
+        outs = await staggered(engine, jobs)
         stats = engine.stats()
         await engine.close()
         return outs, stats
@@ -215,7 +202,7 @@ def test_late_selections_between_joins_follow_on_late(on_late):
                                cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
 
     async def main():
-        outs = await _staggered(engine, jobs)
+        outs = await staggered(engine, jobs)
         stats = engine.stats()
         await engine.close()
         return outs, stats

@@ -13,7 +13,7 @@ import torch
 import spade
 from spade.serving.slots import chunk_sizes
 
-from .conftest import final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run, staggered
 from .test_cache_rank import _multiprocess
 
 
@@ -26,21 +26,11 @@ def _jobs(seed: int, n: int = 5):
              int(torch.randint(4, 14, (1,), generator=g)) if i else 40) for i, p in enumerate(prompts)]
 
 
-async def _staggered(engine, jobs, prefix):
-    async def one(i, step, prompt, n):
-        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
-                                                   or engine.stats()["requests_waiting"]):
-            await asyncio.sleep(0.002)
-        return await final(engine, prompt, greedy(n), f"{prefix}{i}")
-
-    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
-
-
 def _serve(cfg, jobs, *, alone: bool):
     engine = spade.AsyncEngine(cfg)
 
     async def main():
-        together = await _staggered(engine, jobs, "r")
+        together = await staggered(engine, jobs, "r")
         stats = engine.stats()
         solo = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)] if alone else None
         await engine.close()

@@ -11,24 +11,11 @@ import spade
 from spade.errors import ConfigError
 from spade.serving import SamplingParams
 
-from .conftest import final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
          ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
          ("full", "colocated"), ("quest", "colocated")]
-
-
-async def _staggered(engine, jobs):
-    """``jobs``: (arrival step, prompt, max_tokens); each request starts once the engine
-    has run that many decode steps (or at once when nothing is left running)."""
-
-    async def one(i, step, prompt, n):
-        while engine.stats()["steps"] < step and (engine.stats()["requests_running"]
-                                                   or engine.stats()["requests_waiting"]):
-            await asyncio.sleep(0.002)
-        return await final(engine, prompt, greedy(n), f"r{i}")
-
-    return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
 
 
 @pytest.mark.parametrize("policy,topology", CASES)
@@ -43,7 +30,7 @@ def test_joined_requests_match_alone(policy, topology):
     engine = spade.AsyncEngine(cfg)
 
     async def main():
-        together = await _staggered(engine, jobs)
+        together = await staggered(engine, jobs)
         stats = engine.stats()
         alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
         await engine.close()

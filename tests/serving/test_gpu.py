@@ -32,6 +32,19 @@ async def _staggered(engine, prompts, ns):
     return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))))
 
 
+def _together_then_alone(engine, prompts, ns):
+    """The requests joined at staggered times, then each alone through the same engine
+    (closed afterwards); returns (together, alone, the engine's stats after the first)."""
+    async def main():
+        together = await _staggered(engine, prompts, ns)
+        st = engine.stats()
+        alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)]
+        await engine.close()
+        return together, alone, st
+
+    return run(main())
+
+
 @pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"), ("quest", "inline"),
                                              ("asyncspade", "colocated"), ("asyncspade", "local")])
 def test_joined_requests_match_alone_on_gpu(policy, topology):
@@ -40,14 +53,7 @@ def test_joined_requests_match_alone_on_gpu(policy, topology):
     prompts = random_prompts(6, seed=4)
     ns = [8 + 3 * i for i in range(6)]
 
-    async def main():
-        together = await _staggered(engine, prompts, ns)
-        st = engine.stats()
-        alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)]
-        await engine.close()
-        return together, alone, st
-
-    together, alone, st = run(main())
+    together, alone, st = _together_then_alone(engine, prompts, ns)
     assert st["joins_into_running"] >= 1
     if policy != "full":
         assert st["sparse_steps"] > 0
@@ -64,14 +70,7 @@ def test_chunked_joins_match_alone_on_gpu(policy, topology):
     prompts = random_prompts(6, seed=4, lo=12, hi=24)
     ns = [30] + [8 + 3 * i for i in range(5)]
 
-    async def main():
-        together = await _staggered(engine, prompts, ns)
-        st = engine.stats()
-        alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)]
-        await engine.close()
-        return together, alone, st
-
-    together, alone, st = run(main())
+    together, alone, st = _together_then_alone(engine, prompts, ns)
     assert st["joins_into_running"] >= 1 and st["prefill_pieces"] > st["joins"]
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
 
