@@ -645,11 +645,10 @@ def test_rope_aware_true_refuses_a_model_without_rope():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("predictor,score_keys,dtype", [("assembled", "exact", torch.float32),
-                                                        ("ridge", "exact", torch.float32),
+@pytest.mark.parametrize("predictor,score_keys,dtype", [("assembled", "exact", torch.float32),  # not folded
                                                         ("assembled", "int4", torch.bfloat16),
                                                         ("assembled", "int8", torch.bfloat16),
-                                                        ("ridge", "int4", torch.float32)])
+                                                        ("ridge", "int4", torch.float32)])  # ridge's mode
 def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, dtype, monkeypatch):
     """``predict_layers`` (one predictor launch for a run of layers, what the cache rank
     does per pack) leaves every layer's selection exactly as predicting per layer does;
