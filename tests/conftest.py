@@ -59,8 +59,53 @@ def _helpers_reuse_the_launch_patch() -> None:
     it.InterpretedFunction.__call__ = call
 
 
+def _interpreter_pure_lookups_cached() -> None:
+    """Speed of the interpreted kernel tests, nothing else: two pure functions of
+    Triton 3.6's interpreter front end that ran on every op, computed once.
+    ``interpreter._get_np_dtype`` built a 19-entry dict of numpy dtypes per call (one
+    call per splat, cast and load); here the same table is built once. A
+    ``tl.tuple_type`` formatted its name (``str`` of each member type) on creation,
+    and every ``tl.tensor`` creates one for its shape, while the name is read only
+    by ``str()``; here it is formatted when read. Only for the pinned version."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.language import core
+    from triton.runtime import interpreter as it
+
+    if triton.__version__ != "3.6.0":
+        return
+    orig = it._get_np_dtype
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv,
+               tl.float8e4b8, tl.float8e4b15]
+    table = {t: orig(t) for t in scalars}
+    u64 = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):  # it._get_np_dtype with its table built once
+        if isinstance(tt_dtype, tl.pointer_type):
+            return u64
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):
+                return u64
+        return table[tt_dtype]
+
+    def tuple_type_init(self, types, fields=None):  # core.tuple_type.__init__ less the name
+        self.types = types
+        self.fields = fields or [''] * len(types)
+
+    def tuple_type_name(self):
+        return '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']'
+
+    it._get_np_dtype = np_dtype
+    core.tuple_type.__init__ = tuple_type_init
+    core.tuple_type.name = property(tuple_type_name)
+
+
 if INTERPRET:
     _helpers_reuse_the_launch_patch()
+    _interpreter_pure_lookups_cached()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,30 +30,26 @@ def test_tiny_run(tmp_path):
     assert any(r["config"] == "default" for r in rows) and any(isinstance(r["config"], dict) for r in rows)
 
 
-def test_tiny_carry_rows(tmp_path):
+def test_tiny_carry_and_overlap_rows(tmp_path):
     """``--carry BITS:WARPS``: the threshold-carry top-K's stages (scoring alone, the
-    compaction, the select) and its forced fallback, each selection checked first."""
+    compaction, the select) and its forced fallback, each selection checked first.
+    ``--overlap``: a pack of layers timed serially, then with the select on a side
+    stream (a no-op on a CPU), every layer's selection checked. One run for both: each
+    run of the script also times the default select first."""
     out = tmp_path / "sel.json"
-    assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "8:1,4:1", "--out", str(out)]) == 0
+    assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "8:1,4:1", "--overlap", "4:-1",
+                              "--overlap-layers", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    carry = [r for r in rows if isinstance(r["config"], dict) and "carry" in r["config"]]
+    carry = [r for r in rows if isinstance(r["config"], dict) and set(r["config"]) == {"carry"}]
     assert [r["config"]["carry"] for r in carry] == ["8:1", "4:1"]
     for r in carry:
         assert "error" not in r and r["deficit"] <= 1e-4
         assert abs(r["score_ms"] + r["compact_ms"] + r["carry_select_ms"] - r["total_ms"]) < 1e-6
         assert r["fallback_total_ms"] > 0 and r["vs_default"] > 0
-
-
-def test_tiny_overlap_rows(tmp_path):
-    """``--overlap``: a pack of layers timed serially, then with the select on a side
-    stream (a no-op on a CPU), every layer's selection checked."""
-    out = tmp_path / "sel.json"
-    assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "default", "--overlap", "0,4:-1",
-                              "--overlap-layers", "2", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
     ov = [r for r in rows if isinstance(r["config"], dict) and "overlap" in r["config"]]
-    assert [r["config"]["overlap"] for r in ov] == ["off", "0", "4:-1"]
+    assert [r["config"]["overlap"] for r in ov] == ["off", "4:-1"]
     for r in ov:
         assert "error" not in r and r["deficit"] <= 1e-4 and r["config"]["layers"] == 2
+        assert r["config"]["carry"] == "8:1"  # the first --carry config
         assert abs(r["per_layer_ms"] * 2 - r["total_ms"]) < 1e-9
     assert all(r["vs_serial"] > 0 for r in ov[1:])

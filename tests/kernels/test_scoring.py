@@ -516,10 +516,11 @@ def test_bench_scoring_budget_skips_with_reason(tmp_path):
     assert all("budget" in s["reason"] for s in doc["skipped"])
 
 
-@pytest.mark.parametrize("heads,B,L,D", [((4, 4), 1, 37, 16), ((4, 2), 3, 300, 64), ((4, 1), 3, 130, 16)])
+@pytest.mark.parametrize("heads,B,L,D", [((4, 4), 1, 37, 16), ((4, 2), 3, 161, 64), ((4, 1), 3, 130, 16)])
 def test_sum_softmax_lane_stats_matches_ref(heads, B, L, D, device):
     """SCORE_CONFIG["LANE_STATS"]: per-element online statistics reduced once per chunk
-    (several chunks and tiles per row here) give the reference scores and selection."""
+    (several chunks and tiles per row here: L=161 is two chunks of 96, three tiles of 32
+    each, the last one partial) give the reference scores and selection."""
     q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, torch.bfloat16, device, seed=31)
     scoring.SCORE_CONFIG.update(LANE_STATS=True, MIN_CHUNK=128, BLOCK_L=32)
     out = scoring.group_scores_triton(q, k, kv_lens, reduce="sum_softmax", kv_start=kv_start)
