@@ -155,7 +155,11 @@ def run_lm_eval(url: str, model: str, cfg: dict, args) -> dict:
         "seed": args.seed,
         "max_length": args.max_length,
     }
-    res = lm_eval.simple_evaluate(
+    from lm_eval.tasks import TaskManager
+
+    # the task goes in as a config dict: no built-in task is needed, and indexing lm-eval's
+    # ~14k task YAMLs (include_defaults) costs seconds per run
+    res = lm_eval.simple_evaluate(task_manager=TaskManager(include_defaults=False),
         model="local-chat-completions" if chat else "local-completions", model_args=model_args,
         tasks=[cfg], limit=args.limit, apply_chat_template=chat, fewshot_as_multiturn=chat,
         log_samples=True, random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,

@@ -14,20 +14,12 @@ from benchmarks import reasoning  # noqa: E402
 from benchmarks.bench_serve import ROOT  # noqa: E402
 
 
-def test_reasoning_end_to_end_smollm2(tmp_path, monkeypatch):
+def test_reasoning_end_to_end_smollm2(tmp_path):
     """The whole path for real: the data builder, `spade serve` in a subprocess, lm-eval's
     local-completions model, its gsm8k filters and metric, /metrics, JSON and plot.
 
-    lm-eval's task manager indexes no built-in task here (``include_defaults=False``):
-    the benchmark hands it a task dict, and indexing lm-eval's ~14k task YAMLs was
-    about a third of this test's time. A task config that still named a built-in task
-    would fail here, not pass."""
-    import functools
-
-    import lm_eval.evaluator
-
-    monkeypatch.setattr(lm_eval.evaluator, "TaskManager",
-                        functools.partial(lm_eval.evaluator.TaskManager, include_defaults=False))
+    lm-eval's task manager indexes no built-in task (``include_defaults=False``, set by the
+    benchmark): a task config that still named a built-in task would fail here, not pass."""
     out = tmp_path / "r.json"
     rc = reasoning.main(["--config", str(ROOT / "configs" / "cpu_serve.yaml"), "--model", "smollm2-135m",
                          "--policies", "asyncspade", "--budgets", "32", "--limit", "5", "--num-fewshot", "0",
