@@ -225,9 +225,11 @@ class AsyncRuntime(Runtime):
             restored = not pending.cancelled() and exc is None
             if exc is not None:
                 log.warning("restarting the cache rank failed (%s: %s)", type(exc).__name__, exc)
-        if self._link is not None and self._owns_link and self._link.closed:
+        if self._link is not None and self._owns_link and self._link.closed and self._link.lost:
             # lost in an earlier generation and not replaced (restart refused by the cap, or it
-            # failed): this generation starts dense, its supervisor restarts (within the cap)
+            # failed): this generation starts dense, its supervisor restarts (within the cap).
+            # (A link closed on purpose, e.g. by a generation that failed on this side, is
+            # reopened below, as on first use.)
             sess = InferenceSession(self, self._link, selector)
             sess.start_lost("the cache rank was lost in an earlier generation and not replaced yet", new_loss=False)
             return sess

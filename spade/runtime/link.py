@@ -85,6 +85,7 @@ class CacheLink:
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
+        self.lost = False  # dropped as a lost peer (``abandon``), not closed on purpose
 
     @classmethod
     async def open(cls, cfg, *, inference_device: torch.device, cache_device: torch.device,
@@ -190,6 +191,7 @@ class CacheLink:
         transport's own close timeouts, so that a close is never cut half-way and its
         resources leak). Nothing is sent."""
         self.closed = True
+        self.lost = True
         self.kill()
         if self.cache_task is not None and not self.cache_task.done():
             self.cache_task.cancel()
