@@ -217,6 +217,8 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from spade.eval.plots import save_figure
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     labels: list[str] = []  # the offered rates, in sweep order ("inf": all at once), as categories
     for run in runs:
@@ -237,10 +239,7 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

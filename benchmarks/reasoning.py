@@ -236,6 +236,8 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from spade.eval.plots import save_figure
+
     rows = [r for r in report["runs"] if r.get("accuracy")]
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     fig, axes = plt.subplots(1, len(FILTERS), figsize=(6 * len(FILTERS), 4.2), squeeze=False)
@@ -259,10 +261,7 @@ def plot(report: dict, path: Path) -> None:
     c = report["config"]
     fig.suptitle(f"lm-eval {report['lm_eval_version']} {report['task']['task']}, {c['model'] or 'config model'}, "
                  f"spade serve ({c['api']}), limit {c['limit']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

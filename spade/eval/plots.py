@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, path: Path) -> str:
+def save_figure(fig, path: Path) -> str:
+    """Lay ``fig`` out, write it to ``path`` (folders made) as a PNG and close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -83,7 +84,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
         _bars(ax, budgets, series, metric, f"{name}: {metric} by policy and budget ({red}; layer mean)")
         _zoom(ax, series)
         ax.legend(fontsize=7, ncol=3, loc="lower right")
-        out.append(_save(fig, out_dir / f"selection_{name}_{metric}.png"))
+        out.append(save_figure(fig, out_dir / f"selection_{name}_{metric}.png"))
 
     # per-layer recall at the first budget
     b0 = budgets[0]
@@ -99,7 +100,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
     ax.set_title(f"{name}: recall per layer, {b0}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    out.append(_save(fig, out_dir / f"selection_{name}_layers.png"))
+    out.append(save_figure(fig, out_dir / f"selection_{name}_layers.png"))
 
     # GQA group reductions
     pols = (["oracle"] if "oracle" in cfg.baselines else []) + [f"asyncspade[{p}]" for p in preds]
@@ -110,7 +111,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
         _zoom(ax, series)
         ax.tick_params(axis="x", labelsize=7, rotation=15)
         ax.legend(fontsize=7)
-    out.append(_save(fig, out_dir / f"selection_{name}_reduce.png"))
+    out.append(save_figure(fig, out_dir / f"selection_{name}_reduce.png"))
 
     # Fig. 4: overlap of the top-K of q_{t-d} with that of q_t
     ds = list(cfg.distances)
@@ -125,7 +126,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
         ax.set_title(f"{name}: top-K overlap vs query distance (Fig. 4)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        out.append(_save(fig, out_dir / f"selection_{name}_fig4.png"))
+        out.append(save_figure(fig, out_dir / f"selection_{name}_fig4.png"))
 
     # Fig. 5: ridge with vs without the one-step shift
     if cfg.shift_ablation:
@@ -136,7 +137,7 @@ def selection_plots(name: str, rows: list[dict], cfg, out_dir: Path) -> list[str
         _bars(ax, budgets, series, "overlap", f"{name}: one-step shift of the ridge weights (Fig. 5)")
         _zoom(ax, series)
         ax.legend(fontsize=7, ncol=3, loc="lower right")
-        out.append(_save(fig, out_dir / f"selection_{name}_fig5.png"))
+        out.append(save_figure(fig, out_dir / f"selection_{name}_fig5.png"))
     return out
 
 
@@ -155,7 +156,7 @@ def perplexity_plot(name: str, res: dict, out_dir: Path) -> list[str]:
     ax.set_yscale("symlog", linthresh=1.0)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return [_save(fig, out_dir / f"perplexity_{name}.png")]
+    return [save_figure(fig, out_dir / f"perplexity_{name}.png")]
 
 
 def gsm8k_plot(res: dict, out_dir: Path) -> list[str]:
@@ -171,7 +172,7 @@ def gsm8k_plot(res: dict, out_dir: Path) -> list[str]:
     ax.tick_params(axis="x", labelsize=7, rotation=20)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
-    return [_save(fig, out_dir / f"gsm8k_{res['model']}.png")]
+    return [save_figure(fig, out_dir / f"gsm8k_{res['model']}.png")]
 
 
 def niah_plot(res: dict, cfg, out_dir: Path) -> list[str]:
@@ -183,4 +184,4 @@ def niah_plot(res: dict, cfg, out_dir: Path) -> list[str]:
     ax.tick_params(axis="x", labelsize=7, rotation=25)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
-    return [_save(fig, out_dir / f"niah_{res['model']}.png")]
+    return [save_figure(fig, out_dir / f"niah_{res['model']}.png")]
