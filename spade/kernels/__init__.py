@@ -58,6 +58,8 @@ __all__ = [
     "merge_attention_states",
     "ridge_predict",
     "window_push",
+    "rope_rotate",
+    "rope_table",
     "quantize_keys",
     "quantize_append",
     "quantize_keys_int4",
@@ -260,6 +262,24 @@ def window_push(window, q):
 
     fn = ridge.window_push_triton if use_triton(window) else ridge.window_push_ref
     fn(window, q)
+
+
+def rope_table(theta, dim, device):
+    """The float64 table of ``rope_rotate`` for a RoPE of ``theta`` over ``dim`` rotary
+    dims, on ``device`` (a host-to-device copy: make it outside CUDA-graph capture)."""
+    from spade.kernels import ridge
+
+    return ridge.rope_table(theta, dim, device)
+
+
+def rope_rotate(x, table, lens, start=None, offset=0, inverse=False):
+    """Rotate ``x`` [B, H, D] by each row's RoPE position ``lens[b] - start[b] - offset``
+    (``inverse``: by minus it): float32 [B, H, D]. ``table`` from ``ridge.rope_table``
+    (float64 frequencies). One launch on the GPU (graph-safe, no host sync)."""
+    from spade.kernels import ridge
+
+    fn = ridge.rope_rotate_triton if use_triton(x) else ridge.rope_rotate_ref
+    return fn(x, table, lens, start, offset, inverse)
 
 
 def quantize_keys(k):

@@ -60,6 +60,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -310,3 +312,109 @@ def window_push_triton(window: torch.Tensor, q: torch.Tensor) -> None:
         return
     _window_push_kernel[(B * H,)](window, q, *q.stride(), H, R, D=D, R_PAD=triton.next_power_of_2(R),
                                   D_PAD=max(16, triton.next_power_of_2(D)), num_warps=4, **pdl_kwargs(window, "select"))
+
+
+# ----------------------------------------------------------------------------- RoPE rotation
+# The predictor works on pre-RoPE queries (``policy.rope_aware``): each step un-rotates the
+# observed query by its position and rotates the prediction by the next one. In torch that
+# is ~25 small kernels per rotation (frequencies, angles, cos/sin, rotate_half); here it is
+# one launch. The angle is formed in float64 (exact at 500k+ positions) and reduced modulo
+# 2*pi there, so cos/sin run in float32 on an argument in (-2*pi, 2*pi).
+
+def rope_table(theta: float, dim: int, device) -> torch.Tensor:
+    """The float64 constants of ``rope_rotate``: ``dim / 2`` inverse frequencies
+    ``theta ** (-2j / dim)`` (as ``spade.policies.base.RopeSpec.cos_sin`` forms them),
+    then 2*pi and 1 / (2*pi). Make it outside CUDA-graph capture (a host-to-device copy)."""
+    if dim < 2 or dim % 2:
+        raise ValueError(f"rotary dim must be even and >= 2, got {dim}")
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return torch.cat([inv, torch.tensor([2 * math.pi, 1 / (2 * math.pi)], dtype=torch.float64)]).to(device)
+
+
+def _check_rope(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start: torch.Tensor | None) -> int:
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"x must be a float [B, H, D] tensor, got {x.dtype} {tuple(x.shape)}")
+    half = table.numel() - 2
+    if table.dtype != torch.float64 or table.dim() != 1 or half < 1 or 2 * half > x.shape[-1]:
+        raise ValueError(f"table must be rope_table(...) for at most D={x.shape[-1]} rotary dims, "
+                         f"got {table.dtype} {tuple(table.shape)}")
+    for name, t in (("lens", lens), ("start", start)):
+        if t is not None and (t.shape != (x.shape[0],) or t.is_floating_point() or t.device != x.device):
+            raise ValueError(f"{name} must be an integer [B={x.shape[0]}] tensor on {x.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return half
+
+
+def rope_rotate_ref(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start: torch.Tensor | None = None,
+                    offset: int = 0, inverse: bool = False) -> torch.Tensor:
+    """Rotate ``x`` [B, H, D] by RoPE position ``lens[b] - start[b] - offset`` of its row
+    (``inverse``: by minus it): float32 [B, H, D]. The first ``2 * (table.numel() - 2)``
+    dims rotate (HF ``rotate_half`` layout), the rest pass through; ``table`` from
+    ``rope_table``. A pure rotation (no attention scaling)."""
+    half = _check_rope(x, table, lens, start)
+    pos = lens.to(torch.int64) - offset
+    if start is not None:
+        pos = pos - start.to(torch.int64)
+    ang = pos.to(torch.float64)[:, None] * table[:half][None, :]  # [B, half]
+    c, s = ang.cos().float()[:, None], ang.sin().float()[:, None]
+    if inverse:
+        s = -s
+    x = x.float()
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], dim=-1)
+
+
+@triton.jit
+def _rope_rotate_kernel(X, OUT, LENS, START, TAB, stride_xb, stride_xh, stride_xd, H, offset,
+                        D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+                        HAS_START: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per (b, head): the row's position, its angles in float64 reduced
+    modulo 2*pi, then the rotate_half rotation in float32."""
+    grid_dep_wait(PDL)
+    grid_dep_release(PDL)
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    p = tl.load(LENS + b).to(tl.int64) - offset
+    if HAS_START:
+        p -= tl.load(START + b).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    m = j < HALF
+    inv = tl.load(TAB + j, mask=m, other=0.0)  # float64
+    two_pi = tl.load(TAB + HALF)  # float64 constants from the table (a literal would be float32)
+    inv_two_pi = tl.load(TAB + HALF + 1)
+    ang = p.to(tl.float64) * inv
+    turns = (ang * inv_two_pi).to(tl.int64)  # whole turns (truncated): exact in float64
+    r = (ang - turns.to(tl.float64) * two_pi).to(tl.float32)
+    c = tl.cos(r)
+    s = tl.sin(r)
+    if INVERSE:
+        s = -s
+    src = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+    x1 = tl.load(src + j * stride_xd, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + (j + HALF) * stride_xd, mask=m, other=0.0).to(tl.float32)
+    dst = OUT + pid.to(tl.int64) * D
+    tl.store(dst + j, x1 * c - x2 * s, mask=m)
+    tl.store(dst + HALF + j, x2 * c + x1 * s, mask=m)
+    if REST_PAD > 0:  # partial rotary: the dims past the rotary ones pass through
+        t = 2 * HALF + tl.arange(0, REST_PAD)
+        mt = t < D
+        tl.store(dst + t, tl.load(src + t * stride_xd, mask=mt, other=0.0).to(tl.float32), mask=mt)
+
+
+def rope_rotate_triton(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start: torch.Tensor | None = None,
+                       offset: int = 0, inverse: bool = False) -> torch.Tensor:
+    """Triton ``rope_rotate`` (one launch, graph-safe, no host sync): same contract as
+    ``rope_rotate_ref``."""
+    half = _check_rope(x, table, lens, start)
+    B, H, D = x.shape
+    out = torch.empty(B, H, D, dtype=torch.float32, device=x.device)
+    if B * H == 0:
+        return out
+    rest = D - 2 * half
+    _rope_rotate_kernel[(B * H,)](x, out, lens, lens if start is None else start, table, *x.stride(), H, int(offset),
+                                  D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+                                  REST_PAD=triton.next_power_of_2(rest) if rest else 0,
+                                  HAS_START=start is not None, INVERSE=bool(inverse), num_warps=1,
+                                  **pdl_kwargs(x, "select"))
+    return out

@@ -310,6 +310,8 @@ class AsyncSpadePolicy(Policy):
         super().__init__(cfg, spec)
         self.rope_aware = resolve_rope_aware(cfg.rope_aware, spec)
         """The resolved ``cfg.rope_aware`` (``auto`` -> whether ``spec.rope`` is set)."""
+        self._rope_dim = (spec.rope.dim or spec.head_dim) if self.rope_aware else 0
+        self._rope_tables: dict[torch.device, torch.Tensor] = {}  # device -> kernels.rope_table
         D, r = spec.head_dim, cfg.score_channels
         if r and r > D:
             raise ConfigError(f"policy.score_channels ({r}) exceeds the model's head_dim ({D}); "
@@ -409,7 +411,19 @@ class AsyncSpadePolicy(Policy):
             st = AsyncSpadeLayerState(window=torch.zeros(B, Hq, self.rows, D, dtype=torch.float32,
                                                          device=q.device))
             state.layers[layer] = st
+        if self.rope_aware and q.device not in self._rope_tables:  # made here, eagerly (not under capture)
+            self._rope_tables[q.device] = kernels.rope_table(self.spec.rope.theta, self._rope_dim, q.device)
         return st
+
+    def _rotate(self, x: torch.Tensor, state: PolicyState, kv_lens: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x`` [B, Hq, D] rotated by each row's RoPE position of cache index
+        ``kv_lens - 1`` (``inverse``: un-rotated): float32, one launch on a GPU."""
+        kv = kv_lens.to(x.device)
+        start = None if state.kv_start is None else state.kv_start.to(x.device)
+        table = self._rope_tables.get(x.device)
+        if table is None:  # (a state made elsewhere than _layer: eagerly, as the first call of a key is)
+            table = self._rope_tables[x.device] = kernels.rope_table(self.spec.rope.theta, self._rope_dim, x.device)
+        return kernels.rope_rotate(x, table, kv, start, 1, inverse)
 
     @staticmethod
     def _positions(state: PolicyState, kv_lens: torch.Tensor, back: torch.Tensor | int = 1) -> torch.Tensor:
@@ -604,7 +618,7 @@ class AsyncSpadePolicy(Policy):
         st = self._layer(state, layer, q)
         qn = q  # [B, Hq, D]
         if self.rope_aware:
-            qn = rotate(q.float(), self._positions(state, kv_lens.to(q.device)), self.spec.rope, inverse=True)
+            qn = self._rotate(q, state, kv_lens, inverse=True)
         kernels.window_push(st.window, qn)  # shift out the oldest, qn (as fp32) the newest: one launch
         if st.anchor_seq_len is None:  # no prefill: start counting here
             st.anchor_seq_len, st.anchor_count = state.seq_len, 1
@@ -687,7 +701,7 @@ class AsyncSpadePolicy(Policy):
         else:
             q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
         if self.rope_aware:
-            q_hat = rotate(q_hat, self._positions(state, kv_lens.to(q_hat.device)), self.spec.rope)
+            q_hat = self._rotate(q_hat, state, kv_lens)
         return q_hat
 
     def _predict_rows(self, state: PolicyState, layer: int) -> torch.Tensor:
