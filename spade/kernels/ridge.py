@@ -332,15 +332,17 @@ def rope_table(theta: float, dim: int, device) -> torch.Tensor:
 
 
 def _check_rope(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start: torch.Tensor | None) -> int:
-    if x.dim() != 3 or not x.is_floating_point():
-        raise ValueError(f"x must be a float [B, H, D] tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 3 or not x.is_floating_point() or lens.dim() != 1 or lens.numel() == 0 \
+            or x.shape[0] % lens.numel():
+        raise ValueError(f"x must be a float [N, H, D] tensor with N a multiple of B = len(lens) = "
+                         f"{lens.numel()}, got {x.dtype} {tuple(x.shape)}")
     half = table.numel() - 2
     if table.dtype != torch.float64 or table.dim() != 1 or half < 1 or 2 * half > x.shape[-1]:
         raise ValueError(f"table must be rope_table(...) for at most D={x.shape[-1]} rotary dims, "
                          f"got {table.dtype} {tuple(table.shape)}")
     for name, t in (("lens", lens), ("start", start)):
-        if t is not None and (t.shape != (x.shape[0],) or t.is_floating_point() or t.device != x.device):
-            raise ValueError(f"{name} must be an integer [B={x.shape[0]}] tensor on {x.device}, "
+        if t is not None and (t.shape != lens.shape or t.is_floating_point() or t.device != x.device):
+            raise ValueError(f"{name} must be an integer [B={lens.numel()}] tensor on {x.device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     return half
 
@@ -348,14 +350,17 @@ def _check_rope(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start:
 def rope_rotate_ref(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, start: torch.Tensor | None = None,
                     offset: int = 0, inverse: bool = False) -> torch.Tensor:
     """Rotate ``x`` [B, H, D] by RoPE position ``lens[b] - start[b] - offset`` of its row
-    (``inverse``: by minus it): float32 [B, H, D]. The first ``2 * (table.numel() - 2)``
+    (``inverse``: by minus it): float32 [B, H, D]. ``x`` may also stack several such
+    batches, [P * B, H, D] (e.g. a pack of layers): row ``n`` takes the position of
+    ``n % B``. The first ``2 * (table.numel() - 2)``
     dims rotate (HF ``rotate_half`` layout), the rest pass through; ``table`` from
     ``rope_table``. A pure rotation (no attention scaling)."""
     half = _check_rope(x, table, lens, start)
     pos = lens.to(torch.int64) - offset
     if start is not None:
         pos = pos - start.to(torch.int64)
-    ang = pos.to(torch.float64)[:, None] * table[:half][None, :]  # [B, half]
+    pos = pos.repeat(x.shape[0] // pos.numel())  # [N]: row n at n % B
+    ang = pos.to(torch.float64)[:, None] * table[:half][None, :]  # [N, half]
     c, s = ang.cos().float()[:, None], ang.sin().float()[:, None]
     if inverse:
         s = -s
@@ -365,7 +370,7 @@ def rope_rotate_ref(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, st
 
 
 @triton.jit
-def _rope_rotate_kernel(X, OUT, LENS, START, TAB, stride_xb, stride_xh, stride_xd, H, offset,
+def _rope_rotate_kernel(X, OUT, LENS, START, TAB, stride_xb, stride_xh, stride_xd, H, NB, offset,
                         D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                         HAS_START: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (b, head): the row's position, its angles in float64 reduced
@@ -375,9 +380,9 @@ def _rope_rotate_kernel(X, OUT, LENS, START, TAB, stride_xb, stride_xh, stride_x
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
-    p = tl.load(LENS + b).to(tl.int64) - offset
+    p = tl.load(LENS + b % NB).to(tl.int64) - offset
     if HAS_START:
-        p -= tl.load(START + b).to(tl.int64)
+        p -= tl.load(START + b % NB).to(tl.int64)
     j = tl.arange(0, HALF_PAD)
     m = j < HALF
     inv = tl.load(TAB + j, mask=m, other=0.0)  # float64
@@ -412,7 +417,8 @@ def rope_rotate_triton(x: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
     if B * H == 0:
         return out
     rest = D - 2 * half
-    _rope_rotate_kernel[(B * H,)](x, out, lens, lens if start is None else start, table, *x.stride(), H, int(offset),
+    _rope_rotate_kernel[(B * H,)](x, out, lens, lens if start is None else start, table, *x.stride(), H, lens.numel(),
+                                  int(offset),
                                   D=D, HALF=half, HALF_PAD=triton.next_power_of_2(half),
                                   REST_PAD=triton.next_power_of_2(rest) if rest else 0,
                                   HAS_START=start is not None, INVERSE=bool(inverse), num_warps=1,

@@ -243,6 +243,8 @@ class AsyncSpadeLayerState:
     """[B, Hq, D] float32 prediction made ahead by ``predict_layers`` (pre-RoPE when
     ``rope_aware``), for the ``select`` at host ``seq_len == q_pred_seq``."""
     q_pred_seq: int = -1
+    q_pred_rotated: bool = False
+    """``q_pred`` is post-RoPE (``predict_layers`` rotated it with the step's ``kv_lens``)."""
     q_scored: torch.Tensor | None = None
     """Compressed keys: ``q_pred`` as scored (int4 smoothing folded, rounded to the
     cache's half dtype), made with it by ``predict_layers`` for a whole run of layers
@@ -631,13 +633,15 @@ class AsyncSpadePolicy(Policy):
         elif self.keeps_copy:
             self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
 
-    def predict_layers(self, state: PolicyState, layers: range) -> None:
+    def predict_layers(self, state: PolicyState, layers: range, kv_lens: torch.Tensor | None = None) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
         predictor launch instead of one per layer — what a cache rank does for a pack
         before selecting its layers (the solves are tiny and latency-bound, so a
         launch per layer costs its whole latency each time). ``select`` then uses
         the prediction made here at this ``seq_len``; without this call it predicts
-        per layer, with the same result."""
+        per layer, with the same result. ``kv_lens``: the cache lengths ``select`` will
+        get; with ``rope_aware`` the run's predictions are then rotated here, in one
+        launch (and folded for compressed keys), instead of per layer."""
         if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
             return
         if not self.refreshes(state):
@@ -654,19 +658,22 @@ class AsyncSpadePolicy(Policy):
         P, B, H, R, D = w.shape
         q = kernels.ridge_predict(w.reshape(P * B * H, R, D), n, mode=self.cfg.predictor,
                                   eps=self.cfg.ridge_eps).view(P, B, H, D)
-        q_sc = self._scoring_queries(sts, layers, q)
+        rotated = self.rope_aware and kv_lens is not None
+        if rotated:  # every layer of the run at the rows' positions: one launch
+            q = self._rotate(q.view(P * B, H, D), state, kv_lens).view(P, B, H, D)
+        q_sc = self._scoring_queries(sts, layers, q, rotated)
         for j, st in enumerate(sts):
-            st.q_pred, st.q_pred_seq = q[j], state.seq_len
+            st.q_pred, st.q_pred_seq, st.q_pred_rotated = q[j], state.seq_len, rotated
             st.q_scored, st.q_scored_smooth = (None, None) if q_sc is None else (q_sc[j], st.k_smooth)
 
-    def _scoring_queries(self, sts: list, layers: range, q: torch.Tensor) -> torch.Tensor | None:
+    def _scoring_queries(self, sts: list, layers: range, q: torch.Tensor, rotated: bool) -> torch.Tensor | None:
         """Compressed keys: the run's predictions ``q`` [P, B, Hq, D] fp32 as ``select``
         scores them — int4: times each layer's smoothing (``fold_smoothing``), and
         rounded to the cache's half dtype — in one launch for the run instead of two per
         layer (the fp32 products rounded once, as ``fold_smoothing`` + ``.to`` do); None
-        when that does not apply (exact keys, rope_aware, smoothing not stacked)."""
+        when that does not apply (exact keys, pre-RoPE predictions, smoothing not stacked)."""
         cfg = self.cfg
-        if cfg.score_keys == "exact" or self.rope_aware or self.channels is not None:
+        if cfg.score_keys == "exact" or (self.rope_aware and not rotated) or self.channels is not None:
             return None  # (channels: select gathers and folds per layer)
         dts = {st.score_dtype for st in sts}
         if len(dts) != 1 or None in dts:
@@ -696,6 +703,8 @@ class AsyncSpadePolicy(Policy):
         st = state.layers[layer]
         if st.q_pred is not None and st.q_pred_seq == state.seq_len:  # made ahead by predict_layers
             q_hat, st.q_pred, st.q_pred_seq = st.q_pred, None, -1
+            if st.q_pred_rotated:  # rotated there too
+                return q_hat
         elif n < 0:  # rows with windows of different fill (serving): one prediction per fill
             q_hat = self._predict_rows(state, layer)
         else:

@@ -258,9 +258,10 @@ class Policy(ABC):
         ships with it. Default: None."""
         return None
 
-    def predict_layers(self, state: PolicyState, layers: range) -> None:
+    def predict_layers(self, state: PolicyState, layers: range, kv_lens: torch.Tensor | None = None) -> None:
         """Prepare this step's ``select`` of every layer in ``layers`` (consecutive) at
         once, e.g. one predictor launch for a cache rank's pack instead of one per layer.
+        ``kv_lens``: the cache lengths those ``select`` calls will get (None: unknown).
         ``select`` must return the same with or without this call. Default: nothing."""
 
     def new_state(self, batch_size: int, device: torch.device | str) -> PolicyState:

@@ -461,7 +461,7 @@ class _Generation:
         policy, state, out = self.policy, self.state, self.out
         state.seq_len = seq
         sels = []
-        policy.predict_layers(state, range(l0, l1))  # e.g. asyncspade: the pack's predictions in one launch
+        policy.predict_layers(state, range(l0, l1), self.kv_sel)  # e.g. asyncspade: the pack's predictions in one launch
         # the output rows of the last call of this pack: a policy that takes them writes
         # its indices there directly (select_takes_out); a fresh buffer below gets copies
         rows = out[p]["rows"] if p in out and policy.select_takes_out else None

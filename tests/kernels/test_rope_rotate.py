@@ -67,3 +67,18 @@ def test_rope_rotate_errors():
         ridge.rope_rotate_ref(x, tab, torch.tensor([1, 2]), torch.tensor([0]))
     with pytest.raises(ValueError, match="rotary dim"):
         ridge.rope_table(1e4, 15, "cpu")
+
+
+def test_rope_rotate_stacked_batches(device):
+    """[P * B, H, D] (a pack of layers): row n at the position of n % B, as P separate calls."""
+    g = torch.Generator().manual_seed(5)
+    P, B, H, D = 3, 2, 4, 32
+    x = torch.randn(P * B, H, D, generator=g)
+    lens, start = torch.tensor([40, 70_001]), torch.tensor([3, 0])
+    tab = ridge.rope_table(1e4, D, "cpu")
+    want = torch.cat([ridge.rope_rotate_ref(x[p * B:(p + 1) * B], tab, lens, start, 1) for p in range(P)])
+    torch.testing.assert_close(ridge.rope_rotate_ref(x, tab, lens, start, 1), want, rtol=0, atol=0)
+    got = ridge.rope_rotate_triton(x.to(device), tab.to(device), lens.to(device), start.to(device), 1)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of B"):
+        ridge.rope_rotate_ref(x[:5], tab, lens)
