@@ -200,6 +200,11 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
     if args.warmup:  # first-request compile and allocation out of the measured runs
         asyncio.run(run_rate(base_url, api_key, model, prompts[:args.warmup], args.output_len, math.inf,
                              args.seed, None))
+    idle = None
+    if args.idle:  # one request alone: the TPOT the SLO is relative to
+        one = asyncio.run(run_rate(base_url, api_key, model, prompts[:1], args.output_len, math.inf, args.seed, None))
+        idle = one["tpot_p50_ms"]
+        print(json.dumps({"idle_tpot_ms": idle, "policy": label}), flush=True)
     rows = []
     for rate in rates:
         row = asyncio.run(run_rate(base_url, api_key, model, prompts, args.output_len, rate, args.seed,
@@ -208,7 +213,47 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                           if k != "errors"}), flush=True)
-    return {"label": label, "server": info, "rows": rows}
+    return {"label": label, "server": info, "idle_tpot_ms": idle, "slo_factor": args.slo_factor,
+            "slo": slo_rate(rows, idle, args.slo_factor), "rows": rows}
+
+
+def slo_rate(rows: list[dict], idle_tpot_ms: float | None, factor: float) -> dict | None:
+    """The highest finite offered rate whose TPOT p99 stays within ``factor`` x the idle
+    TPOT, with every request completed (``rate``: None when none does), and the
+    request rate the server then achieved. ``bounded``: a higher rate tried broke the
+    SLO (else the true limit may lie above the rates tried)."""
+    if idle_tpot_ms is None:
+        return None
+    limit = factor * idle_tpot_ms
+    finite = sorted((r for r in rows if r["rate"] != "inf"), key=lambda r: r["rate"])
+    best = None
+    for r in finite:
+        if r["failed"] == 0 and r["tpot_p99_ms"] is not None and r["tpot_p99_ms"] <= limit:
+            best = r
+    return {"tpot_p99_limit_ms": limit, "rate": None if best is None else best["rate"],
+            "achieved_req_per_s": None if best is None else best["req_per_s"],
+            "bounded": any(r["rate"] > (best["rate"] if best else 0) for r in finite)}
+
+
+def slo_lines(runs: list[dict]) -> list[str]:
+    """One line per run: its idle TPOT and the highest rate meeting the SLO; then each
+    run's rate over the first run's (e.g. asyncspade over full, when full came first)."""
+    out = []
+    for run in runs:
+        slo = run.get("slo")
+        if not slo:
+            continue
+        rate = slo["rate"]
+        out.append(f"SLO {run['label']}: idle TPOT {run['idle_tpot_ms']:.2f} ms, TPOT p99 <= "
+                   f"{slo['tpot_p99_limit_ms']:.2f} ms up to "
+                   + ("no rate tried" if rate is None else f"{rate:g} req/s offered ({slo['achieved_req_per_s']:.3f} "
+                      f"achieved){'' if slo['bounded'] else ', the highest tried'}"))
+    base = runs[0].get("slo") if runs else None
+    if base and base["rate"]:
+        for run in runs[1:]:
+            if run.get("slo") and run["slo"]["rate"]:
+                out.append(f"SLO rate {run['label']} / {runs[0]['label']}: {run['slo']['rate'] / base['rate']:.2f}x")
+    return out
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
@@ -258,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
     ap.add_argument("--warmup", type=int, default=2, help="requests sent (all at once) before the sweep")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="first time one request alone (the idle TPOT), for the SLO below")
+    ap.add_argument("--slo-factor", type=float, default=2.0,
+                    help="the SLO: TPOT p99 <= this x the idle TPOT; each run reports the highest rate meeting it")
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--out", default="results/bench_serve.json")
     ap.add_argument("--plot", help="PNG path (default: --out with .png)")
@@ -275,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(runs, Path(args.plot), f"spade serve, {srv0.get('model', '?')} ({srv0.get('topology', '?')}), input "
                                     f"{c['input_len']} / output {c['output_len']} tokens, {c['num_prompts']} "
                                     "requests per rate")
+        print("\n".join(slo_lines(runs)))
         print(f"wrote {args.plot}")
         return 0
     if bool(args.base_url) == bool(args.config):
@@ -315,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     srv0 = runs[0]["server"] if runs else {}
     plot(runs, png, f"spade serve, {srv0.get('model', '?')} ({srv0.get('topology', '?')}), input "
                     f"{args.input_len} / output {args.output_len} tokens, {args.num_prompts} requests per rate")
+    print("\n".join(slo_lines(runs)))
     print(f"wrote {out} and {png}")
     return 0
 

@@ -37,10 +37,30 @@ def test_bench_serve_smoke(tmp_path):
         assert r["output_tokens"] == 4 * 5  # ignore_eos: every request runs to max_tokens
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"]
         assert r["output_tok_per_s"] > 0
+    assert run["idle_tpot_ms"] > 0 and run["slo_factor"] == 2.0
+    slo = run["slo"]  # the highest finite rate within 2x the idle TPOT (8 req/s, or none)
+    assert slo["tpot_p99_limit_ms"] == 2.0 * run["idle_tpot_ms"]
+    assert slo["rate"] == (8.0 if run["rows"][0]["tpot_p99_ms"] <= slo["tpot_p99_limit_ms"] else None)
     assert (tmp_path / "bench.png").stat().st_size > 0
     both = tmp_path / "both.png"
     assert bench_serve.main(["--plot-from", str(out), str(out), "--plot", str(both)]) == 0
     assert both.stat().st_size > 0
+
+
+def test_slo_rate_picks_the_highest_rate_within_the_limit():
+    def row(rate, p99, failed=0):
+        return {"rate": rate, "tpot_p99_ms": p99, "failed": failed, "req_per_s": 0.9 * rate if rate != "inf" else 5}
+
+    rows = [row(0.5, 30.0), row(1.0, 39.0), row(2.0, 41.0), row(4.0, 35.0, failed=1), row("inf", 10.0)]
+    slo = bench_serve.slo_rate(rows, 20.0, 2.0)
+    assert slo == {"tpot_p99_limit_ms": 40.0, "rate": 1.0, "achieved_req_per_s": 0.9, "bounded": True}
+    assert bench_serve.slo_rate(rows[:2], 20.0, 2.0)["bounded"] is False  # every rate tried met it
+    assert bench_serve.slo_rate(rows, 10.0, 2.0)["rate"] is None  # none within 20 ms
+    assert bench_serve.slo_rate(rows, None, 2.0) is None
+    runs = [{"label": "full", "idle_tpot_ms": 20.0, "slo": bench_serve.slo_rate(rows, 20.0, 2.0)},
+            {"label": "asyncspade", "idle_tpot_ms": 15.0, "slo": bench_serve.slo_rate(rows, 15.0, 3.0)}]
+    lines = bench_serve.slo_lines(runs)
+    assert lines[-1] == "SLO rate asyncspade / full: 2.00x"
 
 
 def test_make_prompts_same_for_every_rate():
