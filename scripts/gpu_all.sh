@@ -51,6 +51,10 @@
 #   faults     tests/runtime/test_faults.py on the GPU, then benchmarks/soak.py: SOAK_STEPS (10000) decode steps of the
 #              Qwen3-1.7B preset with a cache-rank fault (kill, stop, close) every ~SOAK_EVERY (400) steps, multiprocess
 #              over nccl on a pair (colocated on one GPU; SOAK_TOPOLOGY), JSON + plot
+#   serving    tests/serving/test_gpu.py, then bench_serving per SERVING_POLICIES (full asyncspade) on SERVING_TOPOLOGY
+#              (colocated), SERVING_ARGS (default 8 requests of 8k-16k prompts, 200-256 outputs)
+#   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
+#              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
@@ -261,6 +265,24 @@ for s in "${stages[@]}"; do
           # Qwen3-8B shape, colocated asyncspade, ~32k-token prompt), its summary JSON kept
       run spade_run ${CLI_TIMEOUT:-240} python3 -m spade.cli run --config ${CLI_CONFIG:-configs/h100_qwen3_8b.yaml} \
         ${CLI_ARGS:-} --out "$OUT/spade_run.json" ;;
+    serving)  # spade.AsyncEngine on this GPU: the serving GPU tests, then an offline trace (SERVING_ARGS) per policy
+      run serving_tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/serving/test_gpu.py
+      for p in ${SERVING_POLICIES:-full asyncspade}; do
+        extra=$([ "$p" = asyncspade ] && echo "--set policy.score_keys=int4 --set policy.group_reduce=sum_logits")
+        run "bench_serving_$p" ${SERVING_TIMEOUT:-150} python3 -m benchmarks.bench_serving --preset qwen3-8b \
+          --device cuda:0 --topology ${SERVING_TOPOLOGY:-colocated} --max-batch 8 --policies "$p" $extra \
+          ${SERVING_ARGS:---requests 8 --prompt-min 8192 --prompt-max 16384 --out-min 200 --out-max 256 --max-seq-len 16640 --budget 2048} \
+          --out "$OUT/bench_serving_$p.json"
+      done ;;
+    serve)  # `spade serve` under the openai client: a request-rate sweep per policy (SERVE_POLICIES) with the idle
+            # TPOT and the highest rate within 2x it (SERVE_ARGS), then one plot; needs the serve wheels in .whl
+      for p in ${SERVE_POLICIES:-full asyncspade}; do
+        run "bench_serve_$p" ${SERVE_TIMEOUT:-280} python3 -m benchmarks.bench_serve --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} \
+          --set serving.max_batch=8 --set serve.max_waiting=256 --policies "$p" \
+          ${SERVE_ARGS:---input-len 16000 --output-len 256 --num-prompts 12 --rates 0.5,1,2} --out "$OUT/bench_serve_$p.json"
+      done
+      run bench_serve_plot 60 python3 -m benchmarks.bench_serve --plot "$OUT/bench_serve.png" \
+        --plot-from $(for p in ${SERVE_POLICIES:-full asyncspade}; do echo "$OUT/bench_serve_$p.json"; done) ;;
     kv_layout)  # the sparse attention's scattered reads by KV layout and budget (marginal rate), L2 flushed
       run bench_kv_layout 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_kv_layout \
         --K ${KV_LAYOUT_K:-512,1024,2048,4096} ${KV_LAYOUT_ARGS:-} --out "$OUT/bench_kv_layout.json" ;;
