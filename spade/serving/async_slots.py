@@ -67,7 +67,8 @@ class AsyncSlotBatch(SlotBatch):
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
-                       "join_resyncs": 0, "dense_fallback_steps": 0, "epochs": 0, "topk_fallbacks": None}
+                       "join_resyncs": 0, "dense_fallback_steps": 0, "epochs": 0,
+                       "topk_fallbacks": None, "topk_fallbacks_too_many": None, "topk_calls": None}
 
     # ------------------------------------------------------------------ epochs
     def reset(self, cursor: int) -> None:
@@ -101,9 +102,11 @@ class AsyncSlotBatch(SlotBatch):
         for k in _SESSION_COUNTS:
             t[k] += sess.stats.get(k, 0)
         # the cache rank's account of the epoch, sent with its END acknowledgement (NaN: no carried threshold)
-        fb = sess.stats.get("cache_host", {}).get("topk_fallbacks", float("nan"))
-        if fb == fb:
-            t["topk_fallbacks"] = (t["topk_fallbacks"] or 0) + int(fb)
+        host = sess.stats.get("cache_host", {})
+        for k in ("topk_fallbacks", "topk_fallbacks_too_many", "topk_calls"):
+            v = host.get(k, float("nan"))
+            if v == v:
+                t[k] = (t[k] or 0) + int(v)
 
     def live(self) -> dict:
         """The totals including the running epoch (host counters)."""

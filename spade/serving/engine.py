@@ -237,7 +237,8 @@ class AsyncEngine:
             "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running, "prefill_pieces": c["prefill_pieces"],
             "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
-            "late_packs": 0, "topk_fallbacks": None,  # (no cache rank: inline selections)
+            "late_packs": 0, "topk_fallbacks": None, "topk_fallbacks_too_many": None,  # (no cache rank:
+            "topk_calls": None,  # inline selections)
             **self._cache_stats(),
             "closed": self._closed,
         }
@@ -247,7 +248,9 @@ class AsyncEngine:
         if live is None:
             return {}
         t = live()
-        return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"], "cache_epochs": t["epochs"],
+        return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"],
+                "topk_fallbacks_too_many": t["topk_fallbacks_too_many"], "topk_calls": t["topk_calls"],
+                "cache_epochs": t["epochs"],
                 "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
                 "cache_dense_fallback_steps": t["dense_fallback_steps"],
                 "dropped_selections": t["dropped_selections"],

@@ -82,7 +82,8 @@ ENGINE_SERIES = (
     ("late_packs", "spade_late_packs_total", "counter",
      "Selection packs the cache rank delivered late (runtime.on_late handled them)."),
     ("topk_fallbacks", "spade_topk_fallbacks_total", "counter",
-     "Steps that attended densely instead of over a top-K selection (late, lost or restarted cache rank)."),
+     "Threshold-carry top-K calls (one per row and KV head per layer) that fell back to the whole-row radix "
+     "select (a speed fallback: the selection is the same); summed over ended cache-rank epochs."),
     ("cache_peers_lost", "spade_cache_peers_lost_total", "counter",
      "Cache ranks lost (died, transport broke, silent past runtime.peer_deadline_s); decoding went dense."),
     ("cache_restarts", "spade_cache_restarts_total", "counter",

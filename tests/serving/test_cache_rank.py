@@ -212,3 +212,24 @@ def test_late_selections_between_joins_follow_on_late(on_late):
     assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
     for (_, _, n), o in zip(jobs, outs):
         assert o.finish_reason == "length" and len(o.token_ids) == n
+
+
+def test_epoch_account_sums_the_cache_ranks_topk_counts():
+    """The cache rank's threshold-carry top-K account (sent with each epoch's END) is summed
+    over epochs into the engine's stats; an epoch without a carried threshold (NaN) adds
+    nothing, and with none at all the stats stay None."""
+    from types import SimpleNamespace
+
+    from spade.serving.async_slots import _SESSION_COUNTS, AsyncSlotBatch
+
+    b = object.__new__(AsyncSlotBatch)
+    b.totals = {"late_packs": 0, "epochs": 0, "topk_fallbacks": None, "topk_fallbacks_too_many": None,
+                "topk_calls": None, **{k: 0 for k in _SESSION_COUNTS}}
+    nan = float("nan")
+    b._account(SimpleNamespace(late_packs=0, stats={"cache_host": {"topk_fallbacks": nan}}))
+    assert b.totals["topk_fallbacks"] is None and b.totals["topk_calls"] is None
+    for fb, many, calls in ((3.0, 1.0, 40.0), (2.0, 0.0, 24.0)):
+        b._account(SimpleNamespace(late_packs=1, stats={"cache_host": {
+            "topk_fallbacks": fb, "topk_fallbacks_too_many": many, "topk_calls": calls}}))
+    assert (b.totals["topk_fallbacks"], b.totals["topk_fallbacks_too_many"], b.totals["topk_calls"]) == (5, 1, 64)
+    assert b.totals["late_packs"] == 2
