@@ -291,10 +291,14 @@ def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.
 
 
 def reset_carry(carry: torch.Tensor) -> torch.Tensor:
-    """Reset a carry state in place (a new sequence: its scores say nothing of the last)."""
-    carry.zero_()
+    """Reset a carry state's threshold in place (a new sequence: its scores say nothing of
+    the last); ``carry`` may be a view of some rows. Its statistics (slots 2, 3 and 7:
+    fallbacks, calls) go on counting: a join into a serving batch resets the joining row
+    and keeps the generation's account."""
     carry[..., 0] = _NEG_INF_BITS
+    carry[..., 1] = 0
     carry[..., 4] = _NEG_INF_BITS
+    carry[..., 5] = 0
     carry[..., 6] = _ONE_BITS
     return carry
 

@@ -770,7 +770,7 @@ class AsyncSpadePolicy(Policy):
         for r in rows:
             st.row_anchors[r] = (state.seq_len, new.anchor_count)
         st.last_sel = None
-        reset_carry(state, layer)  # a speed hint only: the selection is the exact top-K either way
+        reset_carry(state, layer, rows)  # a speed hint only: the selection is the exact top-K either way
         if self.keeps_copy:
             self._copy_rows(st, new, idx, B)
 

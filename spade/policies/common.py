@@ -124,14 +124,19 @@ def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor
     return c
 
 
-def reset_carry(state: PolicyState, layer: int) -> None:
+def reset_carry(state: PolicyState, layer: int, rows: list[int] | None = None) -> None:
     """A new prompt: the layer's carried threshold says nothing of it (reset in place,
-    so a captured graph holding the tensor stays valid)."""
+    so a captured graph holding the tensor stays valid). ``rows``: only those batch rows
+    (requests joining a serving batch; the others keep their thresholds)."""
     c = state.carry.get(layer)
     if c is not None:
         from spade.kernels.carry import reset_carry as _reset
 
-        _reset(c)
+        if rows is None:
+            _reset(c)
+        else:
+            for r in rows:
+                _reset(c[r])
 
 
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,

@@ -66,6 +66,6 @@ class OraclePolicy(Policy):
 
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
-        # the layer's carried thresholds (GPU kernels) restart for every row: a speed hint
-        # only, the selection is the exact top-K either way
-        reset_carry(state, layer)
+        # the joining rows' carried thresholds (GPU kernels) restart; the other rows keep
+        # theirs: a speed hint only, the selection is the exact top-K either way
+        reset_carry(state, layer, rows)

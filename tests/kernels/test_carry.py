@@ -249,8 +249,15 @@ def test_carry_state_is_checked_and_reset(device):
     kernels.score_topk(q, k, lo, hi, 5, carry=carry)  # the public op passes it on (ref: left as it is)
     scoring.score_topk_triton(q, k, lo, hi, 5, carry=carry)
     assert torch.isfinite(carry_threshold(carry)).all()
+    before = carry.clone()
+    reset_carry(carry[1])  # one row (a request joining a serving batch): the other keeps its threshold
+    assert torch.equal(carry[0], before[0]) and torch.isinf(carry_threshold(carry)[1]).all()
     reset_carry(carry)
-    assert torch.equal(carry, new_carry(2, 2, device))
+    fresh = new_carry(2, 2, device)
+    stats = [2, 3, 7]  # fallbacks, calls, too-many fallbacks: the generation's account goes on
+    keep = [i for i in range(fresh.shape[-1]) if i not in stats]
+    assert torch.equal(carry[..., keep], fresh[..., keep]) and torch.equal(carry[..., stats], before[..., stats])
+    assert carry_stats(carry)["calls"] >= 2 * 2  # (at least the Triton call's 2 x 2 rows) kept through the resets
     with pytest.raises(ValueError, match="carry_margin"):
         radix_topk.SELECT_CONFIG["carry_margin"] = 1.0
         carry_sizes(10)

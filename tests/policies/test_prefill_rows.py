@@ -203,3 +203,31 @@ def test_idle_rows_keep_the_batch_on_one_graph_key():
         pol.prefill_rows(st, layer, [2], torch.randn(1, Hq, short, D, generator=g), k, k,
                          torch.full((1,), st.seq_len))
     assert pol.row_counts(st, 0) == [W, W, short, W]
+
+
+@pytest.mark.parametrize("name", ["oracle", "asyncspade_int4"])
+def test_a_join_restarts_only_the_joining_rows_carried_threshold(name):
+    """The threshold-carry top-K's state (GPU kernels; made here by hand): a join resets the
+    joining row's carried threshold and keeps the other rows' thresholds and every row's
+    counters (a speed hint: the selection is the exact top-K either way)."""
+    from spade.kernels.carry import carry_threshold, new_carry
+
+    pol = build_policy(CONFIGS[name], SPEC)
+    B, Hq, Hkv, D, T, S = 3, SPEC.n_q_heads, SPEC.n_kv_heads, SPEC.head_dim, 6, 10
+    g = torch.Generator().manual_seed(1)
+    state = pol.new_state(B, "cpu")
+    state.seq_len, state.kv_start = S, torch.tensor([0, S - T, 0], dtype=torch.int32)
+    k, v = torch.randn(SPEC.n_layers, B, Hkv, L, D, generator=g), torch.randn(SPEC.n_layers, B, Hkv, L, D, generator=g)
+    for layer in range(SPEC.n_layers):  # rows 0 and 2 prefilled as a batch first
+        pol.prefill(state, layer, torch.randn(B, Hq, S, D, generator=g), k[layer], v[layer], torch.full((B,), S))
+    for layer in range(SPEC.n_layers):
+        c = state.carry[layer] = new_carry(B, Hkv, "cpu")
+        c[..., 4] = torch.tensor(1.5).view(torch.int32)  # a carried threshold (per unit of query norm)
+        c[..., 3] = 7  # calls so far
+    for layer in range(SPEC.n_layers):
+        pol.prefill_rows(state, layer, [1], torch.randn(1, Hq, T, D, generator=g), k[layer, 1:2], v[layer, 1:2],
+                         torch.tensor([S]))
+        c = state.carry[layer]
+        thr = carry_threshold(c)
+        assert torch.isinf(thr[1]).all() and (thr[[0, 2]] == 1.5).all()
+        assert (c[..., 3] == 7).all()
