@@ -32,7 +32,8 @@ from benchmarks.bench_serve import percentile
 WARM_TOKENS = 8
 #: engine.stats() counters reported for the timed trace alone (the warm-up's share taken off)
 TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "tokens_generated", "joins",
-                  "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces")
+                  "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces",
+                  "topk_calls", "topk_fallbacks", "topk_fallbacks_too_many")
 
 
 async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
@@ -74,11 +75,13 @@ def run_policy(args, policy: str, jobs) -> dict:
         await _trace(engine, warm)
         st0 = engine.stats()
         outs, wall = await _trace(engine, jobs)
+        # after the close: the cache rank's account of the trace's epoch is in (topk_*: it comes at
+        # an epoch's end; they include the warm-up's epoch, which ended inside the trace)
+        await engine.close()
         st = engine.stats()
         for k in TRACE_COUNTERS:  # the timed trace's own share of the cumulative counters
             if isinstance(st.get(k), (int, float)) and isinstance(st0.get(k), (int, float)):
                 st[k] -= st0[k]
-        await engine.close()
         return outs, wall, st
 
     outs, wall, st = asyncio.run(main())
