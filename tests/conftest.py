@@ -185,6 +185,21 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_session():
+    """One torch intra-op thread for the whole session (cache processes spawned by a
+    runtime inherit it through their ``--threads``). The CPU tests are small ops: with two
+    OpenMP threads spinning on a shared 2-core box they ran several times slower (two eval
+    tests of SmolLM2: 4.7x the CPU time; tests/policies/test_rerank.py: 23 s, 1.2 s with
+    one thread). Numerics do not
+    depend on it beyond the reduction order the tolerances allow, and every comparison of
+    two runs in one test has both on the same count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tests of many tiny ops (a decode step = hundreds of small kernels): one intra-op
