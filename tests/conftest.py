@@ -103,9 +103,70 @@ def _interpreter_pure_lookups_cached() -> None:
     core.tuple_type.name = property(tuple_type_name)
 
 
+def _interpreter_types_shared() -> None:
+    """Speed of the interpreted kernel tests, nothing else. Triton 3.6's interpreter
+    builds a new ``tl.block_type`` for the result of every op of every program (its
+    shape as a ``tl.tuple`` with a ``tuple_type``, validated, its name formatted), and
+    every ``tl.tensor`` then builds a ``tl.tuple`` of ``constexpr`` for its shape: about
+    a third of an interpreted kernel's time went to these. The types are never changed
+    after construction, so here a block type is made once per (element type, shape) and
+    shared, and a tensor takes its ``shape`` / ``numel`` from its type's, made once per
+    type. The element type is a dict key through its own ``__eq__`` / ``__hash__``
+    (pointer types keep their address space and constness apart). A shape that does not
+    make a key, or a type that fails validation, takes the original path. Only for the
+    pinned version."""
+    import builtins
+    import math
+
+    import triton
+    from triton.language import core
+
+    if triton.__version__ != "3.6.0":
+        return
+    BT = core.block_type
+    bt_init = BT.__init__
+    types: dict = {}
+
+    def bt_new(cls, element_ty=None, shape=None):  # copy/pickle call cls.__new__(cls): a bare object
+        if cls is not BT or element_ty is None:
+            return object.__new__(cls)
+        try:
+            key = (element_ty, builtins.tuple(core._unwrap_shape(shape)))
+            obj = types.get(key)
+        except TypeError:  # unhashable: not a shape of ints (the original raises its own error)
+            key, obj = None, None
+        if obj is None:
+            obj = object.__new__(cls)
+            bt_init(obj, element_ty, shape)  # validates; raises before anything is kept
+            obj._built = True
+            if key is not None:
+                types[key] = obj
+        return obj
+
+    def bt_init_once(self, element_ty, shape):  # __init__ after __new__: built there
+        if not self.__dict__.get("_built"):
+            bt_init(self, element_ty, shape)
+
+    def tensor_init(self, handle, type):  # core.tensor.__init__ with the shape made once per type
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        made = type.__dict__.get("_tensor_shape")
+        if made is None:
+            shape = type.shape if type.is_block() else ()
+            made = (core.constexpr(math.prod(shape)), core.tuple([core.constexpr(s) for s in shape]))
+            type._tensor_shape = made
+        self.numel, self.shape = made
+
+    BT.__new__ = bt_new
+    BT.__init__ = bt_init_once
+    core.tensor.__init__ = tensor_init
+
+
 if INTERPRET:
     _helpers_reuse_the_launch_patch()
     _interpreter_pure_lookups_cached()
+    _interpreter_types_shared()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -122,6 +183,21 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: cuda when present, else cpu (interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_session():
+    """One torch intra-op thread for the whole session (cache processes spawned by a
+    runtime inherit it through their ``--threads``). The CPU tests are small ops: with two
+    OpenMP threads spinning on a shared 2-core box they ran several times slower (two eval
+    tests of SmolLM2: 4.7x the CPU time; tests/policies/test_rerank.py: 23 s, 1.2 s with
+    one thread). Numerics do not
+    depend on it beyond the reduction order the tolerances allow, and every comparison of
+    two runs in one test has both on the same count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

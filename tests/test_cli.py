@@ -47,10 +47,9 @@ def test_policies_and_transports_list(capsys):
     assert "local" in out and "usable" in out and "nccl" in out and "ucx" in out and "nixl" in out
 
 
-def test_bad_model_name_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "spade.cli", "run", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"),
-                        "--set", "model.name=no-such-model", "--out", str(tmp_path / "r.json")],
-                       capture_output=True, text=True, timeout=300)
+def test_bad_model_name_is_one_line(tmp_path, capsys):
+    r = _main(["run", "--config", str(ROOT / "configs" / "cpu_tiny.yaml"), "--set", "model.name=no-such-model",
+               "--out", str(tmp_path / "r.json")], capsys)
     assert r.returncode == 2
     assert "unknown model 'no-such-model'" in r.stderr and "smollm2-135m" in r.stderr
     assert "Traceback" not in r.stderr
@@ -88,6 +87,16 @@ def _cli(args, env_over=None, drop=(), timeout=300):
         env.pop(k, None)
     return subprocess.run([sys.executable, "-m", "spade.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
+
+
+def _main(args, capsys):
+    """``spade.cli.main`` in process (what ``python -m spade.cli`` runs), its exit code and
+    stderr as a finished process's (an interpreter start is ~10 s on a busy 2-core box)."""
+    import types
+
+    capsys.readouterr()
+    rc = main(args)
+    return types.SimpleNamespace(returncode=rc, stderr=capsys.readouterr().err)
 
 
 def _one_error_line(r) -> str:
@@ -138,10 +147,11 @@ def test_triton_kernels_on_cpu_is_one_line(tmp_path, cmd):
 @pytest.mark.parametrize("out, why", [("/dev/null/x.json", "/dev/null is not a directory"),
                                       ("{tmp}", "is a directory"),
                                       ("{tmp}/file.txt/sub/r.json", "file.txt is not a directory")])
-def test_out_is_checked_before_the_model_loads(tmp_path, out, why):
+def test_out_is_checked_before_the_model_loads(tmp_path, capsys, monkeypatch, out, why):
+    monkeypatch.setenv("SPADE_KERNELS", "torch")
     (tmp_path / "file.txt").write_text("x")
     out = out.format(tmp=tmp_path)
-    r = _cli(["run", *_sets(TINY), "--out", out])
+    r = _main(["run", *_sets(TINY), "--out", out], capsys)
     line = _one_error_line(r)
     assert f"--out {out}" in line and why in line
     assert "loaded tiny" not in r.stderr  # nothing was loaded

