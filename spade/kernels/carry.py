@@ -290,11 +290,13 @@ def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.
     return c
 
 
-def reset_carry(carry: torch.Tensor) -> torch.Tensor:
+def reset_carry(carry: torch.Tensor, *, stats: bool = True) -> torch.Tensor:
     """Reset a carry state's threshold in place (a new sequence: its scores say nothing of
-    the last); ``carry`` may be a view of some rows. Its statistics (slots 2, 3 and 7:
-    fallbacks, calls) go on counting: a join into a serving batch resets the joining row
-    and keeps the generation's account."""
+    the last); ``carry`` may be a view of some rows. ``stats``: zero its statistics too
+    (slots 2, 3 and 7: fallbacks, calls; a new generation). A request joining a serving
+    batch resets its row with ``stats=False``: the epoch's account goes on."""
+    if stats:
+        carry.zero_()
     carry[..., 0] = _NEG_INF_BITS
     carry[..., 1] = 0
     carry[..., 4] = _NEG_INF_BITS

@@ -126,8 +126,9 @@ def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor
 
 def reset_carry(state: PolicyState, layer: int, rows: list[int] | None = None) -> None:
     """A new prompt: the layer's carried threshold says nothing of it (reset in place,
-    so a captured graph holding the tensor stays valid). ``rows``: only those batch rows
-    (requests joining a serving batch; the others keep their thresholds)."""
+    so a captured graph holding the tensor stays valid), and its calls / fallbacks
+    counters restart. ``rows``: only those batch rows' thresholds (requests joining a
+    serving batch); the other rows keep theirs, and the counters go on."""
     c = state.carry.get(layer)
     if c is not None:
         from spade.kernels.carry import reset_carry as _reset
@@ -136,7 +137,7 @@ def reset_carry(state: PolicyState, layer: int, rows: list[int] | None = None) -
             _reset(c)
         else:
             for r in rows:
-                _reset(c[r])
+                _reset(c[r], stats=False)
 
 
 def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor,
