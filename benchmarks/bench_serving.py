@@ -33,7 +33,8 @@ WARM_TOKENS = 8
 #: engine.stats() counters reported for the timed trace alone (the warm-up's share taken off)
 TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "tokens_generated", "joins",
                   "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces",
-                  "topk_calls", "topk_fallbacks", "topk_fallbacks_too_many")
+                  "topk_calls", "topk_fallbacks", "topk_fallbacks_too_many", "requests_finished",
+                  "requests_aborted", "requests_failed")
 
 
 async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
