@@ -413,19 +413,23 @@ class AsyncSpadePolicy(Policy):
             st = AsyncSpadeLayerState(window=torch.zeros(B, Hq, self.rows, D, dtype=torch.float32,
                                                          device=q.device))
             state.layers[layer] = st
-        if self.rope_aware and q.device not in self._rope_tables:  # made here, eagerly (not under capture)
-            self._rope_tables[q.device] = kernels.rope_table(self.spec.rope.theta, self._rope_dim, q.device)
+        if self.rope_aware:
+            self._rope_table(q.device)  # made here, with the state: eagerly, not under graph capture
         return st
+
+    def _rope_table(self, device: torch.device) -> torch.Tensor:
+        """``kernels.rope_table`` of the model's RoPE on ``device``, made once (a
+        host-to-device copy: first made with a layer's state, before any capture)."""
+        table = self._rope_tables.get(device)
+        if table is None:
+            table = self._rope_tables[device] = kernels.rope_table(self.spec.rope.theta, self._rope_dim, device)
+        return table
 
     def _rotate(self, x: torch.Tensor, state: PolicyState, kv_lens: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """``x`` [B, Hq, D] rotated by each row's RoPE position of cache index
         ``kv_lens - 1`` (``inverse``: un-rotated): float32, one launch on a GPU."""
-        kv = kv_lens.to(x.device)
         start = None if state.kv_start is None else state.kv_start.to(x.device)
-        table = self._rope_tables.get(x.device)
-        if table is None:  # (a state made elsewhere than _layer: eagerly, as the first call of a key is)
-            table = self._rope_tables[x.device] = kernels.rope_table(self.spec.rope.theta, self._rope_dim, x.device)
-        return kernels.rope_rotate(x, table, kv, start, 1, inverse)
+        return kernels.rope_rotate(x, self._rope_table(x.device), kv_lens.to(x.device), start, 1, inverse)
 
     @staticmethod
     def _positions(state: PolicyState, kv_lens: torch.Tensor, back: torch.Tensor | int = 1) -> torch.Tensor:
