@@ -62,6 +62,7 @@ import triton.language as tl
 
 from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
+from spade.kernels.quant import unpack_int4
 from spade.kernels.radix_topk import _f32_key, _pick_digit
 from spade.kernels.scoring import _reduce_ref
 
@@ -80,12 +81,15 @@ of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select 
 split gives one chunk per row; True: always, one program per row; False: never)."""
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str) -> tuple[int, ...]:
+def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str,
+           k_scale: torch.Tensor | None = None) -> tuple[int, ...]:
     if q.dim() != 3 or k.dim() != 4:
         raise ValueError(f"q must be [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim, or Hq % Hkv != 0)")
+    int4 = k.dtype == torch.uint8
+    if k.shape[0] != B or k.shape[3] * (2 if int4 else 1) != D or Hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim"
+                         f"{', packed int4: D/2 bytes per key' if int4 else ''}, or Hq % Hkv != 0)")
     Hkv = k.shape[1]
     if cand.dim() != 3 or cand.shape[:2] != (B, Hkv):
         raise ValueError(f"candidates must be [B, Hkv, M] = [{B}, {Hkv}, M], got {tuple(cand.shape)}")
@@ -95,38 +99,55 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
         raise ValueError(f"keep must be >= 0, got {keep}")
     if reduce not in _REDUCES:
         raise ValueError(f"reduce must be one of {sorted(_REDUCES)}, got {reduce!r}")
-    if not k.dtype.is_floating_point:
-        raise ValueError(f"the re-rank scores exact keys (a float dtype), got {k.dtype}")
+    if k.dtype in (torch.int8, torch.uint8):
+        if k_scale is None or k_scale.shape != k.shape[:3] or k_scale.dtype != torch.float32:
+            raise ValueError(f"{'int8' if k.dtype == torch.int8 else 'packed int4 (uint8)'} keys need k_scale: "
+                             f"float32 [B, Hkv, L] = {list(k.shape[:3])} (quantize_keys / quantize_keys_int4), "
+                             f"got {None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape))}")
+    elif not k.dtype.is_floating_point:
+        raise ValueError(f"keys must be a float dtype, int8 or packed int4 (uint8), got {k.dtype}")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale is only for int8 / int4 keys, got {k.dtype} keys")
     return B, Hq, Hkv, D, cand.shape[2]
 
 
 def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, scale: float | None = None,
-                      reduce: str = "sum_softmax") -> torch.Tensor:
+                      reduce: str = "sum_softmax", k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Group scores of the candidates: [B, Hkv, M] float32, ``-inf`` at ``-1`` slots.
 
     ``q`` [B, Hq, D], ``k`` [B, Hkv, L, D], ``cand`` [B, Hkv, M] int (positions into k's
-    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce)
+    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates.
+    Compressed keys (``k`` int8 [B, Hkv, L, D] or packed int4 uint8 [B, Hkv, L, D/2] with
+    their per-token ``k_scale`` [B, Hkv, L]): logits ``scale * (q · kq) * k_scale``, ``q``
+    as given (an int4 copy's smoothing folded in by the caller), fp32 products."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce, k_scale)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     valid = cand >= 0  # [B, Hkv, M]
     pos = cand.long().clamp(min=0)
-    kc = k.gather(2, pos[..., None].expand(B, Hkv, M, D)).float()  # [B, Hkv, M, D]
-    qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
+    kc = k.gather(2, pos[..., None].expand(B, Hkv, M, k.shape[3]))  # [B, Hkv, M, D or D/2]
+    if k_scale is not None:  # compressed: the rows' integers times their scales
+        kc = (unpack_int4(kc) if k.dtype == torch.uint8 else kc).float() * k_scale.gather(2, pos)[..., None]
+        qg = q.float().reshape(B, Hkv, G, D)
+    else:
+        kc = kc.float()
+        qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
     logits = torch.einsum("bhgd,bhmd->bhgm", qg, kc) * scale  # [B, Hkv, G, M]
     return _reduce_ref(logits, valid, valid, reduce)  # sum_softmax: over the valid candidates
 
 
 def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
-                      scale: float | None = None, reduce: str = "sum_softmax") -> torch.Tensor:
-    """The ``keep`` best candidates by the true query ``q``: int32 [B, Hkv, keep], in
+                      scale: float | None = None, reduce: str = "sum_softmax",
+                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``keep`` best candidates by the query ``q``: int32 [B, Hkv, keep], in
     candidate-slot order, ``-1`` padding (fewer than ``keep`` valid candidates); ties
-    broken by the lower slot. See the module docstring."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
+    broken by the lower slot. ``k_scale``: compressed keys, as ``rerank_scores_ref``.
+    See the module docstring."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, k_scale)
     out = torch.full((B, Hkv, keep), -1, dtype=torch.int32, device=q.device)
     if keep == 0 or M == 0:
         return out
-    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce)
+    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce, k_scale=k_scale)
     valid = cand >= 0
     order = torch.sort(-s, dim=-1, stable=True).indices  # best first, ties by slot ([B, Hkv, M])
     rank = torch.empty_like(order)
@@ -440,11 +461,13 @@ def _unroll_g(G: int, block: int, warps: int) -> bool:
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                          scale: float | None = None, reduce: str = "sum_softmax",
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``rerank_select_ref`` (two launches, or one fused; same result up to the
     products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
     [B, Hkv, keep] buffer to write (returned); else a new one."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, k_scale)
+    if k_scale is not None:
+        raise NotImplementedError("rerank_select_triton: compressed (int8 / int4) keys are not in the kernel yet")
     dev = q.device
     if out is None:
         out = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
