@@ -278,7 +278,13 @@ class AsyncSpadeLayerState:
     """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into (``pool``: every
     step's re-scored selection)."""
     pool_idx: torch.Tensor | None = None
-    """``pool`` > 1: int32 [B, Hkv, pool * K_mid], the candidate pool of the last refresh."""
+    """``pool`` > 1: int32 [B, Hkv, pool * K_mid + refresh_every - 1], the candidates each step
+    re-scores: the last refresh's scan, then the tokens that left the recent window since
+    (``-1`` until they have)."""
+    pool_scan: torch.Tensor | None = None
+    """``pool`` > 1: int32 [B, Hkv, pool * K_mid], the scan's output at a refresh."""
+    pool_base: torch.Tensor | None = None
+    """``pool`` > 1: int64 [B], the cache lengths of the last refresh's step."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -905,26 +911,38 @@ class AsyncSpadePolicy(Policy):
                 k_score: torch.Tensor, k_scale: torch.Tensor | None, kv_lens: torch.Tensor,
                 norm_lens: torch.Tensor | None, refresh: bool) -> Selection:
         """``pool`` > 1: at a refresh, the scan's ``pool * K_mid`` best middle tokens into
-        ``st.pool_idx``; then, every step, the pool re-scored by ``q`` (the step's prediction
-        as scored) and its ``rerank * K_mid`` best into ``st.keep`` (fixed buffers: a
-        captured step reads and writes the same memory whichever step wrote the pool)."""
+        ``st.pool_idx``; then, every step, the pool — with the tokens that left the recent
+        window since the refresh, which the scan could not see as middle tokens — re-scored
+        by ``q`` (the step's prediction as scored), its ``rerank * K_mid`` best into
+        ``st.keep``. Fixed buffers, device-side: a captured step reads and writes the same
+        memory whichever step wrote the pool."""
         cfg, dev = self.cfg, k_score.device
         B, Hkv = k_score.shape[:2]
-        shape = (B, Hkv, cfg.pool * self.k_mid)
+        n_pool, n_tail = cfg.pool * self.k_mid, cfg.refresh_every - 1
+        kv = kv_lens.to(device=dev, dtype=torch.int64)
         if refresh:
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
-            if st.pool_idx is None or tuple(st.pool_idx.shape) != shape or st.pool_idx.device != dev:
-                st.pool_idx = torch.empty(shape, dtype=torch.int32, device=dev)
+            if st.pool_scan is None or tuple(st.pool_scan.shape) != (B, Hkv, n_pool) or st.pool_scan.device != dev:
+                st.pool_scan = torch.empty(B, Hkv, n_pool, dtype=torch.int32, device=dev)
+                st.pool_idx = torch.empty(B, Hkv, n_pool + n_tail, dtype=torch.int32, device=dev)
+                st.pool_base = torch.empty(B, dtype=torch.int64, device=dev)
             scan = topk_selection(q, k_score, kv_lens, state.kv_start,
-                                  budget=cfg.sink_tokens + cfg.recent_tokens + shape[2],
+                                  budget=cfg.sink_tokens + cfg.recent_tokens + n_pool,
                                   n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                                   scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                                  norm_lens=norm_lens, out=st.pool_idx, memo=state.memo,
+                                  norm_lens=norm_lens, out=st.pool_scan, memo=state.memo,
                                   carry=layer_carry(state, layer, cfg.topk, k_score),
                                   carry_margin=REFRESH_CARRY_MARGIN)
-            if scan.indices is not st.pool_idx:
-                st.pool_idx.copy_(scan.indices)
+            st.pool_idx[:, :, :n_pool].copy_(scan.indices)
+            st.pool_base.copy_(kv)
+        if n_tail:  # [base - R, base - R + n_tail): middle tokens once below kv - R (R: the recent window)
+            R = cfg.recent_tokens
+            pos = (st.pool_base - R)[:, None] + torch.arange(n_tail, device=dev)  # [B, n_tail]
+            lo = cfg.sink_tokens if state.kv_start is None else state.kv_start.to(dev).long() + cfg.sink_tokens
+            ok = (pos < (kv - R)[:, None]) & (pos >= (lo[:, None] if torch.is_tensor(lo) else lo))
+            tail = torch.where(ok, pos, -1).to(torch.int32)
+            st.pool_idx[:, :, n_pool:].copy_(tail[:, None, :].expand(B, Hkv, n_tail))
         keep = cfg.rerank * self.k_mid
         if st.keep is None or tuple(st.keep.shape) != (B, Hkv, keep) or st.keep.device != dev:
             st.keep = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)

@@ -758,3 +758,77 @@ def test_topk_carry_selects_what_radix_selects(name, score_keys, monkeypatch):
     ks, vs, kv = caches["carry"]
     pols["carry"].prefill(carry, 0, sim.q_all[0, :, :, :T], ks[0], vs[0], kv)
     assert carry.carry[0] is c0 and carry_stats(c0)["calls"] == 0
+
+
+@pytest.mark.parametrize("score_keys,reduce,starts", [("exact", "sum_logits", None), ("int4", "max_logits", [0, 5]),
+                                                      ("int8", "sum_logits", [4, 0])])
+def test_pool_covering_the_middle_selects_what_every_step_selects(score_keys, reduce, starts):
+    """``pool`` with ``pool * K_mid`` at least the middle: the refresh's pool holds every
+    middle token of that step and the tail adds each token leaving the recent window
+    after it, so re-scoring the pool every step selects every step's own top-K (the
+    group score of a candidate does not depend on the others for sum/max of logits);
+    the scan's and the pool's scores are the same numbers in every scoring copy."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=starts, prompt_len=31, steps=9, n_layers=2, seed=43)
+    common = dict(budget=14, sink_tokens=2, recent_tokens=3, window=4, predictor="assembled",
+                  group_reduce=reduce, score_keys=score_keys)
+    every = {}
+    sim.run(make_policy("asyncspade", sim, **common),
+            on_step=lambda rec, st: every.setdefault((rec.seq_len, rec.layer), middle_sets(rec.sel)))
+    pol = make_policy("asyncspade", sim, **common, refresh_every=4, pool=5)  # 5 * 9 >= 40 - 5
+    seen = []
+    sim.run(pol, on_step=lambda rec, st: seen.append((rec.seq_len, rec.layer, middle_sets(rec.sel),
+                                                      rec.sel.indices.data_ptr(), pol.graph_key(st))))
+    assert len(seen) == 9 * 2
+    ptrs = {layer: set() for layer in range(2)}
+    for seq, layer, sets, ptr, key in seen:
+        assert sets == every[(seq, layer)], (seq, layer)
+        assert all(len(h) == 9 for row in sets for h in row)
+        ptrs[layer].add(ptr)
+        assert key[-1] is ((seq - 32) % 4 == 0)
+    assert all(len(p) == 1 for p in ptrs.values())  # one buffer per layer, rewritten in place
+
+
+def test_pool_selects_from_the_pool_and_the_tokens_leaving_the_recent_window():
+    """A pool smaller than the middle: a refresh step selects what every-step selection
+    does (the best K_mid of the best pool * K_mid by one query); a step between selects
+    only from that refresh's pool and the tokens that left the recent window since (the
+    tail slots, ``-1`` until they have), and re-scores them: its choice moves."""
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=[0, 3], prompt_len=41, steps=8, n_layers=1, seed=44)
+    common = dict(budget=12, sink_tokens=2, recent_tokens=3, window=4, predictor="ridge", group_reduce="sum_logits")
+    every = {}
+    sim.run(make_policy("asyncspade", sim, **common),
+            on_step=lambda rec, st: every.setdefault(rec.seq_len, middle_sets(rec.sel)))
+    pol = make_policy("asyncspade", sim, **common, refresh_every=4, pool=2)
+    seen = {"refresh": 0, "between": 0, "moved": 0}
+    held = {}
+    starts = [0, 3]
+
+    def on_step(rec, state):
+        st = state.layers[0]
+        seq, kv = rec.seq_len, rec.kv_lens.tolist()
+        sets = middle_sets(rec.sel)
+        assert st.pool_idx.shape == (2, 2, 2 * 7 + 3)
+        if (seq - 42) % 4 == 0:
+            assert sets == every[seq]
+            held.update(scan=st.pool_scan.clone(), base=list(kv), sets=sets)
+            seen["refresh"] += 1
+        else:
+            seen["between"] += 1
+            seen["moved"] += sets != held["sets"]
+        for b in range(2):
+            tail = [p for p in range(held["base"][b] - 3, kv[b] - 3) if p >= starts[b] + 2]
+            assert st.pool_idx[b, :, 14:].tolist() == [tail + [-1] * (3 - len(tail))] * 2
+            for h in range(2):
+                assert sets[b][h] <= set(held["scan"][b, h].tolist()) | set(tail)
+
+    sim.run(pol, on_step=on_step)
+    assert seen["refresh"] == 2 and seen["between"] == 6 and seen["moved"] > 0
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(pool=2), "refresh_every > 1"), (dict(pool=2, rerank=2, refresh_every=3),
+                                                                          "must exceed policy.rerank")])
+def test_pool_config_errors_name_the_fix(kw, msg):
+    from spade.policies.asyncspade import AsyncSpadePolicyConfig
+
+    with pytest.raises(ValueError, match=msg):
+        AsyncSpadePolicyConfig(budget=64, **kw)
