@@ -100,10 +100,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
     if reduce not in _REDUCES:
         raise ValueError(f"reduce must be one of {sorted(_REDUCES)}, got {reduce!r}")
     if k.dtype in (torch.int8, torch.uint8):
-        if k_scale is None or k_scale.shape != k.shape[:3] or k_scale.dtype != torch.float32:
+        if (k_scale is None or k_scale.shape != k.shape[:3] or k_scale.dtype != torch.float32
+                or k_scale.device != k.device):
             raise ValueError(f"{'int8' if k.dtype == torch.int8 else 'packed int4 (uint8)'} keys need k_scale: "
-                             f"float32 [B, Hkv, L] = {list(k.shape[:3])} (quantize_keys / quantize_keys_int4), "
-                             f"got {None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape))}")
+                             f"float32 [B, Hkv, L] = {list(k.shape[:3])} on k's device {k.device} "
+                             "(quantize_keys / quantize_keys_int4), got "
+                             f"{None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape), str(k_scale.device))}")
     elif not k.dtype.is_floating_point:
         raise ValueError(f"keys must be a float dtype, int8 or packed int4 (uint8), got {k.dtype}")
     elif k_scale is not None:
@@ -168,29 +170,42 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
+def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm,
+                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, KQUANT: tl.constexpr):
     """The logits of candidates ``[split * CHUNK, +CHUNK)`` of row ``pid`` (b * Hkv + h).
     sum_softmax: the G heads' logits to LOGITS [rows, G, M] and the chunk's per-head
     (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
-    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots)."""
+    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots).
+
+    KQUANT: the keys' kind, 0 float, 1 int8, 2 packed int4 (D and BLOCK_D are then the
+    packed row's bytes, half the head dim). Compressed keys convert in registers to the
+    query's own dtype (exact: |kq| <= 127) and the logits are scaled per candidate by
+    its ``KS`` [B, Hkv, L] entry; int4 bytes split into their two channel halves, each
+    dotted with its half of the query (``q`` / ``q2``)."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
+    if KQUANT == 2:  # the head's channels [D, 2D): dotted with the high nibbles
+        q2 = _load_group_q(Q + D * stride_qd, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)
+        if UPCAST:
+            q2 = q2.to(tl.float32)
+    else:
+        q2 = q  # unused
     if UPCAST:
         q = q.to(tl.float32)
-    else:
+    elif KQUANT == 0:
         q = q.to(K.dtype.element_ty)  # the query as scored: rounded to the keys' dtype
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    ks_base = KS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # read only when KQUANT
     lg_base = LOGITS + row64 * G * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
@@ -203,11 +218,24 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NS
         cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < end, other=-1)
         valid = cand >= 0
         pos = tl.where(valid, cand, 0).to(tl.int64)
-        kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
+        if KQUANT == 0:
+            kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                         mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
+        else:
+            kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                         mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_M, BLOCK_D] int8 / uint8
+            if KQUANT == 2:
+                kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi (quant.pack_int4)
+                k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D); padding bytes give -8, q is 0 there
+                k_hi = (kb >> 4).to(q.dtype)  # channels [D, 2D): the arithmetic shift keeps the sign
+                s = dot_t(q, k_lo, IEEE) + dot_t(q2, k_hi, IEEE)
+            else:
+                s = dot_t(q, kt.to(q.dtype), IEEE)
+            ksv = tl.load(ks_base + pos * stride_sl, mask=valid, other=0.0)  # [BLOCK_M] fp32
+            s = s * scale * ksv[None, :]  # [G_PAD, BLOCK_M] fp32
         if REDUCE == 2:  # only the G real heads' rows are written (not the dot's padding)
             tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s,
                      mask=g_mask[:, None] & (offs_m[None, :] < end))
@@ -366,17 +394,18 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
+def _rerank_score_kernel(Q, K, KS, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_cb, stride_ch, stride_cm,
+                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         INTERPRET: tl.constexpr, KQUANT: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv, NSPLIT): ``_score_chunk`` of one chunk of one (b, KV head)."""
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
+    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
                  scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
+                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M,
+                 REDUCE, UPCAST, IEEE, INTERPRET, KQUANT)
     grid_dep_release(PDL)
 
 
@@ -395,20 +424,22 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
+def _rerank_fused_kernel(Q, K, KS, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
+                         stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         INTERPRET: tl.constexpr, KQUANT: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
     selects (one launch; the logits go through its own L1/L2 between the two)."""
     pid = tl.program_id(0)
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
+    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
+                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M,
+                 REDUCE, UPCAST, IEEE, INTERPRET, KQUANT)
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
@@ -466,8 +497,6 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
     [B, Hkv, keep] buffer to write (returned); else a new one."""
     B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, k_scale)
-    if k_scale is not None:
-        raise NotImplementedError("rerank_select_triton: compressed (int8 / int4) keys are not in the kernel yet")
     dev = q.device
     if out is None:
         out = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
@@ -481,7 +510,9 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     cand = cand.to(dev)
     G = Hq // Hkv
     G_PAD = max(16, triton.next_power_of_2(G))
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    kquant = 0 if k_scale is None else (2 if k.dtype == torch.uint8 else 1)
+    DK = k.shape[3]  # elements (int4: bytes) of a key row
+    BLOCK_D = max(16, triton.next_power_of_2(DK))
     red = _REDUCES[reduce]
     rows = B * Hkv
     cfg = _config(M, rows, dev)
@@ -490,25 +521,28 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     scores = torch.empty(rows * M if red != 2 or not cfg["ONE_TILE"] else 1, dtype=torch.float32, device=dev)
     part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
     interp = _interpret()
-    ieee = k.dtype == torch.float32 and not interp
+    # fp32 products (IEEE, not TF32) for fp32 keys, or fp32 queries against compressed keys
+    ieee = (q.dtype if kquant else k.dtype) == torch.float32 and not interp
     scale = D ** -0.5 if scale is None else float(scale)
+    ks = k if k_scale is None else k_scale  # (a placeholder pointer for float keys, never read)
+    s_strides = (0, 0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-               cand.stride(0), cand.stride(1), cand.stride(2))
+               *s_strides, cand.stride(0), cand.stride(1), cand.stride(2))
     o_strides = (out.stride(0), out.stride(1), out.stride(2))
     if cfg["FUSED"]:
         _rerank_fused_kernel[(rows,)](
-            q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
-            G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
+            q, k, ks, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
+            G=G, G_PAD=G_PAD, D=DK, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
             ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
-            UPCAST=interp, IEEE=ieee, INTERPRET=interp,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp, KQUANT=kquant,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
-        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
-        G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
-        INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+        q, k, ks, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
+        G=G, G_PAD=G_PAD, D=DK, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
+        INTERPRET=interp, KQUANT=kquant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
-        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:], *o_strides,
+        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[10:], *o_strides,
         G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
         UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))
