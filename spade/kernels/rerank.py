@@ -102,10 +102,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
     if k.dtype in (torch.int8, torch.uint8):
         if (k_scale is None or k_scale.shape != k.shape[:3] or k_scale.dtype != torch.float32
                 or k_scale.device != k.device):
+            got = None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape), str(k_scale.device))
             raise ValueError(f"{'int8' if k.dtype == torch.int8 else 'packed int4 (uint8)'} keys need k_scale: "
                              f"float32 [B, Hkv, L] = {list(k.shape[:3])} on k's device {k.device} "
-                             "(quantize_keys / quantize_keys_int4), got "
-                             f"{None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape), str(k_scale.device))}")
+                             f"(quantize_keys / quantize_keys_int4), got {got}")
     elif not k.dtype.is_floating_point:
         raise ValueError(f"keys must be a float dtype, int8 or packed int4 (uint8), got {k.dtype}")
     elif k_scale is not None:
