@@ -5,7 +5,8 @@ candidate positions per (batch row, KV head) instead of K. The inference rank, w
 has the step's *true* query, scores only those candidates and keeps the best K:
 
 1. logits ``s_g[j] = scale * q_g · k[cand[j]]`` for the G query heads of the KV head
-   (fp32 products, q rounded to the keys' dtype, as ``spade.kernels.scoring``);
+   (fp32 products, q rounded to the keys' dtype, as ``spade.kernels.scoring``), or
+   against compressed keys ``scale * (q_g · kq[cand[j]]) * k_scale[cand[j]]`` (below);
 2. the group reduction over the *valid candidates only* (``-1`` slots are not
    candidates): ``sum_logits`` Σ_g s_g, ``max_logits`` max_g s_g, ``sum_softmax``
    Σ_g softmax_j(s_g) — each head's softmax normalised over the candidates, the only
@@ -22,8 +23,8 @@ launches, or one fused:
   to 16 rows; a ``for`` loop, so the index load and the gather it feeds are pipelined)
   and writes the group-reduced scores, or for ``sum_softmax`` the G heads' logits and
   each head's online (max, sum of exponentials) per chunk. The chunks spread the key
-  reads (M * D * 2 bytes per row: 1 MB at M=4096, d=128, bf16) over the GPU; one
-  program per (b, KV head) would leave most SMs idle at small batch.
+  reads (M * D * 2 bytes per row: 1 MB at M=4096, d=128, bf16; compressed keys below)
+  over the GPU; one program per (b, KV head) would leave most SMs idle at small batch.
 * **Select**, one program per (b, KV head): merges the chunks' statistics into scores
   and finds the keep-th largest score's order-preserving uint32 key by a radix select,
   four 8-bit digits most significant first (``tl.histogram`` of the keys still tied
@@ -37,6 +38,19 @@ launches, or one fused:
 * **Fused** (``RERANK_CONFIG["FUSE"]``; by default wherever the split gives one chunk
   per row, i.e. the rows alone fill the GPU): one program scores its row, then selects
   after a barrier, saving the second launch.
+
+Compressed keys (a cache rank re-scoring its candidate pool against its scoring copy,
+``policy.pool``): ``k`` int8 [B, Hkv, L, D], or packed int4 as uint8 [B, Hkv, L, D/2]
+(``spade.kernels.quant.pack_int4``: byte ``i`` holds channel ``i`` in the low nibble
+as ``(p & 15) - 8`` and channel ``i + D/2`` in the high one as the signed ``p >> 4``),
+with per-token scales ``k_scale`` float32 [B, Hkv, L]. The query is used as given
+(fp32, or half: the tensor-core path; an int4 copy's smoothing folded in by the
+caller). The scoring tile gathers the candidates' int8 rows (D bytes) or packed rows
+(D/2 bytes), converts them in registers to the query's dtype (exact: |kq| <= 127),
+int4 as its two nibble tiles each dotted with its half of the query, and multiplies
+the logits by the candidates' gathered scales: M * (D + 4) or M * (D/2 + 4) key bytes
+per row instead of bf16's M * D * 2. A constexpr (``KQUANT``) selects the key kind, so the float
+keys' code is as it was; the select stage only sees scores and is the same for all.
 
 Everything is device-side with fixed shapes (no host sync: CUDA-graph safe), PDL hooks
 on every launch. The attention over sinks + the kept tokens + the recent window is the
