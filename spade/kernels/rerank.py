@@ -49,8 +49,9 @@ caller). The scoring tile gathers the candidates' int8 rows (D bytes) or packed 
 (D/2 bytes), converts them in registers to the query's dtype (exact: |kq| <= 127),
 int4 as its two nibble tiles each dotted with its half of the query, and multiplies
 the logits by the candidates' gathered scales: M * (D + 4) or M * (D/2 + 4) key bytes
-per row instead of bf16's M * D * 2. A constexpr (``KQUANT``) selects the key kind, so the float
-keys' code is as it was; the select stage only sees scores and is the same for all.
+per row instead of bf16's M * D * 2. A constexpr (``KQUANT``) selects the key kind, so
+the float keys' code is as it was; the select stage only sees scores and is the same
+for all.
 
 Everything is device-side with fixed shapes (no host sync: CUDA-graph safe), PDL hooks
 on every launch. The attention over sinks + the kept tokens + the recent window is the
