@@ -281,10 +281,11 @@ class AsyncSpadeLayerState:
     """``pool`` > 1: int32 [B, Hkv, pool * K_mid + refresh_every - 1], the candidates each step
     re-scores: the last refresh's scan, then the tokens that left the recent window since
     (``-1`` until they have)."""
-    pool_scan: torch.Tensor | None = None
-    """``pool`` > 1: int32 [B, Hkv, pool * K_mid], the scan's output at a refresh."""
-    pool_base: torch.Tensor | None = None
-    """``pool`` > 1: int64 [B], the cache lengths of the last refresh's step."""
+    scan_buf: torch.Tensor | None = None
+    """``refresh_every > 1``: int32 [B, Hkv, n], the scan's output at a refresh (``pool``:
+    ``pool * K_mid``; else ``rerank * K_mid`` less the tail slots)."""
+    refresh_base: torch.Tensor | None = None
+    """``refresh_every > 1``: int64 [B], the cache lengths of the last refresh's step."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -841,6 +842,9 @@ class AsyncSpadePolicy(Policy):
             if st is None:
                 return None
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
+            n_tail = self._n_tail()
+            if n_tail and st.last_sel is not None and st.last_sel.indices is st.keep:
+                self._write_tail(state, st, kv_lens, st.keep[:, :, st.keep.shape[2] - n_tail:])
             return st.last_sel
         pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
         if st is not None and st.q_scored is not None:
@@ -878,6 +882,7 @@ class AsyncSpadePolicy(Policy):
             return sel
         drift = cfg.refresh_drift is not None and cfg.refresh_drift < 1
         shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
+        n_tail = self._n_tail()
         if periodic or drift:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
@@ -885,18 +890,30 @@ class AsyncSpadePolicy(Policy):
                 st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
                 st.drift_q = None  # nothing kept yet
             out = st.keep
+            if n_tail:  # the scan fills all but the tail slots (see _n_tail)
+                if st.scan_buf is None or tuple(st.scan_buf.shape) != shape[:2] + (shape[2] - n_tail,) \
+                        or st.scan_buf.device != k_cache.device:
+                    st.scan_buf = torch.empty(shape[:2] + (shape[2] - n_tail,), dtype=torch.int32,
+                                              device=k_cache.device)
+                    st.refresh_base = torch.empty(shape[0], dtype=torch.int64, device=k_cache.device)
+                out = st.scan_buf
         if drift:
             if st.fresh is None or st.fresh.shape != st.keep.shape or st.fresh.device != st.keep.device:
                 st.fresh = torch.empty_like(st.keep)
             out = st.fresh
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
-        n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid
+        n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid - n_tail
         sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
                              carry=layer_carry(state, layer, cfg.topk, k_score),
                              carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+        if n_tail and sel.indices is st.scan_buf:  # scan + tail slots, in the layer's buffer
+            st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
+            st.refresh_base.copy_(kv_lens.to(device=k_cache.device, dtype=torch.int64))
+            self._write_tail(state, st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
+            sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         if drift and sel.indices is st.fresh:
             self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
@@ -907,42 +924,67 @@ class AsyncSpadePolicy(Policy):
             st.last_sel = sel  # (its indices are st.keep unless the budget leaves no middle)
         return sel
 
+    def _n_tail(self) -> int:
+        """Tail slots of a selection reused between refreshes (``refresh_every`` N > 1): the
+        N - 1 tokens that leave the recent window before the next refresh, which the scan
+        could not select (they were in the window) and a reused selection would otherwise
+        never attend. The scan fills the other slots, so the budget holds; a slot is ``-1``
+        until its token has left the window (``_write_tail``). 0 without refreshes or
+        middle; with ``pool`` the tail is extra candidates (``_pooled``)."""
+        cfg = self.cfg
+        if cfg.refresh_every == 1 or self.k_mid <= 0:
+            return 0
+        return cfg.refresh_every - 1 if cfg.pool > 1 else min(cfg.refresh_every - 1, cfg.rerank * self.k_mid - 1)
+
+    def _write_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        """Into ``dst`` [B, Hkv, n]: positions ``base - R + j`` (``base``: the last refresh's
+        cache lengths, R the recent window), each once below ``kv_lens - R`` (it left the
+        window) and in the middle (past the sinks), else ``-1``. Device-side, the same
+        for every layer of a step (computed once per step through ``state.memo``)."""
+        B, H, n = dst.shape
+        R, lo = self.cfg.recent_tokens, self.cfg.sink_tokens
+
+        def tail():
+            kv = kv_lens.to(device=dst.device, dtype=torch.int64)
+            pos = (st.refresh_base - R)[:, None] + torch.arange(n, device=dst.device)  # [B, n]
+            first = lo if state.kv_start is None else (state.kv_start.to(dst.device).long() + lo)[:, None]
+            ok = (pos < (kv - R)[:, None]) & (pos >= first)
+            return torch.where(ok, pos, -1).to(torch.int32)[:, None, :]
+
+        dst.copy_(derived(state.memo, ("refresh tail", n), (kv_lens, st.refresh_base, state.kv_start), tail)
+                  .expand(B, H, n))
+
     def _pooled(self, state: PolicyState, st: AsyncSpadeLayerState, layer: int, q: torch.Tensor,
                 k_score: torch.Tensor, k_scale: torch.Tensor | None, kv_lens: torch.Tensor,
                 norm_lens: torch.Tensor | None, refresh: bool) -> Selection:
         """``pool`` > 1: at a refresh, the scan's ``pool * K_mid`` best middle tokens into
         ``st.pool_idx``; then, every step, the pool — with the tokens that left the recent
-        window since the refresh, which the scan could not see as middle tokens — re-scored
-        by ``q`` (the step's prediction as scored), its ``rerank * K_mid`` best into
-        ``st.keep``. Fixed buffers, device-side: a captured step reads and writes the same
-        memory whichever step wrote the pool."""
+        window since the refresh (``_write_tail``) — re-scored by ``q`` (the step's
+        prediction as scored), its ``rerank * K_mid`` best into ``st.keep``. Fixed
+        buffers, device-side: a captured step reads and writes the same memory whichever
+        step wrote the pool."""
         cfg, dev = self.cfg, k_score.device
         B, Hkv = k_score.shape[:2]
-        n_pool, n_tail = cfg.pool * self.k_mid, cfg.refresh_every - 1
-        kv = kv_lens.to(device=dev, dtype=torch.int64)
+        n_pool, n_tail = cfg.pool * self.k_mid, self._n_tail()
         if refresh:
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
-            if st.pool_scan is None or tuple(st.pool_scan.shape) != (B, Hkv, n_pool) or st.pool_scan.device != dev:
-                st.pool_scan = torch.empty(B, Hkv, n_pool, dtype=torch.int32, device=dev)
+            if st.scan_buf is None or tuple(st.scan_buf.shape) != (B, Hkv, n_pool) or st.scan_buf.device != dev:
+                st.scan_buf = torch.empty(B, Hkv, n_pool, dtype=torch.int32, device=dev)
                 st.pool_idx = torch.empty(B, Hkv, n_pool + n_tail, dtype=torch.int32, device=dev)
-                st.pool_base = torch.empty(B, dtype=torch.int64, device=dev)
+                st.refresh_base = torch.empty(B, dtype=torch.int64, device=dev)
             scan = topk_selection(q, k_score, kv_lens, state.kv_start,
                                   budget=cfg.sink_tokens + cfg.recent_tokens + n_pool,
                                   n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                                   scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                                  norm_lens=norm_lens, out=st.pool_scan, memo=state.memo,
+                                  norm_lens=norm_lens, out=st.scan_buf, memo=state.memo,
                                   carry=layer_carry(state, layer, cfg.topk, k_score),
                                   carry_margin=REFRESH_CARRY_MARGIN)
             st.pool_idx[:, :, :n_pool].copy_(scan.indices)
-            st.pool_base.copy_(kv)
-        if n_tail:  # [base - R, base - R + n_tail): middle tokens once below kv - R (R: the recent window)
-            R = cfg.recent_tokens
-            pos = (st.pool_base - R)[:, None] + torch.arange(n_tail, device=dev)  # [B, n_tail]
-            lo = cfg.sink_tokens if state.kv_start is None else state.kv_start.to(dev).long() + cfg.sink_tokens
-            ok = (pos < (kv - R)[:, None]) & (pos >= (lo[:, None] if torch.is_tensor(lo) else lo))
-            tail = torch.where(ok, pos, -1).to(torch.int32)
-            st.pool_idx[:, :, n_pool:].copy_(tail[:, None, :].expand(B, Hkv, n_tail))
+            st.refresh_base.copy_(kv_lens.to(device=dev, dtype=torch.int64))
+        if n_tail:
+            self._write_tail(state, st, kv_lens, st.pool_idx[:, :, n_pool:])
         keep = cfg.rerank * self.k_mid
         if st.keep is None or tuple(st.keep.shape) != (B, Hkv, keep) or st.keep.device != dev:
             st.keep = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)

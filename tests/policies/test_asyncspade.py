@@ -63,32 +63,38 @@ def test_window_bookkeeping_and_graph_key():
 @pytest.mark.parametrize("n,starts", [(3, None), (2, [0, 5])])
 def test_refresh_every_reuses_the_last_selection_between_refreshes(n, starts):
     """``refresh_every=n``: a new selection at the first sparse step and every n steps
-    after it — the same one an every-step policy makes there (the window still takes
-    every step's query) — and the previous one, object for object, in between; every
-    refresh writes the layer's one buffer in place; the graph key says which kind of
-    step it is."""
+    after it — the scan's best K_mid - (n - 1), what an every-step policy with n - 1 fewer
+    tokens of budget makes there (the window still takes every step's query) — and in
+    between the same selection object, whose n - 1 tail slots take each token as it
+    leaves the recent window (attended from then on, budget kept); every refresh writes
+    the layer's one buffer in place; the graph key says which kind of step it is."""
     sim = DecodeSim(B=2, Hq=4, Hkv=2, kv_start=starts, prompt_len=31, steps=9, n_layers=2, seed=41)
-    common = dict(budget=14, sink_tokens=2, recent_tokens=3, window=4, predictor="assembled")
+    common = dict(sink_tokens=2, recent_tokens=3, window=4, predictor="assembled")
     every = {}
-    sim.run(make_policy("asyncspade", sim, **common),
+    sim.run(make_policy("asyncspade", sim, budget=14 - (n - 1), **common),
             on_step=lambda rec, st: every.setdefault((rec.seq_len, rec.layer), middle_sets(rec.sel)))
-    pol = make_policy("asyncspade", sim, **common, refresh_every=n)
-    seen = []  # (seq_len, layer, selection, its indices' storage, middle sets then, graph key)
+    pol = make_policy("asyncspade", sim, budget=14, **common, refresh_every=n)
+    seen = []  # (seq_len, layer, selection, its indices' storage, middle sets then, kv_lens, graph key)
     sim.run(pol, on_step=lambda rec, st: seen.append(
-        (rec.seq_len, rec.layer, rec.sel, rec.sel.indices.data_ptr(), middle_sets(rec.sel), pol.graph_key(st))))
+        (rec.seq_len, rec.layer, rec.sel, rec.sel.indices.data_ptr(), middle_sets(rec.sel), rec.kv_lens.tolist(),
+         pol.graph_key(st))))
     first = 32  # the first decode step (the prompt alone is past the budget)
+    lo = [2 + (0 if starts is None else starts[b]) for b in range(2)]
     last: dict = {}
-    for seq, layer, sel, ptr, sets, key in seen:
+    for seq, layer, sel, ptr, sets, kv, key in seen:
         if (seq - first) % n == 0:
             assert sets == every[(seq, layer)]
+            assert sel.indices.shape[2] == 14 - 2 - 3  # K_mid slots: the scan's, then n - 1 tail slots (-1 here)
             assert layer not in last or ptr == last[layer][1]  # the same buffer, rewritten
-            last[layer] = (sel, ptr, sets)
+            last[layer] = (sel, ptr, sets, kv)
         else:
-            assert sel is last[layer][0] and sets == last[layer][2]
+            held, base = last[layer][0], last[layer][3]
+            assert sel is held
+            for b in range(2):
+                tail = {p for p in range(base[b] - 3, kv[b] - 3) if p >= lo[b]}
+                assert tail and all(sets[b][h] == last[layer][2][b][h] | tail for h in range(2))
         assert key[-1] is ((seq - first) % n == 0)
-    assert any(sets != every[(seq, layer)] for seq, layer, _, _, sets, _ in seen
-               if (seq - first) % n)  # reuse steps do select differently here
-    assert len(make_policy("asyncspade", sim, **common).graph_key(pol.new_state(2, "cpu"))) == 2  # n = 1: as before
+    assert len(make_policy("asyncspade", sim, budget=14, **common).graph_key(pol.new_state(2, "cpu"))) == 2
 
 
 @pytest.mark.parametrize("n,want", [(1, None), (3, 2.0)])
@@ -810,7 +816,7 @@ def test_pool_selects_from_the_pool_and_the_tokens_leaving_the_recent_window():
         assert st.pool_idx.shape == (2, 2, 2 * 7 + 3)
         if (seq - 42) % 4 == 0:
             assert sets == every[seq]
-            held.update(scan=st.pool_scan.clone(), base=list(kv), sets=sets)
+            held.update(scan=st.scan_buf.clone(), base=list(kv), sets=sets)
             seen["refresh"] += 1
         else:
             seen["between"] += 1
