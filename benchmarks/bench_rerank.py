@@ -23,27 +23,17 @@ each (``benchmarks.kernels.Timer.graph``):
   ``kernels.rerank.RERANK_CONFIG`` settings (fused or split, tiles, warps, programs per
   SM), each checked like the default before it is timed.
 
-``--keys`` (default ``exact``) picks the keys the select scores, each its own rows
-(column ``keys``): ``exact`` the bf16 cache (all the rows above); ``int8`` /
-``int4`` the cache's symmetric int8 or packed int4 scoring copy with its per-token
-scales (``kernels.quantize_keys`` / ``quantize_keys_int4``), as a cache rank re-scores
-its candidate pool (``policy.pool``): the ``select`` row (and its ``--sweep`` rows)
-only, the attention reading exact keys either way.
-
 The ``select`` row records the launch the heuristic chose: ``fused`` (one launch),
 ``nsplit`` (scoring programs per row) and ``one_tile`` (the row selected in registers).
 
 Floors (``floor_ms``) are bytes over the measured device-copy bandwidth: ``select``
-reads the M candidates' keys and indices (and writes K_mid indices): per candidate
-``d * 2`` key bytes (bf16), ``d`` (int8) or ``d / 2`` (int4) plus its 4-byte scale, and
-the 4-byte index; ``select+attend``
+reads the M candidates' keys and indices (and writes K_mid indices); ``select+attend``
 adds the K_mid kept K/V and the sinks' and recent window's. Every kept set is checked
 against ``kernels.rerank.rerank_select_ref`` (sum of true scores) before it is timed.
 
     python -m benchmarks.bench_rerank                       # B in {8, 16}, L=32k, K=2k, m in {2, 4}
     python -m benchmarks.bench_rerank --shapes 8x32768,32x16384 --budget 2048 --rerank 2,4,8
     python -m benchmarks.bench_rerank --shapes 1x32768,8x32768,32x16384 --rerank 2 --sweep
-    python -m benchmarks.bench_rerank --keys exact,int8,int4 --shapes 1x32768,8x32768,32x32768 --rerank 2,4,8
     python -m benchmarks.bench_rerank --tiny                # CPU interpreter: checks the script
 """
 
@@ -78,16 +68,12 @@ def _inputs(B: int, L: int, M: int, hq: int, hkv: int, d: int, dtype, device, n_
     return q, k, v, cand.to(device), kv_lens.to(device)
 
 
-KEYS = ("exact", "int8", "int4")
-
-
-def _deficit(q, k, cand, kept, keep: int, k_scale=None) -> float:
-    """Relative shortfall of ``kept``'s total true score against the reference's
-    (``k_scale``: ``k`` is a compressed copy, scored as such)."""
+def _deficit(q, k, cand, kept, keep: int) -> float:
+    """Relative shortfall of ``kept``'s total true score against the reference's."""
     from spade.kernels import rerank
 
-    s = rerank.rerank_scores_ref(q, k, cand, k_scale=k_scale).double()  # [B, H, M]
-    want = rerank.rerank_select_ref(q, k, cand, keep, k_scale=k_scale)
+    s = rerank.rerank_scores_ref(q, k, cand).double()  # [B, H, M]
+    want = rerank.rerank_select_ref(q, k, cand, keep)
 
     def total(sel):
         hit = (cand[..., :, None] == sel[..., None, :]) & (sel[..., None, :] >= 0)  # [B, H, M, keep]
@@ -117,16 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time the select under other RERANK_CONFIG settings")
-    ap.add_argument("--keys", default="exact",
-                    help=f"keys the select scores, comma-separated from {','.join(KEYS)} (int8 / int4: the "
-                         "cache's compressed scoring copy with per-token scales; select rows only)")
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--out", default="results/bench_rerank.json")
     args = ap.parse_args(argv)
-    keys = [x.strip() for x in args.keys.split(",") if x.strip()]
-    bad = [x for x in keys if x not in KEYS]
-    if bad or not keys:
-        ap.error(f"--keys {args.keys!r}: use one or more of {','.join(KEYS)}, comma-separated")
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -161,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms_:
             M = m * k_mid
             q, k, v, cand, kv_lens = _inputs(B, L, M, hq, hkv, d, dtype, dev, n_sink, n_recent)
+            shape = dict(B=B, L=L, m=m, M=M, K_mid=k_mid)
             kept = torch.empty(B, hkv, k_mid, dtype=torch.int32, device=dev)
             fixed = (n_sink + n_recent) * 2 * d * elt  # sinks + recent K/V per (row, KV head)
+            rr_bytes = B * hkv * (M * (d * elt + 4) + k_mid * 4) + q.numel() * elt
             att_k_bytes = B * hkv * (k_mid * (2 * d * elt + 4) + fixed) + 2 * q.numel() * elt
             att_m_bytes = B * hkv * (M * (2 * d * elt + 4) + fixed) + 2 * q.numel() * elt
 
@@ -170,62 +151,49 @@ def main(argv: list[str] | None = None) -> int:
                 return attention.sparse_decode_attention_triton(q, k, v, kv_lens, idx, n_sink=n_sink,
                                                                 n_recent=n_recent, scale=scale)
 
-            for kind in keys:
-                shape = dict(B=B, L=L, m=m, M=M, K_mid=k_mid, keys=kind)
-                if kind == "exact":
-                    ksel, kscale, row_bytes = k, None, d * elt
-                elif kind == "int8":
-                    (ksel, kscale), row_bytes = kernels.quantize_keys(k), d + 4  # + the token's scale
-                else:
-                    (ksel, kscale), row_bytes = kernels.quantize_keys_int4(k), d // 2 + 4
-                rr_bytes = B * hkv * (M * (row_bytes + 4) + k_mid * 4) + q.numel() * elt  # + 4-byte indices
+            def two_stage():
+                rerank.rerank_select_triton(q, k, cand, k_mid, scale=scale, out=kept)
+                return attend(kept)
 
-                def select(ksel=ksel, kscale=kscale):
-                    return rerank.rerank_select_triton(q, ksel, cand, k_mid, scale=scale, out=kept, k_scale=kscale)
+            def torch_ref():
+                s = rerank.rerank_scores_ref(q, k, cand, scale=scale)
+                top = s.topk(k_mid, dim=-1).indices
+                idx = torch.where(s.gather(-1, top) > float("-inf"), cand.gather(-1, top), -1)
+                return attend(idx.to(torch.int32))
 
-                def two_stage():
-                    select()
-                    return attend(kept)
-
-                def torch_ref():
-                    s = rerank.rerank_scores_ref(q, k, cand, scale=scale)
-                    top = s.topk(k_mid, dim=-1).indices
-                    idx = torch.where(s.gather(-1, top) > float("-inf"), cand.gather(-1, top), -1)
-                    return attend(idx.to(torch.int32))
-
-                kept.fill_(-1)
-                select()
-                deficit = _deficit(q, ksel, cand, kept, k_mid, kscale)
-                if deficit > 1e-3:
-                    rec.skip("rerank", "triton", shape, f"wrong selection (deficit {deficit:.2e})")
-                    continue
-                cfg = rerank._config(M, B * hkv, dev)
-                rec.add("rerank", "select", shape, lambda: run(select), rr_bytes, bw, deficit=deficit,
+            rerank.rerank_select_triton(q, k, cand, k_mid, scale=scale, out=kept)
+            deficit = _deficit(q, k, cand, kept, k_mid)
+            if deficit > 1e-3:
+                rec.skip("rerank", "triton", shape, f"wrong selection (deficit {deficit:.2e})")
+                continue
+            cfg = rerank._config(M, B * hkv, dev)
+            rec.add("rerank", "select", shape, lambda: run(lambda: rerank.rerank_select_triton(
+                q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit, fused=cfg["FUSED"],
+                nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
+            rec.add("rerank", "select+attend", shape, lambda: run(two_stage), rr_bytes + att_k_bytes, bw)
+            # (eager: the reference's ops copy a host scalar, which a graph capture refuses)
+            rec.add("rerank", "torch+attend", shape, lambda: timer(torch_ref), rr_bytes + att_k_bytes, bw)
+            rec.add("attend_K", "triton", shape, lambda: run(lambda: attend(kept)), att_k_bytes, bw)
+            rec.add("attend_M", "triton", shape, lambda: run(lambda: attend(cand)), att_m_bytes, bw)
+            for over in _sweep_grid(args.tiny) if args.sweep else []:
+                name = "select[" + " ".join(f"{key}={int(v) if isinstance(v, bool) else v}"
+                                            for key, v in over.items()) + "]"
+                saved = dict(rerank.RERANK_CONFIG)
+                rerank.RERANK_CONFIG.update(over)
+                try:
+                    cfg = rerank._config(M, B * hkv, dev)
+                    kept.fill_(-1)
+                    rerank.rerank_select_triton(q, k, cand, k_mid, scale=scale, out=kept)
+                    deficit = _deficit(q, k, cand, kept, k_mid)
+                    if deficit > 1e-3:
+                        rec.skip("rerank", name, shape, f"wrong selection (deficit {deficit:.2e})")
+                        continue
+                    rec.add("rerank", name, shape, lambda: run(lambda: rerank.rerank_select_triton(
+                        q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit,
                         fused=cfg["FUSED"], nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
-                if kind == "exact":  # the attention reads exact keys whichever copy the select scored
-                    rec.add("rerank", "select+attend", shape, lambda: run(two_stage), rr_bytes + att_k_bytes, bw)
-                    # (eager: the reference's ops copy a host scalar, which a graph capture refuses)
-                    rec.add("rerank", "torch+attend", shape, lambda: timer(torch_ref), rr_bytes + att_k_bytes, bw)
-                    rec.add("attend_K", "triton", shape, lambda: run(lambda: attend(kept)), att_k_bytes, bw)
-                    rec.add("attend_M", "triton", shape, lambda: run(lambda: attend(cand)), att_m_bytes, bw)
-                for over in _sweep_grid(args.tiny) if args.sweep else []:
-                    name = "select[" + " ".join(f"{key}={int(v) if isinstance(v, bool) else v}"
-                                                for key, v in over.items()) + "]"
-                    saved = dict(rerank.RERANK_CONFIG)
-                    rerank.RERANK_CONFIG.update(over)
-                    try:
-                        cfg = rerank._config(M, B * hkv, dev)
-                        kept.fill_(-1)
-                        select()
-                        deficit = _deficit(q, ksel, cand, kept, k_mid, kscale)
-                        if deficit > 1e-3:
-                            rec.skip("rerank", name, shape, f"wrong selection (deficit {deficit:.2e})")
-                            continue
-                        rec.add("rerank", name, shape, lambda: run(select), rr_bytes, bw, deficit=deficit,
-                                fused=cfg["FUSED"], nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
-                    finally:
-                        rerank.RERANK_CONFIG.clear()
-                        rerank.RERANK_CONFIG.update(saved)
+                finally:
+                    rerank.RERANK_CONFIG.clear()
+                    rerank.RERANK_CONFIG.update(saved)
     print(f"wrote {args.out}")
     return 0
 

@@ -199,8 +199,6 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.refresh_every={a.cur_refresh}")
     if getattr(a, "cur_rerank", 1) != 1:
         out.append(f"policy.rerank={a.cur_rerank}")
-    if getattr(a, "cur_pool", 1) != 1:
-        out.append(f"policy.pool={a.cur_pool}")
     if getattr(a, "cur_channels", 0):
         out.append(f"policy.score_channels={a.cur_channels}")
     if getattr(a, "refresh_drift", None) is not None:
@@ -313,7 +311,6 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
                    + ("" if topology == "multiprocess" or ct == a.cache_thread[0] else f"_{ct}") + _pdl_tag(a)
                    + "".join(f"_{k}{v}" for k, v in (("r", getattr(a, "cur_refresh", 1)),
                                                       ("m", getattr(a, "cur_rerank", 1)),
-                                                      ("p", getattr(a, "cur_pool", 1)),
                                                       ("c", getattr(a, "cur_channels", 0))) if v not in (0, 1)))
             timeline = None
             if (a.profile and not a.profile_rows and not shared.get("profiled_" + topology)) \
@@ -853,10 +850,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="policy.rerank values m of the asyncspade rows (comma-separated; m > 1: the cache rank "
                          "selects m*K_mid candidates and the inference rank re-ranks them with the true query; "
                          "rows named .../m=<m>)")
-    ap.add_argument("--pool", default="1",
-                    help="policy.pool values p of the asyncspade rows (comma-separated; p > 1 goes with each "
-                         "--refresh-every N > 1: the refresh scans for p * K_mid candidates, every step re-scores "
-                         "them; rows .../r=N/p=p)")
     ap.add_argument("--score-channels", default="0",
                     help="policy.score_channels values of the asyncspade rows (comma-separated; r of the head "
                          "dim's channels in the scoring copy, 0: all; r > 0 adds rows named .../c=<r>)")
@@ -908,10 +901,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.cur_sov_sfx = ""  # (set_sov sets the environment: not here, the rows' loop does)
     a.refresh_every = _int_list(ap, "--refresh-every", a.refresh_every, 1, 64, "policy.refresh_every", 1)
     a.rerank = _int_list(ap, "--rerank", a.rerank, 1, 16, "policy.rerank", 1)
-    a.pool = _int_list(ap, "--pool", a.pool, 1, 64, "policy.pool", 1)
     a.score_channels = _int_list(ap, "--score-channels", a.score_channels, 0, 1 << 16,
                                  "policy.score_channels; 0: all", 0)
-    a.cur_refresh, a.cur_rerank, a.cur_pool = 1, 1, 1
+    a.cur_refresh, a.cur_rerank = 1, 1
     a.cur_channels = 0
     return a
 
@@ -970,51 +962,40 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for rr, ch, n, sk, pl in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys,
-                                                   a.pool):
-            if (rr == 1 and ch == 0 and n == 1 and sk == "exact" and pl == 1) or not _pool_ok(pl, n, rr):
-                continue  # the plain asyncspade/inline row above, or a pool the policy refuses
+        for rr, ch, n, sk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys):
+            if rr == 1 and ch == 0 and n == 1 and sk == "exact":
+                continue  # the plain asyncspade/inline row above
 
-            def go_inline(sk=sk, n=n, rr=rr, ch=ch, pl=pl):
-                a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels, a.cur_pool = sk, n, rr, ch, pl
+            def go_inline(sk=sk, n=n, rr=rr, ch=ch):
+                a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = sk, n, rr, ch
                 try:
                     return run_inline(model, "asyncspade/inline", B, L, K, a)
                 finally:
-                    a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels, a.cur_pool = "exact", 1, 1, 0, 1
+                    a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = "exact", 1, 1, 0
 
             record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}")
-                   + ("" if pl == 1 else f"/p={pl}") + ("" if rr == 1 else f"/m={rr}")
-                   + ("" if ch == 0 else f"/c={ch}"), go_inline)
+                   + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"), go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for rr, ch, n, sk, mode, P, ct, pl in itertools.product(a.rerank, a.score_channels, a.refresh_every,
-                                                                 a.score_keys, a.modes, a.packs, threads, a.pool):
-            if not _pool_ok(pl, n, rr):
-                continue
+        for rr, ch, n, sk, mode, P, ct in itertools.product(a.rerank, a.score_channels, a.refresh_every,
+                                                             a.score_keys, a.modes, a.packs, threads):
             name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
                     + ("" if sk == "exact" else f"/{sk}")
                     + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}")
-                    + ("" if pl == 1 else f"/p={pl}")
                     + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"))
 
-            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch, pl=pl):
+            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch):
                 a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = sk, ct, n, rr
-                a.cur_channels, a.cur_pool = ch, pl
+                a.cur_channels = ch
                 try:
                     return run_async(model, topo, P, mode, B, L, K, a, shared)
                 finally:
                     a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = "exact", "auto", 1, 1
-                    a.cur_channels, a.cur_pool = 0, 1
+                    a.cur_channels = 0
 
             record(name, go)
-
-
-def _pool_ok(pool: int, refresh: int, rerank: int) -> bool:
-    """Whether ``policy.pool`` p goes with N = ``refresh_every`` and m = ``rerank`` (p = 1, or
-    p > m with N > 1: the policy refuses the rest)."""
-    return pool == 1 or (refresh > 1 and pool > rerank)
 
 
 def main(argv: list[str] | None = None) -> int:

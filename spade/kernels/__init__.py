@@ -205,21 +205,18 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
               kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
-def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None, k_scale=None):
+def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):
     """Re-rank candidates with the true query: the ``keep`` best of ``cand`` [B, Hkv, M]
     (positions into ``k`` [B, Hkv, L, D], ``-1`` = empty) by the group score of ``q``
     [B, Hq, D] over the candidates (``reduce``; ``sum_softmax`` normalises each head over
     the valid candidates), as int32 [B, Hkv, keep] in candidate order, ``-1`` padding;
     ties go to the lower candidate slot. Two launches on the GPU (one where fused), no host sync
-    (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write.
-    ``k_scale``: ``k`` is a compressed scoring copy (int8, or packed int4 as uint8
-    [B, Hkv, L, D/2]) with its per-token scales [B, Hkv, L]; ``q`` as scored (an int4
-    copy's smoothing folded in)."""
+    (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write."""
     from spade.kernels import rerank
 
     if use_triton(q):
-        return rerank.rerank_select_triton(q, k, cand, keep, scale=scale, reduce=reduce, out=out, k_scale=k_scale)
-    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce, k_scale=k_scale)
+        return rerank.rerank_select_triton(q, k, cand, keep, scale=scale, reduce=reduce, out=out)
+    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce)
     return kept if out is None else out.copy_(kept)
 
 

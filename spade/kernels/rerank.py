@@ -5,8 +5,7 @@ candidate positions per (batch row, KV head) instead of K. The inference rank, w
 has the step's *true* query, scores only those candidates and keeps the best K:
 
 1. logits ``s_g[j] = scale * q_g · k[cand[j]]`` for the G query heads of the KV head
-   (fp32 products, q rounded to the keys' dtype, as ``spade.kernels.scoring``), or
-   against compressed keys ``scale * (q_g · kq[cand[j]]) * k_scale[cand[j]]`` (below);
+   (fp32 products, q rounded to the keys' dtype, as ``spade.kernels.scoring``);
 2. the group reduction over the *valid candidates only* (``-1`` slots are not
    candidates): ``sum_logits`` Σ_g s_g, ``max_logits`` max_g s_g, ``sum_softmax``
    Σ_g softmax_j(s_g) — each head's softmax normalised over the candidates, the only
@@ -23,8 +22,8 @@ launches, or one fused:
   to 16 rows; a ``for`` loop, so the index load and the gather it feeds are pipelined)
   and writes the group-reduced scores, or for ``sum_softmax`` the G heads' logits and
   each head's online (max, sum of exponentials) per chunk. The chunks spread the key
-  reads (M * D * 2 bytes per row: 1 MB at M=4096, d=128, bf16; compressed keys below)
-  over the GPU; one program per (b, KV head) would leave most SMs idle at small batch.
+  reads (M * D * 2 bytes per row: 1 MB at M=4096, d=128, bf16) over the GPU; one
+  program per (b, KV head) would leave most SMs idle at small batch.
 * **Select**, one program per (b, KV head): merges the chunks' statistics into scores
   and finds the keep-th largest score's order-preserving uint32 key by a radix select,
   four 8-bit digits most significant first (``tl.histogram`` of the keys still tied
@@ -38,20 +37,6 @@ launches, or one fused:
 * **Fused** (``RERANK_CONFIG["FUSE"]``; by default wherever the split gives one chunk
   per row, i.e. the rows alone fill the GPU): one program scores its row, then selects
   after a barrier, saving the second launch.
-
-Compressed keys (a cache rank re-scoring its candidate pool against its scoring copy,
-``policy.pool``): ``k`` int8 [B, Hkv, L, D], or packed int4 as uint8 [B, Hkv, L, D/2]
-(``spade.kernels.quant.pack_int4``: byte ``i`` holds channel ``i`` in the low nibble
-as ``(p & 15) - 8`` and channel ``i + D/2`` in the high one as the signed ``p >> 4``),
-with per-token scales ``k_scale`` float32 [B, Hkv, L]. The query is used as given
-(fp32, or half: the tensor-core path; an int4 copy's smoothing folded in by the
-caller). The scoring tile gathers the candidates' int8 rows (D bytes) or packed rows
-(D/2 bytes), converts them in registers to the query's dtype (exact: |kq| <= 127),
-int4 as its two nibble tiles each dotted with its half of the query, and multiplies
-the logits by the candidates' gathered scales: M * (D + 4) or M * (D/2 + 4) key bytes
-per row instead of bf16's M * D * 2. A constexpr (``KQUANT``) selects the key kind, so
-the float keys' code is as it was; the select stage only sees scores and is the same
-for all.
 
 Everything is device-side with fixed shapes (no host sync: CUDA-graph safe), PDL hooks
 on every launch. The attention over sinks + the kept tokens + the recent window is the
@@ -77,7 +62,6 @@ import triton.language as tl
 
 from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
-from spade.kernels.quant import unpack_int4
 from spade.kernels.radix_topk import _f32_key, _pick_digit
 from spade.kernels.scoring import _reduce_ref
 
@@ -96,15 +80,12 @@ of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select 
 split gives one chunk per row; True: always, one program per row; False: never)."""
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str,
-           k_scale: torch.Tensor | None = None) -> tuple[int, ...]:
+def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str) -> tuple[int, ...]:
     if q.dim() != 3 or k.dim() != 4:
         raise ValueError(f"q must be [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, D = q.shape
-    int4 = k.dtype == torch.uint8
-    if k.shape[0] != B or k.shape[3] * (2 if int4 else 1) != D or Hq % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim"
-                         f"{', packed int4: D/2 bytes per key' if int4 else ''}, or Hq % Hkv != 0)")
+    if k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim, or Hq % Hkv != 0)")
     Hkv = k.shape[1]
     if cand.dim() != 3 or cand.shape[:2] != (B, Hkv):
         raise ValueError(f"candidates must be [B, Hkv, M] = [{B}, {Hkv}, M], got {tuple(cand.shape)}")
@@ -114,57 +95,38 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
         raise ValueError(f"keep must be >= 0, got {keep}")
     if reduce not in _REDUCES:
         raise ValueError(f"reduce must be one of {sorted(_REDUCES)}, got {reduce!r}")
-    if k.dtype in (torch.int8, torch.uint8):
-        if (k_scale is None or k_scale.shape != k.shape[:3] or k_scale.dtype != torch.float32
-                or k_scale.device != k.device):
-            got = None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape), str(k_scale.device))
-            raise ValueError(f"{'int8' if k.dtype == torch.int8 else 'packed int4 (uint8)'} keys need k_scale: "
-                             f"float32 [B, Hkv, L] = {list(k.shape[:3])} on k's device {k.device} "
-                             f"(quantize_keys / quantize_keys_int4), got {got}")
-    elif not k.dtype.is_floating_point:
-        raise ValueError(f"keys must be a float dtype, int8 or packed int4 (uint8), got {k.dtype}")
-    elif k_scale is not None:
-        raise ValueError(f"k_scale is only for int8 / int4 keys, got {k.dtype} keys")
+    if not k.dtype.is_floating_point:
+        raise ValueError(f"the re-rank scores exact keys (a float dtype), got {k.dtype}")
     return B, Hq, Hkv, D, cand.shape[2]
 
 
 def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, scale: float | None = None,
-                      reduce: str = "sum_softmax", k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      reduce: str = "sum_softmax") -> torch.Tensor:
     """Group scores of the candidates: [B, Hkv, M] float32, ``-inf`` at ``-1`` slots.
 
     ``q`` [B, Hq, D], ``k`` [B, Hkv, L, D], ``cand`` [B, Hkv, M] int (positions into k's
-    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates.
-    Compressed keys (``k`` int8 [B, Hkv, L, D] or packed int4 uint8 [B, Hkv, L, D/2] with
-    their per-token ``k_scale`` [B, Hkv, L]): logits ``scale * (q · kq) * k_scale``, ``q``
-    as given (an int4 copy's smoothing folded in by the caller), fp32 products."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce, k_scale)
+    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     valid = cand >= 0  # [B, Hkv, M]
     pos = cand.long().clamp(min=0)
-    kc = k.gather(2, pos[..., None].expand(B, Hkv, M, k.shape[3]))  # [B, Hkv, M, D or D/2]
-    if k_scale is not None:  # compressed: the rows' integers times their scales
-        kc = (unpack_int4(kc) if k.dtype == torch.uint8 else kc).float() * k_scale.gather(2, pos)[..., None]
-        qg = q.float().reshape(B, Hkv, G, D)
-    else:
-        kc = kc.float()
-        qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
+    kc = k.gather(2, pos[..., None].expand(B, Hkv, M, D)).float()  # [B, Hkv, M, D]
+    qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
     logits = torch.einsum("bhgd,bhmd->bhgm", qg, kc) * scale  # [B, Hkv, G, M]
     return _reduce_ref(logits, valid, valid, reduce)  # sum_softmax: over the valid candidates
 
 
 def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
-                      scale: float | None = None, reduce: str = "sum_softmax",
-                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``keep`` best candidates by the query ``q``: int32 [B, Hkv, keep], in
+                      scale: float | None = None, reduce: str = "sum_softmax") -> torch.Tensor:
+    """The ``keep`` best candidates by the true query ``q``: int32 [B, Hkv, keep], in
     candidate-slot order, ``-1`` padding (fewer than ``keep`` valid candidates); ties
-    broken by the lower slot. ``k_scale``: compressed keys, as ``rerank_scores_ref``.
-    See the module docstring."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, k_scale)
+    broken by the lower slot. See the module docstring."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
     out = torch.full((B, Hkv, keep), -1, dtype=torch.int32, device=q.device)
     if keep == 0 or M == 0:
         return out
-    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce, k_scale=k_scale)
+    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce)
     valid = cand >= 0
     order = torch.sort(-s, dim=-1, stable=True).indices  # best first, ties by slot ([B, Hkv, M])
     rank = torch.empty_like(order)
@@ -185,42 +147,29 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
+def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
+                 stride_cb, stride_ch, stride_cm,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 INTERPRET: tl.constexpr, KQUANT: tl.constexpr):
+                 INTERPRET: tl.constexpr):
     """The logits of candidates ``[split * CHUNK, +CHUNK)`` of row ``pid`` (b * Hkv + h).
     sum_softmax: the G heads' logits to LOGITS [rows, G, M] and the chunk's per-head
     (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
-    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots).
-
-    KQUANT: the keys' kind, 0 float, 1 int8, 2 packed int4 (D and BLOCK_D are then the
-    packed row's bytes, half the head dim). Compressed keys convert in registers to the
-    query's own dtype (exact: |kq| <= 127) and the logits are scaled per candidate by
-    its ``KS`` [B, Hkv, L] entry; int4 bytes split into their two channel halves, each
-    dotted with its half of the query (``q`` / ``q2``)."""
+    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots)."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
-    if KQUANT == 2:  # the head's channels [D, 2D): dotted with the high nibbles
-        q2 = _load_group_q(Q + D * stride_qd, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)
-        if UPCAST:
-            q2 = q2.to(tl.float32)
-    else:
-        q2 = q  # unused
     if UPCAST:
         q = q.to(tl.float32)
-    elif KQUANT == 0:
+    else:
         q = q.to(K.dtype.element_ty)  # the query as scored: rounded to the keys' dtype
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    ks_base = KS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # read only when KQUANT
     lg_base = LOGITS + row64 * G * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
@@ -233,24 +182,11 @@ def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK
         cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < end, other=-1)
         valid = cand >= 0
         pos = tl.where(valid, cand, 0).to(tl.int64)
-        if KQUANT == 0:
-            kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                         mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
-        else:
-            kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
-                         mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_M, BLOCK_D] int8 / uint8
-            if KQUANT == 2:
-                kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi (quant.pack_int4)
-                k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D); padding bytes give -8, q is 0 there
-                k_hi = (kb >> 4).to(q.dtype)  # channels [D, 2D): the arithmetic shift keeps the sign
-                s = dot_t(q, k_lo, IEEE) + dot_t(q2, k_hi, IEEE)
-            else:
-                s = dot_t(q, kt.to(q.dtype), IEEE)
-            ksv = tl.load(ks_base + pos * stride_sl, mask=valid, other=0.0)  # [BLOCK_M] fp32
-            s = s * scale * ksv[None, :]  # [G_PAD, BLOCK_M] fp32
+        kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
         if REDUCE == 2:  # only the G real heads' rows are written (not the dot's padding)
             tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s,
                      mask=g_mask[:, None] & (offs_m[None, :] < end))
@@ -409,18 +345,17 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_score_kernel(Q, K, KS, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
+def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
+                         stride_cb, stride_ch, stride_cm,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, KQUANT: tl.constexpr, PDL: tl.constexpr):
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv, NSPLIT): ``_score_chunk`` of one chunk of one (b, KV head)."""
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
                  scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M,
-                 REDUCE, UPCAST, IEEE, INTERPRET, KQUANT)
+                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -439,22 +374,20 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_fused_kernel(Q, K, KS, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
+def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm,
-                         stride_ob, stride_oh, stride_ok,
+                         stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, KQUANT: tl.constexpr, PDL: tl.constexpr):
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
     selects (one launch; the logits go through its own L1/L2 between the two)."""
     pid = tl.program_id(0)
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M,
-                 REDUCE, UPCAST, IEEE, INTERPRET, KQUANT)
+                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
@@ -507,11 +440,11 @@ def _unroll_g(G: int, block: int, warps: int) -> bool:
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                          scale: float | None = None, reduce: str = "sum_softmax",
-                         out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``rerank_select_ref`` (two launches, or one fused; same result up to the
     products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
     [B, Hkv, keep] buffer to write (returned); else a new one."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, k_scale)
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
     dev = q.device
     if out is None:
         out = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
@@ -525,9 +458,7 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     cand = cand.to(dev)
     G = Hq // Hkv
     G_PAD = max(16, triton.next_power_of_2(G))
-    kquant = 0 if k_scale is None else (2 if k.dtype == torch.uint8 else 1)
-    DK = k.shape[3]  # elements (int4: bytes) of a key row
-    BLOCK_D = max(16, triton.next_power_of_2(DK))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     red = _REDUCES[reduce]
     rows = B * Hkv
     cfg = _config(M, rows, dev)
@@ -536,28 +467,25 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     scores = torch.empty(rows * M if red != 2 or not cfg["ONE_TILE"] else 1, dtype=torch.float32, device=dev)
     part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
     interp = _interpret()
-    # fp32 products (IEEE, not TF32) for fp32 keys, or fp32 queries against compressed keys
-    ieee = (q.dtype if kquant else k.dtype) == torch.float32 and not interp
+    ieee = k.dtype == torch.float32 and not interp
     scale = D ** -0.5 if scale is None else float(scale)
-    ks = k if k_scale is None else k_scale  # (a placeholder pointer for float keys, never read)
-    s_strides = (0, 0, 0) if k_scale is None else (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-               *s_strides, cand.stride(0), cand.stride(1), cand.stride(2))
+               cand.stride(0), cand.stride(1), cand.stride(2))
     o_strides = (out.stride(0), out.stride(1), out.stride(2))
     if cfg["FUSED"]:
         _rerank_fused_kernel[(rows,)](
-            q, k, ks, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
-            G=G, G_PAD=G_PAD, D=DK, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
+            q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
+            G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
             ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
-            UPCAST=interp, IEEE=ieee, INTERPRET=interp, KQUANT=kquant,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
-        q, k, ks, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
-        G=G, G_PAD=G_PAD, D=DK, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
-        INTERPRET=interp, KQUANT=kquant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
+        G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
+        INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
-        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[10:], *o_strides,
+        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:], *o_strides,
         G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
         UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))

@@ -182,17 +182,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
     cache rank that shares the inference GPU (``colocated``), whose reads compete with
     the decode's — at some selection fidelity (docs/policies.md)."""
-    pool: int = Field(1, ge=1, le=64)
-    """p: a candidate pool between refreshes (needs ``refresh_every`` N > 1). Each refresh
-    scans every key and keeps the ``p * K_mid`` best middle tokens per (row, KV head) as the
-    pool; every step, refreshes included, re-scores only the pool with that step's
-    predicted query (in the scoring copy: exact, int8 or int4) and selects its best
-    ``K_mid`` (``rerank * K_mid`` candidates with the re-rank). So the scan reads every key
-    once per N steps while each step still selects with its own prediction: the
-    scan's bytes divided by N for a fidelity between N = 1 and plain reuse
-    (docs/policies.md). The pool is re-scored over its members only (``sum_softmax``:
-    each head's softmax normalised over the pool). 1 (default): off, the steps between
-    refreshes reuse the last selection."""
     refresh_drift: float | None = Field(None, gt=0, le=1)
     """τ: keep each (row, KV head)'s last selection while the predicted query stays
     within cosine >= τ of the one that selection was made with (the group's queries as one
@@ -223,12 +212,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
         if self.refresh_drift is not None and self.refresh_every > 1:
             raise ValueError(f"policy.refresh_drift ({self.refresh_drift}) and policy.refresh_every "
                              f"({self.refresh_every}) are exclusive: set refresh_every: 1 or refresh_drift: null")
-        if self.pool > 1 and self.refresh_every == 1:
-            raise ValueError(f"policy.pool ({self.pool}) re-scores a pool between refreshes: set "
-                             f"policy.refresh_every > 1 (e.g. 4), or pool: 1")
-        if self.pool > 1 and self.pool <= self.rerank:
-            raise ValueError(f"policy.pool ({self.pool}) must exceed policy.rerank ({self.rerank}): each step "
-                             f"keeps rerank * K_mid of the pool's pool * K_mid tokens")
         if self.score_channels and self.score_channels % 2:
             raise ValueError(f"policy.score_channels ({self.score_channels}) must be even: channels are chosen "
                              "in rotary pairs (c, c + head_dim/2); use an even r, or 0 for all channels")
@@ -275,15 +258,10 @@ class AsyncSpadeLayerState:
     way it ran: a capture records without executing, and its own outputs would hold
     nothing until a replay."""
     keep: torch.Tensor | None = None
-    """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into (``pool``: every
-    step's re-scored selection)."""
-    pool_idx: torch.Tensor | None = None
-    """``pool`` > 1: int32 [B, Hkv, pool * K_mid + refresh_every - 1], the candidates each step
-    re-scores: the last refresh's scan, then the tokens that left the recent window since
-    (``-1`` until they have)."""
+    """``refresh_every > 1``: int32 [B, Hkv, K] the refreshes select into: the scan's
+    ``K - n_tail`` slots, then the tail slots (``_n_tail``)."""
     scan_buf: torch.Tensor | None = None
-    """``refresh_every > 1``: int32 [B, Hkv, n], the scan's output at a refresh (``pool``:
-    ``pool * K_mid``; else ``rerank * K_mid`` less the tail slots)."""
+    """``refresh_every > 1``: int32 [B, Hkv, K - n_tail], the scan's output at a refresh."""
     refresh_base: torch.Tensor | None = None
     """``refresh_every > 1``: int64 [B], the cache lengths of the last refresh's step."""
     index: int = -1
@@ -675,7 +653,7 @@ class AsyncSpadePolicy(Policy):
         launch (and folded for compressed keys), instead of per layer."""
         if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
             return
-        if not self.refreshes(state) and self.cfg.pool == 1:
+        if not self.refreshes(state):
             return  # a reuse step: nothing to predict
         if not kernels.use_triton(state.layers[layers[0]].window):
             return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
@@ -836,9 +814,7 @@ class AsyncSpadePolicy(Policy):
         if is_dense(state, cfg.budget, self.name):
             return None
         st = state.layers[layer]
-        refresh = self.refreshes(state)
-        pooled = cfg.pool > 1 and self.k_mid > 0
-        if not refresh and not pooled:  # refresh_every > 1, between refreshes
+        if not self.refreshes(state):  # refresh_every > 1, between refreshes
             if st is None:
                 return None
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
@@ -873,13 +849,6 @@ class AsyncSpadePolicy(Policy):
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         periodic = cfg.refresh_every > 1
-        if pooled:
-            sel = self._pooled(state, st, layer, q_hat, k_score, k_scale, kv_lens, norm_lens, refresh)
-            rr = self.rerank_keep()
-            if rr is not None:
-                sel.keep, sel.keep_reduce = rr
-            st.last_sel = sel
-            return sel
         drift = cfg.refresh_drift is not None and cfg.refresh_drift < 1
         shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
         n_tail = self._n_tail()
@@ -930,11 +899,11 @@ class AsyncSpadePolicy(Policy):
         could not select (they were in the window) and a reused selection would otherwise
         never attend. The scan fills the other slots, so the budget holds; a slot is ``-1``
         until its token has left the window (``_write_tail``). 0 without refreshes or
-        middle; with ``pool`` the tail is extra candidates (``_pooled``)."""
+        middle. With ``rerank`` the tail slots are candidates like the scan's."""
         cfg = self.cfg
         if cfg.refresh_every == 1 or self.k_mid <= 0:
             return 0
-        return cfg.refresh_every - 1 if cfg.pool > 1 else min(cfg.refresh_every - 1, cfg.rerank * self.k_mid - 1)
+        return min(cfg.refresh_every - 1, cfg.rerank * self.k_mid - 1)
 
     def _write_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor,
                     dst: torch.Tensor) -> None:
@@ -954,44 +923,6 @@ class AsyncSpadePolicy(Policy):
 
         dst.copy_(derived(state.memo, ("refresh tail", n), (kv_lens, st.refresh_base, state.kv_start), tail)
                   .expand(B, H, n))
-
-    def _pooled(self, state: PolicyState, st: AsyncSpadeLayerState, layer: int, q: torch.Tensor,
-                k_score: torch.Tensor, k_scale: torch.Tensor | None, kv_lens: torch.Tensor,
-                norm_lens: torch.Tensor | None, refresh: bool) -> Selection:
-        """``pool`` > 1: at a refresh, the scan's ``pool * K_mid`` best middle tokens into
-        ``st.pool_idx``; then, every step, the pool — with the tokens that left the recent
-        window since the refresh (``_write_tail``) — re-scored by ``q`` (the step's
-        prediction as scored), its ``rerank * K_mid`` best into ``st.keep``. Fixed
-        buffers, device-side: a captured step reads and writes the same memory whichever
-        step wrote the pool."""
-        cfg, dev = self.cfg, k_score.device
-        B, Hkv = k_score.shape[:2]
-        n_pool, n_tail = cfg.pool * self.k_mid, self._n_tail()
-        if refresh:
-            if state.refresh_anchor is None:
-                state.refresh_anchor = state.seq_len
-            if st.scan_buf is None or tuple(st.scan_buf.shape) != (B, Hkv, n_pool) or st.scan_buf.device != dev:
-                st.scan_buf = torch.empty(B, Hkv, n_pool, dtype=torch.int32, device=dev)
-                st.pool_idx = torch.empty(B, Hkv, n_pool + n_tail, dtype=torch.int32, device=dev)
-                st.refresh_base = torch.empty(B, dtype=torch.int64, device=dev)
-            scan = topk_selection(q, k_score, kv_lens, state.kv_start,
-                                  budget=cfg.sink_tokens + cfg.recent_tokens + n_pool,
-                                  n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                                  scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
-                                  norm_lens=norm_lens, out=st.scan_buf, memo=state.memo,
-                                  carry=layer_carry(state, layer, cfg.topk, k_score),
-                                  carry_margin=REFRESH_CARRY_MARGIN)
-            st.pool_idx[:, :, :n_pool].copy_(scan.indices)
-            st.refresh_base.copy_(kv_lens.to(device=dev, dtype=torch.int64))
-        if n_tail:
-            self._write_tail(state, st, kv_lens, st.pool_idx[:, :, n_pool:])
-        keep = cfg.rerank * self.k_mid
-        if st.keep is None or tuple(st.keep.shape) != (B, Hkv, keep) or st.keep.device != dev:
-            st.keep = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
-        kernels.rerank_select(q, k_score, st.pool_idx, keep, scale=self.spec.softmax_scale,
-                              reduce=cfg.group_reduce, out=st.keep, k_scale=k_scale)
-        return Selection(indices=st.keep, n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
-                         kv_start=state.kv_start)
 
     def drift_kept(self, state: PolicyState) -> float | None:
         """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier

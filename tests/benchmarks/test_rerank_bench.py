@@ -45,32 +45,3 @@ def test_tiny_sweep(tmp_path):
     for r in sweep:
         assert "error" not in r and r["ms"] > 0 and r["deficit"] <= 1e-3
     assert rerank.RERANK_CONFIG == {}
-
-
-def test_tiny_compressed_keys(tmp_path):
-    """``--keys exact,int8,int4``: the exact keys' rows as ever, then a checked, timed
-    select row per compressed copy whose floor counts its own key bytes (d, d / 2) plus
-    the 4-byte scale and index per candidate."""
-    out = tmp_path / "rr.json"
-    assert bench_rerank.main(["--tiny", "--keys", "exact,int8,int4", "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    rows = doc["rows"]
-    assert [(r["op"], r["impl"], r["keys"]) for r in rows] == [
-        ("rerank", "select", "exact"), ("rerank", "select+attend", "exact"), ("rerank", "torch+attend", "exact"),
-        ("attend_K", "triton", "exact"), ("attend_M", "triton", "exact"),
-        ("rerank", "select", "int8"), ("rerank", "select", "int4")]
-    for r in rows:
-        assert "error" not in r and r["ms"] > 0 and r["floor_ms"] > 0
-    sel = {r["keys"]: r for r in rows if r["impl"] == "select"}
-    d, M, k_mid, bw = doc["d"], sel["int8"]["M"], sel["int8"]["K_mid"], doc["copy_bw_gbs"] * 1e9
-    for kind, row_bytes in (("exact", 4 * d), ("int8", d + 4), ("int4", d // 2 + 4)):  # --tiny: fp32 cache
-        assert sel[kind]["deficit"] <= 1e-3
-        # (B = Hkv = 1) candidates' rows + their indices, the kept indices, the fp32 query
-        floor_bytes = M * (row_bytes + 4) + k_mid * 4 + doc["hq"] * d * 4
-        assert abs(sel[kind]["floor_ms"] / (floor_bytes / bw * 1e3) - 1) <= 1e-9
-
-
-def test_unknown_keys_are_refused(capsys):
-    with pytest.raises(SystemExit):
-        bench_rerank.main(["--tiny", "--keys", "int8,fp8"])
-    assert "--keys 'int8,fp8': use one or more of exact,int8,int4" in capsys.readouterr().err

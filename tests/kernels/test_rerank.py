@@ -15,7 +15,6 @@ import torch
 
 from spade import kernels
 from spade.kernels import rerank as R
-from spade.kernels.quant import pack_int4
 
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA (G = 6: a group that is not a power of two)
 REDUCES = ["sum_softmax", "sum_logits", "max_logits"]
@@ -239,89 +238,6 @@ def test_rerank_decode_attention_attends_the_kept_set(device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _quant_inputs(kind, B, Hq, Hkv, D, L, M, q_dtype=torch.float32, device="cpu", seed=0):
-    """q, compressed keys (``kind`` "int8": int8 [B, Hkv, L, D]; "int4": packed uint8
-    [B, Hkv, L, D/2]), their per-token scales, the keys they stand for as float32
-    (the integers times the scales, from the integers themselves, not via unpack_int4)
-    and candidates with holes: a quarter of one (row, KV head)'s slots ``-1`` and, given
-    more than two (row, KV head) pairs, the last row's first KV head all ``-1``."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, D, generator=g).to(q_dtype)
-    lo, hi = (-127, 128) if kind == "int8" else (-8, 8)  # int8 [-127, 127], int4 [-8, 7]
-    v = torch.randint(lo, hi, (B, Hkv, L, D), generator=g)
-    kq = v.to(torch.int8) if kind == "int8" else pack_int4(v)
-    # per-token scales spread 3x around the float keys' unit spread (integers' std: 73 for
-    # int8, 4.6 for int4): peaked logits would leave the softmax's tail all near-ties
-    ks = (0.5 + torch.rand(B, Hkv, L, generator=g)) / (73.0 if kind == "int8" else 4.6)
-    kf = v.float() * ks[..., None]
-    cand = torch.stack([torch.stack([torch.randperm(L, generator=g)[:M] for _ in range(Hkv)])
-                        for _ in range(B)]).to(torch.int32)
-    cand[0, -1, ::4] = -1  # empty slots anywhere in the list
-    if B * Hkv > 2:
-        cand[-1, 0] = -1  # a (row, KV head) without candidates
-    return tuple(t.to(device) for t in (q, kq, ks, kf, cand))
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_reference_compressed_keys_score_as_their_float_keys(kind, reduce, q_dtype):
-    """int8 / packed int4 keys with scales score exactly as the float keys they stand for
-    (the integers times the scales) and select the float loop's kept set; a bf16 query is
-    used as given (its fp32 value)."""
-    B, Hq, Hkv, D, L, M = 2, 8, 2, 16, 41, 19
-    q, kq, ks, kf, cand = _quant_inputs(kind, B, Hq, Hkv, D, L, M, q_dtype, seed=5)
-    got = R.rerank_scores_ref(q, kq, cand, reduce=reduce, k_scale=ks)
-    want = R.rerank_scores_ref(q.float(), kf, cand, reduce=reduce)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32 products, another order
-    for keep in (1, 7, M + 2):
-        sel = R.rerank_select_ref(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-        _check_stable(sel, _expected(q.float(), kf, cand, keep, reduce), q.float(), kf, cand, keep, reduce)
-
-
-def test_compressed_keys_are_checked():
-    q, kq, ks, kf, cand = _quant_inputs("int4", 1, 4, 2, 16, 20, 7)
-    for fn in (R.rerank_select_ref, R.rerank_select_triton):
-        with pytest.raises(ValueError, match="packed int4 \\(uint8\\) keys need k_scale"):
-            fn(q, kq, cand, 3)
-        with pytest.raises(ValueError, match="keys need k_scale"):
-            fn(q, kq, cand, 3, k_scale=ks[..., :-1])
-        with pytest.raises(ValueError, match="k_scale is only for int8 / int4 keys"):
-            fn(q, kf, cand, 3, k_scale=ks)
-        with pytest.raises(ValueError, match="packed int4: D/2 bytes per key"):
-            fn(q, torch.cat([kq, kq], -1), cand, 3, k_scale=ks)
-
-
-# (shape, head layout, reduce, launch path, head dim and query dtype varied together:
-# the interpreter pays per launch, so a few cases rather than their product)
-QUANT_CASES = [
-    (1, 4, 4, 37, 23, 16, "sum_softmax", "fused-registers", torch.float32),  # B=1, MHA, odd M, int4 D/2=8 < tile
-    (2, 8, 2, 90, 61, 64, "sum_logits", "split-registers", torch.bfloat16),  # GQA G=4, D=64
-    (2, 6, 1, 90, 61, 16, "max_logits", "split-tiled", torch.float32),       # MQA (G = Hq = 6)
-    (1, 8, 2, 90, 61, 64, "sum_softmax", "fused-tiled", torch.bfloat16),
-    (2, 4, 2, 90, 61, 16, "sum_softmax", "split-tiled", torch.float32),     # merged softmax statistics
-]
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("B,Hq,Hkv,L,M,D,reduce,path,q_dtype", QUANT_CASES)
-def test_triton_compressed_keys_match_reference(device, kind, B, Hq, Hkv, L, M, D, reduce, path, q_dtype,
-                                                monkeypatch):
-    """int8 / packed int4 keys in the scoring kernel, fused and split, the row selected
-    in registers or in tiles: the reference's kept sets (compared as the float keys they
-    stand for), K = 1, a real cut and keep >= M, empty rows -1."""
-    cfg = _force(monkeypatch, path, M, B * Hkv, device)
-    assert cfg["FUSED"] or cfg["NSPLIT"] > 1
-    q, kq, ks, kf, cand = _quant_inputs(kind, B, Hq, Hkv, D, L, M, q_dtype, device, seed=M * D + Hq)
-    for keep in (1, M // 2, M + 3):
-        want = R.rerank_select_ref(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-        got = R.rerank_select_triton(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-        assert got.shape == (B, Hkv, keep) and got.dtype == torch.int32
-        if B * Hkv > 2:
-            assert (got[-1, 0] == -1).all()
-        _check_stable(got, want, q.float(), kf, cand, keep, reduce)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
                          ids=["default", "fused", "split", "tiled"])
@@ -336,20 +252,3 @@ def test_half_keys_on_gpu(dtype, M, over, monkeypatch):
     want = R.rerank_select_ref(q, k, cand, keep)
     got = R.rerank_select_triton(q, k, cand, keep)
     _check_stable(got, want, q.float(), k.float(), cand, keep, "sum_softmax")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False)], ids=["default", "fused", "split"])
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_compressed_keys_on_gpu(kind, over, q_dtype, monkeypatch):
-    """A pool re-scored against the cache rank's int8 / int4 scoring copy at the
-    Qwen3-8B head layout (M = 4 K_mid)."""
-    for key, val in over.items():
-        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
-    M = 7920
-    q, kq, ks, kf, cand = _quant_inputs(kind, 4, 32, 8, 128, 16384, M, q_dtype, "cuda", seed=1)
-    keep = M // 2
-    want = R.rerank_select_ref(q, kq, cand, keep, k_scale=ks)
-    got = R.rerank_select_triton(q, kq, cand, keep, k_scale=ks)
-    _check_stable(got, want, q.float(), kf, cand, keep, "sum_softmax")

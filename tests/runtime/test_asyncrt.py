@@ -289,23 +289,6 @@ def test_refresh_every_matches_inline_tokens(model, prompt, inline_tokens, topol
     assert tr.stats["sel_messages"] >= sparse_steps * len(packs_of(model.spec.n_layers, pack))
 
 
-@pytest.mark.parametrize("topology,pack,mode", [("colocated", 2, "indices"), ("local", 1, "delta")])
-def test_pool_matches_inline_tokens(model, prompt, topology, pack, mode):
-    """``policy.pool=2`` with ``refresh_every=3``: the cache rank scans at the refreshes and
-    re-scores the pool (and the tokens leaving the recent window) every step, one step
-    ahead, as the inline run does at the step itself: the same tokens."""
-    from spade.runtime.inline import InlineRuntime
-
-    cfg = config("policy.refresh_every=3", "policy.pool=2", f"runtime.topology={topology}",
-                 f"runtime.pack_layers={pack}", f"runtime.return_mode={mode}")
-    pol = build_policy(cfg.policy, model.spec)
-    want = InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
-    tr = generate_cfg(cfg, model, prompt)
-    assert tr.tokens == want
-    sparse_steps = sum(1 for s in range(1, NEW) if T + s > BUDGET)
-    assert tr.stats["sparse_steps"] == sparse_steps > 0 and tr.late_packs == 0
-
-
 def test_hf_backend_growing_cache(prompt):
     """transformers' DynamicCache grows by concatenation: the cache rank keeps its
     own store and shows the policy the same cache length the inline run sees."""
