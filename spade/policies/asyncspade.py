@@ -751,15 +751,18 @@ class AsyncSpadePolicy(Policy):
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """The joining rows' query windows (and compressed scoring keys) from their
         prompts, their window counts anchored at the batch's cursor (``row_anchors``):
-        each row predicts as it would alone. Refuses the settings whose state is shared
-        by the rows (``refresh_every > 1``, ``refresh_drift``, ``score_channels``)."""
+        each row predicts as it would alone. With ``refresh_every`` N > 1 the batch's
+        schedule restarts: the next selection is a refresh of every row (the joining rows
+        have nothing to reuse), so a request's selections depend on when others joined
+        (one schedule for the batch). Refuses the settings whose state is shared by the rows
+        (``refresh_drift``, ``score_channels``)."""
         cfg = self.cfg
-        if cfg.refresh_every > 1 or cfg.refresh_drift is not None or self.channels is not None:
+        if cfg.refresh_drift is not None or self.channels is not None:
             raise ConfigError(
-                f"policy.refresh_every ({cfg.refresh_every}), policy.refresh_drift ({cfg.refresh_drift}) and "
-                f"policy.score_channels ({cfg.score_channels}) keep state shared by every row, which a request "
-                "joining a running batch cannot have yet: set refresh_every: 1, refresh_drift: null and "
-                "score_channels: null to serve asyncspade")
+                f"policy.refresh_drift ({cfg.refresh_drift}) and policy.score_channels ({cfg.score_channels}) keep "
+                "state shared by every row, which a request joining a running batch cannot have yet: set "
+                "refresh_drift: null and score_channels: null to serve asyncspade")
+        state.refresh_anchor = None  # refresh_every > 1: every row selects afresh at the next step
         sub = self.row_state(state, rows, k_cache.device)
         self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
         new = sub.layers[layer]

@@ -764,3 +764,41 @@ def test_topk_carry_selects_what_radix_selects(name, score_keys, monkeypatch):
     ks, vs, kv = caches["carry"]
     pols["carry"].prefill(carry, 0, sim.q_all[0, :, :, :T], ks[0], vs[0], kv)
     assert carry.carry[0] is c0 and carry_stats(c0)["calls"] == 0
+
+
+def test_a_join_restarts_the_refresh_schedule():
+    """Serving: rows joining a running batch (``prefill_rows``) have no selection to reuse,
+    so the next step refreshes every row whatever the schedule said, and the schedule
+    counts from there; the joining row's selection is then its fresh top-K."""
+    from spade.policies.asyncspade import AsyncSpadePolicy, AsyncSpadePolicyConfig
+    from spade.policies.base import AttentionSpec
+
+    common = dict(budget=12, sink_tokens=1, recent_tokens=2, predictor="last", window=2, group_reduce="sum_logits")
+    spec = AttentionSpec(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=8)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 64, 8, generator=g)
+    q = torch.randn(2, 4, 64, 8, generator=g)
+    pols = [AsyncSpadePolicy(AsyncSpadePolicyConfig(**common, refresh_every=n), spec) for n in (4, 1)]
+    sts = [p.new_state(2, "cpu") for p in pols]
+    kv = torch.tensor([30, 30])
+    for p, st in zip(pols, sts):
+        st.seq_len = 30
+        p.prefill(st, 0, q[:, :, :30], k, k, kv)
+    for seq in (31, 32):  # a refresh at 31, a reuse step at 32
+        for p, st in zip(pols, sts):
+            st.seq_len = seq
+            p.select(st, 0, None, k, torch.tensor([seq, seq]))
+            p.observe(st, 0, q[:, :, seq - 1], k, torch.tensor([seq, seq]))
+    assert not pols[0].refreshes(_at(sts[0], 33))
+    for p, st in zip(pols, sts):  # row 1 takes a new request: its prompt's queries at [9, 32)
+        st.seq_len = 32
+        p.prefill_rows(st, 0, [1], q[1:, :, 9:32], k[1:], k[1:], torch.tensor([32]))
+    assert pols[0].refreshes(_at(sts[0], 33))  # (33 - 31) % 4 != 0, but the join restarts the schedule
+    a, b = (p.select(_at(st, 33), 0, None, k, torch.tensor([33, 33])) for p, st in zip(pols, sts))
+    assert middle_sets(a)[1] <= middle_sets(b)[1] and len(middle_sets(a)[1][0]) == 12 - 3 - 3
+    assert not pols[0].refreshes(_at(sts[0], 34))
+
+
+def _at(state, seq):
+    state.seq_len = seq
+    return state

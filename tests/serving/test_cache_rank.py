@@ -242,3 +242,39 @@ def test_epoch_account_sums_the_cache_ranks_topk_counts():
             "topk_fallbacks": fb, "topk_fallbacks_too_many": many, "topk_calls": calls}}))
     assert (b.totals["topk_fallbacks"], b.totals["topk_fallbacks_too_many"], b.totals["topk_calls"]) == (5, 1, 64)
     assert b.totals["late_packs"] == 2
+
+
+@pytest.mark.parametrize("topology", ("colocated", "multiprocess/nccl"))
+def test_refresh_every_serves_one_schedule_per_batch(topology):
+    """``policy.refresh_every=3`` behind the AsyncEngine: a join restarts the batch's refresh
+    schedule (every row selects afresh at the next step), so the tokens depend on when
+    requests joined, and only on that. Five requests for three slots, all at once: the
+    later two join as earlier ones finish (steps fixed by max_tokens), the same steps in
+    every topology, so the cache rank's tokens are the inline engine's. A request alone gets
+    what Engine.generate gives it (one schedule from its first sparse step)."""
+    extra = ["policy.refresh_every=3"]
+    jobs = [(0, p, n) for p, n in zip(random_prompts(5, seed=11, lo=14, hi=30), (18, 9, 14, 20, 11))]
+    topology, _, transport = topology.partition("/")
+
+    def serve(topo, more):
+        engine = spade.AsyncEngine(make_config("asyncspade", topo, extra=extra + more))
+
+        async def main():
+            together = await staggered(engine, jobs)
+            stats = engine.stats()
+            alone = (await final(engine, jobs[0][1], greedy(jobs[0][2]), "alone")).token_ids
+            await engine.close()
+            return [t.token_ids for t in together], alone, stats
+
+        return run(main())
+
+    want, alone_inline, _ = serve("inline", [])
+    got, alone, stats = serve(topology, _multiprocess(transport) if transport else [])
+    assert stats["requests_finished"] == 5 and stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
+    assert stats["cache_peers_lost"] == 0
+    assert got == want and alone == alone_inline
+    ref = spade.Engine(make_config("asyncspade", "inline", extra=extra))
+    try:
+        assert ref.generate([jobs[0][1]], max_new_tokens=jobs[0][2])[0].token_ids == alone
+    finally:
+        ref.close()
