@@ -396,20 +396,36 @@ class AsyncSpadePolicy(Policy):
         key = (state.seq_len <= self.cfg.budget, n if n >= 0 else tuple(self.row_counts(state)))
         if self.channels is not None and self.cfg.channel_refresh is not None:
             key += (self.rechooses(state),)  # that step's observe rebuilds the copy
-        return key if self.cfg.refresh_every == 1 else key + (self.refreshes(state),)
+        return key if self.cfg.refresh_every == 1 else key + (self.refresh_phase(state),)
 
-    def refreshes(self, state: PolicyState) -> bool:
-        """Whether ``select`` at ``state.seq_len`` computes a new selection: always with
-        ``refresh_every == 1``; else at the prompt's first selection (which sets
-        ``state.refresh_anchor``) and every ``refresh_every`` cache lengths after it.
-        Every layer, pack and call at one cache length decides alike — a warm-up run
-        and the CUDA-graph capture after it, the graph key read before both — and every
-        path that selects for a step (inline, a cache rank one step ahead) makes its
-        first selection at the same step, so they refresh at the same steps; a replayed
-        graph (no Python runs) cannot drift from it. Between refreshes ``select``
-        returns the last selection."""
+    def refresh_phase(self, state: PolicyState) -> int:
+        """``refresh_every`` N > 1: -1 at a step where every layer selects (the prompt's
+        first selection, which sets ``state.refresh_anchor``, or the first after a join),
+        else ``(seq_len - anchor) % N``: the layers ``l`` with ``l % N`` equal to it select
+        at this step (layer 0 at anchor + N, 2N, ...; layer 1 at anchor + 1, N + 1, ...).
+        So each layer selects every N steps and the layers take turns (about 1/N of them
+        per step): the scan's work is spread evenly over the steps instead of landing
+        whole on one step in N. A function of the cache length, so every
+        layer, pack and call at one cache length decides alike — a warm-up run and the
+        CUDA-graph capture after it, the graph key read before both — and every path that
+        selects for a step (inline, a cache rank one step ahead) makes its first selection
+        at the same step; a replayed graph (no Python runs) cannot drift from it."""
         n, anchor = self.cfg.refresh_every, state.refresh_anchor
-        return n == 1 or anchor is None or (state.seq_len - anchor) % n == 0
+        if n == 1 or anchor is None or state.seq_len <= anchor:
+            return -1
+        return (state.seq_len - anchor) % n
+
+    def refreshes(self, state: PolicyState, layer: int | None = None) -> bool:
+        """Whether ``select`` of ``layer`` at ``state.seq_len`` computes a new selection
+        (``refresh_phase``); ``layer`` None: whether any layer does. Always with
+        ``refresh_every == 1``. Between its refreshes a layer's ``select`` returns its last
+        selection (with the tail slots brought up to date)."""
+        n, phase = self.cfg.refresh_every, self.refresh_phase(state)
+        if phase < 0:
+            return True
+        if layer is None:
+            return phase < self.spec.n_layers
+        return layer % n == phase
 
     def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
         st = state.layers[layer]
@@ -653,8 +669,8 @@ class AsyncSpadePolicy(Policy):
         launch (and folded for compressed keys), instead of per layer."""
         if len(layers) < 2 or self.cfg.predictor == "last" or is_dense(state, self.cfg.budget, self.name):
             return
-        if not self.refreshes(state):
-            return  # a reuse step: nothing to predict
+        if not any(self.refreshes(state, i) for i in layers):
+            return  # a reuse step of every layer of the run: nothing to predict
         if not kernels.use_triton(state.layers[layers[0]].window):
             return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
         sts = [state.layers[i] for i in layers]
@@ -817,7 +833,7 @@ class AsyncSpadePolicy(Policy):
         if is_dense(state, cfg.budget, self.name):
             return None
         st = state.layers[layer]
-        if not self.refreshes(state):  # refresh_every > 1, between refreshes
+        if not self.refreshes(state, layer):  # refresh_every > 1, between this layer's refreshes
             if st is None:
                 return None
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
