@@ -21,7 +21,7 @@ from spade.envs import env
 from spade.kernels.common import _interpret
 from spade.kernels.radix_topk import SELECT_CONFIG
 
-__all__ = ["OVERLAP_DEFAULT", "overlap_enabled", "select_overlap"]
+__all__ = ["OVERLAP_DEFAULT", "after_selects", "overlap_enabled", "select_overlap"]
 
 
 _OVERLAP = threading.local()  # .side: the side stream of an active select_overlap block
@@ -93,3 +93,21 @@ def select_overlap(device: torch.device | str, enabled: bool | None = None):
         # stream outside its capture (that invalidates the capture)
         if _OVERLAP.forked:
             cur.wait_stream(side)
+
+
+@contextlib.contextmanager
+def after_selects(device: torch.device | str):
+    """Inside a ``select_overlap`` block that has forked, run the caller's launches on
+    the block's side stream, after everything launched so far on either stream: so they
+    may read a ``score_topk`` result (e.g. copy the indices elsewhere) before the block
+    joins. Elsewhere (no block, nothing forked, another device, a CPU) a no-op: the
+    results are in order already. Capturable (an event wait between two streams of
+    the capture)."""
+    side = getattr(_OVERLAP, "side", None)
+    dev = torch.device(device)
+    if side is None or not _OVERLAP.forked or dev.type != "cuda" or _OVERLAP.index != _device_index(dev):
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        yield

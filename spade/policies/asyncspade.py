@@ -46,6 +46,7 @@ from pydantic import Field, model_validator
 
 from spade import kernels
 from spade.errors import ConfigError
+from spade.kernels.overlap import after_selects
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
 from spade.policies.common import (derived, is_dense, last_token_keys, layer_carry, reset_carry, row_start,
                                    topk_selection)
@@ -898,9 +899,11 @@ class AsyncSpadePolicy(Policy):
                              carry=layer_carry(state, layer, cfg.topk, k_score),
                              carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
         if n_tail and sel.indices is st.scan_buf:  # scan + tail slots, in the layer's buffer
-            st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
-            st.refresh_base.copy_(kv_lens.to(device=k_cache.device, dtype=torch.int64))
-            self._write_tail(state, st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
+            # (inside a cache rank's select_overlap block the select ran on its side stream)
+            with after_selects(k_cache.device):
+                st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
+                st.refresh_base.copy_(kv_lens.to(device=k_cache.device, dtype=torch.int64))
+                self._write_tail(state, st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         if drift and sel.indices is st.fresh:
             self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
