@@ -714,6 +714,45 @@ def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, d
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
+def test_predict_layers_with_the_layers_taking_turns(monkeypatch):
+    """``refresh_every=2``: at a step where only some layers of a run refresh (their turn),
+    ``predict_layers`` still predicts the run in one launch; the refreshing layers select
+    what per-layer prediction selects, the others return their last selection, and no
+    prediction made ahead is left over for a later step."""
+    monkeypatch.setenv("SPADE_KERNELS", "triton")
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=12, n_layers=3)
+    pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4, predictor="assembled",
+                      group_reduce="sum_logits", rope_aware=False, refresh_every=2)
+    ks, vs, kv = sim.fresh_cache()
+    states = []
+    for _ in range(2):
+        st = pol.new_state(2, "cpu")
+        st.seq_len = 20
+        for layer in range(3):
+            pol.prefill(st, layer, sim.q_all[layer, :, :, :20], ks[layer], vs[layer], kv)
+        states.append(st)
+    held = {}
+    for seq in (21, 22):
+        kvs = kv + (seq - 20)
+        for st in states:
+            st.seq_len = seq
+        pol.predict_layers(states[0], range(0, 3), kvs)
+        for layer in range(3):
+            fresh = pol.refreshes(states[0], layer)
+            a = pol.select(states[0], layer, None, ks[layer], kvs)
+            b = pol.select(states[1], layer, None, ks[layer], kvs)
+            assert torch.equal(a.indices, b.indices)
+            if not fresh:
+                assert a is held[layer]
+            held[layer] = a
+            assert states[0].layers[layer].q_pred is None
+        assert [pol.refreshes(states[0], i) for i in range(3)] == {21: [True] * 3, 22: [False, True, False]}[seq]
+        for st in states:
+            for layer in range(3):
+                pol.observe(st, layer, sim.q_all[layer, :, :, seq - 1], ks[layer], kvs)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
 @pytest.mark.parametrize("name,score_keys", [("asyncspade", "exact"), ("asyncspade", "int4"), ("oracle", "exact")])
 def test_topk_carry_selects_what_radix_selects(name, score_keys, monkeypatch):
     """``topk: carry`` (each layer carries its threshold across steps) and ``topk: radix``
