@@ -929,22 +929,18 @@ class AsyncSpadePolicy(Policy):
 
     def _write_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor,
                     dst: torch.Tensor) -> None:
-        """Into ``dst`` [B, Hkv, n]: positions ``base - R + j`` (``base``: the last refresh's
-        cache lengths, R the recent window), each once below ``kv_lens - R`` (it left the
-        window) and in the middle (past the sinks), else ``-1``. Device-side, the same
-        for every layer of a step (computed once per step through ``state.memo``)."""
+        """Into ``dst`` [B, Hkv, n]: positions ``base - R + j`` (``base``: the layer's last
+        refresh's cache lengths, ``st.refresh_base``; R the recent window), each once below
+        ``kv_lens - R`` (it left the window) and in the middle (past the sinks), else ``-1``.
+        Device-side (a few small launches; the layers refresh at different steps, so each
+        has its own base)."""
         B, H, n = dst.shape
         R, lo = self.cfg.recent_tokens, self.cfg.sink_tokens
-
-        def tail():
-            kv = kv_lens.to(device=dst.device, dtype=torch.int64)
-            pos = (st.refresh_base - R)[:, None] + torch.arange(n, device=dst.device)  # [B, n]
-            first = lo if state.kv_start is None else (state.kv_start.to(dst.device).long() + lo)[:, None]
-            ok = (pos < (kv - R)[:, None]) & (pos >= first)
-            return torch.where(ok, pos, -1).to(torch.int32)[:, None, :]
-
-        dst.copy_(derived(state.memo, ("refresh tail", n), (kv_lens, st.refresh_base, state.kv_start), tail)
-                  .expand(B, H, n))
+        kv = kv_lens.to(device=dst.device, dtype=torch.int64)
+        pos = (st.refresh_base - R)[:, None] + torch.arange(n, device=dst.device)  # [B, n]
+        first = lo if state.kv_start is None else (state.kv_start.to(dst.device).long() + lo)[:, None]
+        ok = (pos < (kv - R)[:, None]) & (pos >= first)
+        dst.copy_(torch.where(ok, pos, -1).to(torch.int32)[:, None, :].expand(B, H, n))
 
     def drift_kept(self, state: PolicyState) -> float | None:
         """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier
