@@ -123,6 +123,9 @@ def gather_channels(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx)
 
 
+TAIL_NEVER = 1 << 62
+"""A ``tail_pos`` entry that never leaves the recent window (a sink or padding position)."""
+
 REFRESH_CARRY_MARGIN = 2.0
 """With ``refresh_every > 1`` the threshold-carry top-K's next threshold aims at this many
 times K candidates (the kernels' default is 1.5): the threshold is several steps old when
@@ -263,8 +266,10 @@ class AsyncSpadeLayerState:
     ``K - n_tail`` slots, then the tail slots (``_n_tail``)."""
     scan_buf: torch.Tensor | None = None
     """``refresh_every > 1``: int32 [B, Hkv, K - n_tail], the scan's output at a refresh."""
-    refresh_base: torch.Tensor | None = None
-    """``refresh_every > 1``: int64 [B], the cache lengths of the last refresh's step."""
+    tail_pos: torch.Tensor | None = None
+    """``refresh_every > 1``: int64 [B, n_tail], the positions the tail slots take once they
+    leave the recent window: ``base - R + j`` (``base``: the cache lengths of the layer's last
+    refresh, R the recent window), or ``TAIL_NEVER`` for one among the sinks or left padding."""
     index: int = -1
     """This layer's index into ``all_windows`` / ``all_smooth`` (-1: a state of its own)."""
     all_smooth: torch.Tensor | None = None
@@ -416,17 +421,13 @@ class AsyncSpadePolicy(Policy):
             return -1
         return (state.seq_len - anchor) % n
 
-    def refreshes(self, state: PolicyState, layer: int | None = None) -> bool:
+    def refreshes(self, state: PolicyState, layer: int) -> bool:
         """Whether ``select`` of ``layer`` at ``state.seq_len`` computes a new selection
-        (``refresh_phase``); ``layer`` None: whether any layer does. Always with
-        ``refresh_every == 1``. Between its refreshes a layer's ``select`` returns its last
-        selection (with the tail slots brought up to date)."""
-        n, phase = self.cfg.refresh_every, self.refresh_phase(state)
-        if phase < 0:
-            return True
-        if layer is None:
-            return phase < self.spec.n_layers
-        return layer % n == phase
+        (``refresh_phase``): always with ``refresh_every == 1``. Between its refreshes a
+        layer's ``select`` returns its last selection (with the tail slots brought up to
+        date)."""
+        phase = self.refresh_phase(state)
+        return phase < 0 or layer % self.cfg.refresh_every == phase
 
     def _layer(self, state: PolicyState, layer: int, q: torch.Tensor) -> AsyncSpadeLayerState:
         st = state.layers[layer]
@@ -840,7 +841,7 @@ class AsyncSpadePolicy(Policy):
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
             n_tail = self._n_tail()
             if n_tail and st.last_sel is not None and st.last_sel.indices is st.keep:
-                self._write_tail(state, st, kv_lens, st.keep[:, :, st.keep.shape[2] - n_tail:])
+                self._write_tail(st, kv_lens, st.keep[:, :, st.keep.shape[2] - n_tail:])
             return st.last_sel
         pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
         if st is not None and st.q_scored is not None:
@@ -884,7 +885,7 @@ class AsyncSpadePolicy(Policy):
                         or st.scan_buf.device != k_cache.device:
                     st.scan_buf = torch.empty(shape[:2] + (shape[2] - n_tail,), dtype=torch.int32,
                                               device=k_cache.device)
-                    st.refresh_base = torch.empty(shape[0], dtype=torch.int64, device=k_cache.device)
+                    st.tail_pos = torch.empty(shape[0], n_tail, dtype=torch.int64, device=k_cache.device)
                 out = st.scan_buf
         if drift:
             if st.fresh is None or st.fresh.shape != st.keep.shape or st.fresh.device != st.keep.device:
@@ -902,8 +903,8 @@ class AsyncSpadePolicy(Policy):
             # (inside a cache rank's select_overlap block the select ran on its side stream)
             with after_selects(k_cache.device):
                 st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
-                st.refresh_base.copy_(kv_lens.to(device=k_cache.device, dtype=torch.int64))
-                self._write_tail(state, st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
+                self._set_tail(state, st, kv_lens)
+                self._write_tail(st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         if drift and sel.indices is st.fresh:
             self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
@@ -927,20 +928,22 @@ class AsyncSpadePolicy(Policy):
             return 0
         return min(cfg.refresh_every - 1, cfg.rerank * self.k_mid - 1)
 
-    def _write_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor,
-                    dst: torch.Tensor) -> None:
-        """Into ``dst`` [B, Hkv, n]: positions ``base - R + j`` (``base``: the layer's last
-        refresh's cache lengths, ``st.refresh_base``; R the recent window), each once below
-        ``kv_lens - R`` (it left the window) and in the middle (past the sinks), else ``-1``.
-        Device-side (a few small launches; the layers refresh at different steps, so each
-        has its own base)."""
+    def _set_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor) -> None:
+        """At a refresh: ``st.tail_pos`` from its cache lengths (device-side, in place)."""
+        t = st.tail_pos
+        R, n = self.cfg.recent_tokens, t.shape[1]
+        pos = (kv_lens.to(device=t.device, dtype=torch.int64) - R)[:, None] + torch.arange(n, device=t.device)
+        first = self.cfg.sink_tokens if state.kv_start is None else \
+            (state.kv_start.to(t.device).long() + self.cfg.sink_tokens)[:, None]
+        t.copy_(pos.masked_fill_(pos < first, TAIL_NEVER))
+
+    def _write_tail(self, st: AsyncSpadeLayerState, kv_lens: torch.Tensor, dst: torch.Tensor) -> None:
+        """Into ``dst`` [B, Hkv, n_tail]: each of ``st.tail_pos`` once it has left the recent
+        window (below ``kv_lens - R``), else ``-1``: a compare and a select per step."""
         B, H, n = dst.shape
-        R, lo = self.cfg.recent_tokens, self.cfg.sink_tokens
-        kv = kv_lens.to(device=dst.device, dtype=torch.int64)
-        pos = (st.refresh_base - R)[:, None] + torch.arange(n, device=dst.device)  # [B, n]
-        first = lo if state.kv_start is None else (state.kv_start.to(dst.device).long() + lo)[:, None]
-        ok = (pos < (kv - R)[:, None]) & (pos >= first)
-        dst.copy_(torch.where(ok, pos, -1).to(torch.int32)[:, None, :].expand(B, H, n))
+        t = st.tail_pos
+        gone = t < (kv_lens.to(device=t.device, dtype=torch.int64) - self.cfg.recent_tokens)[:, None]
+        dst.copy_(torch.where(gone, t, -1)[:, None, :].expand(B, H, n))
 
     def drift_kept(self, state: PolicyState) -> float | None:
         """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier

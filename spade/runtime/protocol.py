@@ -91,6 +91,8 @@ CACHE_STATS = (
     "topk_fallbacks",  # ... of which took the whole-row fallback (NaN when no layer carries a threshold)
     "topk_fallbacks_too_many",  # ... of those, with more candidates than the list holds (the rest: too few)
 )
+TOPK_STATS = CACHE_STATS[-3:]
+"""The threshold-carry top-K counters of ``CACHE_STATS`` (serving sums them over epochs)."""
 
 
 def stats_tensor(stats: dict) -> torch.Tensor:

@@ -68,7 +68,7 @@ class AsyncSlotBatch(SlotBatch):
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
                        "join_resyncs": 0, "dense_fallback_steps": 0, "epochs": 0,
-                       "topk_fallbacks": None, "topk_fallbacks_too_many": None, "topk_calls": None}
+                       **dict.fromkeys(P.TOPK_STATS)}
 
     # ------------------------------------------------------------------ epochs
     def reset(self, cursor: int) -> None:
@@ -103,7 +103,7 @@ class AsyncSlotBatch(SlotBatch):
             t[k] += sess.stats.get(k, 0)
         # the cache rank's account of the epoch, sent with its END acknowledgement (NaN: no carried threshold)
         host = sess.stats.get("cache_host", {})
-        for k in ("topk_fallbacks", "topk_fallbacks_too_many", "topk_calls"):
+        for k in P.TOPK_STATS:
             v = host.get(k, float("nan"))
             if v == v:
                 t[k] = (t[k] or 0) + int(v)

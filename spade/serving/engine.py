@@ -37,6 +37,7 @@ import torch
 from spade.config import SpadeConfig
 from spade.engine import check_prompt_text, check_prompts, load_model
 from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
+from spade.runtime.protocol import TOPK_STATS
 from spade.serving.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,7 @@ class AsyncEngine:
             "cursor": b.cursor, "cursor_resets": b.resets,
             "joins": b.joins, "joins_into_running": b.joins_running, "prefill_pieces": c["prefill_pieces"],
             "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
-            "late_packs": 0, "topk_fallbacks": None, "topk_fallbacks_too_many": None,  # (no cache rank:
-            "topk_calls": None,  # inline selections)
+            "late_packs": 0, **dict.fromkeys(TOPK_STATS),  # (no cache rank: inline selections)
             **self._cache_stats(),
             "closed": self._closed,
         }
@@ -247,9 +247,7 @@ class AsyncEngine:
         if live is None:
             return {}
         t = live()
-        return {"late_packs": t["late_packs"], "topk_fallbacks": t["topk_fallbacks"],
-                "topk_fallbacks_too_many": t["topk_fallbacks_too_many"], "topk_calls": t["topk_calls"],
-                "cache_epochs": t["epochs"],
+        return {"late_packs": t["late_packs"], **{k: t[k] for k in TOPK_STATS}, "cache_epochs": t["epochs"],
                 "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
                 "cache_dense_fallback_steps": t["dense_fallback_steps"],
                 "dropped_selections": t["dropped_selections"],

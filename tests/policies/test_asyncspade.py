@@ -834,14 +834,14 @@ def test_a_join_restarts_the_refresh_schedule():
             st.seq_len = seq
             p.select(st, 0, None, k, torch.tensor([seq, seq]))
             p.observe(st, 0, q[:, :, seq - 1], k, torch.tensor([seq, seq]))
-    assert not pols[0].refreshes(_at(sts[0], 33))
+    assert not pols[0].refreshes(_at(sts[0], 33), 0)
     for p, st in zip(pols, sts):  # row 1 takes a new request: its prompt's queries at [9, 32)
         st.seq_len = 32
         p.prefill_rows(st, 0, [1], q[1:, :, 9:32], k[1:], k[1:], torch.tensor([32]))
-    assert pols[0].refreshes(_at(sts[0], 33))  # (33 - 31) % 4 != 0, but the join restarts the schedule
+    assert pols[0].refreshes(_at(sts[0], 33), 0)  # (33 - 31) % 4 != 0, but the join restarts the schedule
     a, b = (p.select(_at(st, 33), 0, None, k, torch.tensor([33, 33])) for p, st in zip(pols, sts))
     assert middle_sets(a)[1] <= middle_sets(b)[1] and len(middle_sets(a)[1][0]) == 12 - 3 - 3
-    assert not pols[0].refreshes(_at(sts[0], 34))
+    assert not pols[0].refreshes(_at(sts[0], 34), 0)
 
 
 def _at(state, seq):
