@@ -21,7 +21,7 @@ from multiprocessing.connection import wait as mp_wait
 import pytest
 import torch
 
-from spade.transports._framing import free_port
+from spade.transports._framing import free_port, port_in_use
 from tests.transports import _peer
 
 TRANSPORT_NAMES = ["local", "nccl", "ucx", "nixl"]
@@ -84,12 +84,17 @@ class Pair:
         try:
             return self._run(scenario, device, may_die=may_die, **params)
         except pytest.fail.Exception as e:
-            if "cannot listen on port" not in str(e) and " in use on " not in str(e):
+            msg = str(e)
+            if not any(m in msg for m in ("cannot listen on port", " in use on ", "EADDRINUSE", "Address already in use")):
                 raise
         return self._run(scenario, device, may_die=may_die, **params)
 
     def _run(self, scenario: str, device: str, *, may_die: tuple[int, ...], **params) -> dict:
         port = free_port()
+        for _ in range(64):  # nccl's links also listen on port + 1: both must be free
+            if port + 1 < 65536 and port_in_use(port + 1) is None:
+                break
+            port = free_port()
         for _, conn in self.workers:
             conn.send((scenario, port, device, TIMEOUT_S, params))
         pending = {conn: i for i, (_, conn) in enumerate(self.workers)}
