@@ -203,6 +203,17 @@ class PolicyState:
     refresh_anchor: int | None = None
     """Cache length of this prompt's first selection, for a policy that selects every
     few steps (``asyncspade``'s ``refresh_every``); None until then."""
+    block_table: torch.Tensor | None = None
+    """Paged KV cache (``spade.kvcache``): [B, max_blocks] int32 on the cache's device
+    while ``select`` / ``observe`` run on a paged cache, else None. With it, the
+    ``k_cache`` they get is the layer's pool [num_blocks, Hkv, block_size, D], not a
+    [B, Hkv, L, D] view: positions stay logical and are read through the table
+    (``spade.policies.common.cache_dims``, ``last_token_keys``, ``logical_keys``). ``prefill``
+    and ``prefill_rows`` always get contiguous [n, Hkv, L', D] keys holding at least
+    the prompt (``L'`` may be shorter than the cache's capacity: ``cache_len``)."""
+    cache_len: int | None = None
+    """The cache's logical capacity in tokens (per row), when it is not ``k_cache``'s
+    dimension 2 (a paged cache; a prefill handed only the prompt); None: that dimension."""
 
 
 class Policy(ABC):

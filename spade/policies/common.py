@@ -191,11 +191,47 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 
-def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+def cache_dims(k_cache: torch.Tensor, state: PolicyState | None = None) -> tuple[int, int, int, int]:
+    """The logical (B, Hkv, L, D) of the cache a policy call got: ``k_cache``'s shape,
+    or, on a paged cache (``state.block_table``), the table's rows and its capacity in
+    tokens; ``state.cache_len`` (when set) overrides L."""
+    bt = None if state is None else state.block_table
+    if bt is not None:
+        B, L = bt.shape[0], bt.shape[1] * k_cache.shape[2]
+    else:
+        B, L = k_cache.shape[0], k_cache.shape[2]
+    if state is not None and state.cache_len is not None:
+        L = int(state.cache_len)
+    return B, k_cache.shape[1], L, k_cache.shape[3]
+
+
+def logical_keys(k_cache: torch.Tensor, state: PolicyState | None, n: int | None = None) -> torch.Tensor:
+    """The cache's first ``n`` positions (default: its capacity) as [B, Hkv, n, D]:
+    ``k_cache`` itself (a view) when contiguous; on a paged cache (``state.block_table``)
+    a gathered copy, for the rare whole-cache reads (a copy rebuilt, channels chosen)."""
+    bt = None if state is None else state.block_table
+    if bt is None:
+        return k_cache if n is None else k_cache[:, :, :n]
+    from spade.kernels.paged import paged_to_contiguous
+
+    bs = k_cache.shape[2]
+    L = bt.shape[1] * bs if n is None else int(n)
+    return paged_to_contiguous(k_cache, bt[:, :-(-L // bs)].contiguous())[:, :, :L]
+
+
+def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The newest cached key of every row, ``k_cache[b, :, kv_lens[b] - 1]``: [B, Hkv, D].
+    With ``block_table`` [B, max_blocks], ``k_cache`` is a pool [num_blocks, Hkv,
+    block_size, D] read through the table.
 
     A device-side gather (no host read of ``kv_lens``).
     """
+    if block_table is not None:
+        from spade.kernels.paged import paged_gather
+
+        pos = (kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1).clamp(min=0)  # [B]
+        return paged_gather(k_cache, block_table, pos[:, None])[:, :, 0]
     B, H, _, D = k_cache.shape
     pos = (kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1).clamp(min=0)  # [B]
     idx = pos.view(B, 1, 1, 1).expand(B, H, 1, D)
