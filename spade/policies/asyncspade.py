@@ -33,6 +33,16 @@ happens there). Attention itself always reads the exact keys.
 through capacity rebuilds) and folded into q̂ before scoring
 (``spade.kernels.quant``: plain per-token int4 ranks badly on real keys'
 outlier channels).
+
+Paged KV cache (``state.block_table`` set, ``spade.policies.base.PolicyState``):
+``select`` / ``observe`` get the layer's pool. Exact keys are scored in the pool
+through the table (radix top-K: the threshold carry is not paged); the int8 / int4 /
+channel copies are the policy's own contiguous memory, sized at ``prefill`` for the
+cache's logical capacity (``state.cache_len``: the prefill may see only the prompt),
+so decoding appends the newest key (read through the table) and never rebuilds the
+copy for length. Re-chosen channels rebuild it from the logical keys, gathered
+through the table (the first ``seq_len`` positions). ``rerank`` works as on a
+contiguous cache when the attention passes the table to ``Selection.reranked``.
 """
 
 from __future__ import annotations

@@ -7,10 +7,14 @@ with the best bounds are attended, the last (partial) page always among them.
 Cheap to score (``L / page_size`` bounds instead of ``L`` keys) but coarse: a
 page is kept whole or not at all.
 
-State per layer: ``kmin``/``kmax`` [B, Hkv, P, D] (``P = ceil(L / page_size)``,
-the key dtype), built from the prompt at ``prefill`` and folded with the newest
+State per layer: ``kmin``/``kmax`` [B, Hkv, P, D] (``P = ceil(L / page_size)`` for
+the cache's logical capacity L, ``state.cache_len`` when set; the key dtype), built from the prompt at ``prefill`` and folded with the newest
 key at every ``observe``. ``select`` at step t therefore sees the bounds of
 tokens up to t-1; token t lies in the last page, which is always kept.
+
+Paged KV cache (``state.block_table``): the bounds stay a per-row logical array; the
+newest key is read through the table (``last_token_keys``), and a cache never
+prefilled is bounded through it (``quest_build(block_table=)``).
 """
 
 from __future__ import annotations
