@@ -135,7 +135,7 @@ class AttentionContext:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:  # two-stage: the true query keeps the best candidates
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         bt = self.block_table
         if sel is None:

@@ -81,7 +81,7 @@ class SlotContext(AttentionContext):
     def attend(self, layer, q, k_cache, v_cache, kv_lens):
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
