@@ -123,6 +123,8 @@ class AttentionContext:
         st = getattr(self.selector, "state", None)
         if st is not None:  # the policy reads the cache's layout from its state
             st.block_table, st.cache_len = self.block_table, self.cache_len
+        if hasattr(self.selector, "block_table"):  # a cache rank's selector stages keys through it
+            self.selector.block_table = self.block_table
         self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

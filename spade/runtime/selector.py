@@ -169,10 +169,6 @@ class AsyncAttentionContext(AttentionContext):
     def graph_key(self) -> tuple:
         return self.selector.graph_key()
 
-    def begin_step(self, seq_len: int) -> None:
-        self.selector.block_table = self.block_table
-        super().begin_step(seq_len)
-
     def attend(self, layer, q, k_cache, v_cache, kv_lens):
         s = self.selector
         if s.return_mode != "kv":

@@ -16,7 +16,9 @@ from spade.serving import SamplingParams
 from .conftest import collect, final, greedy, make_config, random_prompts, run, staggered
 
 PAGED = ["model.block_size=4"]
-CASES = [("full", "inline"), ("streaming", "inline")]
+CASES = [("full", "inline"), ("streaming", "inline"), ("quest", "inline"), ("tova", "inline"), ("oracle", "inline"),
+         ("asyncspade", "inline"), ("asyncspade_int4", "inline"), ("asyncspade", "colocated"),
+         ("asyncspade_int4", "colocated"), ("asyncspade_int8", "local")]
 
 
 def jobs_for(seed: int, n: int = 6):
@@ -44,6 +46,8 @@ def test_paged_tokens_equal_contiguous(policy, topology):
     base, _ = serve(make_config(policy, topology), jobs)
     paged, stats = serve(make_config(policy, topology, extra=PAGED), jobs)
     assert stats["joins_into_running"] >= 2 and stats["requests_finished"] == len(jobs)
+    if policy != "full":
+        assert stats["sparse_steps"] > 0
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0  # every block back in the pool
     for (_, _, n), a, b in zip(jobs, base, paged):
         assert len(a.token_ids) == n and a.token_ids == b.token_ids
