@@ -108,5 +108,10 @@ def test_abort_frees_blocks_and_oversized_requests_are_refused():
 
     seen, mid, end = run(main())
     assert mid["kv_blocks_used"] > 0
+    from spade.serving.metrics import ServerMetrics
+
+    text = ServerMetrics({"model": "tiny"}).render(mid).splitlines()
+    for key in ("used", "free", "reserved"):  # /metrics carries the pool's gauges
+        assert f'spade_kv_blocks_{key}{{model="tiny"}} {mid[f"kv_blocks_{key}"]}' in text
     assert seen[-1].finish_reason == "abort"
     assert end["kv_blocks_used"] == 0 and end["kv_blocks_free"] == free0
