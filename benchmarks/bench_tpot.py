@@ -234,11 +234,21 @@ def fake_prompt(model, ctx, B: int, L: int, W: int, seed: int = 0) -> torch.Tens
     with W random queries (what a prefill of an L-token prompt reports last);
     returns placeholder logits."""
     model.fake_prefill(L, B, ctx=ctx, seed=seed)
+    model._bind(ctx, prefill=True)  # (a paged cache: the prompt's keys go to the policy contiguous)
     ctx.begin_step(L)
     a = model.arch
     g = torch.Generator(device=model.device).manual_seed(seed + 1)
     for layer in range(a.n_layers):
         q = torch.randn(B, a.n_q_heads, W, a.head_dim, device=model.device, generator=g).to(model.dtype)
+        if model.paged:  # the prompt's keys as a prefill reports them: contiguous
+            from spade.kernels.paged import paged_to_contiguous
+
+            bt = model.block_table
+            k, v = paged_to_contiguous(model.k_cache[layer], bt)[:, :, :L], \
+                paged_to_contiguous(model.v_cache[layer], bt)[:, :, :L]
+            ctx.prefill(layer, q, k, v, model.kv_lens)
+            del k, v
+            continue
         ctx.prefill(layer, q, model.k_cache[layer][:B], model.v_cache[layer][:B], model.kv_lens)
     return torch.zeros(B, model.vocab_size, device=model.device)
 
@@ -843,6 +853,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "layer j+1's scoring, spade.kernels.select_overlap), comma-separated: the first names the "
                          "rows, each further one adds rows suffixed /sov=<mode> and its own Table 3, side by side; "
                          "empty: the environment's. The multiprocess cache process keeps the first")
+    ap.add_argument("--block-size", default="0",
+                    help="paged KV cache: comma list of model.block_size values, 0 = the contiguous cache; each "
+                         "builds its own model and its rows carry /paged<bs> (e.g. 0,16: side by side)")
     ap.add_argument("--refresh-every", default="1",
                     help="policy.refresh_every values of the asyncspade rows (comma-separated; a value N > 1 "
                          "adds rows suffixed /r=N: a selection every N steps, reused in between)")
@@ -900,6 +913,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.sov = a.sov or [""]  # the environment's, no suffix
     a.cur_sov_sfx = ""  # (set_sov sets the environment: not here, the rows' loop does)
     a.refresh_every = _int_list(ap, "--refresh-every", a.refresh_every, 1, 64, "policy.refresh_every", 1)
+    a.block_size = _int_list(ap, "--block-size", a.block_size, 0, 1 << 20, "model.block_size", 0)
+    a.cur_bs_sfx = ""
     a.rerank = _int_list(ap, "--rerank", a.rerank, 1, 16, "policy.rerank", 1)
     a.score_channels = _int_list(ap, "--score-channels", a.score_channels, 0, 1 << 16,
                                  "policy.score_channels; 0: all", 0)
@@ -1035,12 +1050,13 @@ def run(argv: list[str] | None = None) -> dict:
     steps = (a.warmup + 2 * max(a.refresh_every) + a.iters + 8  # (warmup_steps: the longest warm-up of a row)
              + PROFILE_STEPS + HOST_PROFILE_STEPS)  # + an async row's profiled steps
     for B in a.batch:
-        for L in a.context:
+        for L, bs in itertools.product(a.context, a.block_size):  # bs 0: the contiguous cache
             model = None
+            a.cur_bs_sfx = f"/paged{bs}" if bs else ""
             try:
                 free_memory()
                 model = FastModel.from_config(hf_cfg, device=device, dtype=dtype, max_batch=B,
-                                              max_seq_len=L + steps, linear=a.linear)
+                                              max_seq_len=L + steps, linear=a.linear, block_size=bs or None)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
                 print(f"B={B} L={L}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
                 result["configs"].append({"batch": B, "context": L, "skipped": str(e)[:300]})
@@ -1055,13 +1071,13 @@ def run(argv: list[str] | None = None) -> dict:
             print(f"B={B}: projections " + ", ".join(f"{k} {v}" for k, v in lin_kernels.items())
                   + f"; gate/up + SiLU product fused: {'on' if fuse_glu else 'off'}", flush=True)
             for K in a.budget:
-                conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "rows": {}, "errors": {},
+                conf: dict[str, Any] = {"batch": B, "context": L, "budget": K, "block_size": bs, "rows": {}, "errors": {},
                                         "linear_kernels": lin_kernels,
                                         "fuse_glu": fuse_glu}
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx + a.cur_sov_sfx + a.cur_topk_sfx
+                    name += a.cur_pdl_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -1096,8 +1112,9 @@ def run(argv: list[str] | None = None) -> dict:
                             set_topk(tk, a)
                             rows_for_budget(model, B, L, K, a, shared, two, record)
                 set_pdl(a.pdl[0], a)
-                # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap")
-                for so, tk in itertools.product(a.sov, a.topk):
+                # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap");
+                # its per-layer timings read a contiguous cache: not for a paged row set
+                for so, tk in itertools.product(a.sov, a.topk) if not bs else ():
                     set_sov(so, a)
                     set_topk(tk, a)
                     tag = a.cur_sov_sfx + a.cur_topk_sfx

@@ -109,11 +109,22 @@ class AttentionContext:
         self.track_stats = track_stats
         self.stats = torch.zeros(spec.n_layers, 2, dtype=torch.int64, device=device)
         self.stat_rows = 0  # B * Hkv of the decode calls counted (one batch per context)
+        #: paged KV cache (``spade.kvcache``): the rows' block table [B, max_blocks] int32 for
+        #: decode steps (``k_cache``/``v_cache`` are then the layer's pools), set by the model;
+        #: None for a contiguous cache and while prefilling
+        self.block_table: torch.Tensor | None = None
+        #: the cache's logical capacity per row when ``k_cache`` does not show it (paged), else None
+        self.cache_len: int | None = None
 
     def begin_step(self, seq_len: int) -> None:
         """Called by the backend before each prefill/decode step with the cache
         length (host int, including the token(s) of this step)."""
         self.seq_len = seq_len
+        st = getattr(self.selector, "state", None)
+        if st is not None:  # the policy reads the cache's layout from its state
+            st.block_table, st.cache_len = self.block_table, self.cache_len
+        if hasattr(self.selector, "block_table"):  # a cache rank's selector stages keys through it
+            self.selector.block_table = self.block_table
         self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,17 +137,19 @@ class AttentionContext:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:  # two-stage: the true query keeps the best candidates
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
+        bt = self.block_table
         if sel is None:
             out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None,
                                                   scale=self.spec.softmax_scale, kv_start=self.kv_start,
-                                                  stats=stats)
+                                                  stats=stats, block_table=bt)
         else:
             out = kernels.sparse_decode_attention(
                 q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent,
                 scale=self.spec.softmax_scale,
                 kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats,
+                block_table=bt,
             )
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
@@ -148,7 +161,7 @@ class AttentionContext:
             return None
         if self.stats.device != q.device:  # the context was built before the model moved
             self.stats = self.stats.to(q.device)
-        self.stat_rows = q.shape[0] * k_cache.shape[1]
+        self.stat_rows = q.shape[0] * k_cache.shape[1]  # B * Hkv (a pool has the cache's Hkv too)
         return self.stats[layer]
 
     def graph_key(self) -> tuple:

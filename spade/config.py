@@ -53,6 +53,14 @@ class ModelConfig(ConfigSection):
     """Wrap prompts in the model's chat template when it has one."""
     seed: int = 0
     """Seed for random weights of shape presets."""
+    block_size: int | None = Field(None, ge=1)
+    """Paged KV cache (fast backend): tokens per block of one pool shared by every row
+    (``spade.kvcache``; docs/paged.md); None: one contiguous ``[max_batch, max_seq_len]``
+    cache per layer. With paging a row holds blocks only for the tokens it has, so
+    ``kv_blocks`` may be far below ``max_batch * max_seq_len / block_size``."""
+    kv_blocks: int | None = Field(None, ge=2)
+    """Blocks in the paged cache's pool (one of them the null block); None: enough for
+    every row at ``max_seq_len`` (the contiguous cache's memory). Needs ``block_size``."""
     linear: Literal["auto", "cublas", "triton"] = "auto"
     """Kernel of the fast backend's decode projections (qkv, o, gate_up, down, lm_head):
     ``auto``: spade's split-K Triton GEMV for the shapes a GPU sweep measured it faster

@@ -217,6 +217,10 @@ def _load_backend(config: SpadeConfig, kind: str, source, device: torch.device, 
     m = config.model
     if kind == "hf":
         from spade.models.hf import HFBackend
+
+        if m.block_size is not None:
+            raise ConfigError(f"model.block_size ({m.block_size}): the paged KV cache needs the fast backend; "
+                              "set model.backend: fast, or model.block_size: null")
         from spade.models.registry import resolve_model
 
         return HFBackend.from_pretrained(str(resolve_model(m.name)), device=device, dtype=dtype)
@@ -227,11 +231,12 @@ def _load_backend(config: SpadeConfig, kind: str, source, device: torch.device, 
 
         return FastModel.from_config(preset_config(m.name), device=device, dtype=dtype,
                                      max_batch=max_batch, max_seq_len=m.max_seq_len, seed=m.seed,
-                                     linear=m.linear)
+                                     linear=m.linear, block_size=m.block_size, kv_blocks=m.kv_blocks)
     from spade.models.registry import resolve_model
 
     return FastModel.from_hf_folder(str(resolve_model(m.name)), device=device, dtype=dtype,
-                                    max_batch=max_batch, max_seq_len=m.max_seq_len, linear=m.linear)
+                                    max_batch=max_batch, max_seq_len=m.max_seq_len, linear=m.linear,
+                                    block_size=m.block_size, kv_blocks=m.kv_blocks)
 
 
 class Engine:

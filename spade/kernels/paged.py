@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["check_block_table", "paged_to_contiguous", "paged_write", "scatter_to_pool", "paged_slots",
-           "tile_of"]
+__all__ = ["check_block_table", "paged_to_contiguous", "paged_gather", "paged_write", "scatter_to_pool",
+           "paged_slots", "tile_of"]
 
 
 @triton.jit
@@ -84,6 +84,16 @@ def paged_to_contiguous(pool: torch.Tensor, block_table: torch.Tensor) -> torch.
     _, Hkv, bs, D = pool.shape
     x = pool[block_table.to(pool.device).long().reshape(-1)]  # [B * nb, Hkv, bs, D]
     return x.view(B, nb, Hkv, bs, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, nb * bs, D)
+
+
+def paged_gather(pool: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Tokens at logical positions ``pos`` [B, n] (int, every entry in the table's range)
+    of each row: [B, Hkv, n, D] (a copy). One device gather, no host synchronisation."""
+    check_pool(pool)
+    bs = pool.shape[2]
+    pos = pos.to(device=pool.device, dtype=torch.int64)
+    blk = torch.gather(block_table.to(pool.device).long(), 1, pos // bs)  # [B, n]
+    return pool[blk, :, pos % bs].permute(0, 2, 1, 3)  # [B, n, Hkv, D] -> [B, Hkv, n, D]
 
 
 def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, start: torch.Tensor | int,

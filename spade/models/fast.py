@@ -326,7 +326,8 @@ class FastModel(DecodeBackend):
                  norm: torch.Tensor, lm_head: torch.Tensor, *, device: torch.device, dtype: torch.dtype,
                  max_batch: int, max_seq_len: int, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
                  use_cuda_graphs: bool = True, fused_kernels: bool | None = None, prefill_chunk: int = 1024,
-                 linear: str = "auto", fuse_glu: bool | None = None):
+                 linear: str = "auto", fuse_glu: bool | None = None, block_size: int | None = None,
+                 kv_blocks: int | None = None):
         if max_batch < 1 or max_seq_len < 2:
             raise ConfigError(f"max_batch ({max_batch}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.hf_config = hf_config
@@ -363,10 +364,32 @@ class FastModel(DecodeBackend):
         self.sin_tab = (emb.sin() * scaling).float().to(device).contiguous()
 
         B, Hkv, L, D = self.max_batch, arch.n_kv_heads, self.max_seq_len, arch.head_dim
+        self.block_size = None if block_size is None else int(block_size)
+        self.kv_pool = None  # spade.kvcache.BlockPool (paged)
+        self.table = None  # spade.kvcache.BlockTable (paged)
+        if self.block_size is None:
+            if kv_blocks is not None:
+                raise ConfigError(f"model.kv_blocks ({kv_blocks}) needs a paged cache: set model.block_size too")
+            shape = (B, Hkv, L, D)
+        else:  # paged (spade.kvcache): per layer a pool of blocks, one table for every layer
+            if self.block_size < 1:
+                raise ConfigError(f"model.block_size must be >= 1 (tokens per KV block); got {block_size}")
+            from spade.kvcache import BlockPool, BlockTable, blocks_for
+
+            max_blocks = blocks_for(L, self.block_size)
+            nb = B * max_blocks + 1 if kv_blocks is None else int(kv_blocks)
+            if nb < 2:
+                raise ConfigError(f"model.kv_blocks must be >= 2 (block 0 is the null block); got {kv_blocks}")
+            self.kv_pool = BlockPool(nb, self.block_size)
+            self.table = BlockTable(B, max_blocks, device)
+            shape = (nb, Hkv, self.block_size, D)
+        # per row: logical block index -> pool block (paged only)
+        self._row_blocks: list[dict[int, int]] = [{} for _ in range(B)]
+        self._table_dirty = False
         # Zeroed, not empty: reference attention multiplies masked probabilities (0) by
         # values, and 0 * NaN garbage would poison the output.
-        self.k_cache = [torch.zeros(B, Hkv, L, D, dtype=dtype, device=device) for _ in range(arch.n_layers)]
-        self.v_cache = [torch.zeros(B, Hkv, L, D, dtype=dtype, device=device) for _ in range(arch.n_layers)]
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.n_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.n_layers)]
         # Step metadata, one tensor so that one kernel advances it: row 0 kv_lens,
         # row 1 RoPE position of the current token, row 2 (first entry) write index.
         self._meta = torch.zeros(3, B, dtype=torch.int64, device=device)
@@ -410,6 +433,116 @@ class FastModel(DecodeBackend):
 
     def _ops(self) -> dict[str, Callable]:
         return triton_ops() if self.fused_kernels else _TORCH_OPS
+
+    def _bind(self, ctx, prefill: bool = False) -> None:
+        """Tell the attention context about the cache's layout: the block table for decode
+        steps (None while prefilling: the policies then get the prompt's keys,
+        contiguous) and the logical capacity per row."""
+        if ctx is None or not self.paged:
+            return
+        ctx.block_table = None if prefill else self.block_table
+        ctx.cache_len = self.max_seq_len
+
+    # ------------------------------------------------------------------ paged KV cache
+    @property
+    def paged(self) -> bool:
+        return self.table is not None
+
+    @property
+    def block_table(self) -> torch.Tensor | None:
+        """[B, max_blocks] int32 device view of the current rows' block table (paged), or None."""
+        return None if self.table is None else self.table.tensor[: self._batch]
+
+    def kv_blocks_free(self) -> int:
+        """Free blocks of the paged cache's pool (0 for a contiguous cache)."""
+        return 0 if self.kv_pool is None else self.kv_pool.num_free
+
+    def kv_blocks_used(self) -> int:
+        return 0 if self.kv_pool is None else self.kv_pool.num_used
+
+    def kv_row_blocks(self, row: int) -> int:
+        """Blocks row ``row`` holds (paged)."""
+        return len(self._row_blocks[row])
+
+    def kv_map(self, row: int, lo: int, hi: int) -> None:
+        """Paged: give row ``row`` blocks for its logical positions ``[lo, hi)`` (those it
+        lacks; all or none: ``spade.kvcache.OutOfBlocks`` takes nothing). Positions of
+        the row no block covers read and write the null block. The device table follows
+        at the next step (or ``sync_table``)."""
+        if self.table is None or hi <= lo:
+            return
+        from spade.kvcache import blocks_for
+
+        bs = self.block_size
+        if hi > self.table.max_blocks * bs:
+            raise ConfigError(f"row {row}: position {hi - 1} is past the cache's {self.max_seq_len} tokens "
+                              "(raise model.max_seq_len)")
+        own = self._row_blocks[row]
+        need = [j for j in range(lo // bs, blocks_for(hi, bs)) if j not in own]
+        if not need:
+            return
+        blocks = self.kv_pool.allocate(len(need))
+        host = self.table._host
+        for j, blk in zip(need, blocks):
+            own[j] = blk
+            host[row, j] = blk
+        self._table_dirty = True
+
+    def kv_free(self, row: int) -> None:
+        """Paged: free every block of row ``row`` at once; its table row points at the null block."""
+        if self.table is None or not self._row_blocks[row]:
+            return
+        blocks = list(self._row_blocks[row].values())
+        self._row_blocks[row] = {}
+        self.table.clear_row(row)
+        self.kv_pool.free(blocks)
+        self._table_dirty = True
+
+    def sync_table(self) -> None:
+        """Copy the host block table to the device if a row changed (between steps)."""
+        if self._table_dirty:
+            self.table.sync()
+            self._table_dirty = False
+
+    def _grow_rows(self, pos: int) -> None:
+        """Paged decode: every row holding blocks gets the block of position ``pos`` (the
+        step's write) when it enters a new block."""
+        if pos % self.block_size and all(not own or pos // self.block_size in own for own in self._row_blocks):
+            return
+        j = pos // self.block_size
+        lack = [b for b, own in enumerate(self._row_blocks) if own and j not in own]
+        if lack and len(lack) > self.kv_pool.num_free:
+            raise ModelError(f"out of KV blocks: {len(lack)} rows need a block at position {pos}, "
+                             f"{self.kv_pool.num_free} free of {self.kv_pool.capacity} (raise model.kv_blocks)")
+        for b in lack:
+            self.kv_map(b, pos, pos + 1)
+
+    def _paged_store(self, li: int, rows: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
+                     start: torch.Tensor | int) -> None:
+        """Write k/v [n, Hkv, T, D] of the table's rows ``rows`` at logical ``start``."""
+        from spade.kernels.paged import paged_write
+
+        self.sync_table()
+        table = self.table.tensor[rows]
+        paged_write(self.k_cache[li], table, k, start)
+        paged_write(self.v_cache[li], table, v, start)
+
+    def _paged_row(self, li: int, row: int, lo: int, hi: int, cap: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s cache positions ``[lo, hi)`` as contiguous [1, Hkv, (cap or hi) - lo, D]
+        copies (positions past ``hi`` zero)."""
+        from spade.kernels.paged import paged_gather
+
+        self.sync_table()
+        pos = torch.arange(lo, hi, device=self.device)[None]
+        table = self.table.tensor[row:row + 1]
+        out = []
+        for pool in (self.k_cache[li], self.v_cache[li]):
+            x = paged_gather(pool, table, pos)
+            if cap is not None and cap > hi - lo:
+                x = torch.cat([x, x.new_zeros(1, x.shape[1], cap - (hi - lo), x.shape[3])], dim=2)
+            out.append(x)
+        return out[0], out[1]
 
     @property
     def linear(self) -> str:
@@ -671,6 +804,12 @@ class FastModel(DecodeBackend):
         self._graphs.clear()
         self._batch = batch
         self._seq_len = seq_len
+        if self.paged:  # a static batch: rows 0..batch-1 hold [0, seq_len), the rest nothing
+            for b in range(self.max_batch):
+                self.kv_free(b)
+            for b in range(batch):
+                self.kv_map(b, 0, seq_len)
+            self.sync_table()
         self._meta[0].fill_(seq_len)
         self._meta[1, :batch].copy_(n_valid.to(self._meta.device) - 1)
         self._meta[2].fill_(seq_len - 1)
@@ -692,13 +831,25 @@ class FastModel(DecodeBackend):
             raise ConfigError("prefill needs left-padded prompts (every row's last position must be a real token)")
         self._reset(B, T, n_valid)
         ctx.kv_start = (T - n_valid).to(torch.int32) if padded else None
+        self._bind(ctx, prefill=True)
         ctx.begin_step(T)
         kv_lens = self.kv_lens
+        tmp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # paged: the layer's prompt K/V, contiguous
 
         def region(li: int):
+            if self.paged:
+                shape = (B, a.n_kv_heads, T, a.head_dim)
+                tmp[li] = (torch.zeros(shape, dtype=self.dtype, device=dev),
+                           torch.zeros(shape, dtype=self.dtype, device=dev))
+                return tmp[li]
             return self.k_cache[li][:B, :, :T], self.v_cache[li][:B, :, :T]
 
         def report(li: int, q_all: torch.Tensor) -> None:
+            if self.paged:  # into the pool, then the policy sees the prompt's keys (contiguous)
+                kc, vc = tmp.pop(li)
+                self._paged_store(li, slice(0, B), kc, vc, 0)
+                ctx.prefill(li, q_all, kc, vc, kv_lens)
+                return
             ctx.prefill(li, q_all, self.k_cache[li][:B], self.v_cache[li][:B], kv_lens)
 
         x = self._prompt_pass(ids, mask, padded, region, report)
@@ -757,11 +908,23 @@ class FastModel(DecodeBackend):
                 f"fit before the cursor at {S}" + (" (a last chunk must end at the cursor)" if last else ""))
         ids = input_ids.to(self.device).reshape(1, c)
         mask = torch.ones(1, c, dtype=torch.bool, device=self.device)
+        tmp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # paged: the prompt's K/V so far, contiguous
+        if self.paged:
+            self.kv_map(row, first, end)
 
         def region(li: int):  # the prompt's cache so far: its earlier chunks, then this one
+            if self.paged:
+                tmp[li] = self._paged_row(li, row, first, first + offset, cap=first + offset + c)
+                return tmp[li]
             return self.k_cache[li][row:row + 1, :, first:end], self.v_cache[li][row:row + 1, :, first:end]
 
         def fwd(li: int, q_all: torch.Tensor) -> None:
+            if self.paged:  # this piece into the pool; the report sees the row's [0, end), contiguous
+                kc, vc = tmp.pop(li)
+                self._paged_store(li, slice(row, row + 1), kc[:, :, offset:], vc[:, :, offset:], first + offset)
+                pad = (0, 0, first, 0)  # positions before the prompt: zeros (outside the row's window)
+                report(li, q_all, F.pad(kc, pad) if last else kc, F.pad(vc, pad) if last else vc)
+                return
             report(li, q_all, self.k_cache[li][row:row + 1], self.v_cache[li][row:row + 1])
 
         x = self._prompt_pass(ids, mask, False, region, fwd, offset=offset)
@@ -884,6 +1047,10 @@ class FastModel(DecodeBackend):
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(seed))
         for kc, vc in zip(self.k_cache, self.v_cache):
+            if self.paged:  # every block of the pool (the rows' blocks among them)
+                kc.normal_(0.0, std, generator=gen)
+                vc.normal_(0.0, std, generator=gen)
+                continue
             kc[:B, :, :seq_len].normal_(0.0, std, generator=gen)
             vc[:B, :, :seq_len].normal_(0.0, std, generator=gen)
         self._x[:B].zero_()
@@ -900,7 +1067,10 @@ class FastModel(DecodeBackend):
         x = self._x[:B]  # [B, H], updated in place
         kv_lens = self._meta[0, :B]
         pos = self._meta[1, :B]
-        widx = self._meta[2, :1]
+        widx = self._meta[2, :B] if self.paged else self._meta[2, :1]  # paged: one write position per row
+        paged = {} if not self.paged else {"block_table": self.table.tensor[:B]}
+        if paged and not self.fused_kernels:
+            from spade.kernels.elementwise import qkv_rope_store_paged_torch as qkv_rope_store
         if first:
             x.copy_(F.embedding(self._tokens[:B], self.embed))
         pending = None  # the previous layer's MLP output, added to x inside the next norm
@@ -908,9 +1078,9 @@ class FastModel(DecodeBackend):
             L = self.layers[li]
             h = add_rms_norm(x, pending, L.ln1, a.eps)
             qkv = self._lin(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
-            kc, vc = self.k_cache[li][:B], self.v_cache[li][:B]
+            kc, vc = (self.k_cache[li], self.v_cache[li]) if paged else (self.k_cache[li][:B], self.v_cache[li][:B])
             q = qkv_rope_store(qkv, L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab, pos, widx, kc, vc,
-                               a.n_q_heads, a.n_kv_heads)  # [B, Hq, D]
+                               a.n_q_heads, a.n_kv_heads, **paged)  # [B, Hq, D]
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)
@@ -945,6 +1115,10 @@ class FastModel(DecodeBackend):
             raise ModelError(f"the KV cache is full ({self.max_seq_len} tokens): raise model.max_seq_len")
         packs = self._packs(pack_layers)
         n_packs = len(packs)
+        if self.paged:  # the rows entering a new block get it; the table follows before the step
+            self._grow_rows(self._seq_len)
+            self.sync_table()
+            self._bind(ctx)
         # Host bookkeeping and the device metadata bump (kv_lens, position, write index).
         self._seq_len += 1
         self._tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
@@ -1009,6 +1183,7 @@ class FastModel(DecodeBackend):
         self._graphs.clear()
         self.k_cache = []
         self.v_cache = []
+        self._row_blocks = [{} for _ in range(self.max_batch)]
         self._batch = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

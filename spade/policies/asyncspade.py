@@ -33,6 +33,16 @@ happens there). Attention itself always reads the exact keys.
 through capacity rebuilds) and folded into q̂ before scoring
 (``spade.kernels.quant``: plain per-token int4 ranks badly on real keys'
 outlier channels).
+
+Paged KV cache (``state.block_table`` set, ``spade.policies.base.PolicyState``):
+``select`` / ``observe`` get the layer's pool. Exact keys are scored in the pool
+through the table (radix top-K: the threshold carry is not paged); the int8 / int4 /
+channel copies are the policy's own contiguous memory, sized at ``prefill`` for the
+cache's logical capacity (``state.cache_len``: the prefill may see only the prompt),
+so decoding appends the newest key (read through the table) and never rebuilds the
+copy for length. Re-chosen channels rebuild it from the logical keys, gathered
+through the table (the first ``seq_len`` positions). ``rerank`` works as on a
+contiguous cache when the attention passes the table to ``Selection.reranked``.
 """
 
 from __future__ import annotations
@@ -48,8 +58,8 @@ from spade import kernels
 from spade.errors import ConfigError
 from spade.kernels.overlap import after_selects
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
-from spade.policies.common import (derived, is_dense, last_token_keys, layer_carry, reset_carry, row_start,
-                                   topk_selection)
+from spade.policies.common import (cache_dims, derived, is_dense, last_token_keys, layer_carry, logical_keys,
+                                   reset_carry, row_start, topk_selection)
 from spade.policies.predictors import predict, rotate
 
 log = logging.getLogger(__name__)
@@ -466,7 +476,9 @@ class AsyncSpadePolicy(Policy):
     def scoring_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
                      kv_lens: torch.Tensor | None = None, *,
                      fit: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                     k_new: torch.Tensor | None = None, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     k_new: torch.Tensor | None = None, rebuild: bool = False,
+                     state: PolicyState | None = None, prefill: bool = False,
+                     lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scoring copy of ``k_cache`` [B, Hkv, L, D] as views, kept in ``st``: int8
         (kq [B, Hkv, L, r] int8, ks [B, Hkv, L]), packed int4 (kq [B, Hkv, L, r/2] uint8, ks),
         or — ``exact`` with ``score_channels`` — the cache dtype (kq [B, Hkv, L, r], ks None);
@@ -483,8 +495,16 @@ class AsyncSpadePolicy(Policy):
         else of the whole view; rebuilds keep it, so the copy's scale never shifts
         mid-sequence. ``rebuild`` (new channels): refit and requantise the whole view,
         into the existing buffers when they fit (a captured graph keeps its addresses).
+
+        ``state``: the call's state, for the cache's logical shape (``cache_dims``): on a
+        paged cache (``state.block_table``, unless ``prefill``: a prefill's keys are always
+        contiguous) ``k_cache`` is the layer's pool, the newest key is read through the table
+        and a rebuild reads the logical keys (``_whole_keys``; ``lens``, default ``kv_lens``:
+        the rows' lengths, outside which the read is zeroed). The copy's capacity is the
+        cache's logical capacity (``state.cache_len`` when set), so a prefill handed only
+        the prompt sizes it for the whole cache and decoding never rebuilds it for length.
         """
-        B, H, L, D = k_cache.shape
+        B, H, L, D, bt = self._dims(k_cache, state, prefill)
         mode = self.cfg.score_keys
         int4 = mode == "int4"
         chans = st.chans  # [B, H, r] or None (all channels)
@@ -504,17 +524,60 @@ class AsyncSpadePolicy(Policy):
                 "step's keys as k_new, so the cache may lack the decoded ones: keep the cache's shape fixed "
                 "(or append the keys to it and observe without k_new)")
         st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
-        ksub = k_cache if chans is None else None  # the channels scored, gathered once per rebuild
+        ksub = None  # the channels scored of the whole cache, gathered once per rebuild
+        fit = fit if fit is not None else (kv_lens, None)
         if refit:
-            ksub = gather_channels(k_cache, chans) if ksub is None else ksub
-            self._refit_smoothing(st, ksub, fit if fit is not None else (kv_lens, None))
+            ksub = self._sub_keys(k_cache, state, bt, chans, lens if lens is not None else fit[0])
+            self._refit_smoothing(st, ksub, fit)
             same = same and rebuild  # a copy made under another smoothing is void
         if rebuild or not same or kq.shape[2] < L:
-            ksub = gather_channels(k_cache, chans) if ksub is None else ksub
-            self._rebuild_copy(st, ksub, dt, Dq, same)
+            if ksub is None:
+                ksub = self._sub_keys(k_cache, state, bt, chans, lens if lens is not None else kv_lens)
+            self._rebuild_copy(st, ksub, dt, Dq, same, L)
         elif kv_lens is not None:
-            self._append_copy(st, k_cache, kv_lens, k_new, dt)
+            self._append_copy(st, k_cache, kv_lens, k_new, dt, bt)
         return st.kq[:, :, :L], None if st.ks is None else st.ks[:, :, :L]
+
+    @staticmethod
+    def _dims(k_cache: torch.Tensor, state: PolicyState | None, prefill: bool = False
+              ) -> tuple[int, int, int, int, torch.Tensor | None]:
+        """The logical (B, Hkv, L, D) of the keys a call got and the table they are read
+        through: ``cache_dims`` on a paged cache (``state.block_table``, never at a prefill,
+        whose keys are contiguous); else ``k_cache``'s shape with L at least
+        ``state.cache_len`` (the capacity, when a prefill gets only the prompt)."""
+        bt = None if prefill or state is None else state.block_table
+        if bt is not None:
+            return (*cache_dims(k_cache, state), bt)
+        B, H, L, D = k_cache.shape
+        if state is not None and state.cache_len is not None:
+            L = max(L, int(state.cache_len))
+        return B, H, L, D, None
+
+    @staticmethod
+    def _whole_keys(k_cache: torch.Tensor, state: PolicyState | None, bt: torch.Tensor | None,
+                    lens: torch.Tensor | None = None) -> torch.Tensor:
+        """The cache's keys as [B, Hkv, n, D] for a whole-cache read (a copy rebuilt, channels
+        chosen): ``k_cache`` itself when contiguous; on a paged cache (``bt``) a gathered copy
+        of the first ``n = min(capacity, state.seq_len)`` positions (no row is longer), with
+        every position outside a row's ``[kv_start, lens)`` zeroed when ``lens`` is given
+        (blocks the row does not own are never read into a result)."""
+        if bt is None:
+            return k_cache
+        L = cache_dims(k_cache, state)[2]
+        n = min(L, state.seq_len) if state.seq_len > 0 else L
+        k = logical_keys(k_cache, state, n)
+        if lens is not None:
+            pos = torch.arange(n, device=k.device)
+            lens = lens.to(device=k.device, dtype=torch.int64)
+            ok = (pos >= row_start(state.kv_start, lens)[:, None]) & (pos < lens[:, None])  # [B, n]
+            k = torch.where(ok[:, None, :, None], k, torch.zeros((), dtype=k.dtype, device=k.device))
+        return k
+
+    def _sub_keys(self, k_cache: torch.Tensor, state: PolicyState | None, bt: torch.Tensor | None,
+                  chans: torch.Tensor | None, lens: torch.Tensor | None) -> torch.Tensor:
+        """The scored channels of the whole cache (``_whole_keys``): [B, Hkv, n, r]."""
+        k = self._whole_keys(k_cache, state, bt, lens)
+        return k if chans is None else gather_channels(k, chans)
 
     @staticmethod
     def _refit_smoothing(st: AsyncSpadeLayerState, ksub: torch.Tensor, fit: tuple) -> None:
@@ -531,11 +594,14 @@ class AsyncSpadePolicy(Policy):
         st.k_smooth = sm
 
     def _rebuild_copy(self, st: AsyncSpadeLayerState, ksub: torch.Tensor, dt: torch.dtype, Dq: int,
-                      same: bool) -> None:
-        """The scoring copy of the whole view ``ksub`` [B, H, L, r]: in place when ``same``
-        (the copy's layout) and it holds L rows, else in new buffers (capacity doubled when
-        the cache outgrew a copy of the same layout)."""
+                      same: bool, cap: int | None = None) -> None:
+        """The scoring copy of the whole view ``ksub`` [B, H, L, r], for a cache of ``cap``
+        (>= L; default L) logical positions: in place when ``same`` (the copy's layout) and
+        it holds ``cap`` rows, else in new buffers of ``cap`` rows (capacity doubled when the
+        cache outgrew a copy of the same layout). Rows past L are left as they are (zeros in
+        new buffers): no row is that long yet, each is appended before it is scored."""
         B, H, L, _ = ksub.shape
+        cap = L if cap is None else max(int(cap), L)
         mode = self.cfg.score_keys
         if mode == "int4":
             q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)  # [B, H, L, r/2] uint8, [B, H, L]
@@ -544,12 +610,12 @@ class AsyncSpadePolicy(Policy):
         else:
             q8, s8 = ksub, None  # exact channels: the subset in the cache dtype
         kq = st.kq
-        if same and kq.shape[2] >= L:  # rebuild in place (new channels, same shapes)
+        if same and kq.shape[2] >= cap:  # rebuild in place (new channels, same shapes)
             st.kq[:, :, :L].copy_(q8)
             if s8 is not None:
                 st.ks[:, :, :L].copy_(s8)
             return
-        cap = max(L, 2 * kq.shape[2]) if same else L
+        cap = max(cap, 2 * kq.shape[2]) if same else cap
         if cap == L:
             st.kq, st.ks = q8.contiguous(), s8
             return
@@ -561,15 +627,18 @@ class AsyncSpadePolicy(Policy):
             st.ks[:, :, :L] = s8
 
     def _append_copy(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor, kv_lens: torch.Tensor,
-                     k_new: torch.Tensor | None, dt: torch.dtype) -> None:
+                     k_new: torch.Tensor | None, dt: torch.dtype, block_table: torch.Tensor | None = None) -> None:
         """The newest key of each row (slot ``kv_lens - 1``: the cache's row, or ``k_new``)
-        into the copy, device-side (graph-safe)."""
-        B, H = k_cache.shape[:2]
+        into the copy, device-side (graph-safe). ``block_table``: ``k_cache`` is a paged
+        cache's pool, its newest keys read through the table (``last_token_keys``)."""
+        B, H = st.kq.shape[:2]
         chans, mode = st.chans, self.cfg.score_keys
         kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
         src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
+        if k_new is None and (block_table is not None or chans is not None):
+            src = last_token_keys(k_cache, kv, block_table)  # [B, H, D]
         if chans is not None:  # the newest keys' channels [B, H, r]
-            src = gather_channels(last_token_keys(k_cache, kv) if k_new is None else k_new, chans)
+            src = gather_channels(src, chans)
         if mode == "int4":
             kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
         elif mode == "int8":
@@ -595,12 +664,14 @@ class AsyncSpadePolicy(Policy):
                 and state.seq_len >= f * st.chan_seq)
 
     def choose_channels(self, state: PolicyState, st: AsyncSpadeLayerState, k_cache: torch.Tensor,
-                        kv_lens: torch.Tensor) -> None:
+                        kv_lens: torch.Tensor, prefill: bool = False) -> None:
         """Choose ``st.chans`` from the query window and the keys ``[kv_start, kv_lens)``
-        (``pick_channels``), in place when the shape allows (graph-safe)."""
+        (``pick_channels``), in place when the shape allows (graph-safe). On a paged cache
+        (``state.block_table``, unless ``prefill``) the keys are read through the table."""
         lo = row_start(state.kv_start, kv_lens)
+        k = self._whole_keys(k_cache, state, None if prefill else state.block_table, kv_lens)
         chans = pick_channels(query_pair_mass(st.window, self.spec.n_kv_heads),
-                              key_pair_mass(k_cache, lo, kv_lens), self.channels)
+                              key_pair_mass(k, lo, kv_lens), self.channels)
         if st.chans is not None and st.chans.shape == chans.shape and st.chans.device == chans.device:
             st.chans.copy_(chans)
         else:
@@ -631,8 +702,9 @@ class AsyncSpadePolicy(Policy):
             st.kq = st.ks = st.k_smooth = st.chans = None  # a new prompt: fit and quantise the whole cache afresh
             st.keys_elsewhere = False
             if self.channels is not None:
-                self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device))
-            self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start))
+                self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device), prefill=True)
+            # sized for the cache's capacity (state.cache_len), not the view: k_cache may be the prompt alone
+            self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)
 
     def takes_new_keys(self, state: PolicyState) -> bool:
         # compressed scoring keys: observe quantises the step's key, select scores the copy;
@@ -656,9 +728,9 @@ class AsyncSpadePolicy(Policy):
             kv = kv_lens.to(k_cache.device)
             first = st.chans is None
             self.choose_channels(state, st, k_cache, kv)
-            self.scoring_keys(st, k_cache, fit=(kv, state.kv_start), rebuild=not first)
+            self.scoring_keys(st, k_cache, fit=(kv, state.kv_start), rebuild=not first, state=state)
         elif self.keeps_copy:
-            self.scoring_keys(st, k_cache, kv_lens, k_new=k_new)
+            self.scoring_keys(st, k_cache, kv_lens, k_new=k_new, fit=(kv_lens, state.kv_start), state=state)
 
     def predict_layers(self, state: PolicyState, layers: range, kv_lens: torch.Tensor | None = None) -> None:
         """Predict the next query of every layer in ``layers`` (consecutive) with one
@@ -851,10 +923,14 @@ class AsyncSpadePolicy(Policy):
         q_hat = self.predict_query(state, layer, kv_lens)
         if q_hat is None:  # nothing observed yet (no prefill queries): full attention
             return None
+        B, Hkv = cache_dims(k_cache, state)[:2]
         k_score, k_scale = k_cache, None
+        bt = state.block_table  # a paged cache: exact keys are scored in the pool through the table
         q_drift = q_hat  # the query as predicted (post-RoPE): what refresh_drift compares
-        if self.keeps_copy:
-            k_score, k_scale = self.scoring_keys(st, k_cache)
+        if self.keeps_copy:  # the policy's own contiguous copy, whatever the cache's layout
+            k_score, k_scale = self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state,
+                                                 lens=kv_lens)
+            bt = None
             if pre is not None and smooth is st.k_smooth and pre.dtype == st.score_dtype:
                 q_hat = pre
             else:
@@ -871,7 +947,7 @@ class AsyncSpadePolicy(Policy):
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         periodic = cfg.refresh_every > 1
         drift = cfg.refresh_drift is not None and cfg.refresh_drift < 1
-        shape = (k_cache.shape[0], k_cache.shape[1], cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
+        shape = (B, Hkv, cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
         n_tail = self._n_tail()
         if periodic or drift:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
@@ -897,8 +973,8 @@ class AsyncSpadePolicy(Policy):
                              n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                              scale=self.spec.softmax_scale, reduce=cfg.group_reduce, k_scale=k_scale,
                              norm_lens=norm_lens, out=out, memo=state.memo,
-                             carry=layer_carry(state, layer, cfg.topk, k_score),
-                             carry_margin=REFRESH_CARRY_MARGIN if periodic else None)
+                             carry=layer_carry(state, layer, cfg.topk, k_score, bt),
+                             carry_margin=REFRESH_CARRY_MARGIN if periodic else None, block_table=bt)
         if n_tail and sel.indices is st.scan_buf:  # scan + tail slots, in the layer's buffer
             # (inside a cache rank's select_overlap block the select ran on its side stream)
             with after_selects(k_cache.device):

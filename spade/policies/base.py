@@ -26,6 +26,9 @@ which is what the asynchronous runtime does on the cache rank.
 
 Shapes: ``q`` [B, Hq, D] (post-RoPE), ``k_cache``/``v_cache`` [B, Hkv, Lmax, D]
 (positions >= kv_lens[b] are garbage), ``kv_lens`` [B] int (device tensor).
+On a paged cache (``PolicyState.block_table`` set) ``select`` / ``observe`` get the
+layer's pool [num_blocks, Hkv, block_size, D] instead, read through the table; positions
+stay logical (``spade.policies.common.cache_dims`` gives the logical shape).
 """
 
 from __future__ import annotations
@@ -135,16 +138,30 @@ class Selection:
     """The group reduction of the re-rank (``spade.kernels.rerank``)."""
 
     def reranked(self, q: torch.Tensor, k_cache: torch.Tensor, scale: float | None = None,
-                 out: torch.Tensor | None = None) -> Selection:
+                 out: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> Selection:
         """This selection with its candidates re-ranked by ``q`` [B, Hq, D] against the exact
         keys ``k_cache`` [B, Hkv, L, D]: the ``keep`` best as a plain selection (``keep`` 0);
-        itself when it is one already. ``out``: int32 [B, Hkv, keep] buffer for the indices."""
+        itself when it is one already. ``out``: int32 [B, Hkv, keep] buffer for the indices.
+
+        ``block_table`` [B, max_blocks] int32: ``k_cache`` is a paged cache's pool
+        [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``). The re-rank kernel is not
+        paged: the candidates' keys are gathered through the table first ([B, Hkv, M, D], one
+        device gather, no host sync) and re-ranked there, which keeps the same tokens as on
+        a contiguous cache (the same scores, ties to the same lower candidate slot)."""
         if self.keep <= 0:
             return self
         from spade import kernels
 
-        kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale, reduce=self.keep_reduce,
-                                     out=out)
+        B = self.indices.shape[0]
+        if block_table is not None:
+            kept = _rerank_paged(q, k_cache, block_table, self.indices, self.keep, scale, self.keep_reduce, out)
+        elif k_cache.dim() != 4 or k_cache.shape[0] != B:
+            raise ValueError(
+                f"Selection.reranked: k_cache {tuple(k_cache.shape)} is not the [B={B}, Hkv, L, D] cache of this "
+                "selection; a paged cache's pool [num_blocks, Hkv, block_size, D] needs block_table=")
+        else:
+            kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale,
+                                         reduce=self.keep_reduce, out=out)
         return Selection(indices=kept, n_sink=self.n_sink, n_recent=self.n_recent, kv_start=self.kv_start)
 
     def _bounds(self, kv_lens: torch.Tensor):
@@ -182,6 +199,26 @@ class Selection:
         return mask
 
 
+def _rerank_paged(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, cand: torch.Tensor, keep: int,
+                  scale: float | None, reduce: str, out: torch.Tensor | None) -> torch.Tensor:
+    """``kernels.rerank_select`` of the candidates ``cand`` [B, Hkv, M] (logical positions,
+    ``-1`` empty) whose keys live in ``pool`` under ``block_table``: their keys gathered
+    into [B, Hkv, M, D], re-ranked by candidate slot, mapped back to positions."""
+    from spade import kernels
+
+    B, H, M = cand.shape
+    bs = pool.shape[2]
+    pos = cand.to(device=pool.device, dtype=torch.int64).clamp(min=0)  # [B, Hkv, M]
+    blk = torch.gather(block_table.to(pool.device).long(), 1, (pos // bs).view(B, H * M)).view(B, H, M)
+    heads = torch.arange(H, device=pool.device).view(1, H, 1)
+    keys = pool[blk, heads, pos % bs]  # [B, Hkv, M, D]
+    slot_ar = torch.arange(M, dtype=torch.int32, device=cand.device)
+    slots = torch.where(cand >= 0, slot_ar, torch.full_like(cand, -1))  # the candidates' own slots
+    kept = kernels.rerank_select(q, keys, slots, keep, scale=scale, reduce=reduce)  # [B, Hkv, keep] slots
+    idx = torch.where(kept >= 0, torch.gather(cand, 2, kept.clamp(min=0).long()), torch.full_like(kept, -1))
+    return idx.to(torch.int32) if out is None else out.copy_(idx)
+
+
 @dataclass
 class PolicyState:
     """Per-sequence-batch state of a policy: one entry per layer (policy-defined)."""
@@ -203,6 +240,17 @@ class PolicyState:
     refresh_anchor: int | None = None
     """Cache length of this prompt's first selection, for a policy that selects every
     few steps (``asyncspade``'s ``refresh_every``); None until then."""
+    block_table: torch.Tensor | None = None
+    """Paged KV cache (``spade.kvcache``): [B, max_blocks] int32 on the cache's device
+    while ``select`` / ``observe`` run on a paged cache, else None. With it, the
+    ``k_cache`` they get is the layer's pool [num_blocks, Hkv, block_size, D], not a
+    [B, Hkv, L, D] view: positions stay logical and are read through the table
+    (``spade.policies.common.cache_dims``, ``last_token_keys``, ``logical_keys``). ``prefill``
+    and ``prefill_rows`` always get contiguous [n, Hkv, L', D] keys holding at least
+    the prompt (``L'`` may be shorter than the cache's capacity: ``cache_len``)."""
+    cache_len: int | None = None
+    """The cache's logical capacity in tokens (per row), when it is not ``k_cache``'s
+    dimension 2 (a paged cache; a prefill handed only the prompt); None: that dimension."""
 
 
 class Policy(ABC):
@@ -286,9 +334,10 @@ class Policy(ABC):
 
     def row_state(self, state: PolicyState, rows: list[int], device: torch.device | str) -> PolicyState:
         """A fresh state for the batch rows ``rows`` alone (``prefill_rows``' helper): the
-        batch's cursor, and the rows' own ``kv_start``."""
+        batch's cursor and cache capacity (``cache_len``), and the rows' own ``kv_start``."""
         sub = self.new_state(len(rows), device)
         sub.seq_len = state.seq_len
+        sub.cache_len = state.cache_len  # the capacity a prefill sizes its state for
         if state.kv_start is not None:
             sub.kv_start = state.kv_start[torch.as_tensor(rows, device=state.kv_start.device)]
         return sub

@@ -104,13 +104,20 @@ def empty_indices(batch: int, n_kv_heads: int, device: torch.device | str) -> to
     return torch.empty(batch, n_kv_heads, 0, dtype=torch.int32, device=device)
 
 
-def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor) -> torch.Tensor | None:
+def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor,
+                block_table: torch.Tensor | None = None) -> torch.Tensor | None:
     """The threshold-carry state of ``layer`` for ``topk_selection`` (``topk == "carry"``
     and the Triton kernels in use), made on first use for the cache's [B, Hkv]; None
     otherwise, and while a CUDA graph is being captured without one (its initial fill
     would be captured too and reset the threshold at every replay: that capture keeps
-    the radix path). A state of another batch shape is replaced."""
-    if topk != "carry" or not kernels.use_triton(k_cache):
+    the radix path). A state of another batch shape is replaced.
+
+    ``block_table``: the table the scored keys ``k_cache`` are read through (a paged
+    cache's pool, ``state.block_table``), or None for contiguous keys. The threshold-carry
+    top-K is not paged, so keys read through a table get no carry state (None: the radix
+    top-K, the same selection); a policy's own contiguous scoring copy (asyncspade's int8 /
+    int4) still carries on a paged cache."""
+    if topk != "carry" or block_table is not None or not kernels.use_triton(k_cache):
         return None
     B, H = k_cache.shape[0], k_cache.shape[1]
     c = state.carry.get(layer)
@@ -145,7 +152,7 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
                    scale: float, reduce: str, k_scale: torch.Tensor | None = None,
                    norm_lens: torch.Tensor | None = None, out: torch.Tensor | None = None,
                    memo: dict | None = None, carry: torch.Tensor | None = None,
-                   carry_margin: float | None = None) -> Selection:
+                   carry_margin: float | None = None, block_table: torch.Tensor | None = None) -> Selection:
     """Sinks + recent window + the top ``budget - n_sink - n_recent`` middle tokens
     scored by ``q`` (exact token-level top-K, one selection per KV head).
 
@@ -171,8 +178,12 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
     ``carry``: the layer's threshold-carry state (``layer_carry``): the same selection,
     found by the threshold-carry top-K (``kernels.score_topk``), whose next threshold
     aims at ``carry_margin`` times the budget's middle (None: the kernels' default).
+
+    ``block_table`` ([B, max_blocks] int32, ``state.block_table``): ``k_cache`` is a paged
+    cache's pool [num_blocks, Hkv, block_size, D] of exact (float) keys, scored through the
+    table (the radix top-K: no ``carry`` with a table); positions stay logical.
     """
-    B, Hkv = k_cache.shape[0], k_cache.shape[1]
+    B, Hkv = q.shape[0], k_cache.shape[1]
     k_top = budget - n_sink - n_recent
     if k_top <= 0:
         idx = empty_indices(B, Hkv, k_cache.device)
@@ -187,15 +198,51 @@ def topk_selection(q: torch.Tensor, k_cache: torch.Tensor, kv_lens: torch.Tensor
         idx = kernels.score_topk(q, k_cache, lo, hi, k_top, scale=scale, reduce=reduce,
                                  kv_lens=kv_lens if norm_lens is None else norm_lens,
                                  kv_start=kv_start if reduce == "sum_softmax" else None, k_scale=k_scale,
-                                 out=out, carry=carry, carry_margin=carry_margin)
+                                 out=out, carry=carry, carry_margin=carry_margin, block_table=block_table)
     return Selection(indices=idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
 
 
-def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+def cache_dims(k_cache: torch.Tensor, state: PolicyState | None = None) -> tuple[int, int, int, int]:
+    """The logical (B, Hkv, L, D) of the cache a policy call got: ``k_cache``'s shape,
+    or, on a paged cache (``state.block_table``), the table's rows and its capacity in
+    tokens; ``state.cache_len`` (when set) overrides L."""
+    bt = None if state is None else state.block_table
+    if bt is not None:
+        B, L = bt.shape[0], bt.shape[1] * k_cache.shape[2]
+    else:
+        B, L = k_cache.shape[0], k_cache.shape[2]
+    if state is not None and state.cache_len is not None:
+        L = int(state.cache_len)
+    return B, k_cache.shape[1], L, k_cache.shape[3]
+
+
+def logical_keys(k_cache: torch.Tensor, state: PolicyState | None, n: int | None = None) -> torch.Tensor:
+    """The cache's first ``n`` positions (default: its capacity) as [B, Hkv, n, D]:
+    ``k_cache`` itself (a view) when contiguous; on a paged cache (``state.block_table``)
+    a gathered copy, for the rare whole-cache reads (a copy rebuilt, channels chosen)."""
+    bt = None if state is None else state.block_table
+    if bt is None:
+        return k_cache if n is None else k_cache[:, :, :n]
+    from spade.kernels.paged import paged_to_contiguous
+
+    bs = k_cache.shape[2]
+    L = bt.shape[1] * bs if n is None else int(n)
+    return paged_to_contiguous(k_cache, bt[:, :-(-L // bs)].contiguous())[:, :, :L]
+
+
+def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The newest cached key of every row, ``k_cache[b, :, kv_lens[b] - 1]``: [B, Hkv, D].
+    With ``block_table`` [B, max_blocks], ``k_cache`` is a pool [num_blocks, Hkv,
+    block_size, D] read through the table.
 
     A device-side gather (no host read of ``kv_lens``).
     """
+    if block_table is not None:
+        from spade.kernels.paged import paged_gather
+
+        pos = (kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1).clamp(min=0)  # [B]
+        return paged_gather(k_cache, block_table, pos[:, None])[:, :, 0]
     B, H, _, D = k_cache.shape
     pos = (kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1).clamp(min=0)  # [B]
     idx = pos.view(B, 1, 1, 1).expand(B, H, 1, D)

@@ -55,10 +55,11 @@ class OraclePolicy(Policy):
             return None
         if q is None:
             raise ValueError("oracle needs the current query (needs_current_query=True)")
+        bt = state.block_table  # a paged cache: the pool's exact keys scored through the table
         return topk_selection(q, k_cache, kv_lens, state.kv_start, budget=cfg.budget,
                               n_sink=cfg.sink_tokens, n_recent=cfg.recent_tokens,
                               scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
-                              carry=layer_carry(state, layer, cfg.topk, k_cache))
+                              carry=layer_carry(state, layer, cfg.topk, k_cache, bt), block_table=bt)
 
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:

@@ -7,10 +7,14 @@ with the best bounds are attended, the last (partial) page always among them.
 Cheap to score (``L / page_size`` bounds instead of ``L`` keys) but coarse: a
 page is kept whole or not at all.
 
-State per layer: ``kmin``/``kmax`` [B, Hkv, P, D] (``P = ceil(L / page_size)``,
-the key dtype), built from the prompt at ``prefill`` and folded with the newest
+State per layer: ``kmin``/``kmax`` [B, Hkv, P, D] (``P = ceil(L / page_size)`` for
+the cache's logical capacity L, ``state.cache_len`` when set; the key dtype), built from the prompt at ``prefill`` and folded with the newest
 key at every ``observe``. ``select`` at step t therefore sees the bounds of
 tokens up to t-1; token t lies in the last page, which is always kept.
+
+Paged KV cache (``state.block_table``): the bounds stay a per-row logical array; the
+newest key is read through the table (``last_token_keys``), and a cache never
+prefilled is bounded through it (``quest_build(block_table=)``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pydantic import Field, model_validator
 from spade import kernels
 from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
-from spade.policies.common import is_dense, last_token_keys
+from spade.policies.common import cache_dims, is_dense, last_token_keys
 
 
 class QuestPolicyConfig(ConfigSection):
@@ -79,20 +83,29 @@ class QuestPolicy(Policy):
     def n_pages_sel(self) -> int:
         return self.cfg.budget // self.cfg.page_size
 
-    def _build(self, state: PolicyState, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor) -> QuestLayerState:
-        kmin, kmax = kernels.quest_build(k_cache, kv_lens, self.cfg.page_size, kv_start=state.kv_start)
+    def _build(self, state: PolicyState, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor,
+               block_table: torch.Tensor | None = None) -> QuestLayerState:
+        """The page bounds of the cache's tokens ``[kv_start, kv_lens)``, sized for its
+        logical capacity (``state.cache_len`` when set: a prefill may get only the prompt).
+        ``block_table``: ``k_cache`` is a paged cache's pool, read through the table."""
+        kmin, kmax = kernels.quest_build(k_cache, kv_lens, self.cfg.page_size, kv_start=state.kv_start,
+                                         block_table=block_table)
         st = QuestLayerState(kmin=kmin, kmax=kmax)
         state.layers[layer] = st
-        return st
+        L = state.cache_len if state.cache_len is not None else \
+            (k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2])
+        return self._fit(st, L, exact=True)
 
-    def _fit(self, st: QuestLayerState, k_cache: torch.Tensor) -> QuestLayerState:
-        """Grow the page bounds when the cache itself grew (a dynamic cache, e.g.
-        the HF path): new pages start empty (+inf / -inf). Host-side shapes only."""
-        need = -(-k_cache.shape[2] // self.cfg.page_size)
+    def _fit(self, st: QuestLayerState, L: int, exact: bool = False) -> QuestLayerState:
+        """Grow the page bounds to cover ``L`` logical positions when the cache itself grew
+        (a dynamic cache, e.g. the HF path): new pages start empty (+inf / -inf), and the
+        capacity doubles (``exact``: exactly ``L``'s pages, as built for a capacity).
+        Host-side shapes only."""
+        need = -(-L // self.cfg.page_size)
         have = st.kmin.shape[2]
         if need > have:
             B, H, _, D = st.kmin.shape
-            pad = (B, H, max(need, 2 * have) - have, D)
+            pad = (B, H, (need if exact else max(need, 2 * have)) - have, D)
             st.kmin = torch.cat([st.kmin, st.kmin.new_full(pad, float("inf"))], dim=2)
             st.kmax = torch.cat([st.kmax, st.kmax.new_full(pad, float("-inf"))], dim=2)
         return st
@@ -132,8 +145,8 @@ class QuestPolicy(Policy):
             raise ValueError("quest needs the current query (needs_current_query=True)")
         st = state.layers[layer]
         if st is None:  # no prefill was reported: bound the cache as it is now (once)
-            st = self._build(state, layer, k_cache, kv_lens)
-        st = self._fit(st, k_cache)
+            st = self._build(state, layer, k_cache, kv_lens, state.block_table)
+        st = self._fit(st, cache_dims(k_cache, state)[2])
         idx = kernels.quest_select(q, st.kmin, st.kmax, kv_lens, self.n_pages_sel, cfg.page_size,
                                    scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
                                    kv_start=state.kv_start)
@@ -143,9 +156,9 @@ class QuestPolicy(Policy):
                 kv_lens: torch.Tensor) -> None:
         st = state.layers[layer]
         if st is None:  # the bounds are built from the whole cache at first use
-            self._build(state, layer, k_cache, kv_lens)
+            self._build(state, layer, k_cache, kv_lens, state.block_table)
             return
-        self._fit(st, k_cache)
+        self._fit(st, cache_dims(k_cache, state)[2])
         pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]
-        kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens), pos,
+        kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens, state.block_table), pos,
                              self.cfg.page_size)

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
-from spade.policies.common import empty_indices, is_dense
+from spade.policies.common import cache_dims, empty_indices, is_dense
 
 
 class StreamingPolicyConfig(SparseCommonConfig):
@@ -55,9 +55,10 @@ class StreamingPolicy(Policy):
         cfg = self.cfg
         if is_dense(state, cfg.budget, self.name):
             return None
+        B, Hkv = cache_dims(k_cache, state)[:2]  # (a paged cache: the table's rows)
         idx = state.layers[layer]
-        if idx is None or idx.device != k_cache.device or idx.shape[0] != k_cache.shape[0]:
-            idx = empty_indices(k_cache.shape[0], k_cache.shape[1], k_cache.device)
+        if idx is None or idx.device != k_cache.device or idx.shape[:2] != (B, Hkv):
+            idx = empty_indices(B, Hkv, k_cache.device)
             state.layers[layer] = idx
         return Selection(indices=idx, n_sink=cfg.sink_tokens, n_recent=cfg.budget - cfg.sink_tokens,
                          kv_start=state.kv_start)

@@ -33,7 +33,7 @@ from pydantic import Field
 from spade import kernels
 from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
-from spade.policies.common import is_dense, row_start
+from spade.policies.common import cache_dims, is_dense, row_start
 
 
 class TovaPolicyConfig(ConfigSection):
@@ -85,7 +85,7 @@ class TovaPolicy(Policy):
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """Keep the ``budget - 1`` prompt tokens the last prompt query attends most
         (all of them when the prompt is shorter)."""
-        slots = self._slots(state, layer, k_cache)
+        slots = self._slots(state, layer, k_cache.shape[0], k_cache.device)
         L = k_cache.shape[2]
         keep = self.cfg.budget - 1
         # Σ over every query head of its softmax over [kv_start, kv_len): [B, Hkv, L] -> [B, L]
@@ -111,8 +111,8 @@ class TovaPolicy(Policy):
                kv_lens: torch.Tensor) -> Selection | None:
         if is_dense(state, self.cfg.budget, self.name):
             return None
-        slots = self._slots(state, layer, k_cache)
-        B, Hkv = k_cache.shape[0], k_cache.shape[1]
+        B, Hkv = cache_dims(k_cache, state)[:2]  # (a paged cache: the table's rows)
+        slots = self._slots(state, layer, B, k_cache.device)
         held = slots[:, None, :-1].expand(B, Hkv, self.cfg.budget - 1).contiguous()  # [B, Hkv, budget-1]
         # the current token (not yet observed) is the one-token recent window
         return Selection(indices=held, n_sink=0, n_recent=1, kv_start=state.kv_start)
@@ -120,14 +120,20 @@ class TovaPolicy(Policy):
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 kv_lens: torch.Tensor) -> None:
         """Let the current token in; evict the held set's least attended token if full."""
-        slots = self._slots(state, layer, k_cache)
-        B, Hkv, _, D = k_cache.shape
+        B, Hkv, _, D = cache_dims(k_cache, state)
+        slots = self._slots(state, layer, B, k_cache.device)
         Hq = q.shape[1]
         slots[:, -1] = (kv_lens.to(slots.device) - 1).to(torch.int32)
         cand = slots.long()  # [B, budget]: held ∪ {current}, exactly what this step attended
         valid = cand >= 0
-        idx = cand.clamp(min=0)[:, None, :, None].expand(B, Hkv, cand.shape[1], D)
-        keys = k_cache.gather(2, idx).float()  # [B, Hkv, budget, D]
+        if state.block_table is not None:  # a paged cache: the held keys through the table
+            from spade.kernels.paged import paged_gather
+
+            keys = paged_gather(k_cache, state.block_table, cand.clamp(min=0))
+        else:
+            idx = cand.clamp(min=0)[:, None, :, None].expand(B, Hkv, cand.shape[1], D)
+            keys = k_cache.gather(2, idx)
+        keys = keys.float()  # [B, Hkv, budget, D]
         qg = q.float().view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
         logits = torch.einsum("bhgd,bhnd->bhgn", qg, keys) * self.spec.softmax_scale
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -137,10 +143,11 @@ class TovaPolicy(Policy):
         # the current token takes the dropped slot (a no-op when it is itself dropped)
         slots.scatter_(1, drop, slots[:, -1:].clone())
 
-    def _slots(self, state: PolicyState, layer: int, k_cache: torch.Tensor) -> torch.Tensor:
+    def _slots(self, state: PolicyState, layer: int, B: int, device: torch.device) -> torch.Tensor:
+        """The layer's slots for a batch of ``B`` rows on ``device`` (new, empty ones when
+        the layer's are for another batch or device)."""
         st = state.layers[layer]
-        if st is None or st.slots.shape[0] != k_cache.shape[0] or st.slots.device != k_cache.device:
-            st = TovaLayerState(slots=torch.full((k_cache.shape[0], self.cfg.budget), -1,
-                                                 dtype=torch.int32, device=k_cache.device))
+        if st is None or st.slots.shape[0] != B or st.slots.device != device:
+            st = TovaLayerState(slots=torch.full((B, self.cfg.budget), -1, dtype=torch.int32, device=device))
             state.layers[layer] = st
         return st.slots

@@ -63,6 +63,10 @@ class SharedKV:
 
     def __init__(self) -> None:
         self.refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: layer -> the block table the refs are read through (a paged cache: the refs are
+        #: the layer's pools), or None (contiguous refs: the prompt's keys at boot, or a
+        #: contiguous cache)
+        self.tables: dict[int, torch.Tensor | None] = {}
 
 
 # ----------------------------------------------------------------------------- delta encoding
@@ -313,6 +317,7 @@ class _Generation:
             state = self.state = policy.new_state(B, dev)
             state.kv_start = kv_start
             state.seq_len = T
+            state.cache_len = s.static_len or None  # the cache's capacity (a paged or a boot view is shorter)
             if s.shared_kv:
                 if rank.shared is None:
                     raise TransportError("cache rank: shared KV requested but this cache rank is not in-process")
@@ -329,7 +334,8 @@ class _Generation:
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the inline policy would see as the cache at length ``seq``."""
         s = self.s
-        if s.shared_kv:
+        if s.shared_kv:  # a paged cache's pools are read through its table (``PolicyState.block_table``)
+            self.state.block_table = self.rank.shared.tables.get(layer)
             return self.rank.shared.refs[layer]
         n = s.static_len or seq
         return (self.kstore[layer][:, :, :n],
@@ -400,7 +406,15 @@ class _Generation:
                         if self.vstore is not None:
                             self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
                     k, v = self.view(layer, S)
-                    policy.prefill_rows(state, layer, [row], msg[0], k[row:row + 1], v[row:row + 1], kv_lens)
+                    k, v = k[row:row + 1], v[row:row + 1]
+                    if state.block_table is not None:  # paged (shared): the row's [0, S), contiguous
+                        from spade.kernels.paged import paged_gather
+
+                        pos = torch.arange(S, device=self.dev)[None]
+                        k = paged_gather(self.rank.shared.refs[layer][0], state.block_table[row:row + 1], pos)
+                        v = k.new_empty(1, k.shape[1], 0, k.shape[3])  # (policies that select ahead read no values)
+                        state.block_table = None
+                    policy.prefill_rows(state, layer, [row], msg[0], k, v, kv_lens)
                 del msg
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
         self.gen = gen

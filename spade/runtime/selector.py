@@ -69,6 +69,8 @@ class AsyncSelector:
         self.g_lens: torch.Tensor | None = None  # kv mode: [B] = K
         self.slot_ar: torch.Tensor | None = None  # kv mode: [K]
         self.no_idx: torch.Tensor | None = None  # kv mode: [B, Hkv, 1] of -1
+        #: a paged cache's block table during decode steps (``AttentionContext.block_table``), else None
+        self.block_table: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ Selector protocol
     def begin_step(self, seq_len, kv_start):
@@ -80,7 +82,13 @@ class AsyncSelector:
 
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         p, j = self.where[layer]
-        if self.pack_buf and q.dim() == 3 and k_cache.shape[0] == q.shape[0]:
+        bt = self.block_table
+        if bt is not None:  # a paged cache: the newest k/v row through the table
+            self.q_buf[p][j].copy_(q)
+            if self.stage_kv:
+                self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens, bt))
+                self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens, bt))
+        elif self.pack_buf and q.dim() == 3 and k_cache.shape[0] == q.shape[0]:
             # one launch: q and the newest k/v row (device-side position) into the pack slot
             stage_qkv(q, k_cache, v_cache, kv_lens, self.pack_buf[p][j])
         else:
@@ -91,6 +99,7 @@ class AsyncSelector:
         self.kv_refs[layer] = (k_cache, v_cache)
         if self.shared is not None:
             self.shared.refs[layer] = (k_cache, v_cache)
+            self.shared.tables[layer] = bt
 
     def prefill(self, layer, q, k_cache, v_cache, kv_lens):
         if not self.q_buf:
@@ -98,8 +107,9 @@ class AsyncSelector:
             self.kv_lens0 = kv_lens.clone()
         self.boot[layer] = (q, k_cache, v_cache)
         self.kv_refs[layer] = (k_cache, v_cache)
-        if self.shared is not None:
+        if self.shared is not None:  # (a paged cache reports the prompt's keys contiguous)
             self.shared.refs[layer] = (k_cache, v_cache)
+            self.shared.tables[layer] = None
 
     # ------------------------------------------------------------------ runtime side
     def graph_key(self) -> tuple:

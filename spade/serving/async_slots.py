@@ -137,10 +137,10 @@ class AsyncSlotBatch(SlotBatch):
 
         return report
 
-    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int]) -> None:
+    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int], max_tokens: int = 1) -> None:
         if self.sess is None:
             raise RuntimeError("AsyncSlotBatch.begin_join before reset (no serving epoch)")
-        super().begin_join(row, ids, sizes)
+        super().begin_join(row, ids, sizes, max_tokens)
 
     def prefill_next(self, row: int) -> torch.Tensor | None:
         self._recording = None

@@ -231,6 +231,8 @@ class AsyncEngine:
         return {
             "requests_running": running, "requests_waiting": waiting, "requests_prefilling": len(b.prefilling),
             "slots_used": b.used(), "slots_free": b.B - b.used(), "slots": b.B,
+            **({"kv_blocks_used": self.backend.kv_blocks_used(), "kv_blocks_free": self.backend.kv_blocks_free(),
+                "kv_blocks_reserved": self.backend.kv_blocks_free() - b.blocks_available()} if b.paged else {}),
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
@@ -281,6 +283,14 @@ class AsyncEngine:
                 f"SamplingParams.max_tokens: the prompt has {T} tokens and max_tokens is {params.max_tokens}, "
                 f"{T + params.max_tokens} in all, over model.max_seq_len ({self.max_seq_len}); lower max_tokens to "
                 f"at most {self.max_seq_len - T}, shorten the prompt, or raise model.max_seq_len")
+        b = self.batch
+        if b.paged:  # the most blocks its window can span (its first position may sit anywhere in a block)
+            need, cap = -(-(T + params.max_tokens - 1) // b.block_size) + 1, self.backend.kv_pool.capacity
+            if need > cap:
+                raise ArgumentError(
+                    f"SamplingParams.max_tokens: the prompt ({T} tokens) and max_tokens ({params.max_tokens}) "
+                    f"may need {need} KV blocks of {b.block_size} tokens, more than the pool's {cap} "
+                    f"(model.kv_blocks); lower max_tokens, shorten the prompt, or raise model.kv_blocks")
         if params.stop and self.tokenizer is None:
             raise ArgumentError(f"SamplingParams.stop: model '{self.cfg.model.name}' has no tokenizer, so there is "
                                 "no text to find stop strings in; use stop_token_ids")
@@ -448,7 +458,7 @@ class AsyncEngine:
             self._running[req.row] = req
             req.admitted = time.perf_counter()
             try:
-                b.begin_join(req.row, torch.tensor(req.prompt_ids, dtype=torch.long), sizes)
+                b.begin_join(req.row, torch.tensor(req.prompt_ids, dtype=torch.long), sizes, req.params.max_tokens)
             except Exception as e:  # (fits said yes: a bug) this request fails, the others go on
                 log.warning("request %s cannot join: %s", req.id, e)
                 self._fail(req, e)

@@ -73,6 +73,8 @@ ENGINE_SERIES = (
     ("slots_free", "spade_slots_free", "gauge", "Batch slots free."),
     ("kv_blocks_used", "spade_kv_blocks_used", "gauge", "KV cache blocks in use."),
     ("kv_blocks_free", "spade_kv_blocks_free", "gauge", "KV cache blocks free."),
+    ("kv_blocks_reserved", "spade_kv_blocks_reserved", "gauge",
+     "Free KV cache blocks promised to running requests' later tokens."),
     ("tokens_generated", "spade_generation_tokens_total", "counter", "Tokens the engine generated."),
     ("steps", "spade_decode_steps_total", "counter", "Decode steps the engine ran (one for the whole batch)."),
     ("sparse_steps", "spade_sparse_decode_steps_total", "counter",

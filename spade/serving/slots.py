@@ -81,22 +81,23 @@ class SlotContext(AttentionContext):
     def attend(self, layer, q, k_cache, v_cache, kv_lens):
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
+        bt = self.block_table
         if sel is None:
             out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                  kv_start=self.kv_start, stats=stats)
+                                                  kv_start=self.kv_start, stats=stats, block_table=bt)
         else:
             out = kernels.sparse_decode_attention(
                 q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
-                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats)
+                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt)
             if self.mode == "mixed":  # rows still under their own threshold attend densely
                 # the sparse rows' dense windows shrink to their newest token: the dense pass
                 # reads only the dense rows' caches
                 start = torch.where(self.dense_rows, self.kv_start, (kv_lens - 1).to(self.kv_start.dtype))
                 dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                        kv_start=start)
+                                                        kv_start=start, block_table=bt)
                 out = torch.where(self.dense_rows[:, None, None], dense, out)
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
@@ -179,6 +180,13 @@ class SlotBatch:
         self.ctx = SlotContext(backend.spec, self.selector, device=dev)
         self.ctx.kv_start = self.kv_start
         self.ctx.dense_rows = torch.zeros(self.B, dtype=torch.bool, device=dev)
+        #: paged KV cache (``model.block_size``): a row holds blocks for its own window only,
+        #: and a join reserves those of its whole generation (``fits``), so a step never runs out
+        self.paged = bool(getattr(backend, "paged", False))
+        self.block_size = int(backend.block_size) if self.paged else 0
+        self.reserved = [0] * self.B  # per row: blocks reserved for the request's whole generation
+        if self.paged:
+            self.state.cache_len = self.ctx.cache_len = self.L
         self.steps = 0
         self.sparse_steps = 0  # steps in which at least one row attended a sparse selection
         self.mixed_steps = 0  # steps in which some rows were dense (their own threshold) and others sparse
@@ -201,6 +209,18 @@ class SlotBatch:
     def used(self) -> int:
         return sum(self.active) + len(self.prefilling)
 
+    def blocks_needed(self, T: int, max_tokens: int, S: int) -> int:
+        """Paged: blocks of a request of ``T`` prompt tokens and up to ``max_tokens`` new ones
+        that decodes from cursor ``S``: it writes positions ``[S - T, S + max_tokens - 1)``."""
+        bs = self.block_size
+        lo, hi = S - T, max(S - T + 1, S + max_tokens - 1)
+        return (hi - 1) // bs - lo // bs + 1
+
+    def blocks_available(self) -> int:
+        """Paged: free blocks no running request has reserved (its generation's blocks not yet taken)."""
+        held = sum(max(0, self.reserved[b] - self.backend.kv_row_blocks(b)) for b in range(self.B))
+        return self.backend.kv_blocks_free() - held
+
     def fits(self, T: int, max_tokens: int, cursor: int | None = None, pieces: int = 1) -> str | None:
         """Why a request of ``T`` prompt tokens and up to ``max_tokens`` new ones cannot
         start joining at ``cursor`` (default: the current one) now, its prompt prefilled in
@@ -215,6 +235,10 @@ class SlotBatch:
             return f"its first position {S - T} is not a multiple of {self.align}"
         if S + max_tokens - 1 > self.L:
             return f"its generation would pass the end of the cache ({S} + {max_tokens} - 1 > {self.L})"
+        if self.paged:
+            need, free = self.blocks_needed(T, max_tokens, S), self.blocks_available()
+            if need > free:
+                return f"it needs {need} KV blocks and {free} are free (not reserved by running requests)"
         return None
 
     def reset(self, cursor: int) -> None:
@@ -226,26 +250,30 @@ class SlotBatch:
         self.kv_start.fill_(cursor)
         self.resets += 1
 
-    def join(self, row: int, ids: torch.Tensor) -> torch.Tensor:
+    def join(self, row: int, ids: torch.Tensor, max_tokens: int = 1) -> torch.Tensor:
         """Prefill the prompt ``ids`` [T] into the free row ``row`` at the cursor and reset the
         row's policy state. Returns the prompt's last logits [1, V] float32."""
-        self.begin_join(row, ids, [int(ids.numel())])
+        self.begin_join(row, ids, [int(ids.numel())], max_tokens)
         return self.prefill_next(row)
 
-    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int]) -> None:
+    def begin_join(self, row: int, ids: torch.Tensor, sizes: list[int], max_tokens: int = 1) -> None:
         """Reserve the free row ``row`` for the prompt ``ids`` [T], to be prefilled in pieces of
         ``sizes`` tokens (each >= 1, summing to T), one per ``prefill_next`` call, a decode
-        step between two calls: it decodes from the cursor ``cursor + len(sizes) - 1``.
+        step between two calls: it decodes from the cursor ``cursor + len(sizes) - 1``, and
+        generates up to ``max_tokens`` tokens (paged: their blocks are reserved now).
         Nothing runs yet."""
         if self.active[row] or row in self.prefilling:
             raise RuntimeError(f"row {row} is in use")
         T = int(ids.numel())
         if sum(sizes) != T or min(sizes, default=0) < 1:
             raise ValueError(f"prompt pieces {sizes} must each hold a token and sum to the prompt's {T} tokens")
-        why = self.fits(T, 1, self.cursor, len(sizes))
+        why = self.fits(T, max_tokens, self.cursor, len(sizes))
         if why is not None:
             raise RuntimeError(f"a request cannot join now: {why}")
-        self.prefilling[row] = RowPrefill(ids=ids, sizes=list(sizes), end=self.cursor + len(sizes) - 1)
+        end = self.cursor + len(sizes) - 1
+        if self.paged:
+            self.reserved[row] = self.blocks_needed(T, max_tokens, end)
+        self.prefilling[row] = RowPrefill(ids=ids, sizes=list(sizes), end=end)
 
     def prefill_next(self, row: int) -> torch.Tensor | None:
         """The next piece of ``row``'s join (``begin_join``), at the cursor its plan expects.
@@ -321,6 +349,7 @@ class SlotBatch:
         rows = [row]
 
         def report(layer, q, k_row, v_row):
+            self.state.block_table = None  # a paged cache's row comes contiguous (its prompt's window)
             self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
 
         return report
@@ -330,6 +359,9 @@ class SlotBatch:
         decodes a dummy token over its own window, which starts at the cursor."""
         self.active[row] = False
         self.prefilling.pop(row, None)
+        if self.paged:  # its blocks go back to the pool at once
+            self.backend.kv_free(row)
+            self.reserved[row] = 0
         S = self.cursor
         self.kv_start_host[row] = S
         self.kv_start[row] = S

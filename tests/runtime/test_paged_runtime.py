@@ -1,0 +1,112 @@
+"""The runtime on a paged KV cache (``model.block_size``): greedy tokens equal the
+contiguous cache's, inline and behind a cache rank (colocated: the cache rank reads the
+pools through the shared block table; local and multiprocess: the step's keys are staged
+through the table), in fp32 on the CPU. The GPU half (CUDA graphs, Triton) is at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spade.errors import ConfigError
+from spade.models.fast import FastModel
+from spade.models.presets import preset_config
+from spade.policies import build_policy
+from spade.runtime.asyncrt import AsyncRuntime
+from spade.runtime.inline import InlineRuntime
+from tests.runtime.conftest import B, BUDGET, NEW, config, free_port, greedy
+
+
+def paged_model(device="cpu", dtype=torch.float32, block_size=4, max_seq_len=48) -> FastModel:
+    torch.manual_seed(1234)  # the same weights as the contiguous ``model`` fixture
+    return FastModel.from_config(preset_config("tiny"), device=device, dtype=dtype, max_batch=B,
+                                 max_seq_len=max_seq_len, block_size=block_size)
+
+
+@pytest.fixture(scope="module")
+def pmodel():
+    return paged_model()
+
+
+def make(*over):
+    """``config`` (asyncspade) with ``over``; an override naming another policy replaces
+    the asyncspade fields (same budget)."""
+    if not any(o.startswith("policy.name=") for o in over):
+        return config(*over)
+    from spade.config import load_config
+
+    return load_config(None, overrides=[*over] + ([] if "policy.name=full" in over else [f"policy.budget={BUDGET}"]))
+
+
+def tokens(model, prompt, *over):
+    cfg = make(*over)
+    pol = build_policy(cfg.policy, model.spec)
+    if cfg.runtime.topology == "inline":
+        return InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens, None
+    rt = AsyncRuntime(cfg, model, pol)
+    try:
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+        return tr.tokens, tr
+    finally:
+        rt.close()
+
+
+INLINE = [[], ["policy.score_keys=int4"], ["policy.refresh_every=4"], ["policy.name=quest", "policy.page_size=4"],
+          ["policy.name=tova"], ["policy.name=oracle", "policy.sink_tokens=2", "policy.recent_tokens=3"],
+          ["policy.name=streaming", "policy.sink_tokens=2", "policy.recent_tokens=3"]]
+
+
+@pytest.mark.parametrize("over", INLINE, ids=lambda o: ",".join(o) or "asyncspade")
+def test_inline_paged_equals_contiguous(model, pmodel, prompt, over):
+    want, _ = tokens(model, prompt, *over)
+    got, _ = tokens(pmodel, prompt, *over)
+    assert got == want
+
+
+def test_full_attention_paged_equals_contiguous(model, pmodel, prompt):
+    cfg = make("policy.name=full")
+    want = InlineRuntime(cfg, model, build_policy(cfg.policy, model.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    got = InlineRuntime(cfg, pmodel, build_policy(cfg.policy, pmodel.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    assert got == want
+
+
+@pytest.mark.parametrize("topology,extra", [
+    ("colocated", []), ("colocated", ["policy.score_keys=int4"]), ("colocated", ["runtime.return_mode=delta"]),
+    ("local", []), ("multiprocess", ["runtime.transport.name=nccl"])])
+def test_async_paged_equals_contiguous_inline(model, pmodel, prompt, topology, extra):
+    over = [f"runtime.topology={topology}", "runtime.pack_layers=2", *extra]
+    if topology == "multiprocess":
+        over.append(f"runtime.transport.master_port={free_port()}")  # (gloo on a CPU)
+    want, _ = tokens(model, prompt, *[o for o in extra if o.startswith("policy.")])
+    got, tr = tokens(pmodel, prompt, *over)
+    assert got == want and tr.stats["sparse_steps"] > 0
+
+
+def test_kv_return_mode_is_refused_on_a_paged_cache(pmodel, prompt):
+    with pytest.raises(ConfigError, match="return_mode 'kv'.*paged"):
+        tokens(pmodel, prompt, "runtime.topology=colocated", "runtime.return_mode=kv")
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.fixture
+def _triton(monkeypatch):
+    monkeypatch.delenv("SPADE_KERNELS", raising=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("over", [[], ["runtime.topology=colocated", "runtime.pack_layers=2"],
+                                  ["runtime.topology=colocated", "runtime.pack_layers=2", "policy.refresh_every=4"]])
+def test_gpu_paged_equals_contiguous_with_graphs(_triton, prompt, over):
+    """bf16, Triton kernels, CUDA graphs: the paged model's tokens are the contiguous
+    model's (the paged kernels compute the same tiles in the same order)."""
+    torch.manual_seed(1234)
+    base = FastModel.from_config(preset_config("tiny"), device="cuda:0", dtype=torch.bfloat16, max_batch=B,
+                                 max_seq_len=64)
+    paged = paged_model("cuda:0", torch.bfloat16, block_size=16, max_seq_len=64)
+    want, _ = tokens(base, prompt, *over)
+    got, tr = tokens(paged, prompt, *over)
+    assert got == want
+    if tr is not None:
+        assert tr.stats["sparse_steps"] > 0
