@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["check_block_table", "paged_to_contiguous", "paged_gather", "paged_write", "scatter_to_pool",
+__all__ = ["check_block_table", "paged_to_contiguous", "paged_gather", "paged_range", "paged_write", "scatter_to_pool",
            "paged_slots", "tile_of"]
 
 
@@ -96,6 +96,20 @@ def paged_gather(pool: torch.Tensor, block_table: torch.Tensor, pos: torch.Tenso
     return pool[blk, :, pos % bs].permute(0, 2, 1, 3)  # [B, n, Hkv, D] -> [B, Hkv, n, D]
 
 
+def paged_range(pool: torch.Tensor, table_row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """One row's logical positions ``[lo, hi)`` (host ints) as a contiguous [1, Hkv, hi - lo, D]
+    copy: the row's blocks gathered whole along the pool's block dimension (one
+    ``index_select``), then sliced. ``table_row``: the row's table [max_blocks] (or [1, max_blocks])."""
+    check_pool(pool)
+    _, Hkv, bs, D = pool.shape
+    if hi <= lo:
+        return pool.new_empty(1, Hkv, 0, D)
+    j0, j1 = lo // bs, -(-hi // bs)
+    blocks = table_row.reshape(-1)[j0:j1].to(device=pool.device, dtype=torch.long)
+    x = pool.index_select(0, blocks).transpose(0, 1).reshape(Hkv, (j1 - j0) * bs, D)
+    return x[None, :, lo - j0 * bs:hi - j0 * bs]
+
+
 def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, start: torch.Tensor | int,
                 n: torch.Tensor | None = None) -> None:
     """Write ``x`` [B, Hkv, T, D] into ``pool`` at row b's logical positions
@@ -110,6 +124,21 @@ def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, 
     B, Hkv, T, D = x.shape
     check_block_table(block_table, B, pool.device)
     bs = pool.shape[2]
+    if n is None and isinstance(start, int) and T >= 2 * bs:
+        # one start for every row (prefill): the whole blocks in one index_copy_ along the
+        # pool's block dimension, the partial blocks at either end through the scatter
+        head = min((-start) % bs, T)
+        nfull = (T - head) // bs
+        j0 = (start + head) // bs
+        blocks = block_table[:, j0:j0 + nfull].reshape(-1).to(device=pool.device, dtype=torch.long)
+        src = x[:, :, head:head + nfull * bs].reshape(B, Hkv, nfull, bs, D).transpose(1, 2)
+        pool.index_copy_(0, blocks, src.reshape(B * nfull, Hkv, bs, D).to(pool.dtype))
+        if head:
+            paged_write(pool, block_table, x[:, :, :head], start)
+        tail = T - head - nfull * bs
+        if tail:
+            paged_write(pool, block_table, x[:, :, T - tail:], start + T - tail)
+        return
     dev = pool.device
     start_t = torch.as_tensor(start, device=dev).long().reshape(-1).expand(B)  # [B]
     pos = start_t[:, None] + torch.arange(T, device=dev)  # [B, T] logical positions

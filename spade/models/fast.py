@@ -531,14 +531,13 @@ class FastModel(DecodeBackend):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``row``'s cache positions ``[lo, hi)`` as contiguous [1, Hkv, (cap or hi) - lo, D]
         copies (positions past ``hi`` zero)."""
-        from spade.kernels.paged import paged_gather
+        from spade.kernels.paged import paged_range
 
         self.sync_table()
-        pos = torch.arange(lo, hi, device=self.device)[None]
-        table = self.table.tensor[row:row + 1]
+        table = self.table.tensor[row]
         out = []
         for pool in (self.k_cache[li], self.v_cache[li]):
-            x = paged_gather(pool, table, pos)
+            x = paged_range(pool, table, lo, hi)
             if cap is not None and cap > hi - lo:
                 x = torch.cat([x, x.new_zeros(1, x.shape[1], cap - (hi - lo), x.shape[3])], dim=2)
             out.append(x)

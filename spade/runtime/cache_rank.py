@@ -408,10 +408,9 @@ class _Generation:
                     k, v = self.view(layer, S)
                     k, v = k[row:row + 1], v[row:row + 1]
                     if state.block_table is not None:  # paged (shared): the row's [0, S), contiguous
-                        from spade.kernels.paged import paged_gather
+                        from spade.kernels.paged import paged_range
 
-                        pos = torch.arange(S, device=self.dev)[None]
-                        k = paged_gather(self.rank.shared.refs[layer][0], state.block_table[row:row + 1], pos)
+                        k = paged_range(self.rank.shared.refs[layer][0], state.block_table[row], 0, S)
                         v = k.new_empty(1, k.shape[1], 0, k.shape[3])  # (policies that select ahead read no values)
                         state.block_table = None
                     policy.prefill_rows(state, layer, [row], msg[0], k, v, kv_lens)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spade.kernels.elementwise import qkv_rope_store_paged_torch, qkv_rope_store_triton
+from spade.kernels.paged import paged_write, scatter_to_pool
 
 
 def _tol(dtype, ref):  # as tests/models/test_fast.py: fp32 ~1e-5, bf16 a few ulps
@@ -69,3 +70,25 @@ def test_paged_write_checks_widx(device):
     with pytest.raises(ValueError, match=r"widx must be the rows' integer write positions \[B=2\]"):
         qkv_rope_store_triton(qkv, None, None, 1e-6, cos, cos, pos, torch.tensor([3], device=device), pool, pool,
                               2, 1, block_table=table)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 16])
+@pytest.mark.parametrize("T,start", [(5, 0), (32, 0), (33, 3), (70, 17), (40, 16)])
+def test_prefill_fast_path_equals_the_scatter(bs, T, start):
+    """A host-int start (prefill) writes whole blocks with one index_copy_ and the partial
+    ends through the scatter: the same pool as the scatter alone (a tensor start), NaN
+    poison in unowned blocks left alone; ``paged_range`` reads the row's range back."""
+    from spade.kernels.paged import paged_range
+
+    g = torch.Generator().manual_seed(bs * 1000 + T + start)
+    L = start + T + 7
+    pool, table = scatter_to_pool(torch.zeros(2, 2, L, 8), bs, g)
+    slow = pool.clone()
+    x = torch.randn(2, 2, T, 8, generator=g)
+    paged_write(pool, table, x, start)
+    paged_write(slow, table, x, torch.tensor(start))
+    assert torch.equal(pool.isnan(), slow.isnan())
+    assert torch.equal(pool.nan_to_num(0.5), slow.nan_to_num(0.5))
+    for r in range(2):
+        assert torch.equal(paged_range(pool, table[r], start, start + T)[0], x[r])
+        assert paged_range(pool, table[r], start, start).shape == (1, 2, 0, 8)
