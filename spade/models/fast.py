@@ -538,8 +538,8 @@ class FastModel(DecodeBackend):
         out = []
         for pool in (self.k_cache[li], self.v_cache[li]):
             x = paged_range(pool, table, lo, hi)
-            if cap is not None and cap > hi - lo:
-                x = torch.cat([x, x.new_zeros(1, x.shape[1], cap - (hi - lo), x.shape[3])], dim=2)
+            if cap is not None and cap > hi:  # room for positions [hi, cap)
+                x = torch.cat([x, x.new_zeros(1, x.shape[1], cap - hi, x.shape[3])], dim=2)
             out.append(x)
         return out[0], out[1]
 

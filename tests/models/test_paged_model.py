@@ -120,3 +120,33 @@ def test_slot_rows_paged_equal_contiguous_and_free_blocks():
         paged.kv_free(row)
     assert paged.kv_blocks_free() == free0 and paged.kv_blocks_used() == 0
     paged.kv_pool.check()
+
+
+@pytest.mark.parametrize("sizes", [[11], [4, 4, 3]])
+def test_a_join_writes_only_its_prompt_positions(sizes):
+    """Every pool slot outside the joining prompt's positions keeps its (NaN) poison: a
+    piece writes its own tokens and nothing past them, and the null block is untouched."""
+    m = FastModel.from_config("tiny", max_batch=2, max_seq_len=64, block_size=4)
+    for pool in m.k_cache + m.v_cache:
+        pool.fill_(float("nan"))
+    ctx = full_ctx(m, 2)
+    T, n = sum(sizes), len(sizes)
+    m.reset_slots(30)
+    end = 30 + n - 1
+    ids = torch.randint(3, m.vocab_size, (T,), generator=torch.Generator().manual_seed(25))
+    off = 0
+    for i, c in enumerate(sizes):
+        m.prefill_row(1, ids[off:off + c], lambda *a: None, first=end - T, offset=off, last=i == n - 1)
+        off += c
+        if i < n - 1:  # the cursor moves one per piece; the step's dummy writes go to row 1's own next slots
+            m.kv_map(1, end - T, end)
+            ctx.kv_start = torch.tensor([m.seq_len, end - T], dtype=torch.int32)
+            m.decode(torch.tensor([1, 1]), ctx)
+    from spade.kernels.paged import paged_range
+
+    for pool in m.k_cache + m.v_cache:
+        row = paged_range(pool, m.table.tensor[1], (end - T) // 4 * 4, -(-end // 4) * 4)[0]  # its whole blocks
+        lo = (end - T) % 4
+        assert not row[:, lo:lo + T].isnan().any()  # the prompt, written
+        assert row[:, :lo].isnan().all() and row[:, lo + T:].isnan().all()  # around it: untouched
+        assert pool[0].isnan().all() or n > 1  # the null block (row 0 idle decodes write it in pieces)
