@@ -56,6 +56,8 @@
 #   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
 #              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
+#   paged      the paged KV cache: bench_paged (kernels), bench_tpot --block-size 0,16 at PAGED_SHAPES (default
+#              8x32768 1x131072), a served trace with a contiguous, a paged and a half-memory paged cache
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
@@ -283,6 +285,23 @@ for s in "${stages[@]}"; do
       done
       run bench_serve_plot 60 python3 -m benchmarks.bench_serve --plot "$OUT/bench_serve.png" \
         --plot-from $(for p in ${SERVE_POLICIES:-full asyncspade}; do echo "$OUT/bench_serve_$p.json"; done) ;;
+    paged)  # the paged KV cache: its kernels against the contiguous ones, the whole step (PAGED_SHAPES, contiguous
+            # and 16-token blocks side by side), then a served trace contiguous / paged / paged at half the memory
+      run bench_paged 150 python3 -m benchmarks.bench_paged --graph --out "$OUT/bench_paged.json"
+      for shape in ${PAGED_SHAPES:-8x32768 1x131072}; do
+        run "tpot_paged_$shape" 200 python3 -m benchmarks.bench_tpot --batch ${shape%x*} --context ${shape#*x} \
+          --budget 2048 --packs 4 --score-keys int4 --iters 32 --no-plots --block-size 0,16 \
+          --methods ${PAGED_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/tpot_paged_$shape.json"
+      done
+      PS="--preset qwen3-8b --device cuda:0 --topology colocated --max-batch 16 --prompt-min 12288 --prompt-max 16384 \
+          --max-seq-len 17408 --budget 2048 --policies asyncspade --set policy.score_keys=int4 --set policy.group_reduce=sum_logits"
+      for kv in contig paged paged_half; do
+        extra=$(case $kv in paged) echo "--set model.block_size=16";; paged_half) echo "--set model.block_size=16 --set model.kv_blocks=8705";; esac)
+        run "serving_${kv}_warm" 80 python3 -m benchmarks.bench_serving $PS $extra --requests 3 --out-min 24 --out-max 32 \
+          --out "$OUT/serving_${kv}_warm.json"
+        run "serving_$kv" 140 python3 -m benchmarks.bench_serving $PS $extra --requests 16 --out-min 768 --out-max 1024 \
+          --out "$OUT/serving_$kv.json"
+      done ;;
     kv_layout)  # the sparse attention's scattered reads by KV layout and budget (marginal rate), L2 flushed
       run bench_kv_layout 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_kv_layout \
         --K ${KV_LAYOUT_K:-512,1024,2048,4096} ${KV_LAYOUT_ARGS:-} --out "$OUT/bench_kv_layout.json" ;;
