@@ -145,10 +145,14 @@ def test_closed_engine_refuses_and_ends_running_requests():
     assert w[-1].finish_reason == "abort"
 
 
-def test_soak_many_tiny_requests_leak_nothing():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_soak_many_tiny_requests_leak_nothing(paged):
     """>= 200 requests with random lengths, arrivals, sampling and aborts (fixed seed):
-    every one ends, and the slots, the queue and the tasks are all back afterwards."""
-    engine = spade.AsyncEngine(make_config("asyncspade", max_batch=4, max_seq_len=48))
+    every one ends, and the slots, the queue and the tasks are all back afterwards; on a
+    paged cache of fewer blocks than the rows could hold, every block too."""
+    extra = ["model.block_size=4", "model.kv_blocks=14"] if paged else []  # 13 usable: 52 tokens for 4 rows
+    engine = spade.AsyncEngine(make_config("asyncspade", max_batch=4, max_seq_len=48, extra=extra))
+    free0 = engine.backend.kv_blocks_free()
     rng = random.Random(0)
     n = 200
 
@@ -183,3 +187,6 @@ def test_soak_many_tiny_requests_leak_nothing():
     assert left == ({}, [], {})
     assert tasks <= 1 and done  # only the scheduler was alive, and close() ended it
     assert st["joins_into_running"] > 0 and st["cursor_resets"] >= 1
+    if paged:
+        assert st["kv_blocks_used"] == 0 and st["kv_blocks_reserved"] == 0 and st["kv_blocks_free"] == free0
+        engine.backend.kv_pool.check()
