@@ -362,6 +362,9 @@ class _Generation:
             if c[0] == P.JOIN:
                 await self._join(c[1], c[2], c[3], msg[1].tolist(), msg[2])
                 continue
+            if c[0] == P.LEAVE:
+                self._leave(msg[1])
+                continue
             if c[0] != P.STEP:
                 raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
             await self._step(c[1], c[2], waited)
@@ -421,6 +424,17 @@ class _Generation:
         if S + 1 > s.theta:  # the selections already sent for ``step`` used the rows' old content
             for p in range(len(self.packs)):
                 await self._select_and_send(p, step, S + 1)
+
+    def _leave(self, kv_start: torch.Tensor) -> None:
+        """Serving: rows left; their windows start at the cursor of their leave (in place:
+        captured selections read the same tensor), so their old tokens are not scanned."""
+        state = self.state
+        with self.rank._on():
+            if state.kv_start is None:
+                state.kv_start = kv_start.to(self.dev).clone()
+            else:
+                state.kv_start.copy_(kv_start.to(self.dev))
+        self.rank.stats["leaves"] = self.rank.stats.get("leaves", 0) + 1
 
     def _buffers(self) -> None:
         """The generation's host state and the fixed device buffers: inputs copied in per

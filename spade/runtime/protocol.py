@@ -11,6 +11,7 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
               [cmd, setup uint8 (cpu, JSON), kv_lens [B], kv_start [B]?]       BOOT(B, T)
               [cmd, rows int64 [n, 2] (cpu: row, prompt length T_i), kv_start [B]]
                                                        JOIN(S, step, gen) (serving, below)
+              [cmd, kv_start [B]]                      LEAVE(S, step) (serving, below)
       "boot"  per layer: [q_tail [B, Hq, W, D], k [B, Hkv, T, D], v [B, Hkv, T, D]]
               (the prompt's KV and last W queries; only q_tail when the cache rank
               reads the inference rank's own cache: ``colocated`` with a static cache)
@@ -46,8 +47,11 @@ when step ``step`` is past θ, selects that step again for every pack (the selec
 it already sent for ``step`` used the rows' old content) and sends it with the
 meta column ``META_GEN`` = ``gen``, the inference rank's join counter; the inference
 rank drops every selection of an older ``gen`` and waits for these before running
-``step``. A leave needs no message: the row's window is one token and its selections
-are ignored until a JOIN resets its state.
+``step``. Rows that left since the last message and before a step with no JOIN are a
+LEAVE(S, step): the whole ``kv_start`` vector, the left rows' windows starting at the
+cursor of their leave, so the cache rank stops scanning their old requests' tokens (no
+acknowledgement, no new selections: a left row's selections are ignored until a JOIN
+resets its state).
 
 Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
 KV and last W queries right after prefill and then *every* step's q/k/v, dense
@@ -70,10 +74,11 @@ from spade.policies.base import AttentionSpec, RopeSpec
 #: Handshake layout of a runtime link: bump when the messages below change.
 #: 2: ``Setup.first_step`` (a cache rank restarted mid-generation).
 #: 3: serving: ``Setup.serving``, JOIN, the ``META_GEN`` column of "sel".
-PROTOCOL = "spade-async/3"
+#: 4: serving: LEAVE.
+PROTOCOL = "spade-async/4"
 
 # ctl commands
-BOOT, STEP, END, SHUTDOWN, JOIN = 1, 2, 3, 4, 5
+BOOT, STEP, END, SHUTDOWN, JOIN, LEAVE = 1, 2, 3, 4, 5, 6
 
 # meta columns of a "sel" message (one row per layer of the pack)
 META_PACK, META_STEP, META_SEQ, META_DENSE, META_SINK, META_RECENT, META_K, META_C, META_GEN = range(9)

@@ -63,7 +63,7 @@ class InferenceSession:
             "pack_layers": self.P, "theta": rt.theta, "sync_policy": rt.sync_policy,
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
             "waited_packs": 0, "timed_out_packs": 0, "wait_s": 0.0, "sel_messages": 0, "peers_lost": 0,
-            "restarts": 0, "dense_fallback_steps": 0, "joins": 0, "join_resyncs": 0, "join_wait_s": 0.0,
+            "restarts": 0, "dense_fallback_steps": 0, "joins": 0, "leaves": 0, "join_resyncs": 0, "join_wait_s": 0.0,
             "dropped_selections": 0,
         }
         self.t_start = time.monotonic()
@@ -246,6 +246,16 @@ class InferenceSession:
         self._end_seen = asyncio.Event()
         if self.peer_gone is None:
             self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+
+    async def leave_rows(self, cursor: int) -> None:
+        """Serving: rows left since the last message (their ``kv_start`` moved to the cursor
+        of their leave): LEAVE with the whole vector, before the next step. Nothing is
+        sent while the cache rank is lost (its successor boots with the vector)."""
+        if self.peer_gone is not None:
+            return
+        step = self.step_state.index + 1
+        await self._send("ctl", [P.cmd(P.LEAVE, cursor, step, 0), self.ctx.kv_start])
+        self.stats["leaves"] += 1
 
     async def join_rows(self, cursor: int, joins: dict[int, tuple[int, list[tuple]]]) -> None:
         """Serving: the requests prefilled into rows ``joins`` (row -> (prompt length T,

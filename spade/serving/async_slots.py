@@ -33,7 +33,7 @@ from spade.serving.slots import SlotBatch, SlotContext
 
 #: the session counters an ``AsyncSlotBatch`` sums over its epochs
 _SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s", "join_resyncs",
-                   "dense_fallback_steps")
+                   "dense_fallback_steps", "leaves")
 
 
 class AsyncSlotContext(SlotContext):
@@ -65,9 +65,10 @@ class AsyncSlotBatch(SlotBatch):
         self.ctx = ctx
         self.sess = None
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
+        self._left = False  # a row left since the last JOIN / LEAVE
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
-                       "join_resyncs": 0, "dense_fallback_steps": 0, "epochs": 0,
+                       "join_resyncs": 0, "dense_fallback_steps": 0, "leaves": 0, "epochs": 0,
                        **dict.fromkeys(P.TOPK_STATS)}
 
     # ------------------------------------------------------------------ epochs
@@ -75,6 +76,7 @@ class AsyncSlotBatch(SlotBatch):
         self._end_epoch()
         super().reset(cursor)
         self._joins.clear()
+        self._left = False  # (a new epoch's BOOT carries every row idle)
         self.sess = self.rt.run(self._begin(cursor))
         self.totals["epochs"] += 1
 
@@ -154,6 +156,7 @@ class AsyncSlotBatch(SlotBatch):
     def leave(self, row: int) -> None:
         super().leave(row)
         self._joins.pop(row, None)  # joined and left before a step: nothing to tell
+        self._left = True  # the cache rank hears of it before the next step (LEAVE, or the next JOIN)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, tokens: torch.Tensor, mode: str) -> torch.Tensor:
@@ -162,6 +165,7 @@ class AsyncSlotBatch(SlotBatch):
         except BaseException:  # the step's state is unknown: drop the epoch (the engine fails its rows)
             sess, self.sess = self.sess, None
             self._joins.clear()
+            self._left = False
             if sess is not None:
                 try:
                     self.rt.run(sess.abort())
@@ -173,9 +177,12 @@ class AsyncSlotBatch(SlotBatch):
         sess = self.sess
         if sess is None:
             raise RuntimeError("a decode step outside a serving epoch (a failed step ended the last one)")
-        if self._joins:
-            joins, self._joins = self._joins, {}
+        if self._joins:  # (a JOIN carries the whole kv_start: the leaves too)
+            joins, self._joins, self._left = self._joins, {}, False
             await sess.join_rows(self.cursor, joins)
+        elif self._left:
+            self._left = False
+            await sess.leave_rows(self.cursor)
         logits = await sess.step(tokens, sparse=mode != "dense")
         await sess.wait_device()
         return logits

@@ -253,7 +253,7 @@ class AsyncEngine:
                 "cache_restarts": t["restarts"], "cache_peers_lost": t["peers_lost"],
                 "cache_dense_fallback_steps": t["dense_fallback_steps"],
                 "dropped_selections": t["dropped_selections"],
-                "join_resyncs": t["join_resyncs"], "join_wait_s": t["join_wait_s"]}
+                "join_resyncs": t["join_resyncs"], "join_wait_s": t["join_wait_s"], "cache_leaves": t["leaves"]}
 
     metrics = stats
 

@@ -278,3 +278,36 @@ def test_refresh_every_serves_one_schedule_per_batch(topology):
         assert ref.generate([jobs[0][1]], max_new_tokens=jobs[0][2])[0].token_ids == alone
     finally:
         ref.close()
+
+
+@pytest.mark.parametrize("topology", ["colocated", "local"])
+def test_a_leave_moves_the_cache_ranks_windows(topology, monkeypatch):
+    """A row that leaves (no JOIN before the next step) is a LEAVE: the cache rank's
+    ``kv_start`` becomes the inference rank's (the left row's window starts at its leave's
+    cursor: its old request is no longer scanned); the other rows' tokens are unchanged."""
+    from spade.runtime.cache_rank import _Generation
+
+    seen = []
+    orig = _Generation._leave
+
+    def spy(self, kv_start):
+        orig(self, kv_start)
+        seen.append((kv_start.tolist(), self.state.kv_start.tolist()))
+
+    monkeypatch.setattr(_Generation, "_leave", spy)
+    prompts = random_prompts(2, seed=9, lo=14, hi=18)
+    jobs = [(0, prompts[0], 4), (0, prompts[1], 24)]  # the first leaves early, the second decodes on
+    engine = spade.AsyncEngine(make_config("asyncspade", topology))
+
+    async def main():
+        together = await asyncio.gather(*[final(engine, p, greedy(n), f"r{i}") for i, (_, p, n) in enumerate(jobs)])
+        stats = engine.stats()
+        alone = await final(engine, prompts[1], greedy(24), "a1")
+        await engine.close()
+        return together, alone, stats
+
+    together, alone, stats = run(main())
+    assert stats["cache_leaves"] >= 1 and seen and all(sent == got for sent, got in seen)
+    left_row_start = seen[0][1]
+    assert max(left_row_start) > min(left_row_start)  # one row's window moved to a later cursor
+    assert together[1].token_ids == alone.token_ids and len(together[0].token_ids) == 4
