@@ -161,15 +161,21 @@ def test_a_lost_cache_rank_is_restarted_mid_serving():
         assert o.finish_reason == "length" and len(o.token_ids) == n
 
 
-@pytest.mark.parametrize("topology", ["colocated", "multiprocess"])
+@pytest.mark.parametrize("topology", ["colocated", "multiprocess", "colocated/paged"])
 def test_soak_leaks_nothing(topology):
     """120 random requests (lengths, arrivals, aborts; fixed seed): all end; slots, queue,
-    the runtime loop's tasks and the cache process are gone or back afterwards."""
+    the runtime loop's tasks and the cache process are gone or back afterwards; on a paged
+    cache of fewer blocks than the rows hold (the cache rank reading the pools through the
+    shared table), every block too."""
     g = torch.Generator().manual_seed(7)
     n = 120
     prompts = random_prompts(n, seed=8, lo=2, hi=24)
-    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=4, max_seq_len=80,
-                                           extra=_multiprocess("nccl") if topology == "multiprocess" else None))
+    topology, _, paged = topology.partition("/")
+    extra = _multiprocess("nccl") if topology == "multiprocess" else []
+    if paged:
+        extra += ["model.block_size=4", "model.kv_blocks=25"]  # 24 usable: 96 tokens for 4 rows of 80
+    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=4, max_seq_len=80, extra=extra))
+    free0 = engine.backend.kv_blocks_free()
 
     async def one(i):
         await asyncio.sleep(float(torch.rand(1, generator=g)) * 0.5)
@@ -198,6 +204,10 @@ def test_soak_leaks_nothing(topology):
     assert stats["cache_epochs"] > 1
     assert tasks <= 2  # the open epoch's receiver and the link's own task (serve, or the transport's)
     assert link.closed and (link.proc is None or link.proc.poll() is not None)
+    if paged:
+        assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0 and stats["kv_blocks_free"] == free0
+        assert stats["cache_leaves"] > 0
+        engine.backend.kv_pool.check()
 
 
 @pytest.mark.parametrize("on_late", ["stale", "full"])
