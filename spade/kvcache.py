@@ -184,6 +184,13 @@ class BlockTable:
         self._host[row, :len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
         self._host[row, len(blocks):] = NULL_BLOCK
 
+    def set_entries(self, row: int, entries: dict[int, int]) -> None:
+        """Point entries ``j`` of row ``row`` at blocks ``entries[j]`` (the others unchanged)."""
+        if not 0 <= row < self.max_rows:
+            raise IndexError(f"row {row} out of range [0, {self.max_rows})")
+        for j, blk in entries.items():
+            self._host[row, j] = blk
+
     def clear_row(self, row: int) -> None:
         self.set_row(row, [])
 

@@ -481,11 +481,9 @@ class FastModel(DecodeBackend):
         need = [j for j in range(lo // bs, blocks_for(hi, bs)) if j not in own]
         if not need:
             return
-        blocks = self.kv_pool.allocate(len(need))
-        host = self.table._host
-        for j, blk in zip(need, blocks):
-            own[j] = blk
-            host[row, j] = blk
+        new = dict(zip(need, self.kv_pool.allocate(len(need))))
+        own.update(new)
+        self.table.set_entries(row, new)
         self._table_dirty = True
 
     def kv_free(self, row: int) -> None:

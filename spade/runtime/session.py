@@ -48,7 +48,8 @@ class InferenceSession:
         self.link = link
         self.be = rt.backend
         self.policy = rt.policy
-        if rt.return_mode == "kv" and getattr(self.be, "paged", False):
+        self.paged = bool(getattr(self.be, "paged", False))  # a paged KV cache (FastModel, model.block_size)
+        if rt.return_mode == "kv" and self.paged:
             raise ConfigError("runtime.return_mode 'kv' gathers the selected K/V from a contiguous cache; with a paged "
                               "KV cache (model.block_size) use runtime.return_mode: indices or delta")
         spec = self.be.spec
@@ -168,7 +169,7 @@ class InferenceSession:
         q0, k0, _ = s.boot[0]
         B, Hq, _, D = q0.shape
         # a growing cache (HF) has exactly T; a paged one reports the prompt's keys (T) but holds max_seq_len
-        static_len = int(be.max_seq_len) if getattr(be, "paged", False) else (k0.shape[2] if k0.shape[2] > T else 0)
+        static_len = int(be.max_seq_len) if self.paged else (k0.shape[2] if k0.shape[2] > T else 0)
         # colocated + static cache: the cache rank reads our cache, only queries travel;
         # otherwise (growing caches included) it keeps its own store
         shared_kv = self.link.shared is not None and static_len > 0
@@ -213,8 +214,7 @@ class InferenceSession:
         self.ctx = ctx
         B = int(be.max_batch)
         k0 = be.k_cache[0]
-        paged = getattr(be, "paged", False)
-        Hkv, L, D = k0.shape[1], (int(be.max_seq_len) if paged else k0.shape[2]), k0.shape[3]
+        Hkv, L, D = k0.shape[1], (int(be.max_seq_len) if self.paged else k0.shape[2]), k0.shape[3]
         q_dtype = getattr(be, "dtype", k0.dtype)
         shared_kv = alive and link.shared is not None
         s.shared = link.shared if shared_kv else None
@@ -225,11 +225,11 @@ class InferenceSession:
             if graphs:  # captured steps stage into the buffers they saw (a lost cache rank's epoch had others)
                 graphs.clear()
         for layer in range(spec.n_layers):  # (a paged cache: the pools, read through the table)
-            s.kv_refs[layer] = (be.k_cache[layer], be.v_cache[layer]) if paged else \
+            s.kv_refs[layer] = (be.k_cache[layer], be.v_cache[layer]) if self.paged else \
                 (be.k_cache[layer][:B], be.v_cache[layer][:B])
             if shared_kv:
                 link.shared.refs[layer] = s.kv_refs[layer]
-                link.shared.tables[layer] = be.table.tensor if paged else None
+                link.shared.tables[layer] = be.table.tensor if self.paged else None
         s.kv_lens0 = torch.full((B,), cursor, dtype=torch.int64, device=be.device)
         self._T0, self._capacity, self._static_len, self._shared_kv = cursor, L, L, shared_kv
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q_dtype))
@@ -493,7 +493,7 @@ class InferenceSession:
             link.transport.recv_stream = self._land_stream
         if self._shared_kv:
             link.shared.refs.update(s.kv_refs)
-            if getattr(be, "paged", False):
+            if self.paged:
                 link.shared.tables.update(dict.fromkeys(s.kv_refs, be.block_table))
             s.shared = link.shared
         if self.rt.return_mode == "delta":  # the new cache rank's deltas build on empty slots
@@ -512,7 +512,7 @@ class InferenceSession:
         def layer_msg(layer: int) -> list[torch.Tensor]:
             p, j = s.where[layer]
             k, v = s.kv_refs[layer]
-            if getattr(be, "paged", False) and not self._shared_kv:  # the pools' rows as [B, Hkv, T, D]
+            if self.paged and not self._shared_kv:  # the pools' rows as [B, Hkv, T, D]
                 from spade.kernels.paged import paged_to_contiguous
 
                 bt = be.block_table

@@ -11,15 +11,7 @@ import torch
 from spade.errors import ConfigError, ModelError
 from spade.kvcache import NULL_BLOCK
 from spade.models.fast import FastModel
-from tests.models.test_fast import full_ctx, left_padded, perturbed_hf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.models.test_fast import _one_cpu_thread, full_ctx, left_padded, perturbed_hf  # noqa: F401 (autouse)
 
 
 def pair(hf, block_size: int, **kw):
