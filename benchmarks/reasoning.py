@@ -84,10 +84,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def gsm8k_rows(src: Path, fix: str) -> list[str]:
-    """``src``'s rows as ASCII JSON lines of ``question`` and ``answer`` (the fields
-    lm-eval's gsm8k tasks read); every row is checked: a question and an answer ending
-    in ``#### <number>``."""
+def _jsonl_rows(src: Path, fix: str, fields: tuple[str, ...], ok, expected: str) -> list[str]:
+    """``src``'s rows, each checked by ``ok``, as ASCII JSON lines of ``fields`` (ASCII
+    escapes: no U+2028 or the like inside a line for a reader to split on)."""
     rows = []
     for i, line in enumerate(src.read_text(encoding="utf-8").split("\n")):
         if not line.strip():
@@ -96,36 +95,26 @@ def gsm8k_rows(src: Path, fix: str) -> list[str]:
             d = json.loads(line)
         except ValueError:
             raise SetupError(f"{src} line {i + 1}: not a JSON object; {fix}") from None
-        if not isinstance(d, dict) or not isinstance(d.get("question"), str) or \
-                not re.search(r"#### -?[0-9.,]+\s*$", str(d.get("answer", ""))):
-            raise SetupError(f"{src} line {i + 1}: expected a 'question' and an 'answer' ending in "
-                             f"'#### <number>'; {fix}")
-        # ASCII escapes: no U+2028 or the like inside a line for a reader to split on
-        rows.append(json.dumps({"question": d["question"], "answer": d["answer"]}))
+        if not isinstance(d, dict) or not ok(d):
+            raise SetupError(f"{src} line {i + 1}: expected {expected}; {fix}")
+        rows.append(json.dumps({f: d[f] for f in fields}))
     if not rows:
         raise SetupError(f"{src}: no rows; {fix}")
     return rows
+
+
+def gsm8k_rows(src: Path, fix: str) -> list[str]:
+    """GSM8K rows: ``question`` and ``answer`` (the fields lm-eval's gsm8k tasks read)."""
+    return _jsonl_rows(src, fix, ("question", "answer"), lambda d: isinstance(d.get("question"), str) and bool(
+        re.search(r"#### -?[0-9.,]+\s*$", str(d.get("answer", "")))),
+        "a 'question' and an 'answer' ending in '#### <number>'")
 
 
 def math500_rows(src: Path, fix: str) -> list[str]:
-    """MATH-500 rows as ASCII JSON lines of ``problem`` and ``solution`` (what lm-eval's
-    Minerva ``process_docs`` reads; it takes the answer from the solution's last \\boxed{})."""
-    rows = []
-    for i, line in enumerate(src.read_text(encoding="utf-8").split("\n")):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError:
-            raise SetupError(f"{src} line {i + 1}: not a JSON object; {fix}") from None
-        if not isinstance(d, dict) or not isinstance(d.get("problem"), str) or \
-                "\\boxed" not in str(d.get("solution", "")):
-            raise SetupError(f"{src} line {i + 1}: expected a 'problem' and a 'solution' with a \\boxed{{}} "
-                             f"answer; {fix}")
-        rows.append(json.dumps({"problem": d["problem"], "solution": d["solution"]}))
-    if not rows:
-        raise SetupError(f"{src}: no rows; {fix}")
-    return rows
+    """MATH-500 rows: ``problem`` and ``solution`` (what lm-eval's Minerva ``process_docs``
+    reads; it takes the answer from the solution's last \\boxed{})."""
+    return _jsonl_rows(src, fix, ("problem", "solution"), lambda d: isinstance(d.get("problem"), str) and
+                       "\\boxed" in str(d.get("solution", "")), "a 'problem' and a 'solution' with a \\boxed{} answer")
 
 
 def _sources(dataset: str) -> dict[str, tuple]:
