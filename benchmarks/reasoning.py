@@ -491,13 +491,14 @@ def child_command(child_args: list[str]) -> list[str]:
 
 def run_parallel(args, argv: list[str], plan: list, report: dict, out: Path) -> int:
     """Each run in a child process (``python -m benchmarks.reasoning`` with that run
-    alone), ``args.parallel`` at a time; their reports (``<out>.parts/``) are merged
+    alone), ``args.parallel`` at a time; their reports (``<out>.parts/<label>/run.json``) are merged
     in plan order. A failed run is reported with its log; the others still count."""
     import subprocess
 
     parts = out.with_name(f"{out.stem}.parts")
     parts.mkdir(parents=True, exist_ok=True)
-    todo = [(i, pol, k, parts / f"{label_of(pol, k)}.json") for i, (pol, k) in enumerate(plan)]
+    # each run in its own folder: <out>.parts/<label>/run.json, run.<label>.log (its server), driver.log
+    todo = [(i, pol, k, parts / label_of(pol, k) / "run.json") for i, (pol, k) in enumerate(plan)]
     running: dict = {}
     done: dict[int, dict] = {}
     failed = []
@@ -506,7 +507,8 @@ def run_parallel(args, argv: list[str], plan: list, report: dict, out: Path) -> 
         while todo or running:
             while todo and len(running) < args.parallel:
                 i, pol, k, path = todo.pop(0)
-                log = open(path.with_suffix(".driver.log"), "w")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                log = open(path.with_name("driver.log"), "w")
                 proc = subprocess.Popen(child_command(child_argv(argv, pol, k, path)), stdout=log,
                                         stderr=subprocess.STDOUT)
                 running[proc] = (i, pol, k, path, log)
@@ -519,7 +521,7 @@ def run_parallel(args, argv: list[str], plan: list, report: dict, out: Path) -> 
                 if proc.returncode != 0 or len(rows) != 1:
                     failed.append(label_of(pol, k))
                     print(f"[{i + 1}/{len(plan)}] {label_of(pol, k)}: FAILED (exit {proc.returncode}); log: "
-                          f"{path.with_suffix('.driver.log')}", flush=True)
+                          f"{path.with_name('driver.log')}", flush=True)
                     continue
                 done[i] = rows[0]
                 print(f"[{i + 1}/{len(plan)}] {summary_line(rows[0])}", flush=True)

@@ -221,6 +221,9 @@ def test_parallel_runs_children_and_merges_in_plan_order(tmp_path, monkeypatch, 
         ["start full 1", "start quest 64", "start quest 128", "start tova 64", "start tova 128"])
     err = capsys.readouterr().out
     assert "tova-k64: FAILED (exit 3)" in err and "quest-k64: n=4" in err
+    parts = tmp_path / "r.parts"
+    assert (parts / "quest-k64" / "run.json").is_file() and (parts / "tova-k64" / "driver.log").is_file()
+    assert not (parts / "tova-k64" / "run.json").exists()
 
 
 def test_runs_of_dense_once_sparse_per_budget():
