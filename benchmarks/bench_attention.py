@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name} ({sms} SMs), copy bandwidth {bw / 1e9:.0f} GB/s; "
           f"{hq} q / {hkv} KV heads, d={d}, {dtype}")
     elem = torch.finfo(dtype).bits // 8
-    block_n = attention._launch_config(max(16, d), elem)[0]
+    block_n = attention._launch_config(max(16, d), elem)[0]  # the indexed path's tile
+    dense_bn = attention._launch_config(max(16, d), elem, dense=True)[0]  # the dense path's
     rows: list[dict] = []
 
     for B in batches:
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 return attention.sparse_decode_attention_triton(q, k, v, kv_lens, num_splits=S, **cfg)
 
             rows.append(dict(op="dense", B=B, L=L, K=L,
-                             splits=attention.choose_num_splits(B * hkv, L, block_n, dev),
+                             splits=attention.choose_num_splits(B * hkv, L, dense_bn, dev),
                              spade_ms=_try(timer, spade_dense), torch_ms=_try(timer, lambda: torch_dense(q, k, v)),
                              floor_ms=kv_bytes / bw * 1e3, rel_err=_err(spade_dense, lambda: torch_dense(q, k, v))))
 

@@ -87,7 +87,6 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _MAX_SPLITS = 64
 _MAX_CHUNK_BLOCKS = 32  # blocks of indices a split preloads (registers: 16 per thread at 64 x 32)
-_PAGED_DENSE_TILES = 32  # dense path over a paged cache: tiles of slots mapped through the table at a time
 
 
 def _interpret() -> bool:
@@ -381,39 +380,47 @@ def _decode_split_kernel(
     if HAS_INDICES:
         pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
                                  MAX_BLOCKS, BLOCK_N)
-        if PAGED:  # the whole chunk mapped through the table up front: no table load in the loop
-            pos2d = paged_slots(pos2d, bt_row, BLOCK_SIZE)
     else:
         pos2d = 0
     n_att = tl.zeros([], tl.int32)  # tokens this program attends (HAS_STATS)
     if PAGED and not HAS_INDICES:
-        # Dense over a paged cache: MAX_BLOCKS tiles of slots at a time are mapped through
-        # the table before an inner loop that loads nothing but K/V (a table load inside
-        # the K/V loop leaves the pipeliner one K/V buffer instead of two). The tiles are
-        # those of the contiguous path, so the arithmetic is too.
-        for c0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), MAX_BLOCKS * BLOCK_N):
-            c1 = tl.minimum(c0 + MAX_BLOCKS * BLOCK_N, end)
-            offs = c0 + tl.arange(0, MAX_BLOCKS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            slots = paged_slots(tl.where(offs < c1, s + offs, -1), bt_row, BLOCK_SIZE)
-            c0t = tl.minimum(c0, end)  # = c0, as a tensor (the interpreter's c0 is an int)
-            for j0 in range(loop_bound(c0t, INTERPRET), loop_bound(c1, INTERPRET), BLOCK_N):
-                pos, valid = _block_rows(slots, (j0 - c0) // BLOCK_N, j0, c1, s, MAX_BLOCKS, BLOCK_N, True)
-                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC,
-                                             stride_kb, stride_vb, PAGED, BLOCK_SIZE)
-                if HAS_STATS:
-                    n_att += tl.sum(valid.to(tl.int32), axis=0)
+        # Dense over a paged cache: each tile's slots mapped through the table in the loop
+        # (BLOCK_N / BLOCK_SIZE entries, cached); the tiles are the contiguous path's, so the
+        # arithmetic is too (the dense launch config, _launch_config). Mapping whole groups of
+        # tiles before an inner loop cost 1.25-1.44x the contiguous kernel; this path ~1.02x
+        # (docs/paged.md).
+        for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
+            offs = j0 + tl.arange(0, BLOCK_N)
+            slots = paged_slots(tl.where(offs < end, s + offs, -1), bt_row, BLOCK_SIZE)
+            valid = slots >= 0
+            m_i, l_i, acc = _attend_rows(q, k_base, v_base, slots.to(tl.int64), valid, stride_kl, stride_kd,
+                                         stride_vl, stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST,
+                                         DOT_PREC, stride_kb, stride_vb, PAGED, BLOCK_SIZE)
+            if HAS_STATS:
+                n_att += tl.sum(valid.to(tl.int32), axis=0)
+    elif PAGED:
+        # Indexed over a paged cache: the preloaded tile holds logical positions; each tile's
+        # slots are mapped through the table one iteration ahead of the tile that reads them,
+        # so the table load is off the K/V loads' path (1.03-1.06x the contiguous kernel,
+        # where mapping the whole chunk before the loop cost 1.07-1.11x; docs/paged.md).
+        nxt, _ = _block_rows(pos2d, 0, start, end, s, MAX_BLOCKS, BLOCK_N, HAS_INDICES)
+        nxt = paged_slots(nxt.to(tl.int32), bt_row, BLOCK_SIZE)
+        for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
+            cur = nxt
+            nn, _ = _block_rows(pos2d, (j0 - start) // BLOCK_N + 1, j0, end, s, MAX_BLOCKS, BLOCK_N, HAS_INDICES)
+            nxt = paged_slots(nn.to(tl.int32), bt_row, BLOCK_SIZE)
+            valid = cur >= 0
+            m_i, l_i, acc = _attend_rows(q, k_base, v_base, cur.to(tl.int64), valid, stride_kl, stride_kd,
+                                         stride_vl, stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST,
+                                         DOT_PREC, stride_kb, stride_vb, PAGED, BLOCK_SIZE)
+            if HAS_STATS:
+                n_att += tl.sum(valid.to(tl.int32), axis=0)
     else:
         for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
             pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, MAX_BLOCKS, BLOCK_N,
                                      HAS_INDICES)
-            if PAGED:  # the indexed path: pos2d holds the chunk's slots, mapped before the loop
-                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC,
-                                             stride_kb, stride_vb, PAGED, BLOCK_SIZE)
-            else:
-                m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
-                                             stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
+            m_i, l_i, acc = _attend_rows(q, k_base, v_base, pos, valid, stride_kl, stride_kd, stride_vl,
+                                         stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC)
             if HAS_STATS:
                 n_att += tl.sum(valid.to(tl.int32), axis=0)
     # Release after the loops, not at the top: the next kernel (the output projection's GEMV,
@@ -576,15 +583,22 @@ _PROGRAMS_PER_SM = 3
 _PROGRAMS_PER_SM_INDEXED = 2
 
 
-def _launch_config(D_PAD: int, elem_size: int) -> tuple[int, int, int]:
+def _launch_config(D_PAD: int, elem_size: int, dense: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). BLOCK_N rows of K and V are 32 KiB at
     d=128 bf16; three stages double-buffer them (the indexed path's addresses come
     from its preloaded index tile, so it pipelines like the dense one). Three
     programs per SM then keep ~100-200 KiB per SM in flight, more than HBM
-    latency x bandwidth per SM."""
+    latency x bandwidth per SM. ``dense`` (no indices): tiles twice as long and two
+    stages. The contiguous kernel times the same either way (one H100, B=8 x 32k,
+    1 x 128k, 16 x 32k, 32 x 16k: within 0.3%), and over a paged cache, whose table
+    load sits inside the loop, it holds 1.02x the contiguous kernel where the shorter
+    tile gave up to 1.10x (docs/paged.md). One config for both keeps the paged dense
+    path bit-identical to the contiguous one."""
     if _interpret():
         return 16, 4, 1
     block_n = max(16, min(128, (64 * 128 * 2) // (D_PAD * elem_size)))
+    if dense:
+        return min(128, 2 * block_n), 4, 2
     return block_n, 4, 3
 
 
@@ -670,7 +684,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     G_PAD = max(16, triton.next_power_of_2(G))
     D_PAD = max(16, triton.next_power_of_2(D))
     interp = _interpret()
-    bn, nw, ns = _launch_config(D_PAD, k.element_size())
+    bn, nw, ns = _launch_config(D_PAD, k.element_size(), dense=indices is None)
     bn = block_n or bn
     num_warps = num_warps or nw
     num_stages = num_stages or ns
@@ -690,9 +704,6 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         idx_t = kv_lens  # never read
         si = (0, 0, 0)
     splits, max_blocks = plan_splits(B * Hkv, t_max, bn, q.device, num_splits=num_splits, indexed=has_idx)
-    if block_table is not None and not has_idx:  # tiles of slots mapped at a time (see the kernel)
-        tiles = triton.cdiv(triton.cdiv(t_max, splits), bn)  # tiles of a split's chunk
-        max_blocks = min(_PAGED_DENSE_TILES, triton.next_power_of_2(max(1, tiles)))
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)

@@ -560,7 +560,7 @@ for dt, has_idx, direct, fused, pdl in [
                 stride_kl=D, stride_kd=1, stride_vb=Hkv * L * D, stride_vh=L * D, stride_vl=D, stride_vd=1,
                 stride_ib=Hkv * KM, stride_ih=KM, stride_ik=1, Hkv=Hkv, Hq=Hkv * G, K_MID=KM, N_SINK=4,
                 N_RECENT=64, NUM_SPLITS=6, qk_scale=("fp32", 0.1), COUNTER=("ptr", "i32"), STATS=("ptr", "i64"))
-    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2)
+    bn, nw, ns = A._launch_config(D, 4 if dt == "fp32" else 2, dense=not has_idx)
     name = f"decode_{dt}_{has_idx}" + ("" if fused or direct else "_kernel") + ("_pdl" if pdl else "")
     out[name] = build(A._decode_split_kernel, args, dict(
         G=G, G_PAD=16, D=D, D_PAD=D, BLOCK_N=bn, MAX_BLOCKS=8, DIRECT=direct, HAS_INDICES=has_idx,
@@ -600,10 +600,11 @@ def test_kernels_build_for_hopper():
         r = res[name]
         # programmatic dependent launch: one wait and one release with PDL, none without
         assert r["gdc"] == ([1, 1] if name.endswith("_pdl") else [0, 0]), (name, r)
-        # K/V rows arrive through multi-buffered async copies, and no load waits
-        # inside the main loop (the indexed path preloads its chunk of indices)
+        # K/V rows arrive through async copies (double-buffered on the indexed path's
+        # three stages, one buffer each on the dense path's two: _launch_config), and no
+        # load waits inside the main loop (the indexed path preloads its chunk of indices)
         assert r["pipelined"] and r["loads_in_loop"] == 0, (name, r)
-        assert all(int(n) >= 2 for n in r["kv_buffers"]), (name, r)
+        assert all(int(n) >= (1 if name == "decode_bf16_False" else 2) for n in r["kv_buffers"]), (name, r)
         assert r["shared"] < 227 * 1024 // 3, (name, r)  # three programs per SM fit
 
 
