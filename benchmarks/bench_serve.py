@@ -200,11 +200,11 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
     if args.warmup:  # first-request compile and allocation out of the measured runs
         asyncio.run(run_rate(base_url, api_key, model, prompts[:args.warmup], args.output_len, math.inf,
                              args.seed, None))
-    idle = None
-    if args.idle:  # one request alone: the TPOT the SLO is relative to
+    idle = idle_ttft = None
+    if args.idle:  # one request alone: the TPOT the SLO is relative to, and the TTFT of an empty queue
         one = asyncio.run(run_rate(base_url, api_key, model, prompts[:1], args.output_len, math.inf, args.seed, None))
-        idle = one["tpot_p50_ms"]
-        print(json.dumps({"idle_tpot_ms": idle, "policy": label}), flush=True)
+        idle, idle_ttft = one["tpot_p50_ms"], one["ttft_p50_ms"]
+        print(json.dumps({"idle_tpot_ms": idle, "idle_ttft_ms": idle_ttft, "policy": label}), flush=True)
     rows = []
     for rate in rates:
         row = asyncio.run(run_rate(base_url, api_key, model, prompts, args.output_len, rate, args.seed,
@@ -213,24 +213,34 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                           if k != "errors"}), flush=True)
-    return {"label": label, "server": info, "idle_tpot_ms": idle, "slo_factor": args.slo_factor,
-            "slo": slo_rate(rows, idle, args.slo_factor), "rows": rows}
+    return {"label": label, "server": info, "idle_tpot_ms": idle, "idle_ttft_ms": idle_ttft,
+            "slo_factor": args.slo_factor, "ttft_factor": args.ttft_factor,
+            "slo": slo_rate(rows, idle, args.slo_factor, idle_ttft, args.ttft_factor), "rows": rows}
 
 
-def slo_rate(rows: list[dict], idle_tpot_ms: float | None, factor: float) -> dict | None:
+def slo_rate(rows: list[dict], idle_tpot_ms: float | None, factor: float, idle_ttft_ms: float | None = None,
+             ttft_factor: float | None = None) -> dict | None:
     """The highest finite offered rate whose TPOT p99 stays within ``factor`` x the idle
     TPOT, with every request completed (``rate``: None when none does), and the
     request rate the server then achieved. ``bounded``: a higher rate tried broke the
-    SLO (else the true limit may lie above the rates tried)."""
+    SLO (else the true limit may lie above the rates tried).
+
+    Sustained (``ttft_factor`` with ``idle_ttft_ms``): a rate counts only if its TTFT p99
+    stays within ``ttft_factor`` x the TTFT of one request alone. A server that admits
+    requests in waves (they wait in its queue) keeps a low TPOT at any offered rate while
+    it serves far fewer requests than were offered; its TTFT shows the queue."""
     if idle_tpot_ms is None:
         return None
     limit = factor * idle_tpot_ms
+    ttft_limit = None if idle_ttft_ms is None or not ttft_factor else ttft_factor * idle_ttft_ms
     finite = sorted((r for r in rows if r["rate"] != "inf"), key=lambda r: r["rate"])
     best = None
     for r in finite:
-        if r["failed"] == 0 and r["tpot_p99_ms"] is not None and r["tpot_p99_ms"] <= limit:
+        if r["failed"] == 0 and r["tpot_p99_ms"] is not None and r["tpot_p99_ms"] <= limit and (
+                ttft_limit is None or (r.get("ttft_p99_ms") is not None and r["ttft_p99_ms"] <= ttft_limit)):
             best = r
-    return {"tpot_p99_limit_ms": limit, "rate": None if best is None else best["rate"],
+    return {"tpot_p99_limit_ms": limit, "ttft_p99_limit_ms": ttft_limit,
+            "rate": None if best is None else best["rate"],
             "achieved_req_per_s": None if best is None else best["req_per_s"],
             "bounded": any(r["rate"] > (best["rate"] if best else 0) for r in finite)}
 
@@ -244,8 +254,10 @@ def slo_lines(runs: list[dict]) -> list[str]:
         if not slo:
             continue
         rate = slo["rate"]
+        ttft = slo.get("ttft_p99_limit_ms")
         out.append(f"SLO {run['label']}: idle TPOT {run['idle_tpot_ms']:.2f} ms, TPOT p99 <= "
-                   f"{slo['tpot_p99_limit_ms']:.2f} ms up to "
+                   f"{slo['tpot_p99_limit_ms']:.2f} ms" + ("" if ttft is None else f" and TTFT p99 <= {ttft:.0f} ms")
+                   + " up to "
                    + ("no rate tried" if rate is None else f"{rate:g} req/s offered ({slo['achieved_req_per_s']:.3f} "
                       f"achieved){'' if slo['bounded'] else ', the highest tried'}"))
     base = runs[0].get("slo") if runs else None
@@ -307,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="first time one request alone (the idle TPOT), for the SLO below")
     ap.add_argument("--slo-factor", type=float, default=2.0,
                     help="the SLO: TPOT p99 <= this x the idle TPOT; each run reports the highest rate meeting it")
+    ap.add_argument("--ttft-factor", type=float, default=5.0,
+                    help="a rate counts as sustained only if its TTFT p99 <= this x the idle TTFT (one request "
+                         "alone): no growing queue; 0: TPOT only")
     ap.add_argument("--start-timeout-s", type=float, default=600)
     ap.add_argument("--out", default="results/bench_serve.json")
     ap.add_argument("--plot", help="PNG path (default: --out with .png)")
@@ -340,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.ttft_factor < 0:
+        ap.error(f"--ttft-factor: must be >= 0 (0: the SLO on TPOT alone), got {args.ttft_factor}")
     out = Path(args.out)
     runs = []
     if args.base_url:

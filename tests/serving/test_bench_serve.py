@@ -53,7 +53,8 @@ def test_slo_rate_picks_the_highest_rate_within_the_limit():
 
     rows = [row(0.5, 30.0), row(1.0, 39.0), row(2.0, 41.0), row(4.0, 35.0, failed=1), row("inf", 10.0)]
     slo = bench_serve.slo_rate(rows, 20.0, 2.0)
-    assert slo == {"tpot_p99_limit_ms": 40.0, "rate": 1.0, "achieved_req_per_s": 0.9, "bounded": True}
+    assert slo == {"tpot_p99_limit_ms": 40.0, "ttft_p99_limit_ms": None, "rate": 1.0, "achieved_req_per_s": 0.9,
+                   "bounded": True}
     assert bench_serve.slo_rate(rows[:2], 20.0, 2.0)["bounded"] is False  # every rate tried met it
     assert bench_serve.slo_rate(rows, 10.0, 2.0)["rate"] is None  # none within 20 ms
     assert bench_serve.slo_rate(rows, None, 2.0) is None
@@ -61,6 +62,22 @@ def test_slo_rate_picks_the_highest_rate_within_the_limit():
             {"label": "asyncspade", "idle_tpot_ms": 15.0, "slo": bench_serve.slo_rate(rows, 15.0, 3.0)}]
     lines = bench_serve.slo_lines(runs)
     assert lines[-1] == "SLO rate asyncspade / full: 2.00x"
+
+
+def test_slo_rate_counts_only_rates_served_without_a_growing_queue():
+    """A server that admits requests in waves keeps its TPOT at any offered rate while
+    they wait: with the TTFT condition the rate whose TTFT p99 left 5x the idle TTFT
+    does not count, whatever its TPOT."""
+    rows = [{"rate": 0.1, "tpot_p99_ms": 14.0, "ttft_p99_ms": 2000.0, "failed": 0, "req_per_s": 0.08},
+            {"rate": 0.2, "tpot_p99_ms": 16.0, "ttft_p99_ms": 4900.0, "failed": 0, "req_per_s": 0.15},
+            {"rate": 0.4, "tpot_p99_ms": 17.0, "ttft_p99_ms": 22000.0, "failed": 0, "req_per_s": 0.13}]
+    assert bench_serve.slo_rate(rows, 11.0, 2.0)["rate"] == 0.4  # TPOT alone: every rate
+    slo = bench_serve.slo_rate(rows, 11.0, 2.0, idle_ttft_ms=1000.0, ttft_factor=5.0)
+    assert slo["rate"] == 0.2 and slo["ttft_p99_limit_ms"] == 5000.0 and slo["bounded"] is True
+    assert bench_serve.slo_rate(rows, 11.0, 2.0, idle_ttft_ms=1000.0, ttft_factor=0)["rate"] == 0.4
+    lines = bench_serve.slo_lines([{"label": "full", "idle_tpot_ms": 11.0, "slo": slo}])
+    assert lines == ["SLO full: idle TPOT 11.00 ms, TPOT p99 <= 22.00 ms and TTFT p99 <= 5000 ms up to "
+                     "0.2 req/s offered (0.150 achieved)"]
 
 
 def test_make_prompts_same_for_every_rate():
