@@ -116,10 +116,6 @@ class QuestPolicy(Policy):
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         self._build(state, layer, k_cache, kv_lens)
 
-    @property
-    def row_align(self) -> int:
-        return self.cfg.page_size  # no longer needed (pages are relative to kv_start): removed next
-
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """The joining rows' page bounds built from their prompts (pages counted from each
