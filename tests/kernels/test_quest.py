@@ -466,6 +466,43 @@ print(json.dumps(out))
 '''
 
 
+_AOT_RELATIVE = r'''
+import json
+from spade.kernels import quest as Q
+from tests.kernels.aot import sm90_compile
+
+P = ("ptr", "i32")
+out = {}
+for paged in (False, True):  # build: pages from each row's start (lo_ptr), contiguous or through the table
+    args = dict(k_ptr=("ptr", "bf16"), kmin_ptr=("ptr", "bf16"), kmax_ptr=("ptr", "bf16"), lo_ptr=P, hi_ptr=P,
+                stride_kb=1 << 20, stride_kh=1 << 16, stride_kl=128, stride_kd=1, L=4096, P=256, page_size=16)
+    cons = dict(HKV=8, D=128, BLOCK_D=128, BLOCK_P=4, BLOCK_S=16, PAGED=paged)
+    if paged:
+        args.update(BT=P)
+        cons.update(stride_tb=256, BLOCK_SIZE=16)
+    sm90_compile(Q._quest_build_kernel, args, cons)
+    out[f"build_{paged}"] = True
+for has_start in (False, True):  # update: the page of pos - start; expand: start + page * S + j
+    sm90_compile(Q._quest_update_kernel, dict(
+        kmin_ptr=("ptr", "bf16"), kmax_ptr=("ptr", "bf16"), knew_ptr=("ptr", "bf16"), pos_ptr=("ptr", "i64"),
+        start_ptr=P, stride_mb=1 << 18, stride_mh=1 << 15, stride_mp=128, stride_md=1, stride_nb=1024,
+        stride_nh=128, stride_nd=1, P=256, page_size=16), dict(HKV=8, D=128, BLOCK_D=128, HAS_START=has_start),
+        num_warps=1)
+    sm90_compile(Q._quest_expand_kernel, dict(sel_ptr=P, out_ptr=P, start_ptr=P, kv_ptr=P, page_size=16, n_sel=64,
+                                               n_out=1024), dict(HKV=8, BLOCK=1024, HAS_START=has_start))
+    out[f"update_expand_{has_start}"] = True
+print(json.dumps(out))
+'''
+
+
+def test_build_update_expand_kernels_build_for_hopper():
+    """The relative-page build (contiguous and paged), update and expansion kernels
+    compile for sm_90, with and without a per-row start."""
+    res = run_aot_script(_AOT_RELATIVE)
+    assert res == {"build_False": True, "build_True": True, "update_expand_False": True,
+                   "update_expand_True": True}
+
+
 def test_scores_kernel_builds_for_hopper():
     """The page-score kernel compiles for sm_90 and its metadata loads are
     software-pipelined across the tiles a program loops over (cp.async); the
