@@ -134,8 +134,10 @@ def select_overlap(device, enabled=None):
 def quest_build(k, kv_lens, page_size, *, kv_start=None, block_table=None):
     """Quest page metadata from a whole cache: (kmin, kmax), each [B, Hkv, P, D] in
     k's dtype with ``P = ceil(L / page_size)``; element-wise min/max over the valid
-    tokens of each page (pages with none: +inf / -inf). ``block_table``: ``k`` is a
-    block pool (``spade.kernels.paged``); pages stay logical, L = max_blocks * block_size."""
+    tokens of each page (pages with none: +inf / -inf). Pages are relative to each
+    row's start: row b's page p holds positions ``[kv_start[b] + p*S, kv_start[b] + (p+1)*S)``
+    (S = page_size). ``block_table``: ``k`` is a block pool (``spade.kernels.paged``);
+    positions stay logical, L = max_blocks * block_size."""
     from spade.kernels import quest
 
     fn = quest.quest_build_triton if use_triton(k) else quest.quest_build_ref
@@ -143,13 +145,14 @@ def quest_build(k, kv_lens, page_size, *, kv_start=None, block_table=None):
     return fn(k, kv_lens, page_size, kv_start=kv_start, **paged)
 
 
-def quest_update(kmin, kmax, k_new, pos, page_size):
-    """In place: fold ``k_new`` [B, Hkv, D] written at positions ``pos`` [B] into the
-    page bounds (a page's first token resets them)."""
+def quest_update(kmin, kmax, k_new, pos, page_size, *, kv_start=None):
+    """In place: fold ``k_new`` [B, Hkv, D] written at cache positions ``pos`` [B] into
+    the page bounds, page ``(pos - kv_start) // page_size`` of each row (relative pages,
+    as ``quest_build``; a page's first token resets them)."""
     from spade.kernels import quest
 
     fn = quest.quest_update_triton if use_triton(k_new) else quest.quest_update_ref
-    return fn(kmin, kmax, k_new, pos, page_size)
+    return fn(kmin, kmax, k_new, pos, page_size, kv_start=kv_start)
 
 
 def quest_page_scores(q, kmin, kmax, n_pages, *, scale=None, reduce="sum_logits", page_start=None):
@@ -165,8 +168,9 @@ def quest_page_scores(q, kmin, kmax, n_pages, *, scale=None, reduce="sum_logits"
 def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, reduce="sum_logits",
                  kv_start=None):
     """Quest selection as token indices [B, Hkv, n_pages_sel * page_size] int32:
-    the last (partial) page always, plus the ``n_pages_sel - 1`` best other pages;
-    positions outside ``[kv_start, kv_lens)`` are ``-1``."""
+    the last (partial) page always, plus the ``n_pages_sel - 1`` best other pages of
+    the row's ``ceil((kv_lens - kv_start) / page_size)`` (pages relative to kv_start,
+    as ``quest_build``); positions outside ``[kv_start, kv_lens)`` are ``-1``."""
     from spade.kernels import quest
 
     fn = quest.quest_select_triton if use_triton(q) else quest.quest_select_ref

@@ -21,6 +21,13 @@ the metadata (2·P·D elements per row) once. ``quest_select`` reuses the exact
 radix top-K of ``spade.kernels.radix_topk`` on the page scores.
 
 As in scoring, the query is rounded to the bounds' dtype first (both paths).
+
+Pages are relative to each row's own start: page ``p`` of row ``b`` holds the cache
+positions ``[kv_start[b] + p·S, kv_start[b] + (p+1)·S)`` (S = page_size; no
+``kv_start``: 0), so a row has ``ceil((kv_lens - kv_start) / S)`` pages, the last one
+partial, and its page grouping, bounds, scores and selection are the same wherever
+its window starts (left padding, a serving join at any cursor). ``P = ceil(L / S)``
+pages always suffice.
 """
 
 from __future__ import annotations
@@ -98,21 +105,24 @@ def _check_paged_build(k: torch.Tensor, kv_lens: torch.Tensor, block_table: torc
 def quest_build_ref(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
                     kv_start: torch.Tensor | None = None,
                     block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference ``quest_build``: (kmin, kmax) [B, Hkv, P, D] in k's dtype; +inf / -inf
-    for pages with no valid token. ``block_table``: ``k`` is a pool
-    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``), read through its logical
-    copy; pages stay logical (P = ceil(max_blocks * block_size / page_size))."""
+    """Reference ``quest_build``: (kmin, kmax) [B, Hkv, P, D] in k's dtype, page ``p`` of
+    row ``b`` bounding the positions ``[kv_start + p·S, kv_start + (p+1)·S)`` below
+    ``kv_lens``; +inf / -inf for pages with no valid token. ``block_table``: ``k`` is a
+    pool [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``), read through its
+    logical copy; positions stay logical (P = ceil(max_blocks * block_size / page_size))."""
     _check_page_size(page_size)
     _check_paged_build(k, kv_lens, block_table)
     if block_table is not None:
         k = paged_to_contiguous(k, block_table)  # positions outside [kv_start, kv_lens) are masked below
     B, H, L, D = k.shape
     P = triton.cdiv(L, page_size)
-    pos = torch.arange(P * page_size, device=k.device)
     start = torch.zeros_like(kv_lens) if kv_start is None else kv_start
-    valid = (pos[None, :] >= start.to(k.device).long()[:, None]) & (pos[None, :] < kv_lens.to(k.device).long()[:, None])
+    # row b's page p, slot j: position start[b] + p * page_size + j (relative pages)
+    pos = start.to(k.device).long()[:, None] + torch.arange(P * page_size, device=k.device)[None, :]  # [B, P*S]
+    valid = pos < torch.clamp(kv_lens.to(k.device).long(), max=L)[:, None]
+    idx = pos.clamp(max=max(L - 1, 0))[:, None, :, None].expand(B, H, P * page_size, D)
+    kp = k.float().gather(2, idx).view(B, H, P, page_size, D)
     valid = valid.view(B, 1, P, page_size, 1)
-    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, P * page_size - L)).view(B, H, P, page_size, D)
     inf = torch.tensor(float("inf"), device=k.device)
     kmin = torch.where(valid, kp, inf).amin(3)
     kmax = torch.where(valid, kp, -inf).amax(3)
@@ -120,20 +130,26 @@ def quest_build_ref(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
 
 
 def quest_update_ref(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                     page_size: int) -> None:
-    """Reference ``quest_update`` (in place): a page's first token resets its bounds,
-    later ones fold in by element-wise min / max."""
+                     page_size: int, *, kv_start: torch.Tensor | None = None) -> None:
+    """Reference ``quest_update`` (in place): the key written at cache position ``pos``
+    [B] goes to the row's page ``(pos - kv_start) // page_size`` (relative pages); a
+    page's first token resets its bounds, later ones fold in by element-wise min / max."""
     _check_page_size(page_size)
     B = kmin.shape[0]
     pos = pos.to(kmin.device).long()
+    if kv_start is not None:
+        pos = pos - kv_start.to(kmin.device).long()
+    P = kmin.shape[2]
     page = pos // page_size  # [B]
+    ok = ((pos >= 0) & (page < P))[:, None, None]  # as the kernel: other positions are ignored
+    page = page.clamp(0, max(P - 1, 0))
     first = (pos % page_size == 0)[:, None, None]  # [B, 1, 1]
     rows = torch.arange(B, device=kmin.device)
     kn = k_new.to(kmin.dtype)  # [B, Hkv, D]
     cur_min = kmin[rows, :, page]  # [B, Hkv, D]
     cur_max = kmax[rows, :, page]
-    kmin[rows, :, page] = torch.where(first, kn, torch.minimum(cur_min, kn))
-    kmax[rows, :, page] = torch.where(first, kn, torch.maximum(cur_max, kn))
+    kmin[rows, :, page] = torch.where(ok, torch.where(first, kn, torch.minimum(cur_min, kn)), cur_min)
+    kmax[rows, :, page] = torch.where(ok, torch.where(first, kn, torch.maximum(cur_max, kn)), cur_max)
 
 
 def _page_range_mask(page_start: torch.Tensor | None, n_pages: torch.Tensor, P: int) -> torch.Tensor:
@@ -161,24 +177,23 @@ def quest_page_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
 
 
 def _select_plan(kv_lens: torch.Tensor, kv_start: torch.Tensor | None, page_size: int):
-    """Per row: first page, number of pages, last page (the one holding kv_lens-1;
-    -1 when the row is empty)."""
+    """Per row (relative pages): its start, number of pages ``ceil((kv - start) / S)``
+    and last page (the one holding kv_lens-1; -1 when the row is empty)."""
     kv = kv_lens.long()
     start = torch.zeros_like(kv) if kv_start is None else kv_start.to(kv.device).long()
-    page_lo = start // page_size
     has = kv > start
     # an empty row gets an empty page range (its bounds are +-inf: no score, no NaN)
-    n_pages = torch.where(has, (kv + page_size - 1) // page_size, page_lo)
-    last = torch.where(has, n_pages - 1, torch.full_like(kv, -1))
-    return start, page_lo, n_pages, last
+    n_pages = torch.where(has, (kv - start + page_size - 1) // page_size, torch.zeros_like(kv))
+    last = n_pages - 1
+    return start, n_pages, last
 
 
 def _pages_to_tokens(pages: torch.Tensor, start: torch.Tensor, kv: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Expand pages [B, H, S] (-1 = none) to token indices [B, H, S * page_size] int32,
-    ``-1`` outside ``[start, kv)``."""
+    """Expand relative pages [B, H, S] (-1 = none) to token indices [B, H, S * page_size]
+    int32 (``start + p * page_size + j``), ``-1`` at or past ``kv``."""
     B, H, S = pages.shape
-    tok = pages.long()[..., None] * page_size + torch.arange(page_size, device=pages.device)  # [B, H, S, ps]
-    ok = (pages[..., None] >= 0) & (tok >= start.view(B, 1, 1, 1)) & (tok < kv.view(B, 1, 1, 1))
+    tok = start.view(B, 1, 1, 1) + pages.long()[..., None] * page_size + torch.arange(page_size, device=pages.device)
+    ok = (pages[..., None] >= 0) & (tok < kv.view(B, 1, 1, 1))
     return torch.where(ok, tok, torch.full_like(tok, -1)).view(B, H, S * page_size).to(torch.int32)
 
 
@@ -186,16 +201,18 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv
                      n_pages_sel: int, page_size: int, *, scale: float | None = None, reduce: str = "sum_logits",
                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
     """Reference ``quest_select``: int32 [B, Hkv, n_pages_sel * page_size], the last page
-    first, then the best ``n_pages_sel - 1`` other pages by ``torch.topk``."""
+    first, then the best ``n_pages_sel - 1`` other pages by ``torch.topk``; page ``p``
+    expands to the positions ``kv_start + p·S + j`` below ``kv_lens`` (-1 elsewhere)."""
     _check_reduce(reduce)
     _check_page_size(page_size)
     if n_pages_sel < 1:
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
-    start, page_lo, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
-    scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce, page_start=page_lo)
-    # candidates: [page_lo, last) -- every valid page but the last (empty when last = -1)
-    others = radix_topk.topk_from_scores_ref(scores, page_lo, torch.maximum(last, page_lo), n_pages_sel - 1)
+    start, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
+    scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce)
+    # candidates: [0, last) -- every valid page but the last (empty when last = -1)
+    zero = torch.zeros_like(last)
+    others = radix_topk.topk_from_scores_ref(scores, zero, torch.maximum(last, zero), n_pages_sel - 1)
     pages = torch.cat([last.view(B, 1, 1).expand(B, Hkv, 1).to(torch.int32), others], dim=-1)
     return _pages_to_tokens(pages, start, kv_lens.to(kmin.device).long(), page_size)
 
@@ -207,16 +224,16 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv
 
 @triton.jit
 def _row_pages(kv_ptr, start_ptr, b, page_size, HAS_START: tl.constexpr):
-    """Row ``b``'s pages ``[first, end)`` from its token range ``[start, kv)`` (start 0
-    without HAS_START); an empty row gets the empty range ``[first, first)``.
-    Returns (first, end, kv, start)."""
+    """Row ``b``'s relative pages ``[0, end)`` from its token range ``[start, kv)``
+    (start 0 without HAS_START): ``end = ceil((kv - start) / page_size)``; an empty row
+    gets the empty range ``[0, 0)``. Returns (first = 0, end, kv, start)."""
     kv = tl.load(kv_ptr + b).to(tl.int32)
     if HAS_START:
         start = tl.load(start_ptr + b).to(tl.int32)
     else:
-        start = 0
-    first = start // page_size
-    end = tl.where(kv > start, (kv + page_size - 1) // page_size, first)
+        start = kv * 0
+    first = kv * 0
+    end = tl.where(kv > start, (kv - start + page_size - 1) // page_size, first)
     return first, end, kv, start
 
 
@@ -230,9 +247,11 @@ def _quest_build_kernel(
     BLOCK_SIZE: tl.constexpr = 1,
 ):
     """Bounds of BLOCK_P pages of one (b, KV head) row: a [BLOCK_P, BLOCK_S, BLOCK_D]
-    tile (BLOCK_S >= page_size) reduced over its token axis. PAGED: ``k_ptr`` is a pool
-    [num_blocks, HKV, BLOCK_SIZE, D] and each token is read through the block table
-    ``BT`` (pages and L stay logical; a page may span blocks)."""
+    tile (BLOCK_S >= page_size) reduced over its token axis; page ``p`` holds the
+    positions ``lo + p * page_size + s`` (relative pages), those below ``hi``. PAGED:
+    ``k_ptr`` is a pool [num_blocks, HKV, BLOCK_SIZE, D] and each token is read
+    through the block table ``BT`` (positions and L stay logical; a page may span
+    blocks)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -244,8 +263,8 @@ def _quest_build_kernel(
     offs_p = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    tok = offs_p[:, None] * page_size + offs_s[None, :]  # [BLOCK_P, BLOCK_S]
-    tmask = (offs_s[None, :] < page_size) & (tok >= lo) & (tok < hi)
+    tok = lo + offs_p[:, None] * page_size + offs_s[None, :]  # [BLOCK_P, BLOCK_S] positions (>= lo)
+    tmask = (offs_s[None, :] < page_size) & (tok < hi)
     mask = tmask[:, :, None] & (offs_d[None, None, :] < D)
     if PAGED:  # one load of the whole tile: no loop, so the table is read right here
         slot = paged_slots(tl.where(tmask, tok, -1), BT + b.to(tl.int64) * stride_tb, BLOCK_SIZE).to(tl.int64)
@@ -266,19 +285,23 @@ def _quest_build_kernel(
 
 @triton.jit
 def _quest_update_kernel(
-    kmin_ptr, kmax_ptr, knew_ptr, pos_ptr,
+    kmin_ptr, kmax_ptr, knew_ptr, pos_ptr, start_ptr,
     stride_mb, stride_mh, stride_mp, stride_md,
     stride_nb, stride_nh, stride_nd,
     P, page_size,
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    """Fold ``k_new[b, h]`` into the bounds of the page holding ``pos[b]``."""
+    """Fold ``k_new[b, h]`` into the bounds of the page holding ``pos[b]``, relative to
+    ``start[b]`` with HAS_START."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
     b = row // HKV
     h = row % HKV
     pos = tl.load(pos_ptr + b).to(tl.int64)
+    if HAS_START:
+        pos = pos - tl.load(start_ptr + b).to(tl.int64)
     page = pos // page_size
     first = (pos % page_size) == 0
     ok = (pos >= 0) & (page < P)
@@ -391,8 +414,9 @@ def _quest_expand_kernel(
     HKV: tl.constexpr, BLOCK: tl.constexpr, HAS_START: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Token slots of one (b, KV head): slot ``i * page_size + j`` holds token ``j`` of
-    page ``i`` (page 0 = the last page, then the selected ones); ``-1`` outside
-    ``[start, kv)`` or for empty page slots. ``n_out`` = n_sel * page_size."""
+    page ``i`` (page 0 = the last page, then the selected ones), i.e. the position
+    ``start + page * page_size + j`` (relative pages); ``-1`` at or past ``kv`` or for
+    empty page slots. ``n_out`` = n_sel * page_size."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -404,15 +428,15 @@ def _quest_expand_kernel(
         start = 0
     kv = tl.load(kv_ptr + b).to(tl.int32)
     has = kv > start
-    last = tl.where(has, (kv + page_size - 1) // page_size - 1, -1)
+    last = tl.where(has, (kv - start + page_size - 1) // page_size - 1, -1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     i = offs // page_size
     j = offs % page_size
     m = offs < n_out
     sel = tl.load(sel_ptr + row.to(tl.int64) * (n_sel - 1) + (i - 1), mask=m & (i > 0), other=-1)
     page = tl.where(i == 0, last, sel)
-    tok = page * page_size + j
-    ok = (page >= 0) & (tok >= start) & (tok < kv)
+    tok = start + page * page_size + j
+    ok = (page >= 0) & (tok < kv)
     tl.store(out_ptr + row.to(tl.int64) * n_out + offs, tl.where(ok, tok, -1), mask=m)
 
 
@@ -459,8 +483,8 @@ def _quest_row_select_kernel(
     j_mask = offs_j < page_size
 
     # slot 0: the last (partial) page
-    tok = last * page_size + offs_j
-    ok = (last >= 0) & (tok >= start) & (tok < kv)
+    tok = start + last * page_size + offs_j
+    ok = (last >= 0) & (tok < kv)
     tl.store(orow + offs_j, tl.where(ok, tok, -1), mask=j_mask)
 
     t_start = (page_lo // BLOCK) * BLOCK
@@ -515,14 +539,15 @@ def _emit_pages(srow, prow, l0, lo, hi, thr, n_gt, n_eq, k_eff, BLOCK: tl.conste
 
 @triton.jit
 def _expand_pages(prow, orow, e0, k_eff, start, page_size, offs_j, j_mask, BLOCK_E: tl.constexpr):
-    """Tokens of selected pages ``e0 .. e0 + BLOCK_E`` into output slots 1 + i
-    (``-1`` before kv_start; candidates end before the last page, so before kv)."""
+    """Tokens of selected pages ``e0 .. e0 + BLOCK_E`` into output slots 1 + i: the
+    positions ``start + page * page_size + j`` (relative pages; candidates end before
+    the last page, so every one is below kv)."""
     sl = e0 + tl.arange(0, BLOCK_E)
     m = sl < k_eff
     page = tl.load(prow + sl, mask=m, other=0)
-    tok = page[:, None] * page_size + offs_j[None, :]  # [BLOCK_E, PS_PAD]
+    tok = start + page[:, None] * page_size + offs_j[None, :]  # [BLOCK_E, PS_PAD]
     dst = orow + (1 + sl)[:, None].to(tl.int64) * page_size + offs_j[None, :]
-    tl.store(dst, tl.where(tok >= start, tok, -1), mask=m[:, None] & j_mask[None, :])
+    tl.store(dst, tok, mask=m[:, None] & j_mask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,8 +586,9 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
 
 
 def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                        page_size: int) -> None:
-    """Triton ``quest_update`` (in place; positions outside the bounds' pages are ignored)."""
+                        page_size: int, *, kv_start: torch.Tensor | None = None) -> None:
+    """Triton ``quest_update`` (in place; as ``quest_update_ref``, pages relative to
+    ``kv_start``; positions outside the bounds' pages are ignored)."""
     _check_page_size(page_size)
     B, H, P, D = kmin.shape
     if k_new.shape != (B, H, D):
@@ -570,12 +596,16 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
     if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
         raise ValueError("kmin and kmax must have the same shape and strides")
     pos = _check_rows(pos, B, "pos", kmin.device)
+    if kv_start is not None:
+        kv_start = _check_rows(kv_start, B, "kv_start", kmin.device)
     if B * H == 0:
         return
     _quest_update_kernel[(B * H,)](
-        kmin, kmax, k_new, pos, kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
+        kmin, kmax, k_new, pos, kv_start if kv_start is not None else pos,
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), P, page_size,
-        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), num_warps=1, **pdl_kwargs(kmin, "select"))
+        HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), HAS_START=kv_start is not None, num_warps=1,
+        **pdl_kwargs(kmin, "select"))
 
 
 QUEST_CONFIG: dict = {}

@@ -342,13 +342,6 @@ class Policy(ABC):
             sub.kv_start = state.kv_start[torch.as_tensor(rows, device=state.kv_start.device)]
         return sub
 
-    @property
-    def row_align(self) -> int:
-        """Serving: a joining request's first cache position must be a multiple of this
-        (its placement then changes nothing the policy computes; Quest's pages are
-        absolute positions). Default: 1."""
-        return 1
-
     @abstractmethod
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:

@@ -1,9 +1,10 @@
 """``quest``: page-level query-aware selection (Quest page bounds).
 
-Each page of ``page_size`` consecutive cache positions keeps the element-wise
-min and max of its keys; a page's score is an upper bound of ``q · k`` over its
-tokens, ``Σ_d max(q_d·min_d, q_d·max_d)``. The ``budget // page_size`` pages
-with the best bounds are attended, the last (partial) page always among them.
+Each page of ``page_size`` consecutive cache positions, counted from the row's own
+start ``kv_start``, keeps the element-wise min and max of its keys; a page's score
+is an upper bound of ``q · k`` over its tokens, ``Σ_d max(q_d·min_d, q_d·max_d)``.
+The ``budget // page_size`` pages with the best bounds are attended, the last
+(partial) page always among them.
 Cheap to score (``L / page_size`` bounds instead of ``L`` keys) but coarse: a
 page is kept whole or not at all.
 
@@ -55,10 +56,11 @@ class QuestLayerState:
 class QuestPolicy(Policy):
     """Quest: the best ``budget // page_size`` pages by their upper-bound score.
 
-    Pages are absolute (page ``p`` holds positions ``[p·S, (p+1)·S)``); positions
-    before ``kv_start`` (left padding) are never selected. The selection has no
-    sinks and no recent window (``n_sink = n_recent = 0``): the current token
-    comes with the last page.
+    Pages are relative to each row's start (page ``p`` of row ``b`` holds positions
+    ``[kv_start[b] + p·S, kv_start[b] + (p+1)·S)``), so a request pages alike wherever
+    its window starts (left padding, a serving join at any cursor); positions before
+    ``kv_start`` are never selected. The selection has no sinks and no recent window
+    (``n_sink = n_recent = 0``): the current token comes with the last page.
 
     >>> from spade.policies.quest import QuestPolicyConfig
     >>> from spade.policies.base import AttentionSpec
@@ -114,14 +116,10 @@ class QuestPolicy(Policy):
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         self._build(state, layer, k_cache, kv_lens)
 
-    @property
-    def row_align(self) -> int:
-        return self.cfg.page_size  # pages are absolute: a request placed on a page boundary pages alike
-
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
-        """The joining rows' page bounds built from their prompts (empty pages before
-        ``kv_start``), copied into the batch's bounds."""
+        """The joining rows' page bounds built from their prompts (pages counted from each
+        row's own ``kv_start``, as alone from 0), copied into the batch's bounds."""
         sub = self.row_state(state, rows, k_cache.device)
         new = self._build(sub, layer, k_cache, kv_lens)
         st = state.layers[layer]
@@ -159,6 +157,6 @@ class QuestPolicy(Policy):
             self._build(state, layer, k_cache, kv_lens, state.block_table)
             return
         self._fit(st, cache_dims(k_cache, state)[2])
-        pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]
+        pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]; its page: (pos - kv_start) // S
         kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens, state.block_table), pos,
-                             self.cfg.page_size)
+                             self.cfg.page_size, kv_start=state.kv_start)

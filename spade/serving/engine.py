@@ -470,12 +470,9 @@ class AsyncEngine:
 
     def _reset_cursor(self, n: int) -> int:
         """The cursor for an empty batch: the longest prompt among the next ``n`` waiting
-        requests whose generations all still fit (just the head's length when the policy
-        aligns rows: its first position is then 0)."""
+        requests whose generations all still fit."""
         reqs = list(itertools.islice(self._waiting, n))
         S = len(reqs[0].prompt_ids)
-        if self.batch.align > 1:
-            return S
         longest = reqs[0].params.max_tokens
         for r in reqs[1:]:
             S2 = max(S, len(r.prompt_ids))

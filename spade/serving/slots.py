@@ -7,10 +7,9 @@ row; the next step writes index ``S``). Row ``b``'s request owns ``[kv_start[b],
 * a request of ``T`` prompt tokens JOINS a free row between decode steps: its prompt
   is prefilled into ``[S - T, S)`` (RoPE positions ``0 .. T-1``), ``kv_start[b] = S - T``,
   and the policy resets that row's state (``Policy.prefill_rows``). It joins only
-  when ``T <= S``, when ``S - T`` is a multiple of ``Policy.row_align`` and when its
-  whole generation fits before the end of the cache (``S + max_tokens - 1 <=
-  max_seq_len``): the cursor never reaches the end, so nothing is ever shifted or
-  compacted. A request that does not fit yet waits (the cursor grows one per step;
+  when ``T <= S`` and when its whole generation fits before the end of the cache
+  (``S + max_tokens - 1 <= max_seq_len``): the cursor never reaches the end, so
+  nothing is ever shifted or compacted. A request that does not fit yet waits (the cursor grows one per step;
   when the batch is empty the cursor resets to the next prompts' length);
 * a join may be CHUNKED (``begin_join`` / ``prefill_next``): the prompt is prefilled
   in ``n`` pieces, one per decode step of the other rows, and the request starts
@@ -169,7 +168,6 @@ class SlotBatch:
         self.state = policy.new_state(self.B, dev)
         #: per-row dense threshold on the row's own length (None: always dense, e.g. ``full``)
         self.theta_row = theta_eff(theta, policy) if policy.budget is not None else None
-        self.align = max(1, int(policy.row_align))
         self.kv_start_host = [0] * self.B
         self.kv_start = torch.zeros(self.B, dtype=torch.int32, device=dev)
         self.active = [False] * self.B
@@ -231,8 +229,6 @@ class SlotBatch:
             return f"a prompt of {T} tokens cannot be prefilled in {pieces} pieces of at least one token"
         if T > S:
             return f"its prompt ({T} tokens) is longer than the cursor it would decode from ({S})"
-        if (S - T) % self.align:
-            return f"its first position {S - T} is not a multiple of {self.align}"
         if S + max_tokens - 1 > self.L:
             return f"its generation would pass the end of the cache ({S} + {max_tokens} - 1 > {self.L})"
         if self.paged:

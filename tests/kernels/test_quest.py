@@ -3,6 +3,10 @@
 Bounds are min/max of the same values, so Triton and the reference must agree exactly.
 Page scores differ only by fp32 summation order. Selections are compared through the
 page scores of the chosen pages (ties may choose different pages).
+
+Pages are relative to each row's start: row b's page p holds the positions
+``[kv_start[b] + p*S, kv_start[b] + (p+1)*S)``, so moving a row's window changes
+nothing but the positions' offset (``test_select_shift_invariant``).
 """
 
 from __future__ import annotations
@@ -49,16 +53,17 @@ def _inputs(B, Hq, Hkv, L, D, dtype, device, *, seed=0):
 
 
 def _bounds_loop(k, kv_lens, kv_start, page_size):
-    """Independent page bounds: a Python loop over rows and pages, in float64."""
+    """Independent page bounds: a Python loop over rows and (relative) pages, in float64."""
     B, H, L, D = k.shape
     P = -(-L // page_size)
     kmin = torch.full((B, H, P, D), float("inf"), dtype=torch.float64)
     kmax = torch.full((B, H, P, D), float("-inf"), dtype=torch.float64)
     k64 = k.double().cpu()
     for b in range(B):
+        s = int(kv_start[b])
         for p in range(P):
-            lo = max(p * page_size, int(kv_start[b]))
-            hi = min((p + 1) * page_size, int(kv_lens[b]))
+            lo = s + p * page_size
+            hi = min(s + (p + 1) * page_size, int(kv_lens[b]))
             if hi > lo:
                 kmin[b, :, p] = k64[b, :, lo:hi].amin(1)
                 kmax[b, :, p] = k64[b, :, lo:hi].amax(1)
@@ -84,16 +89,18 @@ def _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages, scale=None):
 
 
 def _plan(kv_lens, kv_start, page_size):
+    """Per row: first page (0: pages are relative to kv_start) and number of pages."""
     kv = kv_lens.cpu().long()
     start = kv_start.cpu().long()
-    return start // page_size, (kv + page_size - 1) // page_size
+    n_pages = torch.where(kv > start, (kv - start + page_size - 1) // page_size, 0)
+    return torch.zeros_like(kv), n_pages
 
 
 def _check_selection(idx, scores64, kv_lens, kv_start, n_sel, page_size, *, atol):
     """``idx`` [B, H, n_sel * ps] is a valid Quest selection: the last page always, the
     best other pages (up to ``atol`` on the page scores), no duplicates, every valid
-    token of a chosen page and nothing outside [kv_start, kv_lens). Returns the chosen
-    pages' score sum [B, H] (for comparing two implementations)."""
+    token of a chosen page and nothing outside [kv_start, kv_lens); pages relative to
+    kv_start. Returns the chosen pages' score sum [B, H] (for comparing two implementations)."""
     B, H, S = idx.shape
     assert S == n_sel * page_size and idx.dtype == torch.int32
     idx = idx.cpu().long()
@@ -105,14 +112,14 @@ def _check_selection(idx, scores64, kv_lens, kv_start, n_sel, page_size, *, atol
             tok = idx[b, h][idx[b, h] >= 0]
             assert len(torch.unique(tok)) == len(tok), "duplicate tokens"
             assert ((tok >= s_b) & (tok < kv_b)).all(), "token outside [kv_start, kv_lens)"
-            pages = torch.unique(tok // page_size)
+            pages = torch.unique((tok - s_b) // page_size)
             last = int(n_pages[b]) - 1
             if kv_b <= s_b:
                 assert len(tok) == 0
                 continue
             assert last in pages.tolist(), "the last page is always kept"
             for p in pages.tolist():  # whole pages (their valid part)
-                lo, hi = max(p * page_size, s_b), min((p + 1) * page_size, kv_b)
+                lo, hi = s_b + p * page_size, min(s_b + (p + 1) * page_size, kv_b)
                 assert ((tok >= lo) & (tok < hi)).sum() == hi - lo, f"page {p} only partly selected"
             others = [p for p in pages.tolist() if p != last]
             cand = list(range(int(page_lo[b]), last))
@@ -147,23 +154,27 @@ def test_build_matches_loop_and_triton(heads, dtype, B, L, D, page_size, device)
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_token_by_token_equals_build(impl, dtype, device):
-    """Appending the keys one at a time (rows at different lengths, a page's first token
-    resetting stale bounds) ends where quest_build over the whole cache does."""
+@pytest.mark.parametrize("starts", [None, [0, 5, 2]])
+def test_update_token_by_token_equals_build(impl, dtype, starts, device):
+    """Appending the keys one at a time (rows at different lengths and starts, a page's
+    first token resetting stale bounds) ends where quest_build over the whole cache does."""
     update = quest.quest_update_ref if impl == "ref" else quest.quest_update_triton
     B, Hkv, L, D, ps = 3, 2, 23, 16, 4
     _, k, _, _ = _inputs(B, 4, Hkv, L, D, dtype, device, seed=2)
     k = torch.nan_to_num(k, nan=0.5)
     lens = torch.tensor([23, 17, 9], device=device)
+    start = None if starts is None else torch.tensor(starts, device=device)
+    lo = torch.zeros_like(lens) if start is None else start
     P = -(-L // ps)
     # stale garbage bounds: every page's first token must overwrite them
     kmin = torch.full((B, Hkv, P, D), -7.0, dtype=dtype, device=device)
     kmax = torch.full((B, Hkv, P, D), 7.0, dtype=dtype, device=device)
     for t in range(L):
-        pos = torch.minimum(torch.full_like(lens, t), lens - 1)  # finished rows re-fold their last key
-        update(kmin, kmax, k[torch.arange(B, device=device), :, pos], pos, ps)
-    bmin, bmax = quest.quest_build_ref(k, lens, ps)
-    n_pages = (lens + ps - 1) // ps
+        # finished rows re-fold their last key, rows not started yet their first
+        pos = torch.maximum(torch.minimum(torch.full_like(lens, t), lens - 1), lo)
+        update(kmin, kmax, k[torch.arange(B, device=device), :, pos], pos, ps, kv_start=start)
+    bmin, bmax = quest.quest_build_ref(k, lens, ps, kv_start=start)
+    n_pages = (lens - lo + ps - 1) // ps
     for b in range(B):
         n = int(n_pages[b])
         assert torch.equal(kmin[b, :, :n], bmin[b, :, :n]) and torch.equal(kmax[b, :, :n], bmax[b, :, :n])
@@ -182,6 +193,18 @@ def test_update_folds_into_partial_page(device):
         assert torch.equal(a[0, 0, 0], kmin[0, 0, 0])  # other pages untouched
         fn(a, b, new, torch.tensor([4], device=device), 4)  # page 1's first token
         assert torch.equal(a[0, 0, 1], new[0, 0]) and torch.equal(b[0, 0, 1], new[0, 0])
+        # relative pages: position 7 of a row starting at 2 is page 1's 2nd token (8: its 3rd) ...
+        start = torch.tensor([2], device=device)
+        a, b = kmin.clone(), kmax.clone()
+        fn(a, b, new, torch.tensor([7], device=device), 4, kv_start=start)
+        assert torch.equal(a[0, 0, 1], torch.minimum(kmin[0, 0, 1], new[0, 0]))
+        assert torch.equal(a[0, 0, 0], kmin[0, 0, 0])
+        fn(a, b, new, torch.tensor([6], device=device), 4, kv_start=start)  # ... and 6 its first
+        assert torch.equal(a[0, 0, 1], new[0, 0]) and torch.equal(b[0, 0, 1], new[0, 0])
+        a, b = kmin.clone(), kmax.clone()
+        fn(a, b, new, torch.tensor([1], device=device), 4, kv_start=start)  # before the start: ignored
+        fn(a, b, new, torch.tensor([12], device=device), 4, kv_start=start)  # past the pages: ignored
+        assert torch.equal(a, kmin) and torch.equal(b, kmax)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,7 +216,8 @@ def test_update_folds_into_partial_page(device):
 def test_page_scores(reduce, heads, dtype, B, L, D, page_size, device):
     q, k, kv_lens, kv_start = _inputs(B, *heads, L, D, dtype, device, seed=3)
     kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=kv_start)
-    page_lo, n_pages = _plan(kv_lens, kv_start, page_size)
+    _, n_pages = _plan(kv_lens, kv_start, page_size)
+    page_lo = torch.minimum(kv_start.cpu() // page_size, n_pages)  # any page range [page_start, n_pages)
     page_lo, n_pages = page_lo.to(device), n_pages.to(device)
     ref = quest.quest_page_scores_ref(q, kmin, kmax, n_pages, reduce=reduce, page_start=page_lo)
     true = _page_scores64(q, kmin, kmax, reduce, page_lo, n_pages)
@@ -219,8 +243,9 @@ def test_page_scores_tiled_programs(block_p, tiles, monkeypatch, device):
     page_lo, n_pages = page_lo.to(device), n_pages.to(device)
     P = kmin.shape[2]
     assert P > block_p * tiles  # several programs per row
-    ref = quest.quest_page_scores_ref(q, kmin, kmax, n_pages, page_start=page_lo)
-    out = quest.quest_page_scores_triton(q, kmin, kmax, n_pages, page_start=page_lo)
+    some_lo = torch.tensor([0, 5, 20], device=device)  # the scores API's page ranges need not start at 0
+    ref = quest.quest_page_scores_ref(q, kmin, kmax, n_pages, page_start=some_lo)
+    out = quest.quest_page_scores_triton(q, kmin, kmax, n_pages, page_start=some_lo)
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     fin = torch.isfinite(ref)
     rtol, atol = TOL[torch.bfloat16]
@@ -343,6 +368,60 @@ def test_select_fuzz(B, Hkv, G, L, D, page_size, n_sel, reduce, seed, device):
     _check_selection(out, true, kv_lens.cpu(), kv_start.cpu(), n_sel, page_size, atol=1e-4)
 
 
+def _shift(idx, start):
+    """Token indices as positions relative to each row's start (``-1`` stays)."""
+    return torch.where(idx >= 0, idx - start.view(-1, 1, 1).to(idx.dtype), torch.full_like(idx, -1))
+
+
+def _as_sets(idx):
+    return [[set(r[r >= 0].tolist()) for r in row] for row in idx.cpu()]
+
+
+@pytest.mark.parametrize("heads,page_size,n_sel,dtype", [
+    ((4, 1), 4, 3, torch.float32), ((4, 2), 5, 2, torch.float32), ((4, 4), 3, 40, torch.float32),
+    ((6, 2), 4, 4, torch.bfloat16)])
+def test_select_shift_invariant(heads, page_size, n_sel, dtype, device):
+    """Random kv_start per row (an empty row and a 1-token row among them): the bounds and
+    selections of every implementation, as positions minus kv_start, equal those of the
+    same windows moved to start at 0 (pages are relative to kv_start); and the Triton
+    selects equal the reference (fp32: the same token sets)."""
+    Hq, Hkv = heads
+    D, L = 16, 80
+    g = torch.Generator().manual_seed(41 + page_size + n_sel)
+    n = torch.tensor([0, 1, 23, 37, 45, 62])  # valid tokens per row
+    B = len(n)
+    start = torch.stack([torch.randint(0, L - int(x) + 1, (1,), generator=g)[0] for x in n])
+    window = torch.randn(B, Hkv, int(n.max()), D, generator=g).to(dtype)
+    k = torch.full((B, Hkv, L, D), float("nan"), dtype=dtype)  # NaN outside the windows: never read
+    k0 = k.clone()
+    for b in range(B):
+        k[b, :, int(start[b]):int(start[b] + n[b])] = window[b, :, :int(n[b])]
+        k0[b, :, :int(n[b])] = window[b, :, :int(n[b])]
+    q = torch.randn(B, Hq, D, generator=g).to(dtype).to(device)
+    k, k0, start, n = k.to(device), k0.to(device), start.to(device), n.to(device)
+    kv_lens = start + n
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, page_size, kv_start=start)
+    kmin0, kmax0 = quest.quest_build_ref(k0, n, page_size)
+    assert torch.equal(kmin, kmin0) and torch.equal(kmax, kmax0)  # the same pages, wherever they start
+    tmin, tmax = quest.quest_build_triton(k, kv_lens, page_size, kv_start=start)
+    assert torch.equal(tmin, kmin) and torch.equal(tmax, kmax)
+    ref = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, page_size, kv_start=start)
+    ref0 = quest.quest_select_ref(q, kmin0, kmax0, n, n_sel, page_size)
+    assert torch.equal(_shift(ref, start), ref0)
+    assert (ref[0] == -1).all() and _as_sets(ref)[1] == [{int(start[1])}] * Hkv  # empty row; 1 token: itself
+    page_lo, n_pages = _plan(kv_lens, start, page_size)
+    true = _page_scores64(q, kmin, kmax, "sum_logits", page_lo, n_pages)
+    _check_selection(ref, true, kv_lens.cpu(), start.cpu(), n_sel, page_size, atol=1e-5)
+    for impl in IMPLS:
+        out = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, page_size, kv_start=start, impl=impl)
+        out0 = quest.quest_select_triton(q, kmin0, kmax0, n, n_sel, page_size, impl=impl)
+        assert torch.equal(_shift(out, start), out0), impl
+        if dtype == torch.float32:
+            assert _as_sets(out) == _as_sets(ref), impl
+        else:
+            _check_selection(out, true, kv_lens.cpu(), start.cpu(), n_sel, page_size, atol=1e-2)
+
+
 # ------------------------------------------------------------------------------------------------
 # sm_90 build (no GPU needed: the interpreter accepts code the compiler rejects)
 # ------------------------------------------------------------------------------------------------
@@ -385,6 +464,43 @@ for has_start in (True, False):
     out[f"rowselect_{has_start}"] = dict(pipelined=True, shared=k.metadata.shared)  # builds; nothing to pipeline
 print(json.dumps(out))
 '''
+
+
+_AOT_RELATIVE = r'''
+import json
+from spade.kernels import quest as Q
+from tests.kernels.aot import sm90_compile
+
+P = ("ptr", "i32")
+out = {}
+for paged in (False, True):  # build: pages from each row's start (lo_ptr), contiguous or through the table
+    args = dict(k_ptr=("ptr", "bf16"), kmin_ptr=("ptr", "bf16"), kmax_ptr=("ptr", "bf16"), lo_ptr=P, hi_ptr=P,
+                stride_kb=1 << 20, stride_kh=1 << 16, stride_kl=128, stride_kd=1, L=4096, P=256, page_size=16)
+    cons = dict(HKV=8, D=128, BLOCK_D=128, BLOCK_P=4, BLOCK_S=16, PAGED=paged)
+    if paged:
+        args.update(BT=P)
+        cons.update(stride_tb=256, BLOCK_SIZE=16)
+    sm90_compile(Q._quest_build_kernel, args, cons)
+    out[f"build_{paged}"] = True
+for has_start in (False, True):  # update: the page of pos - start; expand: start + page * S + j
+    sm90_compile(Q._quest_update_kernel, dict(
+        kmin_ptr=("ptr", "bf16"), kmax_ptr=("ptr", "bf16"), knew_ptr=("ptr", "bf16"), pos_ptr=("ptr", "i64"),
+        start_ptr=P, stride_mb=1 << 18, stride_mh=1 << 15, stride_mp=128, stride_md=1, stride_nb=1024,
+        stride_nh=128, stride_nd=1, P=256, page_size=16), dict(HKV=8, D=128, BLOCK_D=128, HAS_START=has_start),
+        num_warps=1)
+    sm90_compile(Q._quest_expand_kernel, dict(sel_ptr=P, out_ptr=P, start_ptr=P, kv_ptr=P, page_size=16, n_sel=64,
+                                               n_out=1024), dict(HKV=8, BLOCK=1024, HAS_START=has_start))
+    out[f"update_expand_{has_start}"] = True
+print(json.dumps(out))
+'''
+
+
+def test_build_update_expand_kernels_build_for_hopper():
+    """The relative-page build (contiguous and paged), update and expansion kernels
+    compile for sm_90, with and without a per-row start."""
+    res = run_aot_script(_AOT_RELATIVE)
+    assert res == {"build_False": True, "build_True": True, "update_expand_False": True,
+                   "update_expand_True": True}
 
 
 def test_scores_kernel_builds_for_hopper():

@@ -18,8 +18,9 @@ from spade.policies.tova import TovaPolicyConfig
 SPEC = AttentionSpec(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16, rope=RopeSpec(theta=10000.0, dim=16))
 L = 64
 #: (cursor at the join, prompt length, decode steps after it): rows join a batch at
-#: different cursors; first positions 0, 8, 0 are multiples of Quest's page size 4
-JOINS = [(12, 12, 3), (15, 7, 4), (19, 19, 9)]
+#: different cursors; first positions 0, 9, 1 (Quest's pages of 4 are counted from each
+#: row's own first position, so a join needs no page alignment)
+JOINS = [(12, 12, 3), (15, 6, 4), (20, 19, 9)]
 
 CONFIGS = {
     "asyncspade": AsyncSpadePolicyConfig(budget=10, sink_tokens=1, recent_tokens=2, window=16),

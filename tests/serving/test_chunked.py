@@ -169,13 +169,14 @@ def test_chunk_sizes_and_fits():
     assert chunk_sizes(5, 1, 1) == [1] * 5
     with pytest.raises(ValueError, match="first piece"):
         chunk_sizes(5, 0, 4)
-    engine = spade.AsyncEngine(make_config("quest"))  # pages of 4: a join's first position is a multiple of 4
+    engine = spade.AsyncEngine(make_config("quest"))  # pages of 4, counted from each row's own first position
     b = engine.batch
     b.reset(20)
     assert b.fits(20, 4) is None
     assert "longer than the cursor" in b.fits(21, 4)
     assert b.fits(20, 4, pieces=5) is None  # decodes from the cursor 24: its prompt at [4, 24)
-    assert "not a multiple of 4" in b.fits(21, 4, pieces=5)  # [3, 24): not on a page boundary
+    assert b.fits(21, 4, pieces=5) is None  # [3, 24): no page alignment needed
+    assert b.fits(19, 4) is None  # [1, 20)
     assert b.fits(20, 73, pieces=5) is None
     assert "pass the end of the cache (24 + 74 - 1 > 96)" in b.fits(20, 74, pieces=5)  # the longer horizon
     assert "pieces of at least one token" in b.fits(3, 4, pieces=4)

@@ -67,6 +67,32 @@ def test_sparse_rows_differ_from_dense():
     assert run(tokens("asyncspade")) != run(tokens("full"))
 
 
+def test_quest_joins_at_any_cursor():
+    """Quest's pages are counted from each row's own start, so its requests join a running
+    batch at any cursor, exactly when full's do (the same joins and decode steps for the
+    same queue: no wait for a page-aligned first position), and each still gets its
+    tokens alone."""
+    prompts = random_prompts(7, seed=4, lo=5, hi=21)
+    ns = [9, 5, 12, 7, 10, 6, 8]
+
+    async def serve(policy):
+        engine = spade.AsyncEngine(make_config(policy, max_batch=2))
+        outs = await asyncio.gather(*(final(engine, p, greedy(n), f"r{i}")
+                                      for i, (p, n) in enumerate(zip(prompts, ns))))
+        st = engine.stats()
+        alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)] if policy == "quest" else None
+        await engine.close()
+        return outs, st, alone
+
+    outs, st, alone = run(serve("quest"))
+    _, full, _ = run(serve("full"))
+    assert st["requests_finished"] == full["requests_finished"] == len(prompts)
+    assert st["joins_into_running"] == full["joins_into_running"] >= 4
+    assert st["steps"] == full["steps"] and st["cursor_resets"] == full["cursor_resets"]
+    assert st["sparse_steps"] > 0
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+
+
 def test_more_requests_than_slots_queue():
     cfg = make_config("asyncspade", max_batch=2)
     prompts = random_prompts(5, seed=3)
