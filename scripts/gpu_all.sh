@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_all.sh [STAGE ...]
 #
-# STAGE (default: all but sweep):
+# STAGE (default: tests kernels gputests tpot transports):
 #   tests      kernel + policy suites on the GPU (TESTS=paths to narrow; on GPU 1 when two are visible,
 #              in the background, so that `kernels` runs beside it on GPU 0)
 #   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
@@ -56,6 +56,8 @@
 #   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
 #              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
+#   serve_long the same at long outputs: 16k prompts / 2048 outputs, 20 requests per rate, 16 paged slots with a
+#              logical max_seq_len of 36000 (SERVE_POLICIES, SERVE_LONG_RATES; one policy per device call)
 #   paged      the paged KV cache: bench_paged (kernels), bench_tpot --block-size 0,16 at PAGED_SHAPES (default
 #              8x32768 1x131072), a served trace with a contiguous, a paged and a half-memory paged cache
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
@@ -285,6 +287,14 @@ for s in "${stages[@]}"; do
       done
       run bench_serve_plot 60 python3 -m benchmarks.bench_serve --plot "$OUT/bench_serve.png" \
         --plot-from $(for p in ${SERVE_POLICIES:-full asyncspade}; do echo "$OUT/bench_serve_$p.json"; done) ;;
+    serve_long)  # long outputs (16k prompts, 2048 outputs) on 16 paged slots with a logical max_seq_len of 36000
+                 # (no wave admission under the shared write cursor), SERVE_LONG_RATES; one policy per call fits 10 min
+      for p in ${SERVE_POLICIES:-full asyncspade}; do
+        run "bench_serve_long_$p" ${SERVE_TIMEOUT:-580} python3 -m benchmarks.bench_serve --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} \
+          --set serving.max_batch=16 --set model.max_seq_len=36000 --set model.block_size=16 --set model.kv_blocks=18112 \
+          --set serve.max_waiting=256 --policies "$p" --input-len 16000 --output-len 2048 --num-prompts 20 \
+          --rates ${SERVE_LONG_RATES:-0.25,0.4} --out "$OUT/bench_serve_long_$p.json"
+      done ;;
     paged)  # the paged KV cache: its kernels against the contiguous ones, the whole step (PAGED_SHAPES, contiguous
             # and 16-token blocks side by side), then a served trace contiguous / paged / paged at half the memory
       run bench_paged 150 python3 -m benchmarks.bench_paged --graph --out "$OUT/bench_paged.json"
