@@ -100,6 +100,7 @@ class _Request:
     last_token: Optional[float] = None
     abort: bool = False
     done: bool = False  # the iterator got its last item
+    held: bool = False  # it waited, with rows free, for the batch to drain (the shared cursor)
 
     def push(self, item) -> None:
         """Hand ``item`` (an output or an exception) to the request's iterator, from any thread."""
@@ -236,7 +237,7 @@ class AsyncEngine:
             "requests_finished": c["finished"], "requests_aborted": c["aborted"], "requests_failed": c["failed"],
             "prompt_tokens": c["prompt_tokens"], "tokens_generated": c["tokens"],
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
-            "cursor": b.cursor, "cursor_resets": b.resets,
+            "cursor": b.cursor, "cursor_resets": b.resets, "joins_held_by_cursor": c["held_by_cursor"],
             "joins": b.joins, "joins_into_running": b.joins_running, "prefill_pieces": c["prefill_pieces"],
             "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
             "late_packs": 0, **dict.fromkeys(TOPK_STATS),  # (no cache rank: inline selections)
@@ -452,6 +453,8 @@ class AsyncEngine:
             else:
                 sizes = chunk_sizes(T, budget, C)
             if b.fits(T, req.params.max_tokens, S, len(sizes)) is not None:
+                if not req.held and b.used() and b.past_end(req.params.max_tokens, S, len(sizes)):
+                    self._held_by_cursor(req, S, len(sizes))
                 break
             self._waiting.popleft()
             req.row = free.pop(0)
@@ -467,6 +470,23 @@ class AsyncEngine:
             if budget is not None:
                 budget -= sizes[0]
         return out
+
+    def _held_by_cursor(self, req: _Request, S: int, pieces: int) -> None:
+        """``req`` waits, with rows free, until the batch drains: its generation would pass
+        the end of the cache from the shared cursor. Counted once per request
+        (``joins_held_by_cursor``); the first one of an engine is logged with the fix."""
+        req.held = True
+        self._counts["held_by_cursor"] += 1
+        if self._counts["held_by_cursor"] == 1:
+            b = self.batch
+            fix = ("raise model.max_seq_len: with a paged KV cache the logical length costs no KV memory "
+                   "(the pool stays model.kv_blocks)" if b.paged else
+                   "use a paged KV cache (model.block_size, model.kv_blocks) with a model.max_seq_len well above "
+                   "prompt + max_tokens, or raise model.max_seq_len")
+            log.warning("request %s waits for the batch to drain with %d of %d rows free: the shared write cursor "
+                        "(%d) + its max_tokens (%d) passes model.max_seq_len (%d), so requests join in waves; %s "
+                        "(docs/serving.md)", req.id, b.B - b.used(), b.B, S + pieces - 1, req.params.max_tokens,
+                        b.L, fix)
 
     def _reset_cursor(self, n: int) -> int:
         """The cursor for an empty batch: the longest prompt among the next ``n`` waiting

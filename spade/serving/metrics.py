@@ -81,6 +81,9 @@ ENGINE_SERIES = (
      "Decode steps in which a row attended a sparse top-K selection (not every token)."),
     ("prefill_s", "spade_prefill_seconds_total", "counter", "Engine wall seconds spent prefilling joining requests."),
     ("decode_s", "spade_decode_seconds_total", "counter", "Engine wall seconds spent in decode steps."),
+    ("joins_held_by_cursor", "spade_joins_held_by_cursor_total", "counter",
+     "Requests that waited, with batch rows free, for the batch to drain: the shared write cursor plus their "
+     "max_tokens passed model.max_seq_len (raise it; with a paged KV cache it costs no KV memory)."),
     ("late_packs", "spade_late_packs_total", "counter",
      "Selection packs the cache rank delivered late (runtime.on_late handled them)."),
     ("topk_fallbacks", "spade_topk_fallbacks_total", "counter",

@@ -237,6 +237,13 @@ class SlotBatch:
                 return f"it needs {need} KV blocks and {free} are free (not reserved by running requests)"
         return None
 
+    def past_end(self, max_tokens: int, cursor: int | None = None, pieces: int = 1) -> bool:
+        """True when a generation of ``max_tokens`` joining at ``cursor`` in ``pieces`` pieces
+        would pass the end of the cache: the shared cursor has moved too far, and only a
+        drained batch (a cursor reset) lets the request in (``fits``' third reason)."""
+        S = (self.cursor if cursor is None else cursor) + pieces - 1
+        return S + max_tokens - 1 > self.L
+
     def reset(self, cursor: int) -> None:
         """An empty batch: move the cursor to ``cursor`` (every row idle)."""
         if not self.empty:

@@ -223,3 +223,30 @@ def test_a_request_that_does_not_fit_waits_for_the_batch_to_drain():
     assert b_out.queue_s > a_out.ttft_s  # it waited
     assert st["joins_into_running"] == 0 and st["cursor_resets"] == 2
     assert b_out.token_ids == alone.token_ids and len(b_out.token_ids) == 36
+
+
+def test_a_join_held_by_the_shared_cursor_is_counted_and_named(caplog):
+    """A request whose generation would pass the end of the cache from the shared write
+    cursor waits, with a row free, until the batch drains: counted once per request in
+    ``joins_held_by_cursor`` and named once in the log with the fix; its tokens are still
+    its own. A request queued behind it (FIFO) that would fit by itself is not counted."""
+    cfg = make_config("full", max_batch=2, max_seq_len=64)
+    prompts = random_prompts(3, seed=6, lo=10, hi=11)
+    # r0 alone from cursor 10; r1 (10 + 40 tokens) arrives after 20 steps: 30 + 40 - 1 > 64, held
+    # until r0 ends; r2 (8 tokens, it would fit) arrives after 22 steps and queues behind r1
+    jobs = [(0, prompts[0], 40), (20, prompts[1], 40), (22, prompts[2], 8)]
+    engine = spade.AsyncEngine(cfg)
+
+    async def main():
+        with caplog.at_level("WARNING", logger="spade.serving.engine"):
+            together = await staggered(engine, jobs)
+        stats = engine.stats()
+        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+        await engine.close()
+        return together, alone, stats
+
+    together, alone, stats = run(main())
+    assert stats["joins_held_by_cursor"] == 1 and stats["cursor_resets"] == 2 and stats["joins"] == 3
+    held = [r for r in caplog.records if "waits for the batch to drain" in r.getMessage()]
+    assert len(held) == 1 and "r1" in held[0].getMessage() and "model.block_size" in held[0].getMessage()
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]

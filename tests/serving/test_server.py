@@ -337,7 +337,7 @@ def test_request_timeout_is_504_and_frees_the_slot(server, http):
 def test_metrics_exposition(server, http):
     m = _metrics(http, server)
     for name in ("spade_num_requests_running", "spade_num_requests_waiting", "spade_generation_tokens_total",
-                 "spade_late_packs_total", "spade_topk_fallbacks_total"):
+                 "spade_late_packs_total", "spade_topk_fallbacks_total", "spade_joins_held_by_cursor_total"):
         assert f"# TYPE {name} " in m, name
     labels = 'model="smollm2-135m",policy="asyncspade",topology="inline",transport="local"'
     assert f"spade_time_to_first_token_seconds_bucket{{{labels},le=\"+Inf\"}}" in m
