@@ -300,6 +300,22 @@ def _attend_rows(q, k_base, v_base, pos64, valid, stride_kl, stride_kd, stride_v
 
 
 @triton.jit
+def _attend_slots(q, k_base, v_base, slots, stride_kl, stride_kd, stride_vl, stride_vd, qk_scale, m_i, l_i, acc,
+                  n_att, offs_d, d_mask, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, stride_kb, stride_vb,
+                  BLOCK_SIZE: tl.constexpr, HAS_STATS: tl.constexpr):
+    """One tile over a paged cache: ``slots`` (int32, -1 = nothing) are physical slots of
+    the pools (``paged_slots``); folds their K/V rows into the online softmax state and,
+    with HAS_STATS, counts them."""
+    valid = slots >= 0
+    m_i, l_i, acc = _attend_rows(q, k_base, v_base, slots.to(tl.int64), valid, stride_kl, stride_kd, stride_vl,
+                                 stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST, DOT_PREC,
+                                 stride_kb, stride_vb, True, BLOCK_SIZE)
+    if HAS_STATS:
+        n_att += tl.sum(valid.to(tl.int32), axis=0)
+    return m_i, l_i, acc, n_att
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, KV_LENS, KV_START, IDX,
     O_PART, LSE_PART, OUT, LSE,
@@ -392,12 +408,9 @@ def _decode_split_kernel(
         for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
             offs = j0 + tl.arange(0, BLOCK_N)
             slots = paged_slots(tl.where(offs < end, s + offs, -1), bt_row, BLOCK_SIZE)
-            valid = slots >= 0
-            m_i, l_i, acc = _attend_rows(q, k_base, v_base, slots.to(tl.int64), valid, stride_kl, stride_kd,
-                                         stride_vl, stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST,
-                                         DOT_PREC, stride_kb, stride_vb, PAGED, BLOCK_SIZE)
-            if HAS_STATS:
-                n_att += tl.sum(valid.to(tl.int32), axis=0)
+            m_i, l_i, acc, n_att = _attend_slots(q, k_base, v_base, slots, stride_kl, stride_kd, stride_vl,
+                                                 stride_vd, qk_scale, m_i, l_i, acc, n_att, offs_d, d_mask, UPCAST,
+                                                 DOT_PREC, stride_kb, stride_vb, BLOCK_SIZE, HAS_STATS)
     elif PAGED:
         # Indexed over a paged cache: the preloaded tile holds logical positions; each tile's
         # slots are mapped through the table one iteration ahead of the tile that reads them,
@@ -409,12 +422,9 @@ def _decode_split_kernel(
             cur = nxt
             nn, _ = _block_rows(pos2d, (j0 - start) // BLOCK_N + 1, j0, end, s, MAX_BLOCKS, BLOCK_N, HAS_INDICES)
             nxt = paged_slots(nn.to(tl.int32), bt_row, BLOCK_SIZE)
-            valid = cur >= 0
-            m_i, l_i, acc = _attend_rows(q, k_base, v_base, cur.to(tl.int64), valid, stride_kl, stride_kd,
-                                         stride_vl, stride_vd, qk_scale, m_i, l_i, acc, offs_d, d_mask, UPCAST,
-                                         DOT_PREC, stride_kb, stride_vb, PAGED, BLOCK_SIZE)
-            if HAS_STATS:
-                n_att += tl.sum(valid.to(tl.int32), axis=0)
+            m_i, l_i, acc, n_att = _attend_slots(q, k_base, v_base, cur, stride_kl, stride_kd, stride_vl,
+                                                 stride_vd, qk_scale, m_i, l_i, acc, n_att, offs_d, d_mask, UPCAST,
+                                                 DOT_PREC, stride_kb, stride_vb, BLOCK_SIZE, HAS_STATS)
     else:
         for j0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_N):
             pos, valid = _block_rows(pos2d, (j0 - start) // BLOCK_N, j0, end, s, MAX_BLOCKS, BLOCK_N,

@@ -18,6 +18,16 @@ CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspa
          ("full", "colocated"), ("quest", "colocated")]
 
 
+async def _together_then_alone(engine, jobs):
+    """``jobs`` (arrival step, prompt, max_tokens) served staggered, the engine's stats
+    then, and each job again alone (greedy); the engine is closed at the end."""
+    together = await staggered(engine, jobs)
+    stats = engine.stats()
+    alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+    await engine.close()
+    return together, alone, stats
+
+
 @pytest.mark.parametrize("policy,topology", CASES)
 def test_joined_requests_match_alone(policy, topology):
     """Requests of different lengths joining at random steps: each one's greedy tokens
@@ -27,16 +37,7 @@ def test_joined_requests_match_alone(policy, topology):
     prompts = random_prompts(6, seed=2)
     jobs = [(int(torch.randint(0, 12, (1,), generator=g)) if i else 0, p, int(torch.randint(4, 24, (1,), generator=g)))
             for i, p in enumerate(prompts)]
-    engine = spade.AsyncEngine(cfg)
-
-    async def main():
-        together = await staggered(engine, jobs)
-        stats = engine.stats()
-        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-        await engine.close()
-        return together, alone, stats
-
-    together, alone, stats = run(main())
+    together, alone, stats = run(_together_then_alone(spade.AsyncEngine(cfg), jobs))
     assert stats["slots_used"] == 0 and stats["requests_finished"] == len(jobs)
     assert stats["joins_into_running"] >= 2  # rows really joined a running batch
     if policy not in ("full",):
@@ -235,17 +236,8 @@ def test_a_join_held_by_the_shared_cursor_is_counted_and_named(caplog):
     # r0 alone from cursor 10; r1 (10 + 40 tokens) arrives after 20 steps: 30 + 40 - 1 > 64, held
     # until r0 ends; r2 (8 tokens, it would fit) arrives after 22 steps and queues behind r1
     jobs = [(0, prompts[0], 40), (20, prompts[1], 40), (22, prompts[2], 8)]
-    engine = spade.AsyncEngine(cfg)
-
-    async def main():
-        with caplog.at_level("WARNING", logger="spade.serving.engine"):
-            together = await staggered(engine, jobs)
-        stats = engine.stats()
-        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-        await engine.close()
-        return together, alone, stats
-
-    together, alone, stats = run(main())
+    with caplog.at_level("WARNING", logger="spade.serving.engine"):
+        together, alone, stats = run(_together_then_alone(spade.AsyncEngine(cfg), jobs))
     assert stats["joins_held_by_cursor"] == 1 and stats["cursor_resets"] == 2 and stats["joins"] == 3
     held = [r for r in caplog.records if "waits for the batch to drain" in r.getMessage()]
     assert len(held) == 1 and "r1" in held[0].getMessage() and "model.block_size" in held[0].getMessage()
