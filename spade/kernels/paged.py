@@ -94,7 +94,7 @@ def paged_gather(pool: torch.Tensor, block_table: torch.Tensor, pos: torch.Tenso
     check_pool(pool)
     bs = pool.shape[2]
     pos = pos.to(device=pool.device, dtype=torch.int64)
-    blk = torch.gather(block_table.to(pool.device).long(), 1, pos // bs)  # [B, n]
+    blk = torch.gather(block_table.to(pool.device), 1, pos // bs).long()  # [B, n] (the table is not converted whole)
     return pool[blk, :, pos % bs].permute(0, 2, 1, 3)  # [B, n, Hkv, D] -> [B, Hkv, n, D]
 
 
