@@ -213,9 +213,52 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                           if k != "errors"}), flush=True)
+    for _ in range(args.search if idle is not None else 0):  # bisect toward the highest rate meeting the SLO
+        rate = next_probe(rows, idle, args.slo_factor, idle_ttft, args.ttft_factor)
+        if rate is None:
+            break
+        row = asyncio.run(run_rate(base_url, api_key, model, prompts, args.output_len, rate, args.seed,
+                                   args.max_concurrency))
+        row["policy"], row["probe"] = label, True
+        rows.append(row)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                          if k != "errors"}), flush=True)
+    rows.sort(key=lambda r: math.inf if r["rate"] == "inf" else r["rate"])
     return {"label": label, "server": info, "idle_tpot_ms": idle, "idle_ttft_ms": idle_ttft,
             "slo_factor": args.slo_factor, "ttft_factor": args.ttft_factor,
             "slo": slo_rate(rows, idle, args.slo_factor, idle_ttft, args.ttft_factor), "rows": rows}
+
+
+def _limits(idle_tpot_ms: float, factor: float, idle_ttft_ms: float | None, ttft_factor: float | None):
+    return factor * idle_tpot_ms, (None if idle_ttft_ms is None or not ttft_factor else ttft_factor * idle_ttft_ms)
+
+
+def _meets(r: dict, limit: float, ttft_limit: float | None) -> bool:
+    """A rate's row meets the SLO: every request completed, TPOT p99 within ``limit`` and,
+    with ``ttft_limit``, TTFT p99 within it (sustained: no growing queue)."""
+    return (r["failed"] == 0 and r["tpot_p99_ms"] is not None and r["tpot_p99_ms"] <= limit
+            and (ttft_limit is None or (r.get("ttft_p99_ms") is not None and r["ttft_p99_ms"] <= ttft_limit)))
+
+
+def next_probe(rows: list[dict], idle_tpot_ms: float, factor: float, idle_ttft_ms: float | None = None,
+               ttft_factor: float | None = None, tight: float = 1.1) -> float | None:
+    """The next offered rate to try in the search for the highest rate meeting the SLO:
+    the geometric midpoint of the highest finite rate that met it and the lowest higher one
+    that did not; half the lowest rate tried when none met it; twice the highest when every
+    one did. None once the bracket is within ``tight`` (a ratio) or nothing was tried."""
+    limit, ttft_limit = _limits(idle_tpot_ms, factor, idle_ttft_ms, ttft_factor)
+    finite = [r for r in rows if r["rate"] != "inf"]
+    ok = [r["rate"] for r in finite if _meets(r, limit, ttft_limit)]
+    lo = max(ok) if ok else None
+    bad = [r["rate"] for r in finite if not _meets(r, limit, ttft_limit) and (lo is None or r["rate"] > lo)]
+    hi = min(bad) if bad else None
+    if lo is None and hi is None:
+        return None
+    if lo is None:
+        return hi / 2
+    if hi is None:
+        return lo * 2
+    return None if hi / lo <= tight else round(math.sqrt(lo * hi), 4)
 
 
 def slo_rate(rows: list[dict], idle_tpot_ms: float | None, factor: float, idle_ttft_ms: float | None = None,
@@ -231,13 +274,11 @@ def slo_rate(rows: list[dict], idle_tpot_ms: float | None, factor: float, idle_t
     it serves far fewer requests than were offered; its TTFT shows the queue."""
     if idle_tpot_ms is None:
         return None
-    limit = factor * idle_tpot_ms
-    ttft_limit = None if idle_ttft_ms is None or not ttft_factor else ttft_factor * idle_ttft_ms
+    limit, ttft_limit = _limits(idle_tpot_ms, factor, idle_ttft_ms, ttft_factor)
     finite = sorted((r for r in rows if r["rate"] != "inf"), key=lambda r: r["rate"])
     best = None
     for r in finite:
-        if r["failed"] == 0 and r["tpot_p99_ms"] is not None and r["tpot_p99_ms"] <= limit and (
-                ttft_limit is None or (r.get("ttft_p99_ms") is not None and r["ttft_p99_ms"] <= ttft_limit)):
+        if _meets(r, limit, ttft_limit):
             best = r
     return {"tpot_p99_limit_ms": limit, "ttft_p99_limit_ms": ttft_limit,
             "rate": None if best is None else best["rate"],
@@ -319,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="first time one request alone (the idle TPOT), for the SLO below")
     ap.add_argument("--slo-factor", type=float, default=2.0,
                     help="the SLO: TPOT p99 <= this x the idle TPOT; each run reports the highest rate meeting it")
+    ap.add_argument("--search", type=int, default=0,
+                    help="after --rates, up to this many more rates per policy, bisecting (geometric midpoints) "
+                         "toward the highest rate meeting the SLO until the bracket is within 10%%; needs the idle run")
     ap.add_argument("--ttft-factor", type=float, default=5.0,
                     help="a rate counts as sustained only if its TTFT p99 <= this x the idle TTFT (one request "
                          "alone): no growing queue; 0: TPOT only")
@@ -355,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.search < 0 or (args.search and not args.idle):
+        ap.error(f"--search: a count >= 0 that needs the idle run (the SLO's reference), got {args.search}"
+                 + ("" if args.idle else " with --no-idle"))
     if args.ttft_factor < 0:
         ap.error(f"--ttft-factor: must be >= 0 (0: the SLO on TPOT alone), got {args.ttft_factor}")
     out = Path(args.out)

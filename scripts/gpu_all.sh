@@ -57,7 +57,8 @@
 #              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
 #   serve_long the same at long outputs: 16k prompts / 2048 outputs, 20 requests per rate, 16 paged slots with a
-#              logical max_seq_len of 36000 (SERVE_POLICIES, SERVE_LONG_RATES; one policy per device call)
+#              logical max_seq_len of 36000 (SERVE_POLICIES, SERVE_LONG_RATES, SERVE_LONG_ARGS e.g. --search 2;
+#              one policy per device call)
 #   paged      the paged KV cache: bench_paged (kernels), bench_tpot --block-size 0,16 at PAGED_SHAPES (default
 #              8x32768 1x131072), a served trace with a contiguous, a paged and a half-memory paged cache
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
@@ -293,7 +294,7 @@ for s in "${stages[@]}"; do
         run "bench_serve_long_$p" ${SERVE_TIMEOUT:-580} python3 -m benchmarks.bench_serve --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} \
           --set serving.max_batch=16 --set model.max_seq_len=36000 --set model.block_size=16 --set model.kv_blocks=18112 \
           --set serve.max_waiting=256 --policies "$p" --input-len 16000 --output-len 2048 --num-prompts 20 \
-          --rates ${SERVE_LONG_RATES:-0.25,0.4} --out "$OUT/bench_serve_long_$p.json"
+          --rates ${SERVE_LONG_RATES:-0.25,0.4} ${SERVE_LONG_ARGS:-} --out "$OUT/bench_serve_long_$p.json"
       done ;;
     paged)  # the paged KV cache: its kernels against the contiguous ones, the whole step (PAGED_SHAPES, contiguous
             # and 16-token blocks side by side), then a served trace contiguous / paged / paged at half the memory

@@ -26,21 +26,27 @@ def test_bench_serve_smoke(tmp_path):
     cfg.write_text(CFG)
     out = tmp_path / "bench.json"
     rc = bench_serve.main(["--config", str(cfg), "--num-prompts", "4", "--input-len", "12", "--output-len", "5",
-                           "--rates", "8,inf", "--warmup", "1", "--out", str(out)])
+                           "--rates", "8,inf", "--search", "1", "--warmup", "1", "--out", str(out)])
     assert rc == 0
     rep = json.loads(out.read_text())
     (run,) = rep["runs"]
     assert run["server_exit_code"] == 0 and run["server"]["policy"] == "full"
-    assert [r["rate"] for r in run["rows"]] == [8.0, "inf"]
+    # one search probe: 16 req/s if 8 met the SLO, else 4; the rows in rate order
+    probe = [r["rate"] for r in run["rows"] if r.get("probe")]
+    assert probe in ([16.0], [4.0])
+    assert [r["rate"] for r in run["rows"]] == sorted([8.0, *probe]) + ["inf"]
     for r in run["rows"]:
         assert r["completed"] == 4 and r["failed"] == 0, r["errors"]
         assert r["output_tokens"] == 4 * 5  # ignore_eos: every request runs to max_tokens
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"]
         assert r["output_tok_per_s"] > 0
     assert run["idle_tpot_ms"] > 0 and run["slo_factor"] == 2.0
-    slo = run["slo"]  # the highest finite rate within 2x the idle TPOT (8 req/s, or none)
+    slo = run["slo"]  # the highest finite rate within 2x the idle TPOT and 5x the idle TTFT (or none)
     assert slo["tpot_p99_limit_ms"] == 2.0 * run["idle_tpot_ms"]
-    assert slo["rate"] == (8.0 if run["rows"][0]["tpot_p99_ms"] <= slo["tpot_p99_limit_ms"] else None)
+    assert slo["ttft_p99_limit_ms"] == 5.0 * run["idle_ttft_ms"]
+    meets = [r["rate"] for r in run["rows"] if r["rate"] != "inf" and r["tpot_p99_ms"] <= slo["tpot_p99_limit_ms"]
+             and r["ttft_p99_ms"] <= slo["ttft_p99_limit_ms"]]
+    assert slo["rate"] == (max(meets) if meets else None)
     assert (tmp_path / "bench.png").stat().st_size > 0
     both = tmp_path / "both.png"
     assert bench_serve.main(["--plot-from", str(out), str(out), "--plot", str(both)]) == 0
@@ -84,3 +90,21 @@ def test_make_prompts_same_for_every_rate():
     a, b = bench_serve.make_prompts(3, 7, seed=1), bench_serve.make_prompts(3, 7, seed=1)
     assert a == b and all(len(p) == 7 and all(10 <= t < 500 for t in p) for p in a)
     assert bench_serve.percentile([1, 2, 3, 4], 0.5) == 2.5 and bench_serve.percentile([], 0.5) is None
+
+
+def test_next_probe_bisects_toward_the_highest_rate_meeting_the_slo():
+    def row(rate, p99, ttft=1000.0):
+        return {"rate": rate, "tpot_p99_ms": p99, "ttft_p99_ms": ttft, "failed": 0, "req_per_s": rate}
+
+    # 0.1 meets (p99 <= 2 x 10 ms), 0.4 does not: the geometric midpoint 0.2
+    assert bench_serve.next_probe([row(0.1, 15.0), row(0.4, 30.0)], 10.0, 2.0) == 0.2
+    # none meets: half the lowest; every one meets: twice the highest; "inf" rows are ignored
+    assert bench_serve.next_probe([row(0.25, 30.0), row(0.4, 35.0), row("inf", 50.0)], 10.0, 2.0) == 0.125
+    assert bench_serve.next_probe([row(0.1, 15.0), row(0.2, 18.0)], 10.0, 2.0) == 0.4
+    # a bracket within 10% ends the search; nothing tried: nothing to bisect
+    assert bench_serve.next_probe([row(0.2, 15.0), row(0.21, 30.0)], 10.0, 2.0) is None
+    assert bench_serve.next_probe([row("inf", 15.0)], 10.0, 2.0) is None
+    # a rate whose queue grew (TTFT p99 past 5 x the idle TTFT) counts as failing
+    rows = [row(0.1, 15.0), row(0.4, 18.0, ttft=9000.0)]
+    assert bench_serve.next_probe(rows, 10.0, 2.0) == 0.8
+    assert bench_serve.next_probe(rows, 10.0, 2.0, idle_ttft_ms=1000.0, ttft_factor=5.0) == 0.2
