@@ -206,23 +206,22 @@ def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | No
         idle, idle_ttft = one["tpot_p50_ms"], one["ttft_p50_ms"]
         print(json.dumps({"idle_tpot_ms": idle, "idle_ttft_ms": idle_ttft, "policy": label}), flush=True)
     rows = []
-    for rate in rates:
+
+    def measure(rate: float, **mark) -> None:
         row = asyncio.run(run_rate(base_url, api_key, model, prompts, args.output_len, rate, args.seed,
                                    args.max_concurrency))
-        row["policy"] = label
+        row.update(policy=label, **mark)
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
                           if k != "errors"}), flush=True)
+
+    for rate in rates:
+        measure(rate)
     for _ in range(args.search if idle is not None else 0):  # bisect toward the highest rate meeting the SLO
         rate = next_probe(rows, idle, args.slo_factor, idle_ttft, args.ttft_factor)
         if rate is None:
             break
-        row = asyncio.run(run_rate(base_url, api_key, model, prompts, args.output_len, rate, args.seed,
-                                   args.max_concurrency))
-        row["policy"], row["probe"] = label, True
-        rows.append(row)
-        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                          if k != "errors"}), flush=True)
+        measure(rate, probe=True)
     rows.sort(key=lambda r: math.inf if r["rate"] == "inf" else r["rate"])
     return {"label": label, "server": info, "idle_tpot_ms": idle, "idle_ttft_ms": idle_ttft,
             "slo_factor": args.slo_factor, "ttft_factor": args.ttft_factor,

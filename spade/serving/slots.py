@@ -229,7 +229,7 @@ class SlotBatch:
             return f"a prompt of {T} tokens cannot be prefilled in {pieces} pieces of at least one token"
         if T > S:
             return f"its prompt ({T} tokens) is longer than the cursor it would decode from ({S})"
-        if S + max_tokens - 1 > self.L:
+        if self.past_end(max_tokens, S):
             return f"its generation would pass the end of the cache ({S} + {max_tokens} - 1 > {self.L})"
         if self.paged:
             need, free = self.blocks_needed(T, max_tokens, S), self.blocks_available()
