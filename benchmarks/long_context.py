@@ -31,16 +31,23 @@ _LABELS = (("full", "full"), ("quest", "quest"), ("optimal", "optimal"), ("inlin
            ("multiprocess", "asyncspade/multiprocess"))
 
 
-def _label(name: str) -> str | None:
+def _label(name: str, with_packs: bool = False) -> str | None:
     """The summary's method label of a bench_tpot row name (``.../topk=radix`` rows keep
-    their mode as a suffix: ``local/topk=radix``)."""
+    their mode as a suffix: ``local/topk=radix``; with ``with_packs``, a run of several
+    pack sizes, the pack size too: ``local/P=9``)."""
     parts = name.split("/")
     mode = next((p for p in parts if p.startswith("topk=")), None)
     refresh = next((p for p in parts if p.startswith("r=")), None)
+    packs = next((p for p in parts if p.startswith("P=")), None) if with_packs else None
     for label, prefix in _LABELS:
         if name == prefix or name.startswith(prefix.rstrip("/") + "/"):
-            return label + (f"/{mode}" if mode else "") + (f"/{refresh}" if refresh else "")
+            return (label + (f"/{packs}" if packs else "") + (f"/{mode}" if mode else "")
+                    + (f"/{refresh}" if refresh else ""))
     return None
+
+
+def _pack_sizes(conf: dict) -> set[str]:
+    return {p for name in conf["rows"] for p in name.split("/") if p.startswith("P=")}
 
 
 def _table3(conf: dict) -> dict[str, float]:
@@ -56,6 +63,8 @@ def _table3(conf: dict) -> dict[str, float]:
             runtime = sorted(k for k in r if k.startswith("cache_ms_per_pack_runtime"))
             if inf and runtime:
                 out[tag] = r[runtime[-1]] / inf
+                if r.get("pack_layers") is not None:
+                    out[f"{tag}/P={r['pack_layers']}"] = r[runtime[-1]] / inf
     return out
 
 
@@ -70,8 +79,9 @@ def summarise(results: list[dict]) -> list[dict[str, Any]]:
             opt = conf["rows"].get("optimal", {}).get("tpot_ms")
             full = conf["rows"].get("full", {}).get("tpot_ms")
             t3 = _table3(conf)
+            several = len(_pack_sizes(conf)) > 1
             for name, r in conf["rows"].items():
-                label = _label(name)
+                label = _label(name, several)
                 if label is None:
                     continue
                 row = {"gpu": gpu, "batch": conf["batch"], "context": conf["context"], "budget": conf["budget"],
@@ -87,6 +97,9 @@ def summarise(results: list[dict]) -> list[dict[str, Any]]:
                 if label.split("/")[0] in ("local", "colocated", "multiprocess"):
                     mode = next((p for p in name.split("/") if p.startswith("topk=")), None)
                     key = f"topk_{mode[5:]}" if mode else "default"
+                    packs = next((p for p in name.split("/") if p.startswith("P=")), None)
+                    if several and packs:
+                        key = f"{key}/{packs}"
                     if key in t3:
                         row["table3"] = t3[key]
                     elif "default" in t3 and not mode:
@@ -118,7 +131,8 @@ def markdown(rows: list[dict]) -> str:
                 cells.append(f"{r['tpot_ms']:.2f}")
             else:
                 cells.append(f"{r['tpot_ms']:.2f} ({r['vs_optimal']:.2f}x)")
-        loc = by.get("local") or by.get("colocated") or {}
+        loc = (by.get("local") or by.get("colocated")
+               or next((by[m] for m in order if m.split("/")[0] in ("local", "colocated")), {}))
         fb = loc.get("topk_fallback_rate")
         t3 = loc.get("table3")
         lines.append(f"| {B} x {L // 1024}k | " + " | ".join(cells)

@@ -41,7 +41,7 @@
 #              GLU_ROUNDS times at GLU_SHAPES (default 8x32768 16x32768), GLU_METHODS (full, optimal, local)
 #   long       long contexts (issue: hold optimal from 4k to 512k): TPOT of LONG_METHODS (full, quest, optimal,
 #              asyncspade local and colocated) at LONG_SHAPES (default B=1 64k/128k/256k/512k, B=2 256k, B=4 128k,
-#              B=8 64k, 8x32k, 16x32k, 32x16k; LONG_SHAPES=... to run a part), int4 keys, K=2k, P=4, the top-K
+#              B=8 64k, 8x32k, 16x32k, 32x16k; LONG_SHAPES=... to run a part), int4 keys, K=2k, P=LONG_PACKS (4), the top-K
 #              fallback rate and Table 3 per shape (LONG_TOPK: policy.topk modes side by side, default the default;
 #              LONG_ARGS: more bench_tpot flags, e.g. --refresh-every 1,4),
 #              then benchmarks/long_context.py: one table, TPOT vs context at B=1 (Fig. 2(b)) and ratio plots
@@ -241,7 +241,7 @@ for s in "${stages[@]}"; do
     long)  # every method against context length; the 512k-token shapes need ~100 GB on the inference GPU
       for bl in ${LONG_SHAPES:-1x65536 1x131072 1x262144 1x524288 2x262144 4x131072 8x65536 8x32768 16x32768 32x16384}; do
         run "bench_tpot_long_$bl" ${LONG_TIMEOUT:-150} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} \
+              --context ${bl#*x} --budget 2048 --packs ${LONG_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-20} \
               --methods ${LONG_METHODS:-full,quest,optimal,asyncspade/local,asyncspade/colocated} \
               ${LONG_TOPK:+--topk $LONG_TOPK} ${LONG_ARGS:-} --budget-s $(( ${LONG_TIMEOUT:-150} - 20 )) --no-plots \
               --out "$OUT/bench_tpot_long_$bl.json"
