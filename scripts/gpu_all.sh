@@ -10,7 +10,7 @@
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
 #   decode     whole-model decode: spade fast path vs HF (one GPU); projections auto vs cuBLAS side by side
 #   gemv       the decode projections alone: split-K Triton GEMV vs cuBLAS (bench_gemv --quick)
-#   headline   TPOT at issue #5's shape (B=8 L=32k K=2k, P=4, int4 keys): full, quest, optimal, local,
+#   headline   TPOT at issue #5's shape (B=8 L=32k K=2k, P=9, int4 keys): full, quest, optimal, local,
 #              multiprocess, with device timelines (busy / idle per GPU) and the cache rank's host account
 #   tpot       TPOT of every method and topology at B=8 L=32k K=2k, P in {2, 4} (TPOT_ITERS steps per row),
 #              exact / int8 / int4 scoring keys, torch.profiler of the async rows and of one cache-rank layer
@@ -24,7 +24,7 @@
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
 #   topk       threshold-carry top-K vs radix passes (policy.topk) side by side at TOPK_SHAPES (default
-#              8x32768 16x32768 32x16384), int4 keys, P=4, with Table 3 per mode
+#              8x32768 16x32768 32x16384), int4 keys, P=9, with Table 3 per mode
 #   overlap    the cache rank's top-K select of layer j beside layer j+1's scoring (select_overlap):
 #              bench_select --overlap (a pack of 4 layers, serial vs side stream, OVERLAP_SPECS warps[:priority])
 #              at OVERLAP_SHAPES (default 8x32768 16x32768 32x16384), then bench_tpot with
@@ -35,13 +35,13 @@
 #              (COLOCATED_ARGS: more bench_tpot flags, e.g. --refresh-every 1,2,4)
 #   pair       every topology side by side on a GPU pair at PAIR_SHAPES (default 8x32768 16x32768 32x16384):
 #              PAIR_METHODS (full, quest, optimal, colocated, local, multiprocess; B=8 adds tova, oracle, inline),
-#              int4 keys, P=4, PAIR_ARGS (default --refresh-every 1,4), Table 3 per shape
+#              int4 keys, P=9, PAIR_ARGS (default --refresh-every 1,4), Table 3 per shape
 #   glu        the gate/up GEMV with the SiLU product in its epilogue (SPADE_FUSE_GLU): bench_gemv --glu
 #              (kernel level, bit-identity checked), then TPOT under SPADE_FUSE_GLU=off / on alternated
 #              GLU_ROUNDS times at GLU_SHAPES (default 8x32768 16x32768), GLU_METHODS (full, optimal, local)
 #   long       long contexts (issue: hold optimal from 4k to 512k): TPOT of LONG_METHODS (full, quest, optimal,
 #              asyncspade local and colocated) at LONG_SHAPES (default B=1 64k/128k/256k/512k, B=2 256k, B=4 128k,
-#              B=8 64k, 8x32k, 16x32k, 32x16k; LONG_SHAPES=... to run a part), int4 keys, K=2k, P=LONG_PACKS (4), the top-K
+#              B=8 64k, 8x32k, 16x32k, 32x16k; LONG_SHAPES=... to run a part), int4 keys, K=2k, P=LONG_PACKS (9), the top-K
 #              fallback rate and Table 3 per shape (LONG_TOPK: policy.topk modes side by side, default the default;
 #              LONG_ARGS: more bench_tpot flags, e.g. --refresh-every 1,4),
 #              then benchmarks/long_context.py: one table, TPOT vs context at B=1 (Fig. 2(b)) and ratio plots
@@ -66,6 +66,9 @@
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
 #              one run per AB_ENVS entry (VAR=VALUE, default: the indexed attention's programs per SM), to
 #              hold against the first run's default rows
+#
+# The asynchronous rows run P=$PACKS layers per pack (default 9: runtime.pack_layers auto for the 36-layer
+# Qwen3-8B preset; HEADLINE_PACKS / LONG_PACKS for those stages).
 #
 # On the lent GPU machines (torch/triton/transformers preinstalled, no pydantic):
 # carry `.whl` (made by ../shared/tools/gpu-wheels) and the script installs it.
@@ -143,7 +146,7 @@ for s in "${stages[@]}"; do
       run bench_gemv 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_gemv --quick --out "$OUT/bench_gemv.json" ;;
     headline)  # issue #5's shape only, int4 keys, P=4, with device timelines and the cache rank's host account
       run bench_tpot_headline 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 \
-            --packs ${HEADLINE_PACKS:-4} ${HEADLINE_ARGS:-} \
+            --packs ${HEADLINE_PACKS:-9} ${HEADLINE_ARGS:-} \
             --score-keys int4 --iters ${TPOT_ITERS:-30} --linear ${TPOT_LINEAR:-auto} \
             --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess \
             --profile-rows ${HEADLINE_PROFILE:-optimal,local_P4_int4,multiprocess_P4_int4} --budget-s 270 \
@@ -151,12 +154,12 @@ for s in "${stages[@]}"; do
     pdl)  # programmatic dependent launch A/B at issue #5's shape: every headline row under SPADE_PDL=auto and
           # off in one run; then one run per AB_ENVS setting (the step's other switches, each against the default)
       run bench_tpot_pdl 300 python3 -m benchmarks.bench_tpot --batch 8 --context 32768 --budget 2048 \
-            --packs ${HEADLINE_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-30} \
+            --packs ${HEADLINE_PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
             --methods full,quest,optimal,asyncspade/local,asyncspade/multiprocess --pdl ${PDL_MODES:-all,decode,off} \
             --profile-rows ${PDL_PROFILE:-none} --budget-s 270 --out "$OUT/bench_tpot_pdl.json"
       for ab in ${AB_ENVS:-SPADE_ATTN_PROGRAMS_PER_SM=3}; do
         run "bench_tpot_ab_${ab%%=*}" 200 env "$ab" python3 -m benchmarks.bench_tpot --batch 8 \
-              --context 32768 --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --context 32768 --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --methods full,optimal,asyncspade/local --budget-s 170 --no-plots \
               --out "$OUT/bench_tpot_ab_${ab%%=*}.json"
       done ;;
@@ -164,7 +167,7 @@ for s in "${stages[@]}"; do
             # PDL on and off side by side
       for bl in ${LARGE_SHAPES:-16x32768 32x16384}; do
         run "bench_tpot_large_$bl" 200 python3 -m benchmarks.bench_tpot --batch ${bl%x*} --context ${bl#*x} \
-              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl ${PDL_MODES:-all,decode,off} \
+              --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-20} --pdl ${PDL_MODES:-all,decode,off} \
               --methods full,quest,optimal,asyncspade/local --budget-s 170 --no-plots \
               --out "$OUT/bench_tpot_large_$bl.json"
       done ;;
@@ -174,7 +177,7 @@ for s in "${stages[@]}"; do
         m=${TOPK_METHODS:-full,quest,oracle,optimal,asyncspade/local}
         [ "$bl" = 8x32768 ] && m=${TOPK_METHODS_HEADLINE:-full,quest,oracle,optimal,asyncspade/local,asyncspade/multiprocess}
         run "bench_tpot_topk_$bl" ${TOPK_TIMEOUT:-200} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --topk ${TOPK_MODES:-carry,radix} --methods "$m" --budget-s $(( ${TOPK_TIMEOUT:-200} - 30 )) --no-plots \
               --out "$OUT/bench_tpot_topk_$bl.json"
       done ;;
@@ -187,7 +190,7 @@ for s in "${stages[@]}"; do
         m=${OVERLAP_METHODS:-optimal,asyncspade/local}
         [ "$bl" = 8x32768 ] && m=${OVERLAP_METHODS_HEADLINE:-full,quest,optimal,asyncspade/local}
         run "bench_tpot_overlap_$bl" ${OVERLAP_TIMEOUT:-170} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --select-overlap ${OVERLAP_MODES:-off,on} --methods "$m" --budget-s $(( ${OVERLAP_TIMEOUT:-170} - 30 )) \
               --no-plots --out "$OUT/bench_tpot_overlap_$bl.json"
       done ;;
@@ -196,7 +199,7 @@ for s in "${stages[@]}"; do
       for c in ${P2P_CHANNELS:-default 1 2}; do
         if [ "$c" = default ]; then envs=(env -u NCCL_MAX_P2P_NCHANNELS); else envs=(env NCCL_MAX_P2P_NCHANNELS=$c); fi
         run "bench_tpot_p2p_$c" 150 "${envs[@]}" python3 -m benchmarks.bench_tpot --batch 8 --context 32768 \
-              --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-50} \
+              --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-50} \
               --methods optimal,asyncspade/local,asyncspade/multiprocess --budget-s 130 --no-plots \
               --out "$OUT/bench_tpot_p2p_$c.json"
       done ;;
@@ -204,14 +207,14 @@ for s in "${stages[@]}"; do
             --profile --budget-s 260 --out "$OUT/bench_tpot.json" ;;
     sweep) run bench_tpot_sweep $(( ${SWEEP_S:-510} + 30 )) python3 -m benchmarks.bench_tpot \
              --batch ${SWEEP_B:-8,1,16,32} --context ${SWEEP_L:-32768,16384,65536} \
-             --budget 2048,1024 --packs 4 --score-keys ${SWEEP_KEYS:-int8,int4} --iters 10 \
+             --budget 2048,1024 --packs ${PACKS:-9} --score-keys ${SWEEP_KEYS:-int8,int4} --iters 10 \
              --methods full,quest,asyncspade/inline,asyncspade/local,asyncspade/multiprocess,optimal --budget-s ${SWEEP_S:-510} \
              --out "$OUT/bench_tpot_sweep.json" ;;
     colocated)  # the one-GPU topology: the cache rank on a side stream of the inference GPU, beside optimal / full /
                 # quest / inline at COLOCATED_SHAPES, exact and int4 scoring keys (its reads share the GPU's HBM)
       for bl in ${COLOCATED_SHAPES:-1x32768 8x32768 16x32768}; do
         run "bench_tpot_colocated_$bl" ${COLOCATED_TIMEOUT:-180} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys ${COLOCATED_KEYS:-exact,int4} \
+              --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys ${COLOCATED_KEYS:-exact,int4} \
               --iters ${TPOT_ITERS:-30} --methods ${COLOCATED_METHODS:-full,quest,optimal,asyncspade/inline,asyncspade/colocated} \
               --budget-s $(( ${COLOCATED_TIMEOUT:-180} - 30 )) ${COLOCATED_ARGS:-} --no-plots \
               --out "$OUT/bench_tpot_colocated_$bl.json"
@@ -221,7 +224,7 @@ for s in "${stages[@]}"; do
         m=${PAIR_METHODS:-full,quest,optimal,asyncspade/colocated,asyncspade/local,asyncspade/multiprocess}
         [ "$bl" = 8x32768 ] && m=${PAIR_METHODS_HEADLINE:-full,quest,tova,oracle,optimal,asyncspade/inline,asyncspade/colocated,asyncspade/local,asyncspade/multiprocess}
         run "bench_tpot_pair_$bl" ${PAIR_TIMEOUT:-200} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-30} \
+              --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --methods "$m" ${PAIR_ARGS:---refresh-every 1,4} --budget-s $(( ${PAIR_TIMEOUT:-200} - 30 )) \
               --no-plots --out "$OUT/bench_tpot_pair_$bl.json"
       done ;;
@@ -232,7 +235,7 @@ for s in "${stages[@]}"; do
         for r in $(seq 1 ${GLU_ROUNDS:-2}); do
           for f in off on; do
             run "bench_tpot_glu_${bl}_${f}_$r" ${GLU_TIMEOUT:-120} env SPADE_FUSE_GLU=$f python3 -m benchmarks.bench_tpot \
-              --batch ${bl%x*} --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-40} \
+              --batch ${bl%x*} --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-40} \
               --methods ${GLU_METHODS:-full,optimal,asyncspade/local} --budget-s $(( ${GLU_TIMEOUT:-120} - 20 )) \
               --no-plots --out "$OUT/bench_tpot_glu_${bl}_${f}_$r.json"
           done
@@ -241,7 +244,7 @@ for s in "${stages[@]}"; do
     long)  # every method against context length; the 512k-token shapes need ~100 GB on the inference GPU
       for bl in ${LONG_SHAPES:-1x65536 1x131072 1x262144 1x524288 2x262144 4x131072 8x65536 8x32768 16x32768 32x16384}; do
         run "bench_tpot_long_$bl" ${LONG_TIMEOUT:-150} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs ${LONG_PACKS:-4} --score-keys int4 --iters ${TPOT_ITERS:-20} \
+              --context ${bl#*x} --budget 2048 --packs ${LONG_PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-20} \
               --methods ${LONG_METHODS:-full,quest,optimal,asyncspade/local,asyncspade/colocated} \
               ${LONG_TOPK:+--topk $LONG_TOPK} ${LONG_ARGS:-} --budget-s $(( ${LONG_TIMEOUT:-150} - 20 )) --no-plots \
               --out "$OUT/bench_tpot_long_$bl.json"
@@ -252,7 +255,7 @@ for s in "${stages[@]}"; do
                # (local) beside full / quest / optimal at TWOSTAGE_SHAPES, int4 keys, K=2k, P=4, Table 3 per row
       for bl in ${TWOSTAGE_SHAPES:-8x32768 16x32768 32x16384}; do
         run "bench_tpot_twostage_$bl" ${TWOSTAGE_TIMEOUT:-150} python3 -m benchmarks.bench_tpot --batch ${bl%x*} \
-              --context ${bl#*x} --budget 2048 --packs 4 --score-keys int4 --iters ${TPOT_ITERS:-16} \
+              --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-16} \
               --methods ${TWOSTAGE_METHODS:-full,quest,optimal,asyncspade/colocated,asyncspade/local} \
               ${TWOSTAGE_ARGS:---rerank 1,2 --score-channels 0,64} --budget-s $(( ${TWOSTAGE_TIMEOUT:-150} - 20 )) \
               --no-plots --out "$OUT/bench_tpot_twostage_$bl.json"
@@ -301,7 +304,7 @@ for s in "${stages[@]}"; do
       run bench_paged 150 python3 -m benchmarks.bench_paged --graph --out "$OUT/bench_paged.json"
       for shape in ${PAGED_SHAPES:-8x32768 1x131072}; do
         run "tpot_paged_$shape" 200 python3 -m benchmarks.bench_tpot --batch ${shape%x*} --context ${shape#*x} \
-          --budget 2048 --packs 4 --score-keys int4 --iters 32 --no-plots --block-size 0,16 \
+          --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters 32 --no-plots --block-size 0,16 \
           --methods ${PAGED_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/tpot_paged_$shape.json"
       done
       PS="--preset qwen3-8b --device cuda:0 --topology colocated --max-batch 16 --prompt-min 12288 --prompt-max 16384 \

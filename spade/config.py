@@ -127,8 +127,10 @@ class RuntimeConfig(ConfigSection):
     two GPUs exist, else the inference device)."""
     sparse_threshold: int = Field(0, ge=0)
     """θ: decode densely until the context reaches θ tokens (0: the policy budget)."""
-    pack_layers: int = Field(4, ge=1)
-    """P: layers whose (q, k, v) travel in one message."""
+    pack_layers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """P: layers whose (q, k, v) travel in one message. ``auto``: four packs per step
+    (``ceil(n_layers / 4)``, 9 for Qwen3-8B's 36 layers): the control plane's host work is
+    per pack, and four keep one in-process host ahead of the device (docs/perf.md, "Packs")."""
     return_mode: Literal["indices", "kv", "delta"] = "indices"
     on_late: Literal["wait", "stale", "full"] = "wait"
     """What the inference rank does when a selection is not ready."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["indexed_device", "stream_scope"]
+__all__ = ["current_stream", "indexed_device", "no_grad_on", "stream_scope"]
 
 
 def indexed_device(device) -> torch.device:
@@ -62,4 +62,43 @@ class stream_scope:
             self._dst = None
         sid, idx, typ = self._src
         torch._C._cuda_setStream(stream_id=sid, device_index=idx, device_type=typ)  # also the device back
+        return False
+
+
+_CURRENT: dict[tuple, "torch.cuda.Stream"] = {}
+
+
+def current_stream(device: torch.device) -> "torch.cuda.Stream":
+    """``torch.cuda.current_stream(device)`` for a device with an explicit index (see
+    ``indexed_device``), without its device-index resolution and a new ``Stream`` object
+    per call: one object per raw (id, device, type) triple, kept (a few dozen at most:
+    PyTorch's stream pools are fixed; the table is cleared past 256 entries)."""
+    raw = torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch.cuda.current_device())
+    s = _CURRENT.get(raw)
+    if s is None:
+        if len(_CURRENT) >= 256:
+            _CURRENT.clear()
+        s = _CURRENT[raw] = torch.cuda.Stream(stream_id=raw[0], device_index=raw[1], device_type=raw[2])
+    return s
+
+
+class no_grad_on:
+    """``torch.no_grad()`` plus ``stream_scope(stream)`` (the stream's device current) in
+    one light context manager, for a block of work the control plane launches per pack."""
+
+    __slots__ = ("_scope", "_grad")
+
+    def __init__(self, stream) -> None:
+        self._scope = stream_scope(stream)
+        self._grad = True
+
+    def __enter__(self) -> "no_grad_on":
+        self._grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._scope.__exit__(*exc)
+        torch._C._set_grad_enabled(self._grad)
         return False

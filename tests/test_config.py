@@ -124,3 +124,18 @@ def test_transport_the_topology_cannot_use_is_an_error(topology, transport, caps
     err = capsys.readouterr().err
     assert "runtime.transport.name" in err and "runtime.topology" in err and "Traceback" not in err
     assert load_config(None, overrides=["runtime.topology=multiprocess", f"runtime.transport.name={transport}"])
+
+
+def test_pack_layers_auto_is_four_packs_and_a_number_stays_a_number():
+    from spade.runtime.protocol import packs_of, resolve_pack_layers
+
+    assert load_config(None).runtime.pack_layers == "auto"
+    assert [resolve_pack_layers("auto", n) for n in (1, 3, 4, 5, 30, 36, 64)] == [1, 1, 1, 2, 8, 9, 16]
+    assert len(packs_of(36, resolve_pack_layers("auto", 36))) == 4
+    assert len(packs_of(3, resolve_pack_layers("auto", 3))) == 3  # fewer layers than packs: one layer each
+    cfg = load_config(None, overrides=["runtime.pack_layers=6"])
+    assert cfg.runtime.pack_layers == 6 and resolve_pack_layers(cfg.runtime.pack_layers, 36) == 6
+    with pytest.raises(ConfigError, match="pack_layers"):
+        load_config(None, overrides=["runtime.pack_layers=0"])
+    with pytest.raises(ConfigError, match="pack_layers"):
+        load_config(None, overrides=["runtime.pack_layers=many"])

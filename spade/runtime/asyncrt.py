@@ -114,7 +114,7 @@ class AsyncRuntime(Runtime):
         self.topology = rt.topology
         if self.topology not in ("colocated", "local", "multiprocess"):
             raise ConfigError(f"AsyncRuntime serves colocated/local/multiprocess, not {self.topology!r}")
-        self.pack_layers = int(rt.pack_layers)
+        self.pack_layers = P.resolve_pack_layers(rt.pack_layers, backend.spec.n_layers)
         self.return_mode = rt.return_mode
         self.on_late = rt.on_late
         self.late_timeout_s = float(rt.late_timeout_s)

@@ -48,7 +48,7 @@ from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
 from spade.policies.common import shared_derived
 from spade.runtime import protocol as P
-from spade.streams import indexed_device, stream_scope
+from spade.streams import current_stream, indexed_device, no_grad_on
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +150,13 @@ class CacheRank:
             self._pool = torch.cuda.graph_pool_handle()
             self._capture_stream = torch.cuda.Stream(device=self.device)
 
-    @contextlib.contextmanager
     def _on(self):
         """Device, side stream and no_grad for a block of cache-rank work (never across an await)."""
-        with contextlib.ExitStack() as st:
-            st.enter_context(torch.no_grad())
-            if self.device.type == "cuda":
-                st.enter_context(torch.cuda.device(self.device))
-                if self.stream is not None:
-                    st.enter_context(stream_scope(self.stream))
-            yield
+        if self.stream is not None:  # the stream's device becomes current with it
+            return no_grad_on(self.stream)
+        if self.device.type == "cuda":
+            return _device_no_grad(self.device)
+        return torch.no_grad()
 
     async def serve(self) -> None:
         """Loop over generations until SHUTDOWN or the peer goes away."""
@@ -221,7 +218,7 @@ class CacheRank:
         if key not in self._seen:  # first sight: eager
             self._seen.add(key)
             return fn()
-        cur = torch.cuda.current_stream(self.device)
+        cur = current_stream(self.device)
         cap = self._capture_stream
         cap.wait_stream(cur)
         with torch.cuda.stream(cap):
@@ -615,6 +612,12 @@ class _Generation:
             torch.cuda.synchronize(dev)
         rank._graphs = {}
         rank._seen = set()
+
+
+@contextlib.contextmanager
+def _device_no_grad(device: torch.device):
+    with torch.no_grad(), torch.cuda.device(device):
+        yield
 
 
 def _account(acct: dict[str, list[float]]) -> dict[str, float]:

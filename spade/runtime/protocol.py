@@ -120,6 +120,17 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+AUTO_PACKS = 4  # packs per step of ``runtime.pack_layers: auto``
+
+
+def resolve_pack_layers(pack_layers: int | str, n_layers: int) -> int:
+    """``runtime.pack_layers`` as a number of layers: ``auto`` is ``ceil(n_layers / 4)``
+    (four packs per step, fewer when the model has fewer layers)."""
+    if pack_layers == "auto":
+        return max(1, -(-int(n_layers) // AUTO_PACKS))
+    return max(1, int(pack_layers))
+
+
 def packs_of(n_layers: int, pack_layers: int) -> list[tuple[int, int]]:
     """Layer ranges ``[l0, l1)`` of the packs (the last may be shorter), the same
     split as ``DecodeBackend.decode_stages``."""

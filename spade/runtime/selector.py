@@ -55,6 +55,9 @@ class AsyncSelector:
         self.idx: list[torch.Tensor | None] = [None] * n  # [B, Hkv, K] int32
         self.k_sel: list[torch.Tensor | None] = [None] * n  # kv mode: [B, Hkv, K, D]
         self.v_sel: list[torch.Tensor | None] = [None] * n
+        # pack -> (idx [n, B, Hkv, K], k, v or None, idx's layer views): the layers' buffers as slots of one
+        # tensor per pack (``ensure_pack_buffers``), so that a selection lands in one copy
+        self.pack_idx: dict[int, tuple] = {}
         self.dense_flag = [False] * n  # the cache rank said "no selection" (policy returned None)
         self.key: tuple = ()
         self.seq_len = 0
@@ -142,19 +145,74 @@ class AsyncSelector:
             return [self.q_buf[p], self.k_buf[p], self.v_buf[p]]
         return [self.q_buf[p]]
 
+    def ensure_pack_buffers(self, p: int, B: int, H: int, K: int, n_sink: int, n_recent: int, device,
+                            kv_dtype=None, D: int = 0, kv_start=None) -> None:
+        """Pack ``p``'s layers' selection buffers as views of one [n, B, H, K] tensor (and
+        [n, B, H, K, D] K/V in the kv return mode), so that a pack's selection lands with
+        one copy (``land_pack``). Kept when already in place at this shape."""
+        l0, l1 = self.packs[p]
+        if all(self.pack_view(layer) and self.idx[layer].shape == (B, H, K)
+               and self.sel[layer].n_sink == n_sink and self.sel[layer].n_recent == n_recent
+               for layer in range(l0, l1)):
+            return
+        n = l1 - l0
+        idx = torch.full((n, B, H, K), -1, dtype=torch.int32, device=device)
+        ks = vs = None
+        if self.return_mode == "kv":
+            ks = torch.zeros(n, B, H, K, D, dtype=kv_dtype, device=device)
+            vs = torch.zeros(n, B, H, K, D, dtype=kv_dtype, device=device)
+        views = idx.unbind(0)
+        self.pack_idx[p] = (idx, ks, vs, views)
+        for j, layer in enumerate(range(l0, l1)):
+            self._set_buffers(layer, views[j], n_sink, n_recent, B, K, device, kv_start,
+                              None if ks is None else ks[j], None if vs is None else vs[j])
+
+    def pack_view(self, layer: int) -> bool:
+        """Whether ``layer``'s index buffer is still its slot of the pack's tensor."""
+        p, j = self.where[layer]
+        got = self.pack_idx.get(p)
+        return got is not None and self.idx[layer] is got[3][j]
+
+    def land_pack(self, p: int, idx: torch.Tensor, k: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None) -> bool:
+        """Copy a whole pack's selection (``idx`` [n, B, H, K]; K/V in the kv mode) into
+        the pack's buffers in one copy each; False (nothing copied) when the buffers are
+        not one pack tensor of that shape (the caller lands layer by layer)."""
+        got = self.pack_idx.get(p)
+        if got is None or got[0].shape != idx.shape:
+            return False
+        l0, l1 = self.packs[p]
+        if not all(self.pack_view(layer) for layer in range(l0, l1)):
+            return False
+        got[0].copy_(idx, non_blocking=True)
+        if self.return_mode == "kv":
+            got[1].copy_(k, non_blocking=True)
+            got[2].copy_(v, non_blocking=True)
+        return True
+
     def ensure_buffers(self, layer: int, B: int, H: int, K: int, n_sink: int, n_recent: int, device,
                        kv_dtype=None, D: int = 0, kv_start=None) -> None:
         idx = self.idx[layer]
         if idx is not None and idx.shape == (B, H, K) and self.sel[layer].n_sink == n_sink \
                 and self.sel[layer].n_recent == n_recent:
             return
-        self.idx[layer] = torch.full((B, H, K), -1, dtype=torch.int32, device=device)
+        k_sel = v_sel = None
+        if self.return_mode == "kv":
+            k_sel = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
+            v_sel = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
+        self._set_buffers(layer, torch.full((B, H, K), -1, dtype=torch.int32, device=device), n_sink, n_recent,
+                          B, K, device, kv_start, k_sel, v_sel)
+
+    def _set_buffers(self, layer: int, idx: torch.Tensor, n_sink: int, n_recent: int, B: int, K: int, device,
+                     kv_start, k_sel: torch.Tensor | None, v_sel: torch.Tensor | None) -> None:
+        H = idx.shape[1]
+        self.idx[layer] = idx
         self.sel[layer] = Selection(indices=self.idx[layer], n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
         if self.rerank is not None and K > self.rerank[0]:  # candidates: re-ranked at attention
             self.sel[layer].keep, self.sel[layer].keep_reduce = self.rerank
         if self.return_mode == "kv":
-            self.k_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
-            self.v_sel[layer] = torch.zeros(B, H, K, D, dtype=kv_dtype, device=device)
+            self.k_sel[layer] = k_sel
+            self.v_sel[layer] = v_sel
             if self.g_lens is None or self.g_lens.numel() != B or int(self.slot_ar.numel()) != K:
                 self.g_lens = torch.full((B,), K, dtype=torch.int64, device=device)
                 self.slot_ar = torch.arange(K, dtype=torch.int32, device=device)

@@ -23,7 +23,7 @@ from spade.runtime.base import GenerationTrace, _sync, sample_and_report
 from spade.runtime.cache_rank import delta_apply
 from spade.runtime.link import CacheLink
 from spade.runtime.selector import AsyncAttentionContext, AsyncSelector
-from spade.streams import stream_scope
+from spade.streams import current_stream, stream_scope
 
 if TYPE_CHECKING:
     from spade.runtime.asyncrt import AsyncRuntime
@@ -65,7 +65,7 @@ class InferenceSession:
             "cache_device": str(rt.cache_device), "sparse_steps": 0, "stale_packs": 0, "full_packs": 0,
             "waited_packs": 0, "timed_out_packs": 0, "wait_s": 0.0, "sel_messages": 0, "peers_lost": 0,
             "restarts": 0, "dense_fallback_steps": 0, "joins": 0, "leaves": 0, "join_resyncs": 0, "join_wait_s": 0.0,
-            "dropped_selections": 0,
+            "dropped_selections": 0, "packs_landed_whole": 0,
         }
         self.t_start = time.monotonic()
         self.events: list[dict] = []
@@ -195,9 +195,9 @@ class InferenceSession:
         layout = self.policy.selection_layout()
         if layout is not None:
             K, n_sink, n_recent = layout
-            for layer in range(self.spec.n_layers):
-                s.ensure_buffers(layer, B, self.spec.n_kv_heads, K, n_sink, n_recent,
-                                 be.device, kv_dtype=k0.dtype, D=D, kv_start=self.ctx.kv_start)
+            for p in range(len(self.packs)):
+                s.ensure_pack_buffers(p, B, self.spec.n_kv_heads, K, n_sink, n_recent,
+                                      be.device, kv_dtype=k0.dtype, D=D, kv_start=self.ctx.kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
 
     # ------------------------------------------------------------------ serving (spade.serving)
@@ -239,9 +239,9 @@ class InferenceSession:
         layout = self.policy.selection_layout()
         if layout is not None:
             K, n_sink, n_recent = layout
-            for layer in range(spec.n_layers):
-                s.ensure_buffers(layer, B, spec.n_kv_heads, K, n_sink, n_recent, be.device, kv_dtype=k0.dtype,
-                                 D=D, kv_start=ctx.kv_start)
+            for p in range(len(self.packs)):
+                s.ensure_pack_buffers(p, B, spec.n_kv_heads, K, n_sink, n_recent, be.device, kv_dtype=k0.dtype,
+                                      D=D, kv_start=ctx.kv_start)
         self._wake = asyncio.Event()
         self._end_seen = asyncio.Event()
         if self.peer_gone is None:
@@ -570,7 +570,7 @@ class InferenceSession:
                     # cache rank could produce this message (it waited on that pack's q/k/v),
                     # so only the pack that uses it waits, on the event (no copy on the
                     # compute stream).
-                    with torch.cuda.device(self.be.device), stream_scope(self._land_stream):
+                    with stream_scope(self._land_stream):  # (its device current with it)
                         self._apply(meta, msg)
                         ev = torch.cuda.Event()
                         ev.record(self._land_stream)
@@ -599,7 +599,7 @@ class InferenceSession:
         q = self.pending[p]
         if not q:
             return
-        cur = torch.cuda.current_stream(self.be.device) if self._land_stream is not None else None
+        cur = current_stream(self.be.device) if self._land_stream is not None else None
         for meta, msg, ev in q:
             if cur is not None:
                 cur.wait_event(ev)
@@ -619,6 +619,8 @@ class InferenceSession:
         mode = self.rt.return_mode
         dev = self.be.device
         with torch.no_grad():
+            if mode != "delta" and self._land_whole(p, meta, msg):
+                return
             for j, row in enumerate(meta):
                 layer = l0 + j
                 if row[P.META_DENSE]:
@@ -643,6 +645,29 @@ class InferenceSession:
                 if mode == "kv":
                     s.k_sel[layer].copy_(msg[2][j], non_blocking=True)
                     s.v_sel[layer].copy_(msg[3][j], non_blocking=True)
+
+    def _land_whole(self, p: int, meta: list[list[int]], msg: list[torch.Tensor]) -> bool:
+        """A pack whose every layer has a selection of one width lands in one copy (per
+        tensor) into the pack's buffers (``AsyncSelector.ensure_pack_buffers``); False:
+        the caller lands it layer by layer."""
+        s = self.sel
+        l0, l1 = self.packs[p]
+        row = meta[0]
+        K, n_sink, n_recent = row[P.META_K], row[P.META_SINK], row[P.META_RECENT]
+        if K == 0 or len(msg) < 2 or any(r[P.META_DENSE] or r[P.META_K] != K or r[P.META_SINK] != n_sink
+                                         or r[P.META_RECENT] != n_recent for r in meta):
+            return False
+        if not all(s.idx[layer] is None or s.pack_view(layer) for layer in range(l0, l1)):
+            return False
+        s.ensure_pack_buffers(p, self._B, self.spec.n_kv_heads, K, n_sink, n_recent, self.be.device,
+                              kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
+        kv = msg[2:4] if self.rt.return_mode == "kv" else ()
+        if not s.land_pack(p, msg[1], *kv):
+            return False
+        for layer in range(l0, l1):
+            s.dense_flag[layer] = False
+        self.stats["packs_landed_whole"] += 1
+        return True
 
     # ------------------------------------------------------------------ one step
     def _use(self, p: int, fresh: bool) -> None:
@@ -811,7 +836,7 @@ class InferenceSession:
         if dev.type != "cuda":
             return
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
+        ev.record(current_stream(dev))
         while not ev.query():
             await asyncio.sleep(0)
 

@@ -41,7 +41,7 @@ import torch
 
 from spade.config import ConfigSection
 from spade.errors import PeerGone, PeerTimeout, TransportError
-from spade.streams import stream_scope
+from spade.streams import current_stream, stream_scope
 from spade.transports.base import Handshake, Transport
 
 
@@ -153,9 +153,9 @@ class LocalTransport(Transport):
 
     # ------------------------------------------------------------------ data
     def _stream_for(self, device: torch.device):
-        if self.stream is not None and device.type == "cuda" and self.stream.device == device:
+        if self.stream is not None and device.type == "cuda" and self.stream.device_index == device.index:
             return self.stream
-        return torch.cuda.current_stream(device)
+        return current_stream(device)
 
     def _land_stream(self):
         """Where ``recv`` waits for arriving CUDA data: ``recv_stream``, else ``stream``/current."""
@@ -181,8 +181,8 @@ class LocalTransport(Transport):
         """A private copy of ``t`` on the receiver's side (see the module docstring)."""
         if not t.is_cuda:
             return t.detach().clone()
-        src_stream = self._stream_for(t.device)
-        with torch.cuda.device(t.device), stream_scope(src_stream):
+        src_stream = self._stream_for(t.device)  # (its device becomes current with it)
+        with stream_scope(src_stream):
             local = t.detach().clone()
             if dst == t.device:
                 ev = torch.cuda.Event()
@@ -195,12 +195,12 @@ class LocalTransport(Transport):
         comm.wait_event(ready)
         local.record_stream(comm)
         if dst.type == "cuda":
-            with torch.cuda.device(t.device), stream_scope(comm), stream_scope(self._recv_stream(dst)):
+            with stream_scope(comm), stream_scope(self._recv_stream(dst)):
                 out = local.to(dst, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(comm)
         else:  # a CPU receiver: the copy must be complete before the host reads it
-            with torch.cuda.device(t.device), stream_scope(comm):
+            with stream_scope(comm):
                 out = local.to("cpu")
             ev = None
         if ev is not None:

@@ -44,6 +44,9 @@ def test_matches_inline_tokens(model, prompt, inline_tokens, topology, pack, mod
     assert tr.stats["sel_messages"] >= sparse_steps * n_packs
     assert tr.late_packs == 0
     assert len(tr.step_times_s) == NEW - 1
+    # indices / kv: every pack's selection landed in one copy into its pack's buffers, but
+    # each pack's first (made at the boot, below the budget: no selection, landed per layer)
+    assert tr.stats["packs_landed_whole"] == (tr.stats["sel_messages"] - n_packs if mode != "delta" else 0)
 
 
 @pytest.mark.parametrize("mode", ["indices", "kv", "delta"])
