@@ -35,7 +35,7 @@ Overlap (Table 3): per pack of P layers, the cache rank's work (``observe`` +
 pack (the asynchronous TPOT / packs), and the bandwidth a link needs so that a
 pack's messages (q/k/v up, indices down) move within one inference pack.
 
-    python -m benchmarks.bench_tpot --quick            # B=8, L=32k, K=2k, P in {2, 4}
+    python -m benchmarks.bench_tpot --quick            # B=8, L=32k, K=2k, P in {4, 9}
     python -m benchmarks.bench_tpot --batch 1,8,16,32 --context 16384,32768,65536 --budget 1024,2048
     python -m benchmarks.bench_tpot --device cpu --preset tiny --quick   # smoke run anywhere
     python -m benchmarks.bench_tpot --quick --methods optimal,asyncspade/colocated --rerank 1,2,4
@@ -800,7 +800,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=_ints, default=[1, 8, 16, 32])
     ap.add_argument("--context", type=_ints, default=[16384, 32768, 65536])
     ap.add_argument("--budget", type=_ints, default=[1024, 2048])
-    ap.add_argument("--packs", type=_ints, default=[2, 4, 6, 12], help="P values for the asynchronous rows")
+    ap.add_argument("--packs", type=_ints, default=[4, 6, 9, 12], help="P values for the asynchronous rows")
     ap.add_argument("--modes", default="indices", help="return modes of the asynchronous rows (indices,kv,delta)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--sink", type=int, default=4)
@@ -876,9 +876,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.set_defaults(**config_defaults(pre.config))
     a = ap.parse_args(argv)
     if a.quick:
-        a.batch, a.context, a.budget, a.packs = [8], [32768], [2048], [2, 4]
+        a.batch, a.context, a.budget, a.packs = [8], [32768], [2048], [4, 9]
         if a.device == "cpu":  # smoke run: tiny shapes
-            a.batch, a.context, a.budget, a.iters = [2], [256], [64], 5
+            a.batch, a.context, a.budget, a.iters, a.packs = [2], [256], [64], 5, [1, 2]
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
     from spade.policies import POLICIES
