@@ -36,8 +36,12 @@ class AsyncSelector:
     stages each layer's (q, k_new, v_new) for the pack message."""
 
     def __init__(self, spec, packs: list[tuple[int, int]], *, stage_kv: bool, shared: SharedKV | None,
-                 return_mode: str, rerank: tuple[int, str] | None = None):
+                 return_mode: str, rerank: tuple[int, str] | None = None, q_rows: int = 0):
         self.spec = spec
+        self.q_rows = int(q_rows or 0)
+        """The prompt's last queries the cache rank's boot takes (``Policy.rows``; 0: all): a
+        prefill keeps only these per layer, not the prompt's every query (2 GB per layer of
+        Qwen3-8B at 256k tokens)."""
         self.rerank = rerank
         """``Policy.rerank_keep()``: the cache rank's selections are candidates, of which
         the attention keeps ``rerank[0]`` by the true query (``Selection.keep``)."""
@@ -108,6 +112,8 @@ class AsyncSelector:
         if not self.q_buf:
             self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
             self.kv_lens0 = kv_lens.clone()
+        if self.q_rows and q.shape[2] > self.q_rows:  # a copy: a view would keep the whole [B, Hq, T, D] alive
+            q = q[:, :, q.shape[2] - self.q_rows:].contiguous()
         self.boot[layer] = (q, k_cache, v_cache)
         self.kv_refs[layer] = (k_cache, v_cache)
         if self.shared is not None:  # (a paged cache reports the prompt's keys contiguous)

@@ -307,3 +307,23 @@ def test_hf_backend_growing_cache(prompt):
     want = InlineRuntime(cfg, be, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
     tr = generate_cfg(cfg, be, prompt)
     assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+
+
+def test_prefill_keeps_only_the_queries_the_boot_sends():
+    """A prefill reports every prompt query per layer; the selector keeps a copy of the newest
+    ``Policy.rows`` (what the cache rank's boot takes), not a view holding the whole tensor."""
+    from types import SimpleNamespace
+
+    from spade.runtime.selector import AsyncSelector
+
+    spec = SimpleNamespace(n_layers=2)
+    sel = AsyncSelector(spec, [(0, 1), (1, 2)], stage_kv=True, shared=None, return_mode="indices", q_rows=5)
+    q = torch.randn(2, 4, 37, 8)
+    k = torch.randn(2, 2, 40, 8)
+    sel.prefill(0, q, k, k, torch.full((2,), 37))
+    kept = sel.boot[0][0]
+    assert kept.shape == (2, 4, 5, 8) and torch.equal(kept, q[:, :, -5:])
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()  # its own storage
+    everything = AsyncSelector(spec, [(0, 2)], stage_kv=True, shared=None, return_mode="indices")
+    everything.prefill(0, q, k, k, torch.full((2,), 37))
+    assert everything.boot[0][0] is q  # q_rows 0: a policy that reads every prompt query gets them
