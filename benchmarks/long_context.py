@@ -131,8 +131,8 @@ def markdown(rows: list[dict]) -> str:
                 cells.append(f"{r['tpot_ms']:.2f}")
             else:
                 cells.append(f"{r['tpot_ms']:.2f} ({r['vs_optimal']:.2f}x)")
-        loc = (by.get("local") or by.get("colocated")
-               or next((by[m] for m in order if m.split("/")[0] in ("local", "colocated")), {}))
+        loc = next((by[m] for topo in ("local", "colocated") for m in [topo, *order]
+                    if m in by and m.split("/")[0] == topo), {})
         fb = loc.get("topk_fallback_rate")
         t3 = loc.get("table3")
         lines.append(f"| {B} x {L // 1024}k | " + " | ".join(cells)

@@ -27,6 +27,30 @@ def _row(t, **kw):
     return {"tpot_ms": t, "p90_ms": t * 1.1, **kw}
 
 
+def test_several_pack_sizes_keep_their_own_rows_table3_and_the_local_fallback_rate():
+    """A run of P=4 and P=9 side by side: the labels carry P, Table 3 is per P, and the
+    fallback column reads a local row even when a colocated row comes first."""
+    loc_ch = {"topk_calls": 400.0, "topk_fallbacks": 10.0}
+    col_ch = {"topk_calls": 200.0, "topk_fallbacks": 10.0}
+    res = {"meta": {"gpu": "NVIDIA H200"}, "configs": [_conf(1, 262144, {
+        "full": _row(14.0), "optimal": _row(4.6),
+        "asyncspade/colocated/P=4/int4": _row(6.8, cache_host=col_ch),
+        "asyncspade/colocated/P=9/int4": _row(6.6, cache_host=col_ch),
+        "asyncspade/local/P=4/int4": _row(5.1, cache_host=loc_ch),
+        "asyncspade/local/P=9/int4": _row(4.8, cache_host=loc_ch)},
+        overlap=[{"pack_layers": 4, "inference_ms_per_pack": 0.5, "cache_ms_per_pack_runtime_int4": 0.35},
+                 {"pack_layers": 9, "inference_ms_per_pack": 1.1, "cache_ms_per_pack_runtime_int4": 0.66}])]}
+    rows = long_context.summarise([res])
+    by = {r["method"]: r for r in rows}
+    assert {"local/P=4", "local/P=9", "colocated/P=4", "colocated/P=9"} <= set(by)
+    assert abs(by["local/P=4"]["table3"] - 0.7) < 1e-9 and abs(by["local/P=9"]["table3"] - 0.6) < 1e-9
+    line = next(x for x in long_context.markdown(rows).splitlines() if x.startswith("| 1 x 256k"))
+    assert "| 2.5% |" in line and "5.0%" not in line
+    # one pack size: plain labels, as the single-P runs always had
+    one = {"configs": [_conf(1, 65536, {"optimal": _row(4.6), "asyncspade/local/P=9/int4": _row(4.7)})]}
+    assert {r["method"] for r in long_context.summarise([one])} == {"optimal", "local"}
+
+
 def test_summary_ratios_fallbacks_and_table3(tmp_path):
     ch = {"topk_calls": 200.0, "topk_fallbacks": 10.0, "topk_fallbacks_too_many": 4.0}
     res = {"meta": {"gpu": "NVIDIA H200"}, "configs": [
