@@ -752,6 +752,12 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _packs(s: str) -> list[int | str]:
+    """``--packs``: layers per pack, comma-separated; ``auto`` is the runtime's default
+    (``runtime.pack_layers: auto``, four packs per step), resolved for the preset's layers."""
+    return [x.strip() if x.strip() == "auto" else int(x) for x in s.split(",") if x.strip()]
+
+
 def config_defaults(path: str) -> dict:
     """Argument defaults from a spade config (``spade bench tpot --config X``): the model
     preset, dtype and projection kernels, the policy's speed settings, the runtime's
@@ -800,7 +806,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=_ints, default=[1, 8, 16, 32])
     ap.add_argument("--context", type=_ints, default=[16384, 32768, 65536])
     ap.add_argument("--budget", type=_ints, default=[1024, 2048])
-    ap.add_argument("--packs", type=_ints, default=[4, 6, 9, 12], help="P values for the asynchronous rows")
+    ap.add_argument("--packs", type=_packs, default=["auto", 4], help="P values for the asynchronous rows (auto: "
+                    "the runtime's default, four packs per step: P=9 on the 36-layer Qwen3-8B preset)")
     ap.add_argument("--modes", default="indices", help="return modes of the asynchronous rows (indices,kv,delta)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--sink", type=int, default=4)
@@ -1037,6 +1044,9 @@ def run(argv: list[str] | None = None) -> dict:
     two = device.type == "cpu" or n_gpu >= 2  # local/multiprocess rows (CPU: same device, gloo)
     t_start = time.time()
     hf_cfg = preset_config(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
+    from spade.runtime.protocol import resolve_pack_layers
+
+    a.packs = list(dict.fromkeys(resolve_pack_layers(p, hf_cfg.num_hidden_layers) for p in a.packs))
     result: dict[str, Any] = {"meta": {
         "preset": a.preset, "layers": hf_cfg.num_hidden_layers, "dtype": a.dtype, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus_visible": n_gpu,

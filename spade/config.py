@@ -250,7 +250,8 @@ class BenchConfig(ConfigSection):
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 8])
     context_lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [8192, 32768])
     budgets: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048])
-    pack_layers: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [4])
+    pack_layers: list[Annotated[int, Field(ge=1)] | Literal["auto"]] = Field(default_factory=lambda: ["auto"])
+    """P values of the asynchronous rows; ``auto``: the runtime's default (four packs per step)."""
     policies: list[str] = Field(
         default_factory=lambda: ["full", "quest", "tova", "oracle", "asyncspade", "optimal"]
     )
