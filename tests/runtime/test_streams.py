@@ -5,12 +5,39 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spade.streams import stream_scope
+from spade.streams import current_stream, no_grad_on, stream_scope
 
 
 def test_none_is_a_no_op():
     with stream_scope(None) as s:
         assert isinstance(s, stream_scope)
+
+
+def test_no_grad_on_restores_the_grad_mode_it_found():
+    x = torch.ones(2, requires_grad=True)
+    with no_grad_on(None):
+        assert not torch.is_grad_enabled() and not (x * 2).requires_grad
+    assert torch.is_grad_enabled() and (x * 2).requires_grad
+    with pytest.raises(ValueError):  # restored on an exception too
+        with no_grad_on(None):
+            raise ValueError("inside")
+    assert torch.is_grad_enabled()
+    with torch.no_grad():  # inside no_grad it stays off after exit
+        with no_grad_on(None):
+            pass
+        assert not torch.is_grad_enabled()
+
+
+@pytest.mark.gpu
+def test_current_stream_is_torch_current_stream_and_reused():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert current_stream(dev) == torch.cuda.current_stream(dev)
+    assert current_stream(dev) is current_stream(dev)  # one object per stream
+    assert current_stream(torch.device("cuda")) == torch.cuda.current_stream()  # index-less: the current device
+    s = torch.cuda.Stream()
+    with stream_scope(s):
+        assert current_stream(dev) == s == torch.cuda.current_stream(dev)
+    assert current_stream(dev) == torch.cuda.current_stream(dev) != s
 
 
 @pytest.mark.gpu
