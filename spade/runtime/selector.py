@@ -59,8 +59,8 @@ class AsyncSelector:
         self.idx: list[torch.Tensor | None] = [None] * n  # [B, Hkv, K] int32
         self.k_sel: list[torch.Tensor | None] = [None] * n  # kv mode: [B, Hkv, K, D]
         self.v_sel: list[torch.Tensor | None] = [None] * n
-        # pack -> (idx [n, B, Hkv, K], k, v or None, idx's layer views): the layers' buffers as slots of one
-        # tensor per pack (``ensure_pack_buffers``), so that a selection lands in one copy
+        # pack -> (idx [n, B, Hkv, K], k, v or None, idx's layer views, (n_sink, n_recent)): the layers'
+        # buffers as slots of one tensor per pack (``ensure_pack_buffers``), so a selection lands in one copy
         self.pack_idx: dict[int, tuple] = {}
         self.dense_flag = [False] * n  # the cache rank said "no selection" (policy returned None)
         self.key: tuple = ()
@@ -155,45 +155,50 @@ class AsyncSelector:
                             kv_dtype=None, D: int = 0, kv_start=None) -> None:
         """Pack ``p``'s layers' selection buffers as views of one [n, B, H, K] tensor (and
         [n, B, H, K, D] K/V in the kv return mode), so that a pack's selection lands with
-        one copy (``land_pack``). Kept when already in place at this shape."""
+        one copy (``land_pack``). Kept when already in place at this layout."""
         l0, l1 = self.packs[p]
-        if all(self.pack_view(layer) and self.idx[layer].shape == (B, H, K)
-               and self.sel[layer].n_sink == n_sink and self.sel[layer].n_recent == n_recent
-               for layer in range(l0, l1)):
-            return
         n = l1 - l0
+        got = self.pack_idx.get(p)
+        if got is not None and got[0].shape == (n, B, H, K) and got[4] == (n_sink, n_recent) and self.pack_intact(p):
+            return
         idx = torch.full((n, B, H, K), -1, dtype=torch.int32, device=device)
         ks = vs = None
         if self.return_mode == "kv":
             ks = torch.zeros(n, B, H, K, D, dtype=kv_dtype, device=device)
             vs = torch.zeros(n, B, H, K, D, dtype=kv_dtype, device=device)
         views = idx.unbind(0)
-        self.pack_idx[p] = (idx, ks, vs, views)
+        self.pack_idx[p] = (idx, ks, vs, views, (n_sink, n_recent))
         for j, layer in enumerate(range(l0, l1)):
             self._set_buffers(layer, views[j], n_sink, n_recent, B, K, device, kv_start,
                               None if ks is None else ks[j], None if vs is None else vs[j])
 
-    def pack_view(self, layer: int) -> bool:
-        """Whether ``layer``'s index buffer is still its slot of the pack's tensor."""
-        p, j = self.where[layer]
+    def pack_intact(self, p: int, allow_none: bool = False) -> bool:
+        """Whether every layer of pack ``p`` still hands out its slot of the pack's tensor
+        (``allow_none``: or has no buffer yet); a layer re-made alone (``ensure_buffers``)
+        takes its pack off the one-copy landing."""
         got = self.pack_idx.get(p)
-        return got is not None and self.idx[layer] is got[3][j]
-
-    def land_pack(self, p: int, idx: torch.Tensor, k: torch.Tensor | None = None,
-                  v: torch.Tensor | None = None) -> bool:
-        """Copy a whole pack's selection (``idx`` [n, B, H, K]; K/V in the kv mode) into
-        the pack's buffers in one copy each; False (nothing copied) when the buffers are
-        not one pack tensor of that shape (the caller lands layer by layer)."""
-        got = self.pack_idx.get(p)
-        if got is None or got[0].shape != idx.shape:
-            return False
         l0, l1 = self.packs[p]
-        if not all(self.pack_view(layer) for layer in range(l0, l1)):
+        if got is None:
+            return allow_none and all(self.idx[layer] is None for layer in range(l0, l1))
+        views = got[3]
+        return all(self.idx[layer] is views[j] or (allow_none and self.idx[layer] is None)
+                   for j, layer in enumerate(range(l0, l1)))
+
+    def land_pack(self, p: int, msg: list[torch.Tensor], n_sink: int, n_recent: int, device, kv_dtype=None,
+                  D: int = 0, kv_start=None) -> bool:
+        """Copy a whole pack's selection (``msg``: [idx [n, B, H, K]] and, in the kv mode,
+        its K and V) into the pack's buffers, made or re-made for that layout, in one copy
+        per tensor. False (nothing copied) when a layer holds buffers of its own: the
+        caller lands layer by layer."""
+        if not self.pack_intact(p, allow_none=True):
             return False
-        got[0].copy_(idx, non_blocking=True)
+        _, B, H, K = msg[0].shape
+        self.ensure_pack_buffers(p, B, H, K, n_sink, n_recent, device, kv_dtype=kv_dtype, D=D, kv_start=kv_start)
+        got = self.pack_idx[p]
+        got[0].copy_(msg[0], non_blocking=True)
         if self.return_mode == "kv":
-            got[1].copy_(k, non_blocking=True)
-            got[2].copy_(v, non_blocking=True)
+            got[1].copy_(msg[1], non_blocking=True)
+            got[2].copy_(msg[2], non_blocking=True)
         return True
 
     def ensure_buffers(self, layer: int, B: int, H: int, K: int, n_sink: int, n_recent: int, device,

@@ -648,25 +648,20 @@ class InferenceSession:
                     s.v_sel[layer].copy_(msg[3][j], non_blocking=True)
 
     def _land_whole(self, p: int, meta: list[list[int]], msg: list[torch.Tensor]) -> bool:
-        """A pack whose every layer has a selection of one width lands in one copy (per
-        tensor) into the pack's buffers (``AsyncSelector.ensure_pack_buffers``); False:
-        the caller lands it layer by layer."""
-        s = self.sel
-        l0, l1 = self.packs[p]
+        """A pack whose every layer has a selection of one layout lands in one copy (per
+        tensor) into the pack's buffers (``AsyncSelector.land_pack``); False: the caller
+        lands it layer by layer."""
         row = meta[0]
         K, n_sink, n_recent = row[P.META_K], row[P.META_SINK], row[P.META_RECENT]
         if K == 0 or len(msg) < 2 or any(r[P.META_DENSE] or r[P.META_K] != K or r[P.META_SINK] != n_sink
                                          or r[P.META_RECENT] != n_recent for r in meta):
             return False
-        if not all(s.idx[layer] is None or s.pack_view(layer) for layer in range(l0, l1)):
+        if not self.sel.land_pack(p, msg[1:], n_sink, n_recent, self.be.device, kv_dtype=self._kv_dtype, D=self._D,
+                                  kv_start=self.ctx.kv_start):
             return False
-        s.ensure_pack_buffers(p, self._B, self.spec.n_kv_heads, K, n_sink, n_recent, self.be.device,
-                              kv_dtype=self._kv_dtype, D=self._D, kv_start=self.ctx.kv_start)
-        kv = msg[2:4] if self.rt.return_mode == "kv" else ()
-        if not s.land_pack(p, msg[1], *kv):
-            return False
+        l0, l1 = self.packs[p]
         for layer in range(l0, l1):
-            s.dense_flag[layer] = False
+            self.sel.dense_flag[layer] = False
         self.stats["packs_landed_whole"] += 1
         return True
 
