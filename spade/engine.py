@@ -414,7 +414,11 @@ class Engine:
         finished = ["length"] * len(texts)
         tok = self.tokenizer
         streamed: list[list[int]] = [[] for _ in texts]
-        shown = [""] * len(texts)
+        detoks = None
+        if on_text is not None and tok is not None:
+            from spade.serving.detok import IncrementalDetokenizer
+
+            detoks = [IncrementalDetokenizer(tok) for _ in texts]  # a window per token, not the whole text
 
         def on_token(step: int, host: torch.Tensor) -> bool:
             for b in range(len(texts)):
@@ -425,11 +429,10 @@ class Engine:
                     done[b], finished[b] = True, "eos"
                     continue
                 streamed[b].append(t)
-                if on_text is not None and tok is not None:
-                    txt = tok.decode(streamed[b], skip_special_tokens=True)
-                    if txt.startswith(shown[b]) and len(txt) > len(shown[b]):
-                        on_text(b, txt[len(shown[b]):])
-                        shown[b] = txt
+                if detoks is not None:
+                    new = detoks[b].step(streamed[b])
+                    if new:
+                        on_text(b, new)
             return g.stop_at_eos and all(done)
 
         def results(trace) -> list[GenerationResult]:

@@ -38,6 +38,7 @@ from spade.config import SpadeConfig
 from spade.engine import check_prompt_text, check_prompts, load_model
 from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
 from spade.runtime.protocol import TOPK_STATS
+from spade.serving.detok import IncrementalDetokenizer
 from spade.serving.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _Request:
     row: int = -1
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # the whole text so far (cut at a stop string)
+    detok: Optional[IncrementalDetokenizer] = None  # the text of output_ids, a window per token
     sent: str = ""  # the text already streamed
     pending: Optional[int] = None  # the sampled token the next decode step feeds
     finish_reason: Optional[str] = None
@@ -560,11 +562,6 @@ class AsyncEngine:
             out[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
         return out.tolist()
 
-    def _detok(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(map(str, ids))
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _token(self, req: _Request, tok: int) -> None:
         """Record ``tok`` for ``req``: stop tokens, EOS, stop strings, max_tokens; stream
         the update; retire the request when it finished."""
@@ -583,8 +580,10 @@ class AsyncEngine:
             req.output_ids.append(tok)
             if self.tokenizer is None:  # ids as text: one more, without re-joining them all
                 text = f"{req.text} {tok}" if len(req.output_ids) > 1 else str(tok)
-            else:
-                text = self._detok(req.output_ids)
+            else:  # O(1) decode work per token, not the whole output again (O(n^2) per request)
+                if req.detok is None:
+                    req.detok = IncrementalDetokenizer(self.tokenizer)
+                text = req.text + req.detok.step(req.output_ids)
             if p.stop:
                 start = max(0, len(req.text) - max(len(s) for s in p.stop))
                 hits = [(text.find(s, start), s) for s in p.stop]
@@ -592,11 +591,14 @@ class AsyncEngine:
                 if hits:
                     i, s = min(hits)
                     text, finish, req.stop_reason = text[:i], "stop", s
-            req.text = text
             if finish is None and len(req.output_ids) >= p.max_tokens:
                 finish = "length"
+            req.text = text
         if finish is None and self.batch.cursor + 1 > self.max_seq_len:
             finish = "length"  # the context limit (admission keeps the cursor short of it)
+        if finish is not None and req.detok is not None and not isinstance(req.stop_reason, str):
+            # not cut at a stop string: the text of a character still incomplete, as decode() ends it
+            req.text += req.detok.flush(req.output_ids)
         with self._lock:
             if finish is not None:
                 self._retire(req, finish)
