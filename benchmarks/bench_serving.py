@@ -53,6 +53,51 @@ async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
     return outs, time.perf_counter() - t0
 
 
+async def _profile(engine, n: int) -> dict | None:
+    """Kernel times of ``n`` decode steps once every request of the trace has joined (no
+    prompt piece in the window unless a row finished and the queue refilled it: the
+    window's prefill pieces are reported). CUDA activity only, from every thread."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    while True:  # wait for the queue to empty and the joins to finish, then one more step
+        st = engine.stats()
+        if st["requests_waiting"] == 0 and st["requests_prefilling"] == 0 and st["requests_running"] > 0:
+            break
+        if st["closed"]:
+            return None
+        await asyncio.sleep(0.02)
+    s0 = st["steps"]
+    while engine.stats()["steps"] < s0 + 2:
+        await asyncio.sleep(0.005)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    prof.__enter__()
+    st = engine.stats()
+    a0, p0, t0 = st["steps"], st["prefill_pieces"], time.perf_counter()
+    while engine.stats()["steps"] < a0 + n and engine.stats()["requests_running"] > 0:
+        await asyncio.sleep(0.005)
+    st = engine.stats()
+    steps, wall = st["steps"] - a0, time.perf_counter() - t0
+    prof.__exit__(None, None, None)
+    kern: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            kern[ev.key] = kern.get(ev.key, 0.0) + us
+    steps = max(1, steps)
+    top = sorted(kern.items(), key=lambda kv: -kv[1])[:25]
+    out = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, "rows": st["requests_running"],
+           "prefill_pieces_in_window": st["prefill_pieces"] - p0,
+           "device_ms_per_step": sum(kern.values()) / steps / 1e3,
+           "top_kernels_ms_per_step": {k[:120]: v / steps / 1e3 for k, v in top}}
+    print(f"  profile: {steps} steps, {out['wall_ms_per_step']:.2f} ms/step wall, "
+          f"{out['device_ms_per_step']:.2f} ms/step of kernels (all streams)")
+    for k, v in list(out["top_kernels_ms_per_step"].items())[:12]:
+        print(f"    {v:8.3f} ms/step  {k}")
+    return out
+
+
 def run_policy(args, policy: str, jobs) -> dict:
     import torch
 
@@ -75,7 +120,9 @@ def run_policy(args, policy: str, jobs) -> dict:
         warm = [(0.0, j[1], WARM_TOKENS) for j in jobs[:2]]
         await _trace(engine, warm)
         st0 = engine.stats()
+        watch = asyncio.ensure_future(_profile(engine, args.profile_steps)) if args.profile_steps else None
         outs, wall = await _trace(engine, jobs)
+        prof = await watch if watch is not None else None
         # after the close: the cache rank's account of the trace's epoch is in (topk_*: it comes at
         # an epoch's end; they include the warm-up's epoch, which ended inside the trace)
         await engine.close()
@@ -83,21 +130,24 @@ def run_policy(args, policy: str, jobs) -> dict:
         for k in TRACE_COUNTERS:  # the timed trace's own share of the cumulative counters
             if isinstance(st.get(k), (int, float)) and isinstance(st0.get(k), (int, float)):
                 st[k] -= st0[k]
-        return outs, wall, st
+        return outs, wall, st, prof
 
-    outs, wall, st = asyncio.run(main())
+    outs, wall, st, prof = asyncio.run(main())
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
     tpot = [o.tpot_s for o in outs if o.tpot_s is not None]
     queue = [o.queue_s for o in outs if o.queue_s is not None]
+    gpus = 2 if args.topology in ("local", "multiprocess") else 1  # the cache rank's own GPU counts
     return {
-        "policy": policy, "output_tokens": ntok, "wall_s": wall, "output_tok_per_s": ntok / wall,
+        "policy": policy, "topology": args.topology, "gpus": gpus, "output_tokens": ntok, "wall_s": wall,
+        "output_tok_per_s": ntok / wall, "output_tok_per_s_per_gpu": ntok / wall / gpus,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
         "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "queue_p50_s": percentile(queue, 0.5), "queue_p99_s": percentile(queue, 0.99),
         "mean_tpot_s": statistics.mean(tpot) if tpot else None,
         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
         "engine": st,
+        "profile": prof,
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
     }
 
@@ -124,6 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=512, help="prompt token ids are drawn below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="extra config overrides, e.g. policy.score_keys=int4")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="torch.profiler (CUDA kernels) over this many decode steps once every request has "
+                         "joined; per-kernel ms per step in the row's 'profile'")
     ap.add_argument("--out", default="results/bench_serving.json")
     args = ap.parse_args(argv)
     if args.prompt_max + args.out_max > args.max_seq_len:
@@ -140,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     rec = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "args": vars(args), "rows": rows}
     for r in rows:
-        print(f"{r['policy']:>12}: {r['output_tok_per_s']:.1f} tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
+        print(f"{r['policy']:>12} ({r['topology']}): {r['output_tok_per_s']:.1f} tok/s ({r['output_tok_per_s_per_gpu']:.1f} per GPU)  TTFT p50 {r['ttft_p50_s']:.3f} s "
               f"p99 {r['ttft_p99_s']:.3f} s  TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 "
               f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}  "
               f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  "

@@ -53,6 +53,9 @@
 #              over nccl on a pair (colocated on one GPU; SOAK_TOPOLOGY), JSON + plot
 #   serving    tests/serving/test_gpu.py, then bench_serving per SERVING_POLICIES (full asyncspade) on SERVING_TOPOLOGY
 #              (colocated), SERVING_ARGS (default 8 requests of 8k-16k prompts, 200-256 outputs)
+#   trace      the serving core's offline trace (TRACE_ARGS; Poisson arrivals, 16 paged slots): full and quest (one GPU
+#              each, side by side), asyncspade colocated and local, kernel profiles of the served step, then the
+#              static step at 16 x 16k (contiguous and paged) for the pair target
 #   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
 #              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
@@ -282,6 +285,32 @@ for s in "${stages[@]}"; do
           ${SERVING_ARGS:---requests 8 --prompt-min 8192 --prompt-max 16384 --out-min 200 --out-max 256 --max-seq-len 16640 --budget 2048} \
           --out "$OUT/bench_serving_$p.json"
       done ;;
+    trace)  # the serving core's offline trace (issue workload, TRACE_ARGS: Poisson arrivals, 8k-24k prompts, 512-2048
+            # outputs, 16 paged slots) for full and quest (one GPU each, side by side), asyncspade colocated (GPU 0)
+            # and local (the pair), each with a kernel profile of TRACE_PROFILE decode steps once all have joined;
+            # then the static step at 16 x 16k (optimal / local / colocated / full, contiguous and paged) for the
+            # pair's "p50 TPOT <= 1.15x static optimal" target
+      TA=${TRACE_ARGS:---requests 32 --rate 1 --prompt-min 8192 --prompt-max 24576 --out-min 512 --out-max 2048}
+      TS="--preset qwen3-8b --max-batch 16 --max-seq-len 26624 --budget 2048 --set model.block_size=16 \
+          --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-20} $TA"
+      AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto"
+      run trace_full 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+        --topology colocated --policies full --out "$OUT/trace_full.json" &
+      t_full=$!
+      if [ "$NGPU" -ge 2 ]; then
+        run trace_quest 400 env CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+          --topology colocated --policies quest --out "$OUT/trace_quest.json"
+      fi
+      wait $t_full
+      run trace_colocated 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+        --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated.json"
+      if [ "$NGPU" -ge 2 ]; then
+        run trace_local 400 python3 -m benchmarks.bench_serving $TS --device cuda:0 --topology local \
+          --policies asyncspade $AS --out "$OUT/trace_local.json"
+      fi
+      run trace_static 300 python3 -m benchmarks.bench_tpot --batch 16 --context ${TRACE_STATIC_L:-16384} --budget 2048 \
+        --packs ${PACKS:-9} --score-keys int4 --iters 24 --no-plots --block-size 0,16 \
+        --methods ${TRACE_STATIC_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/trace_static.json" ;;
     serve)  # `spade serve` under the openai client: a request-rate sweep per policy (SERVE_POLICIES) with the idle
             # TPOT and the highest rate within 2x it (SERVE_ARGS), then one plot; needs the serve wheels in .whl
       for p in ${SERVE_POLICIES:-full asyncspade}; do
