@@ -286,31 +286,42 @@ for s in "${stages[@]}"; do
           --out "$OUT/bench_serving_$p.json"
       done ;;
     trace)  # the serving core's offline trace (issue workload, TRACE_ARGS: Poisson arrivals, 8k-24k prompts, 512-2048
-            # outputs, 16 paged slots) for full and quest (one GPU each, side by side), asyncspade colocated (GPU 0)
-            # and local (the pair), each with a kernel profile of TRACE_PROFILE decode steps once all have joined;
-            # then the static step at 16 x 16k (optimal / local / colocated / full, contiguous and paged) for the
-            # pair's "p50 TPOT <= 1.15x static optimal" target
+            # outputs, 16 paged slots) for TRACE_ROWS (default: full and quest on one GPU each, side by side, then
+            # asyncspade colocated on GPU 0 and local on the pair; TRACE_AS: asyncspade's extra settings, TRACE_TAG: a
+            # file suffix), each with a kernel profile of TRACE_PROFILE decode steps once all have joined; then the
+            # static step at 16 x 16k (TRACE_STATIC_METHODS, contiguous and paged; TRACE_STATIC_ARGS) for the pair's
+            # "p50 TPOT <= 1.15x static optimal" target (TRACE_STATIC=0 skips it)
       TA=${TRACE_ARGS:---requests 32 --rate 1 --prompt-min 8192 --prompt-max 24576 --out-min 512 --out-max 2048}
       TS="--preset qwen3-8b --max-batch 16 --max-seq-len 26624 --budget 2048 --set model.block_size=16 \
           --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-20} $TA"
-      AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto"
-      run trace_full 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
-        --topology colocated --policies full --out "$OUT/trace_full.json" &
-      t_full=$!
-      if [ "$NGPU" -ge 2 ]; then
-        run trace_quest 400 env CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
-          --topology colocated --policies quest --out "$OUT/trace_quest.json"
+      AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto ${TRACE_AS:-}"
+      TG=${TRACE_TAG:-}
+      rows=" ${TRACE_ROWS:-full quest colocated local} "
+      t_full=""
+      if [[ $rows == *" full "* ]]; then
+        run trace_full$TG 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+          --topology colocated --policies full --out "$OUT/trace_full$TG.json" &
+        t_full=$!
       fi
-      wait $t_full
-      run trace_colocated 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
-        --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated.json"
-      if [ "$NGPU" -ge 2 ]; then
-        run trace_local 400 python3 -m benchmarks.bench_serving $TS --device cuda:0 --topology local \
-          --policies asyncspade $AS --out "$OUT/trace_local.json"
+      if [[ $rows == *" quest "* ]]; then
+        gpu=$([ "$NGPU" -ge 2 ] && [ -n "$t_full" ] && echo 1 || echo 0)
+        run trace_quest$TG 400 env CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+          --topology colocated --policies quest --out "$OUT/trace_quest$TG.json"
       fi
-      run trace_static 300 python3 -m benchmarks.bench_tpot --batch 16 --context ${TRACE_STATIC_L:-16384} --budget 2048 \
-        --packs ${PACKS:-9} --score-keys int4 --iters 24 --no-plots --block-size 0,16 \
-        --methods ${TRACE_STATIC_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/trace_static.json" ;;
+      [ -n "$t_full" ] && wait $t_full
+      if [[ $rows == *" colocated "* ]]; then
+        run trace_colocated$TG 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+          --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated$TG.json"
+      fi
+      if [[ $rows == *" local "* ]] && [ "$NGPU" -ge 2 ]; then
+        run trace_local$TG 400 python3 -m benchmarks.bench_serving $TS --device cuda:0 --topology local \
+          --policies asyncspade $AS --out "$OUT/trace_local$TG.json"
+      fi
+      if [ "${TRACE_STATIC:-1}" != 0 ]; then
+        run trace_static$TG 300 python3 -m benchmarks.bench_tpot --batch 16 --context ${TRACE_STATIC_L:-16384} --budget 2048 \
+          --packs ${PACKS:-9} --score-keys int4 --iters 24 --no-plots ${TRACE_STATIC_ARGS:---block-size 0,16} \
+          --methods ${TRACE_STATIC_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/trace_static$TG.json"
+      fi ;;
     serve)  # `spade serve` under the openai client: a request-rate sweep per policy (SERVE_POLICIES) with the idle
             # TPOT and the highest rate within 2x it (SERVE_ARGS), then one plot; needs the serve wheels in .whl
       for p in ${SERVE_POLICIES:-full asyncspade}; do
