@@ -17,8 +17,9 @@ K-th largest among them with an in-register radix select (16-bin digits: 8 passe
 a cheap histogram) — exact, since every key outside the list scores below the
 threshold — writes the winners, and aims the next threshold at ``CARRY_MARGIN *
 k_top`` candidates by the secant through (threshold, n) and (K-th score, k_top).
-Otherwise (the first call; the scores jumped; a row shorter than K) it flags the
-row, and the radix passes, launched every call but gated on the flag (other
+A row with at most K valid keys takes them all, in position order (no select: an idle
+serving row's one-token window, a request shorter than K). Otherwise (the first call;
+the scores jumped) it flags the row, and the radix passes, launched every call but gated on the flag (other
 rows' programs exit at once: a static, capturable launch sequence), select that row
 over its whole score row with many programs, and set its next threshold to the
 lowest score of the 16-bit bucket holding its ``CARRY_MARGIN * k_top``-th largest
@@ -69,7 +70,7 @@ scoring marks with (float32 bits, in score units: ``_carry_prep_kernel`` writes 
 slot 4 times slot 6), 1 unused, 2 fallbacks, 3 calls, 4 the carried threshold per unit
 of query norm (float32 bits), 5 the row's fallback flag (set by the select, cleared by
 the fallback), 6 this call's query norm (float32 bits), 7 fallbacks with too many
-candidates (the rest had too few, or were first calls / short rows)."""
+candidates (the rest had too few, or were first calls)."""
 
 
 @triton.jit
@@ -211,8 +212,9 @@ def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_
     threshold): an exact radix select on the candidates' scores held in registers,
     then the winners are written, and the next threshold is set by the secant through
     (threshold, n) and (K-th score, k_top) to let about ``k_next`` keys through.
-    Otherwise (first call: threshold -inf; too few or too many candidates; a row with
-    at most k_top valid keys) the row's fallback flag is set and the radix passes,
+    A row with at most k_top valid keys selects them all (written in position order,
+    then -1; no select, no fallback, its threshold kept). Otherwise (first call:
+    threshold -inf; too few or too many candidates) the row's fallback flag is set and the radix passes,
     gated on it, select over the whole row in parallel (``_select_from_scores(gate=)``)
     and set the next threshold; this kernel zeroes the row's radix workspace (``ws``,
     ``_new_workspace``'s layout) for them, so no memset runs when no row falls back.
@@ -228,8 +230,12 @@ def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_
     n_c = tl.sum(tl.load(counts_ptr + row64 * E + offs_e, mask=offs_e < E, other=0), axis=0)
     pos_row = pos_ptr + row64 * CAP
     out_row = out_ptr + row64 * k_top
+    short = hi - lo <= k_top  # every valid key is selected (an idle serving row's one-token window, a short row)
     ok = (k_eff == k_top) & (k_eff > 0) & (n_c >= k_eff) & (n_c <= CAP)
-    if ok:
+    if short:  # no select to do: the range in position order, -1 after it; the carried threshold stays
+        offs = tl.arange(0, CAP)  # CAP > k_top (carry_sizes)
+        tl.store(out_row + offs, tl.where(offs < k_eff, lo + offs, -1), mask=offs < k_top)
+    elif ok:
         offs = tl.arange(0, CAP)
         m = offs < n_c
         pos = tl.load(pos_row + offs, mask=m, other=0)
@@ -314,7 +320,8 @@ def carry_threshold(carry: torch.Tensor) -> torch.Tensor:
 def carry_stats(carry: torch.Tensor) -> dict:
     """Host summary of a carry state (reads the device): calls and fallbacks summed
     over rows, the fallback fraction, and the fallbacks with too many candidates (the
-    others had too few, or were a row's first call or a row shorter than K)."""
+    others had too few, or were a row's first call; a row of at most K keys is no
+    fallback: it takes them all)."""
     c = carry.reshape(-1, CARRY_SLOTS).to("cpu", torch.int64)
     calls, fb, many = int(c[:, 3].sum()), int(c[:, 2].sum()), int(c[:, 7].sum())
     return {"calls": calls, "fallbacks": fb, "fallback_rate": fb / calls if calls else 0.0,

@@ -163,8 +163,9 @@ def test_carry_on_long_rows_tracks_a_drifting_norm(device):
 
 @pytest.mark.parametrize("case", ["one", "all", "equal", "empty"])
 def test_carry_edge_cases(case, device):
-    """K=1; K >= the candidates (-1 padding, fallback every call); empty rows; the
-    range exactly K long; into ``out``."""
+    """K=1; K >= the candidates (all of them in position order, -1 padding, no select and
+    no fallback); empty rows (all -1, no fallback); the range exactly K long (all of
+    them, no fallback); into ``out``."""
     B, L, D = 3, 61, 16
     q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=4)
     lo, hi = _bounds(kv_lens, kv_start, 1, 1)
@@ -179,13 +180,23 @@ def test_carry_edge_cases(case, device):
         out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry, out=buf)
         assert out is buf
         _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        if case in ("all", "equal"):  # every valid key, in position order, then -1
+            for b in range(B):
+                n = int(n_valid[b])
+                want = torch.cat([torch.arange(int(lo[b]), int(lo[b]) + min(n, k_top)),
+                                  torch.full((max(0, k_top - n),), -1)]).to(torch.int32)
+                if n <= k_top:
+                    assert torch.equal(out[b].cpu(), want.expand(2, k_top)), (b, out[b])
     fb = _fallbacks(carry)
+    assert (carry[..., 3].cpu() == 3).all()  # every call counted
     if case == "one":
         assert (fb == 1).all()
     if case == "all":
-        assert (fb == 3).all()  # fewer valid keys than K: the fallback pads every call
+        assert (fb == 0).all()  # fewer valid keys than K: all of them, no fallback
+    if case == "equal":  # the shortest row holds exactly K keys: no fallback
+        assert (fb[n_valid <= k_top] == 0).all(), fb
     if case == "empty":
-        assert (fb[1] == 3).all() and (fb[[0, 2]] == 1).all()
+        assert (fb == torch.tensor([1, 0, 1])[:, None]).all(), fb  # row 1 has no key: -1s, no fallback
 
 
 @pytest.mark.parametrize("keys,reduce", [("int8", "sum_logits"), ("int4", "sum_logits"), ("int8", "max_logits"),
