@@ -201,8 +201,6 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.rerank={a.cur_rerank}")
     if getattr(a, "cur_channels", 0):
         out.append(f"policy.score_channels={a.cur_channels}")
-    if getattr(a, "refresh_drift", None) is not None:
-        out.append(f"policy.refresh_drift={a.refresh_drift}")
     return out
 
 
@@ -873,8 +871,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--score-channels", default="0",
                     help="policy.score_channels values of the asyncspade rows (comma-separated; r of the head "
                          "dim's channels in the scoring copy, 0: all; r > 0 adds rows named .../c=<r>)")
-    ap.add_argument("--refresh-drift", type=float, default=None,
-                    help="policy.refresh_drift of every asyncspade row (cosine threshold; default off)")
     ap.add_argument("--quick", action="store_true", help="B=8, L=32k, K=2k, P in {2, 4}")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default="results/bench_tpot.json")

@@ -106,8 +106,6 @@ class PromptPass:
             out = model(input_ids=ids[:prefill_len].to(dev)[None], use_cache=True, spade_forced=cap,
                         **{cache_kwarg(model.forward): self.cache})
         self.queries = cap.queries
-        self.drift_kept: float | None = None
-        """``refresh_drift`` policies: the share of selections the last ``logits`` kept."""
         self.last_logits = out.logits[0, -1].float()  # [V]: predicts token prefill_len
 
     @torch.no_grad()
@@ -134,8 +132,6 @@ class PromptPass:
         finally:
             _crop_to(self.cache, P)
         logits = torch.cat([self.last_logits[None], out.logits[0, :-1].float()])  # [T - P, V]
-        kept = getattr(forcing.policy, "drift_kept", None)
-        self.drift_kept = kept(forcing.selector.state) if kept is not None else None
         return logits, forcing.mean_attended()
 
 
@@ -216,8 +212,6 @@ def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu"
                     acc["nll"].append(nll)
                     acc["agree"].append(float((pred == full_pred).double().mean()))
                     acc["att"].append(attended)
-                    if prompt.drift_kept is not None:  # refresh_drift: selections kept, not re-made
-                        acc.setdefault("kept", []).append(prompt.drift_kept)
                     say(f"perplexity {name} {policy_label(entry)} {lab}: ppl {math.exp(nll):.3f} "
                         f"({acc['sec'][-1]:.0f} s)")
                     advance()
@@ -229,8 +223,6 @@ def run_perplexity(cfg: PerplexityEvalConfig, out_dir: Path, device: str = "cpu"
                          "ppl": math.exp(sum(acc["nll"]) / n),  # equal-length texts: pooled perplexity
                          "nll_per_text": acc["nll"], "top1_agreement": sum(acc["agree"]) / n,
                          "mean_attended": sum(acc["att"]) / n, "seconds": sum(acc["sec"])})
-            if acc.get("kept"):
-                rows[-1]["drift_kept"] = sum(acc["kept"]) / len(acc["kept"])
         ppl_full = math.exp(sum(full_nll) / len(full_nll))
         for r in rows:
             r["rel_change"] = r["ppl"] / ppl_full - 1.0

@@ -196,15 +196,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     1 (the paper): every step. N > 1 divides the cache rank's scoring work by N — for a
     cache rank that shares the inference GPU (``colocated``), whose reads compete with
     the decode's — at some selection fidelity (docs/policies.md)."""
-    refresh_drift: float | None = Field(None, gt=0, le=1)
-    """τ: keep each (row, KV head)'s last selection while the predicted query stays
-    within cosine >= τ of the one that selection was made with (the group's queries as one
-    vector, post-RoPE, as scored); a head whose query drifted further takes the new
-    selection and becomes the new anchor. None (default): off. 1.0: every step (the same
-    tokens as off). The choice is a device-side per-(row, head) flag (``torch.where``), so
-    a step replays in a CUDA graph; the selection is still computed every step, so it
-    saves no scoring work yet (the kernels do not skip kept heads: docs/policies.md).
-    Excludes ``refresh_every > 1``."""
     score_channels: int | None = Field(None, ge=0)
     """r: channels per KV head the selection scores (None or 0, or the head dim: all of
     them, today's behaviour). Chosen per (row, KV head) from the prompt's own keys and the
@@ -223,9 +214,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
 
     @model_validator(mode="after")
     def _refresh_modes(self):
-        if self.refresh_drift is not None and self.refresh_every > 1:
-            raise ValueError(f"policy.refresh_drift ({self.refresh_drift}) and policy.refresh_every "
-                             f"({self.refresh_every}) are exclusive: set refresh_every: 1 or refresh_drift: null")
         if self.score_channels and self.score_channels % 2:
             raise ValueError(f"policy.score_channels ({self.score_channels}) must be even: channels are chosen "
                              "in rotary pairs (c, c + head_dim/2); use an even r, or 0 for all channels")
@@ -292,15 +280,6 @@ class AsyncSpadeLayerState:
     """``score_channels``: int64 [B, Hkv, r], the channels the scoring copy holds (None: all)."""
     chan_seq: int = 0
     """Host ``seq_len`` at the last channel choice (``channel_refresh`` counts from it)."""
-    drift_q: torch.Tensor | None = None
-    """``refresh_drift``: [B, Hq, D] float32, the scored query each head's kept selection
-    was made with (zeros: none yet, so the first sparse step takes the new selection)."""
-    drift_steps: torch.Tensor | None = None
-    """``refresh_drift``: int64 [2] on the device, (row, head) decisions made and kept (a
-    counter read by the evaluation, never on the hot path)."""
-    fresh: torch.Tensor | None = None
-    """``refresh_drift``: int32 [B, Hkv, K] the step's new selection goes to before the
-    per-head choice writes ``keep``."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -697,7 +676,6 @@ class AsyncSpadePolicy(Policy):
         st.anchor_seq_len, st.anchor_count = state.seq_len, n
         st.last_sel = state.refresh_anchor = None  # a new prompt: nothing to reuse
         reset_carry(state, layer)
-        st.drift_q = None  # a new prompt: no anchor query
         if self.keeps_copy:
             st.kq = st.ks = st.k_smooth = st.chans = None  # a new prompt: fit and quantise the whole cache afresh
             st.keys_elsewhere = False
@@ -844,14 +822,13 @@ class AsyncSpadePolicy(Policy):
         each row predicts as it would alone. With ``refresh_every`` N > 1 the batch's
         schedule restarts: the next selection is a refresh of every row (the joining rows
         have nothing to reuse), so a request's selections depend on when others joined
-        (one schedule for the batch). Refuses the settings whose state is shared by the rows
-        (``refresh_drift``, ``score_channels``)."""
+        (one schedule for the batch). Refuses ``score_channels``, whose channel choice is
+        shared by the rows."""
         cfg = self.cfg
-        if cfg.refresh_drift is not None or self.channels is not None:
+        if self.channels is not None:
             raise ConfigError(
-                f"policy.refresh_drift ({cfg.refresh_drift}) and policy.score_channels ({cfg.score_channels}) keep "
-                "state shared by every row, which a request joining a running batch cannot have yet: set "
-                "refresh_drift: null and score_channels: null to serve asyncspade")
+                f"policy.score_channels ({cfg.score_channels}) keeps a channel choice shared by every row, which a "
+                "request joining a running batch cannot have yet: set score_channels: null to serve asyncspade")
         state.refresh_anchor = None  # refresh_every > 1: every row selects afresh at the next step
         sub = self.row_state(state, rows, k_cache.device)
         self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
@@ -926,7 +903,6 @@ class AsyncSpadePolicy(Policy):
         B, Hkv = cache_dims(k_cache, state)[:2]
         k_score, k_scale = k_cache, None
         bt = state.block_table  # a paged cache: exact keys are scored in the pool through the table
-        q_drift = q_hat  # the query as predicted (post-RoPE): what refresh_drift compares
         if self.keeps_copy:  # the policy's own contiguous copy, whatever the cache's layout
             k_score, k_scale = self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state,
                                                  lens=kv_lens)
@@ -946,15 +922,13 @@ class AsyncSpadePolicy(Policy):
         if cfg.group_reduce == "sum_softmax":
             norm_lens = derived(state.memo, ("kv_lens - 1",), (kv_lens,), lambda: kv_lens - 1)
         periodic = cfg.refresh_every > 1
-        drift = cfg.refresh_drift is not None and cfg.refresh_drift < 1
         shape = (B, Hkv, cfg.rerank * self.k_mid)  # rerank m: m * K_mid candidates
         n_tail = self._n_tail()
-        if periodic or drift:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
+        if periodic:  # select into the layer's own buffer (see AsyncSpadeLayerState.keep)
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
             if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
                 st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
-                st.drift_q = None  # nothing kept yet
             out = st.keep
             if n_tail:  # the scan fills all but the tail slots (see _n_tail)
                 if st.scan_buf is None or tuple(st.scan_buf.shape) != shape[:2] + (shape[2] - n_tail,) \
@@ -963,10 +937,6 @@ class AsyncSpadePolicy(Policy):
                                               device=k_cache.device)
                     st.tail_pos = torch.empty(shape[0], n_tail, dtype=torch.int64, device=k_cache.device)
                 out = st.scan_buf
-        if drift:
-            if st.fresh is None or st.fresh.shape != st.keep.shape or st.fresh.device != st.keep.device:
-                st.fresh = torch.empty_like(st.keep)
-            out = st.fresh
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
         n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid - n_tail
         sel = topk_selection(q_hat, k_score, kv_lens, state.kv_start, budget=n_cand,
@@ -981,9 +951,6 @@ class AsyncSpadePolicy(Policy):
                 st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
                 self._set_tail(state, st, kv_lens)
                 self._write_tail(st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
-            sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
-        if drift and sel.indices is st.fresh:
-            self._drift_choose(st, q_drift.float(), cfg.refresh_drift)
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         rr = self.rerank_keep()
         if rr is not None:
@@ -1020,33 +987,3 @@ class AsyncSpadePolicy(Policy):
         t = st.tail_pos
         gone = t < (kv_lens.to(device=t.device, dtype=torch.int64) - self.cfg.recent_tokens)[:, None]
         dst.copy_(torch.where(gone, t, -1)[:, None, :].expand(B, H, n))
-
-    def drift_kept(self, state: PolicyState) -> float | None:
-        """``refresh_drift``: the fraction of (row, KV head) selections kept from an earlier
-        step, over every layer and step so far (one host read: for evaluation and stats,
-        not the decode loop); None without drift decisions."""
-        made = kept = 0
-        for st in state.layers:
-            if st is not None and st.drift_steps is not None:
-                m, k = st.drift_steps.tolist()
-                made, kept = made + m, kept + k
-        return kept / made if made else None
-
-    def _drift_choose(self, st: AsyncSpadeLayerState, q: torch.Tensor, tau: float) -> None:
-        """``refresh_drift``: per (row, KV head), keep ``st.keep`` while the group's query
-        ``q`` [B, Hq, D] is within cosine >= ``tau`` of ``st.drift_q`` (the query it was made
-        with), else take ``st.fresh`` and make ``q`` the new anchor. Device-side only."""
-        B, Hq, D = q.shape
-        Hkv = st.keep.shape[1]
-        if st.drift_q is None or st.drift_q.shape != q.shape or st.drift_q.device != q.device:
-            st.drift_q = torch.zeros_like(q)  # cosine 0 < tau: every head takes the new selection
-        qg = q.view(B, Hkv, (Hq // Hkv) * D)
-        ag = st.drift_q.view(B, Hkv, (Hq // Hkv) * D)
-        cos = (qg * ag).sum(-1) / (qg.norm(dim=-1) * ag.norm(dim=-1)).clamp_min(1e-30)  # [B, Hkv]
-        stay = cos >= tau
-        torch.where(stay[:, :, None], st.keep, st.fresh, out=st.keep)
-        torch.where(stay[:, :, None], ag, qg, out=ag)  # the anchors of the refreshed heads
-        if st.drift_steps is None or st.drift_steps.device != q.device:
-            st.drift_steps = torch.zeros(2, dtype=torch.int64, device=q.device)
-        st.drift_steps[0] += stay.numel()  # (row, head) selections made, and kept
-        st.drift_steps[1] += stay.sum()

@@ -70,11 +70,10 @@ def check_served(config: SpadeConfig) -> None:
         raise ConfigError(
             f"runtime.return_mode {rt.return_mode!r}: spade.AsyncEngine serves a cache rank's selections as index "
             "lists only (the kv and delta modes do not follow rows joining yet); set runtime.return_mode: indices")
-    if pc.name == "asyncspade" and (pc.refresh_drift is not None or pc.score_channels):
+    if pc.name == "asyncspade" and pc.score_channels:
         raise ConfigError(
-            f"policy.refresh_drift ({pc.refresh_drift}) and policy.score_channels ({pc.score_channels}) keep "
-            "state shared by all rows, which a request joining a running batch cannot have: set "
-            "refresh_drift: null and score_channels: null to serve asyncspade")
+            f"policy.score_channels ({pc.score_channels}) keeps a channel choice shared by all rows, which a "
+            "request joining a running batch cannot have: set score_channels: null to serve asyncspade")
     if config.model.backend == "hf":
         raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
                           "model.backend: fast (or auto)")

@@ -30,8 +30,7 @@ def test_run_perplexity(smollm2, tmp_path):
     cfg = PerplexityEvalConfig(context_tokens=40, prefill_tokens=24, n_texts=1, budgets=[64], context_fractions=[2],  # K = 20
                                sink_tokens=2, recent_tokens=4,
                                policies=[{"name": "oracle"}, {"name": "asyncspade", "predictor": "last"},
-                                         {"name": "tova"},
-                                         {"name": "asyncspade", "predictor": "last", "refresh_drift": 0.5}])
+                                         {"name": "tova"}])
     res = run_perplexity(cfg, tmp_path, "cpu")["models"]["smollm2-135m"]
     # full attention through spade's teacher forcing == the plain transformers forward
     assert res["ppl_full"] == pytest.approx(res["ppl_hf"], rel=1e-4)
@@ -43,11 +42,8 @@ def test_run_perplexity(smollm2, tmp_path):
         sparse = rows["K=ctx/2 (20)", p]
         assert sparse["mean_attended"] <= 20 + 1e-9
         assert 0.0 < sparse["top1_agreement"] <= 1.0
-    drift = rows["K=ctx/2 (20)", "asyncspade[last,refresh_drift=0.5]"]
-    assert 0.0 <= drift["drift_kept"] <= 1.0 and "drift_kept" not in rows["K=ctx/2 (20)", "asyncspade[last]"]
-    assert "drift_kept" not in rows["K=64", "asyncspade[last,refresh_drift=0.5]"]  # dense: no decisions
     data = json.loads((tmp_path / "perplexity_smollm2-135m.json").read_text())
-    assert data["tokens_per_text"] == 16 and len(data["rows"]) == 8
+    assert data["tokens_per_text"] == 16 and len(data["rows"]) == 6
     assert all(r["seconds"] >= 0 for r in data["rows"])
     assert (tmp_path / "perplexity_smollm2-135m.png").is_file()
 

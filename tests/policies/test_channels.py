@@ -1,6 +1,5 @@
-"""asyncspade's cheaper candidate scan and drift refresh: ``score_channels`` (r of d
-channels per KV head in the scoring copy) and ``refresh_drift`` (keep a head's selection
-while its predicted query stays close to the one it was made with)."""
+"""asyncspade's cheaper candidate scan: ``score_channels`` (r of d channels per KV head in
+the scoring copy)."""
 
 from __future__ import annotations
 
@@ -220,8 +219,6 @@ def test_channel_choice_finds_the_few_channels_that_carry_the_score(monkeypatch)
 def test_score_channels_validation():
     with pytest.raises(ValueError, match="score_channels .* must be even"):
         AsyncSpadePolicyConfig(score_channels=7)
-    with pytest.raises(ValueError, match="exclusive"):
-        AsyncSpadePolicyConfig(refresh_drift=0.9, refresh_every=2)
     sim = DecodeSim(D=16)
     with pytest.raises(ConfigError, match="exceeds the model's head_dim"):
         make_policy("asyncspade", sim, score_channels=32)
@@ -230,67 +227,9 @@ def test_score_channels_validation():
         make_policy("asyncspade", part, score_channels=8, rope_aware=False)
 
 
-# ------------------------------------------------------------------ refresh_drift
-@pytest.mark.parametrize("score_keys,r", [("exact", 0), ("int4", 8)])
-def test_drift_tau_one_is_every_step(score_keys, r):
-    """τ = 1.0 refreshes every step: the same selections as the policy without drift."""
-    sim = DecodeSim(B=2, Hq=4, Hkv=2, D=16, prompt_len=30, steps=6, n_layers=2, kv_start=[0, 5], seed=8)
-    common = dict(budget=13, sink_tokens=2, recent_tokens=3, window=4, score_keys=score_keys, score_channels=r)
-    base = sim.run(make_policy("asyncspade", sim, **common))
-    got = sim.run(make_policy("asyncspade", sim, **common, refresh_drift=1.0))
-    for a, b in zip(base, got):
-        assert torch.equal(a.sel.indices, b.sel.indices) and torch.equal(a.out, b.out)
-
-
-@pytest.mark.parametrize("tau", [0.3, 0.9])
-def test_drift_keeps_a_heads_selection_while_its_query_stays_close(tau):
-    """Per (row, KV head): the selection is the every-step one at the step whose predicted
-    query became the anchor, kept while the new prediction's cosine to that anchor is
-    >= τ, replaced (and re-anchored) otherwise; recomputed here from the predictions."""
-    g = torch.Generator().manual_seed(31)
-    L = 30 + 12 + 3
-    a, b = torch.randn(2, 1, 2, 4, 1, 16, generator=g)
-    ang = 0.25 * torch.arange(L, dtype=torch.float32)[:, None]  # a slowly turning query: re-anchors now and then
-    q_all = a * ang.cos() + b * ang.sin() + 0.05 * torch.randn(1, 2, 4, L, 16, generator=g)
-    sim = DecodeSim(B=2, Hq=4, Hkv=2, D=16, prompt_len=30, steps=12, kv_start=[0, 4], seed=31, q_all=q_all)
-    common = dict(budget=13, sink_tokens=2, recent_tokens=3, window=3, predictor="last", rope_aware=False)
-    every = []
-    sim.run(make_policy("asyncspade", sim, **common), on_step=lambda rec, st: every.append(middle_sets(rec.sel)))
-    got = []
-    sim.run(make_policy("asyncspade", sim, **common, refresh_drift=tau),
-            on_step=lambda rec, st: got.append(middle_sets(rec.sel)))
-    G = 2
-    anchor: dict = {}
-    kept = fresh = 0
-    for i in range(sim.steps):
-        q_hat = sim.q_all[0, :, :, sim.prompt_len + i - 1]  # ``last``: the previous step's query
-        for b in range(2):
-            for h in range(2):
-                v = q_hat[b, h * G:(h + 1) * G].reshape(-1)
-                a = anchor.get((b, h))
-                cos = -2.0 if a is None else float(torch.dot(v, a[0]) / (v.norm() * a[0].norm()))
-                if cos >= tau:
-                    assert got[i][b][h] == a[1]
-                    kept += 1
-                else:
-                    assert got[i][b][h] == every[i][b][h]
-                    anchor[(b, h)] = (v, every[i][b][h])
-                    fresh += 1
-    assert kept > 0 and fresh > 4  # both branches ran
-
-
-def test_drift_counts_its_decisions():
-    sim = DecodeSim(B=1, Hq=2, Hkv=1, D=16, prompt_len=30, steps=5, seed=4)
-    pol = make_policy("asyncspade", sim, budget=12, sink_tokens=1, recent_tokens=2, window=3, refresh_drift=0.0001)
-    states = []
-    sim.run(pol, on_step=lambda rec, st: states.append(st))
-    made, kept = states[-1].layers[0].drift_steps.tolist()
-    assert made == 5 and 0 <= kept <= 4
-
-
 @pytest.mark.parametrize("extra", [("policy.score_keys=int4", "policy.score_channels=16"),
-                                   ("policy.score_channels=8", "policy.refresh_drift=0.8")])
-def test_channels_and_drift_through_the_async_runtime_match_inline(extra, monkeypatch):
+                                   ("policy.score_channels=8",)])
+def test_channels_through_the_async_runtime_match_inline(extra, monkeypatch):
     """The cache rank (its prompt tail of W+1 queries, its own store or the shared cache,
     channels re-chosen when the cache doubles at step 12 -> 24) selects what the inline run
     selects: the same greedy tokens in every topology and return mode (tiny preset, d = 32)."""

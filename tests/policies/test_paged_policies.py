@@ -52,8 +52,6 @@ POLICY_CASES = {  # id -> (policy name, config)
                                                score_channels=8, channel_refresh=1.1)),  # re-chosen mid-decode
     "asyncspade-int4-channels": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                                     score_keys="int4", score_channels=8)),
-    "asyncspade-drift": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
-                                            refresh_drift=0.9)),
     "asyncspade-rerank": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                              rerank=2)),
     "asyncspade-K-ge-context": ("asyncspade", dict(budget=256, sink_tokens=SINK, recent_tokens=RECENT)),

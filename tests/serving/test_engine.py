@@ -197,8 +197,8 @@ def test_topology_refusals_name_the_field():
     for mode in ("kv", "delta"):
         with pytest.raises(ConfigError, match=f"runtime.return_mode '{mode}'"):
             spade.AsyncEngine(make_config("asyncspade", "local", extra=[f"runtime.return_mode={mode}"]))
-    with pytest.raises(ConfigError, match="refresh_drift"):
-        spade.AsyncEngine(make_config("asyncspade", extra=["policy.refresh_drift=0.9"]))
+    with pytest.raises(ConfigError, match="score_channels"):
+        spade.AsyncEngine(make_config("asyncspade", extra=["policy.score_channels=8"]))
     with pytest.raises(ConfigError, match="model.backend"):
         spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))
 
