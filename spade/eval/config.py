@@ -88,12 +88,6 @@ class SelectionEvalConfig(_Budgets):
     setting. With more than one value the summary recommends an r per model and budget
     (``recommend_channels``: the smallest whose recall is within
     ``channels_tolerance`` of r = d)."""
-    score_projections: list[PosInt] = Field(default_factory=lambda: [1])
-    """An alternative to ``score_channels``, evaluated here only (no policy setting): ``n``
-    scores the predicted query projected on the r = d/n leading principal directions of the
-    prefix's post-RoPE keys per KV head (uncentred: the top eigenvectors of K^T K over
-    ``[0, t)``), i.e. r numbers per key and query, as channel subsets keep r. Rows
-    ``asyncspade[<predictor>,...,pca=d/n]``."""
     channels_tolerance: float = Field(0.01, ge=0)
     window: int = Field(16, ge=1, le=64)
     ridge_eps: float = Field(1e-2, gt=0)
@@ -115,7 +109,7 @@ class SelectionEvalConfig(_Budgets):
                                  f"(registered policies but {' and '.join(NOT_BASELINES)})")
         return v
 
-    @field_validator("score_channels", "score_projections")
+    @field_validator("score_channels")
     @classmethod
     def _divisors(cls, v: list[int]) -> list[int]:
         bad = [n for n in v if n > 1 and n % 2]

@@ -177,9 +177,8 @@ class Acc:
 
 
 # --------------------------------------------------------------------------- the replay
-def _asy_label(pred: str, rope: bool, channels: int = 1, projection: int = 1) -> str:
-    return (f"asyncspade[{pred}{',rope' if rope else ''}{f',r=d/{channels}' if channels > 1 else ''}"
-            f"{f',pca=d/{projection}' if projection > 1 else ''}]")
+def _asy_label(pred: str, rope: bool, channels: int = 1) -> str:
+    return f"asyncspade[{pred}{',rope' if rope else ''}{f',r=d/{channels}' if channels > 1 else ''}]"
 
 
 def recommend_channels(rows: list[dict], divisors: list[int], tol: float) -> dict[str, dict]:
@@ -446,29 +445,7 @@ class _LayerReplay:
                         q_sub = q_hat * self.channel_mask(win, self.D // n)
                         for red, rk in self.ranked(q_sub, self.reduces).items():
                             self.record_ranked(_asy_label(pred, rope, n), red, rk, self.ref[red])
-                for n in cfg.score_projections:
-                    if n > 1:
-                        q_sub = self.project_query(q_hat, self.D // n)
-                        for red, rk in self.ranked(q_sub, self.reduces).items():
-                            self.record_ranked(_asy_label(pred, rope, projection=n), red, rk, self.ref[red])
         return win
-
-    def project_query(self, q_hat: torch.Tensor, r: int) -> torch.Tensor:
-        """[B, Hq, D]: ``q_hat`` projected on the r leading principal directions (uncentred)
-        of each row's prefix keys ``[0, t)`` per KV head: ``U U^T q`` scores as the projected
-        copy ``U^T k`` would with the query ``U^T q`` (r numbers per key)."""
-        if r >= self.D:
-            return q_hat
-        kf = self.k.double()  # [Hkv, T, D]
-        G = q_hat.shape[1] // self.Hkv
-        out = torch.empty_like(q_hat)
-        for b, t in enumerate(self.kv_pre.tolist()):
-            kp = kf[:, :max(int(t), 1)]
-            C = torch.einsum("htd,hte->hde", kp, kp)  # [Hkv, D, D]
-            U = torch.linalg.eigh(C).eigenvectors[..., -r:]  # [Hkv, D, r], the r largest
-            P = (U @ U.transpose(-1, -2)).repeat_interleave(G, dim=0)  # [Hq, D, D]
-            out[b] = torch.einsum("hde,he->hd", P, q_hat[b].double()).to(q_hat.dtype)
-        return out
 
     def _rerank(self, q_hat: torch.Tensor, m: int, policy: str) -> None:
         """Two-stage selection (``policy.rerank`` m): per budget, the predicted query's top

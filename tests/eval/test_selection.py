@@ -296,33 +296,3 @@ def test_channel_ranking_matches_asyncspade_select_with_score_channels(rope, rng
     assert recommend_channels(rows, [1, 2, 4], 0.01)["K=8 asyncspade[last] -"]["r"] == "d/2"
     assert recommend_channels(rows, [1, 2, 4], 0.03)["K=8 asyncspade[last] -"]["r"] == "d/4"
     assert recommend_channels(rows, [1, 2, 4], 0.001)["K=8 asyncspade[last] -"]["r"] == "d"
-
-
-def test_projection_rows_project_on_the_prefix_keys_principal_directions(rng):
-    """``score_projections``: the query projected on the r leading eigenvectors of each
-    row's prefix K^T K per KV head. Keys in a rank-r subspace score exactly as unprojected
-    (the same ranking: the same recall and overlap rows); a query orthogonal to the keys'
-    subspace projects to zero; r = d leaves the query as is."""
-    from spade.eval.selection import _LayerReplay, summarize
-
-    B, L, D, W, r = 3, 70, 16, 4, 4
-    spec = _spec(6, 2, D)
-    basis = torch.linalg.qr(torch.randn(D, D, generator=rng, dtype=torch.float64)).Q.float()
-    k = torch.randn(2, L, r, generator=rng) @ basis[:r]  # every key in span(basis[:r])
-    qall = torch.randn(6, L, D, generator=rng)
-    ts = torch.tensor([69, 50, 40])
-    cfg = _cfg(budgets=[30], context_fractions=[], window=W, predictors=["last"], rope_aware=[False],
-               group_reduces=["sum_logits"], baselines=["oracle"], score_projections=[1, D // r])
-    acc = Acc(1)
-    rep = _LayerReplay(cfg, spec, qall, k, ts, 0, acc)
-    q = torch.randn(B, 6, D, generator=rng)
-    assert torch.equal(rep.project_query(q, D), q)
-    off = torch.randn(B, 6, D - r, generator=rng) @ basis[r:]  # orthogonal to every key
-    assert rep.project_query(off, r).abs().max() < 1e-4
-    proj = rep.project_query(q, r)
-    kc = k[None].expand(B, 2, L, D)
-    assert torch.allclose(torch.einsum("bhd,bktd->bhkt", proj, kc), torch.einsum("bhd,bktd->bhkt", q, kc), atol=1e-4)
-    rep.run()
-    got = {x["policy"]: x for x in summarize(acc)}  # one budget, one reduction
-    assert "asyncspade[last,pca=d/4]" in got
-    assert got["asyncspade[last,pca=d/4]"]["recall"] == pytest.approx(got["asyncspade[last]"]["recall"], abs=1e-6)
