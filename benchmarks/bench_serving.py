@@ -53,33 +53,35 @@ async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
     return outs, time.perf_counter() - t0
 
 
-async def _profile(engine, n: int) -> dict | None:
+async def _profile(engine, n: int, done: asyncio.Event) -> dict | None:
     """Kernel times of ``n`` decode steps once every request of the trace has joined (no
     prompt piece in the window unless a row finished and the queue refilled it: the
-    window's prefill pieces are reported). CUDA activity only, from every thread."""
+    window's prefill pieces are reported). CUDA activity only, from every thread. None
+    when the trace ends (``done``) before such a window opens."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    while True:  # wait for the queue to empty and the joins to finish, then one more step
+
+    async def until(cond, poll: float) -> bool:  # False: the trace ended first
+        while not cond(engine.stats()):
+            if done.is_set():
+                return False
+            await asyncio.sleep(poll)
+        return True
+
+    if not await until(lambda st: st["requests_waiting"] == 0 and st["requests_prefilling"] == 0
+                       and st["requests_running"] > 0, 0.02):
+        return None
+    s0 = engine.stats()["steps"]
+    if not await until(lambda st: st["steps"] >= s0 + 2, 0.005):  # one more step: no join in the window
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         st = engine.stats()
-        if st["requests_waiting"] == 0 and st["requests_prefilling"] == 0 and st["requests_running"] > 0:
-            break
-        if st["closed"]:
-            return None
-        await asyncio.sleep(0.02)
-    s0 = st["steps"]
-    while engine.stats()["steps"] < s0 + 2:
-        await asyncio.sleep(0.005)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-    prof.__enter__()
-    st = engine.stats()
-    a0, p0, t0 = st["steps"], st["prefill_pieces"], time.perf_counter()
-    while engine.stats()["steps"] < a0 + n and engine.stats()["requests_running"] > 0:
-        await asyncio.sleep(0.005)
-    st = engine.stats()
-    steps, wall = st["steps"] - a0, time.perf_counter() - t0
-    prof.__exit__(None, None, None)
+        a0, p0, t0 = st["steps"], st["prefill_pieces"], time.perf_counter()
+        await until(lambda st: st["steps"] >= a0 + n or st["requests_running"] == 0, 0.005)
+        st = engine.stats()
+        steps, wall = st["steps"] - a0, time.perf_counter() - t0
     kern: dict[str, float] = {}
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
@@ -120,8 +122,10 @@ def run_policy(args, policy: str, jobs) -> dict:
         warm = [(0.0, j[1], WARM_TOKENS) for j in jobs[:2]]
         await _trace(engine, warm)
         st0 = engine.stats()
-        watch = asyncio.ensure_future(_profile(engine, args.profile_steps)) if args.profile_steps else None
+        done = asyncio.Event()
+        watch = asyncio.ensure_future(_profile(engine, args.profile_steps, done)) if args.profile_steps else None
         outs, wall = await _trace(engine, jobs)
+        done.set()
         prof = await watch if watch is not None else None
         # after the close: the cache rank's account of the trace's epoch is in (topk_*: it comes at
         # an epoch's end; they include the warm-up's epoch, which ended inside the trace)

@@ -34,29 +34,29 @@ class IncrementalDetokenizer:
         self.read = 0  # ids [0, read) are in ``text``
         self.text = ""
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _window(self, ids: list[int]) -> tuple[str, str]:
+        """The window ``ids[prefix:]`` decoded before the unread ids and with them."""
+        dec = self.tokenizer.decode
+        before = dec(ids[self.prefix:self.read], skip_special_tokens=True) if self.read > self.prefix else ""
+        return before, dec(ids[self.prefix:], skip_special_tokens=True)
+
+    def _emit(self, ids: list[int], new: str) -> str:
+        self.prefix, self.read = self.read, len(ids)
+        self.text += new
+        return new
 
     def step(self, ids: list[int]) -> str:
         if len(ids) <= self.read:
             return ""
-        before = self._decode(ids[self.prefix:self.read]) if self.read > self.prefix else ""
-        now = self._decode(ids[self.prefix:])
+        before, now = self._window(ids)
         if len(now) <= len(before) or now.endswith(REPLACEMENT):
             return ""  # a special token (no text), or a character still incomplete: wait for more ids
-        new = now[len(before):]
-        self.prefix, self.read = self.read, len(ids)
-        self.text += new
-        return new
+        return self._emit(ids, now[len(before):])
 
     def flush(self, ids: list[int]) -> str:
         """At the end: the text of the ids not emitted yet (an incomplete character
         decodes to U+FFFD, as the whole decode gives it)."""
         if len(ids) <= self.read:
             return ""
-        before = self._decode(ids[self.prefix:self.read]) if self.read > self.prefix else ""
-        now = self._decode(ids[self.prefix:])
-        new = now[len(before):] if now.startswith(before) else now
-        self.prefix, self.read = self.read, len(ids)
-        self.text += new
-        return new
+        before, now = self._window(ids)
+        return self._emit(ids, now[len(before):] if now.startswith(before) else now)
