@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # ``spade.config`` brings pydantic, ``spade.engine`` torch and the models.
 _LAZY = {"SpadeConfig": "spade.config", "load_config": "spade.config",
          "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine",
-         "AsyncEngine": "spade.serving", "SamplingParams": "spade.serving", "RequestOutput": "spade.serving"}
+         "AsyncEngine": "spade.serving", "SamplingParams": "spade.serving", "RequestOutput": "spade.serving",
+         "RequestOutputKind": "spade.serving"}
 
 
 def __getattr__(name: str):
@@ -37,4 +38,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["SpadeConfig", "load_config", "Engine", "GenerationResult", "run", "AsyncEngine", "SamplingParams",
-           "RequestOutput", "SpadeError", "ConfigError", "__version__"]
+           "RequestOutput", "RequestOutputKind", "SpadeError", "ConfigError", "__version__"]

@@ -11,7 +11,7 @@ Modules load on first use (``spade.serving.params`` has no torch import).
 
 from __future__ import annotations
 
-from spade.serving.params import RequestOutput, SamplingParams
+from spade.serving.params import RequestOutput, RequestOutputKind, SamplingParams
 
 _LAZY = {"AsyncEngine": "spade.serving.engine"}
 
@@ -24,4 +24,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'spade.serving' has no attribute {name!r}")
 
 
-__all__ = ["AsyncEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -16,7 +16,8 @@ of at most ``serving.prefill_chunk`` tokens per iteration while rows decode (chu
 prefill: the running rows keep decoding), then runs one decode step for every row.
 Each request samples with its own ``SamplingParams`` (a per-request
 ``torch.Generator`` when it samples, so its tokens do not depend on its batch mates)
-and streams one ``RequestOutput`` per token.
+and streams one ``RequestOutput`` per token (``SamplingParams.output_kind``: everything
+so far, only what is new, or just the last one).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from spade.engine import check_prompt_text, check_prompts, load_model
 from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
 from spade.runtime.protocol import TOPK_STATS
 from spade.serving.detok import IncrementalDetokenizer
-from spade.serving.params import RequestOutput, SamplingParams
+from spade.serving.params import RequestOutput, RequestOutputKind, SamplingParams, _output_kind
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class _Request:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
+    kind: RequestOutputKind
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
@@ -92,7 +94,8 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # the whole text so far (cut at a stop string)
     detok: Optional[IncrementalDetokenizer] = None  # the text of output_ids, a window per token
-    sent: str = ""  # the text already streamed
+    sent: int = 0  # the characters of ``text`` already streamed (a prefix that no longer changes)
+    sent_ids: int = 0  # the ids of ``output_ids`` already streamed
     pending: Optional[int] = None  # the sampled token the next decode step feeds
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[str, int]] = None
@@ -115,7 +118,8 @@ class AsyncEngine:
     """Continuous batching over ``serving.max_batch`` row slots of the static KV cache.
 
     ``generate(prompt, params, request_id)`` is an async iterator of ``RequestOutput``
-    (one per generated token, the last with ``finish_reason`` set); ``abort(request_id)``
+    (one per generated token, the last with ``finish_reason`` set; ``params.output_kind``
+    ``"final_only"``: the last one only); ``abort(request_id)``
     ends a request (its iterator ends with ``finish_reason="abort"``; an unknown id is
     a no-op, as in vLLM); ``close()`` aborts everything and frees the model.
     ``stats()`` (alias ``metrics()``) is a dict of counters for a server's /metrics.
@@ -173,8 +177,10 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the generation of ``prompt`` (text, or token ids used as given) with
         ``params`` (default ``SamplingParams()``): one ``RequestOutput`` per token, the
-        last one with ``finish_reason`` set. Leaving the loop early aborts the request.
-        Bad input raises ``ArgumentError`` / ``ArgumentTypeError`` before any work."""
+        last one with ``finish_reason`` set (``params.output_kind``: each holds everything
+        so far, or only what is new; or only the last one comes). Leaving the loop early
+        aborts the request. Bad input raises ``ArgumentError`` / ``ArgumentTypeError``
+        before any work."""
         req = self._make_request(prompt, params, request_id)
         self._add(req)
         try:
@@ -273,6 +279,7 @@ class AsyncEngine:
         elif not isinstance(params, SamplingParams):
             raise ArgumentTypeError(f"params: expected a spade.SamplingParams, got {type(params).__name__}; "
                                     "e.g. SamplingParams(max_tokens=64)")
+        kind = _output_kind(params.output_kind)  # (a field may have been set after construction)
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
@@ -306,7 +313,7 @@ class AsyncEngine:
                                                                                  generator=self._seeds))
             gen = torch.Generator(device=self.device).manual_seed(seed)
         loop = asyncio.get_running_loop()
-        return _Request(id=request_id, prompt_ids=ids, params=params, queue=asyncio.Queue(), loop=loop,
+        return _Request(id=request_id, prompt_ids=ids, params=params, kind=kind, queue=asyncio.Queue(), loop=loop,
                         arrival=time.perf_counter(), generator=gen)
 
     def _encode(self, prompt) -> list[int]:
@@ -603,29 +610,44 @@ class AsyncEngine:
                 self._retire(req, finish)
             else:
                 req.pending = tok
-                req.push(self._output(req))
+                if req.kind is not RequestOutputKind.FINAL_ONLY:
+                    req.push(self._output(req))
 
-    def _visible(self, req: _Request) -> str:
-        """The text a running request may stream: without a possibly incomplete character
-        at its end, nor the last ``len(stop) - 1`` characters (a stop string may be
-        forming there)."""
+    def _visible(self, req: _Request) -> int:
+        """The length of the text a running request may stream: without a possibly
+        incomplete character at its end, nor the last ``len(stop) - 1`` characters (a
+        stop string may be forming there). An index, so that no copy of the text is made."""
         text = req.text
+        end = len(text)
         if req.finish_reason is None:
             if req.params.stop:
-                text = text[:max(0, len(text) - (max(len(s) for s in req.params.stop) - 1))]
-            text = text.rstrip("\ufffd")
-        return text
+                end = max(0, end - (max(len(s) for s in req.params.stop) - 1))
+            while end and text[end - 1] == "\ufffd":
+                end -= 1
+        return end
 
     def _output(self, req: _Request) -> RequestOutput:
-        vis = self._visible(req)
-        delta = vis[len(req.sent):] if vis.startswith(req.sent) else vis
-        req.sent = vis
-        n = len(req.output_ids)
+        """The update to stream. ``req.text[:req.sent]`` never changes once streamed (text
+        only grows, and a stop string is cut past the held-back characters), so the new
+        text is ``text[sent:end]``: O(new) work in ``"delta"`` mode, where ``token_ids`` is
+        the slice of ids not streamed yet; ``"cumulative"`` copies both (an output must not
+        alias a list that later grows)."""
+        end = self._visible(req)
+        text = req.text
+        delta = text[req.sent:end] if end >= req.sent else text[:end]
+        req.sent = end
+        out_ids = req.output_ids
+        n = len(out_ids)
+        if req.kind is RequestOutputKind.DELTA:
+            ids, whole = out_ids[req.sent_ids:], delta
+        else:
+            ids, whole = list(out_ids), text[:end]
+        req.sent_ids = n
         ttft = req.first_token - req.arrival if req.first_token is not None else None
         tpot = ((req.last_token - req.first_token) / (n - 1)) if n > 1 and req.first_token is not None else None
         queue = req.admitted - req.arrival if req.admitted is not None else None
-        return RequestOutput(request_id=req.id, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
-                             text=vis, delta_text=delta, finish_reason=req.finish_reason,
+        return RequestOutput(request_id=req.id, prompt_token_ids=req.prompt_ids, token_ids=ids,
+                             text=whole, delta_text=delta, finish_reason=req.finish_reason,
                              stop_reason=req.stop_reason, ttft_s=ttft, tpot_s=tpot, queue_s=queue)
 
     # ------------------------------------------------------------------ retirement (under the lock)

@@ -11,10 +11,11 @@ True
 
 from __future__ import annotations
 
+import enum
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from spade.errors import ArgumentError, ArgumentTypeError
 
@@ -37,6 +38,40 @@ def _float(name: str, v) -> float:
     return v
 
 
+class RequestOutputKind(enum.StrEnum):
+    """What each ``RequestOutput`` of a request holds (``SamplingParams.output_kind``;
+    vLLM's ``RequestOutputKind``). A member equals its value: ``RequestOutputKind.DELTA
+    == "delta"``.
+
+    ``CUMULATIVE``: one output per token, its ``token_ids`` / ``text`` everything so far
+    (a fresh list each time). ``DELTA``: one output per token, its ``token_ids`` / ``text``
+    only what is new since the request's previous output (they concatenate to the
+    cumulative ones). ``FINAL_ONLY``: one output, the last, with the cumulative
+    ``token_ids`` / ``text``."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+_KINDS = ", ".join(repr(k.value) for k in RequestOutputKind)
+
+
+def _output_kind(v) -> RequestOutputKind:
+    """``v`` (a ``RequestOutputKind`` or its value) as a ``RequestOutputKind``."""
+    if isinstance(v, RequestOutputKind):
+        return v
+    if not isinstance(v, str):
+        raise ArgumentTypeError(f"SamplingParams.output_kind: expected one of {_KINDS} (or a "
+                                f"spade.RequestOutputKind), got {type(v).__name__} {v!r}")
+    try:
+        return RequestOutputKind(v)
+    except ValueError:
+        raise ArgumentError(f"SamplingParams.output_kind: {v!r} is not an output kind; use one of {_KINDS} "
+                            "(cumulative: every output holds everything so far; delta: only what is new; "
+                            "final_only: just the last output)") from None
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -45,7 +80,10 @@ class SamplingParams:
     ``top_p`` in (0, 1]; ``top_k``: -1 (or 0) keeps every token. ``seed``: a per-request
     generator (None: the engine's). ``stop``: strings that end the request (not
     included in the text); ``stop_token_ids``: token ids that end it (the model's EOS
-    ends it too unless ``ignore_eos``)."""
+    ends it too unless ``ignore_eos``). ``output_kind``: what each ``RequestOutput`` holds,
+    a ``RequestOutputKind`` or its value: ``"cumulative"`` (everything so far),
+    ``"delta"`` (only what is new since the previous output: no O(n) copy per token),
+    ``"final_only"`` (one output, the last)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -55,6 +93,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=list)
     stop_token_ids: Sequence[int] = field(default_factory=list)
     ignore_eos: bool = False
+    output_kind: Union[RequestOutputKind, str] = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.max_tokens = _int("max_tokens", self.max_tokens, 1, " (the number of tokens to generate, e.g. 64)")
@@ -80,6 +119,7 @@ class SamplingParams:
         self.stop_token_ids = [_int(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(self.stop_token_ids)]
         if not isinstance(self.ignore_eos, bool):
             raise ArgumentTypeError(f"SamplingParams.ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        self.output_kind = _output_kind(self.output_kind)
 
     @property
     def greedy(self) -> bool:
@@ -93,8 +133,12 @@ class RequestOutput:
 
     ``token_ids`` / ``text``: everything generated so far (cumulative; a stop string
     and what follows it are cut from ``text``); ``delta_text``: the text this update
-    added. ``finish_reason``: None while running, then ``"stop"`` (EOS, a stop token
-    or a stop string), ``"length"`` (``max_tokens`` or the context), ``"abort"``.
+    added. With ``SamplingParams.output_kind`` ``"delta"``, ``token_ids`` / ``text`` hold
+    only what this update added (``text`` equals ``delta_text``; ``num_output_tokens``
+    counts this update's tokens); with ``"final_only"`` the request yields only its last
+    output, cumulative, whose ``delta_text`` is the whole text. ``finish_reason``: None
+    while running, then ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
+    (``max_tokens`` or the context), ``"abort"``.
     ``prompt_token_ids``: the prompt's ids, one list shared by every update of the
     request (read it, do not change it). Timing: ``ttft_s`` (arrival to first token), ``tpot_s`` (mean seconds per output
     token after the first), ``queue_s`` (arrival to admission)."""

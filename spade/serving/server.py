@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import signal
@@ -46,7 +47,7 @@ except ImportError as _e:  # pragma: no cover - exercised without the extra
 
 from spade.serving import openai_protocol as oai
 from spade.serving.metrics import ServerMetrics, engine_value
-from spade.serving.params import RequestOutput, SamplingParams
+from spade.serving.params import RequestOutput, RequestOutputKind, SamplingParams
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -167,7 +168,9 @@ class ServerState:
 
     def sampling(self, req, prompt: list[int], param: str, default_max: int | None) -> SamplingParams:
         """SamplingParams, with the prompt and ``max_tokens`` checked against
-        ``model.max_seq_len`` (``default_max`` None: the rest of the context)."""
+        ``model.max_seq_len`` (``default_max`` None: the rest of the context). Outputs
+        come as deltas (``output_kind="delta"``: no copy of the whole output per token);
+        ``_Call`` adds them up."""
         cap, n = self.cfg.model.max_seq_len, len(prompt)
         if n >= cap:
             raise oai.APIError(f"{param}: the prompt has {n} tokens; this model's context (model.max_seq_len) "
@@ -182,7 +185,7 @@ class ServerState:
             raise oai.APIError(f"{field}: {params.max_tokens} tokens to generate after a prompt of {n} tokens "
                                f"exceed this model's context of {cap} (model.max_seq_len); ask for at most {room}",
                                param=field, code="context_length_exceeded")
-        return params
+        return dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
 
 async def _read_json(request: Request) -> Any:
@@ -214,7 +217,9 @@ async def _abort(state: ServerState, rid: str) -> None:
 
 
 class _Call:
-    """One request in the engine: its generator, its deadline, its bookkeeping."""
+    """One request in the engine: its generator, its deadline, its bookkeeping. With
+    ``output_kind="delta"`` (what ``ServerState.sampling`` asks for) it adds up the
+    outputs' ids and text: ``cumulative()`` is the request's whole output so far."""
 
     def __init__(self, state: ServerState, request: Request, prompt, params: SamplingParams):
         self.state = state
@@ -224,6 +229,9 @@ class _Call:
         self.deadline = asyncio.get_running_loop().time() + state.scfg.request_timeout_s
         self.gen = state.engine.generate(prompt, params, self.rid)
         self.last: RequestOutput | None = None
+        self.delta = params.output_kind == RequestOutputKind.DELTA
+        self.ids: list[int] = []  # the output ids so far (delta outputs, added up)
+        self.pieces: list[str] = []  # the output text so far, in pieces
         self._closed = False
         state.live.add(self.rid)
         state.metrics.in_flight += 1
@@ -246,7 +254,24 @@ class _Call:
                 raise
             raise oai.engine_error(e) from None
         self.last = out
+        if self.delta:
+            self.ids += out.token_ids
+            if out.text:
+                self.pieces.append(out.text)
         return out
+
+    def cumulative(self) -> RequestOutput | None:
+        """The last output with everything generated so far (its ``token_ids`` and ``text``)."""
+        out = self.last
+        if out is None or not self.delta:
+            return out
+        return dataclasses.replace(out, token_ids=list(self.ids), text="".join(self.pieces))
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self.delta:
+            return len(self.ids)
+        return len(self.last.token_ids) if self.last is not None else 0
 
     async def until(self, what) -> tuple[bool, Any]:
         """Await ``what`` (a coroutine) unless the client disconnects first: (True, its
@@ -284,9 +309,10 @@ class _Call:
                 await self.gen.aclose()
         if out is not None:
             reason = out.finish_reason if out.finished else "abort"
-            st.metrics.finish(reason, ttft=out.ttft_s, tpot=out.tpot_s if len(out.token_ids) > 1 else None,
+            n = self.num_output_tokens
+            st.metrics.finish(reason, ttft=out.ttft_s, tpot=out.tpot_s if n > 1 else None,
                               e2e=time.monotonic() - self.t0, queue=out.queue_s,
-                              prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids))
+                              prompt_tokens=len(out.prompt_token_ids), completion_tokens=n)
 
 
 async def _complete(state: ServerState, request: Request, prompt, params: SamplingParams, *, stream: bool,
@@ -307,7 +333,7 @@ async def _complete(state: ServerState, request: Request, prompt, params: Sampli
         if not here:  # the client left: its slot is free again
             return Response(status_code=499)
         build = oai.chat_response if chat else oai.completion_response
-        return JSONResponse(build(rid, model, created, call.last))
+        return JSONResponse(build(rid, model, created, call.cumulative()))
 
     # the first output before the headers: an error the engine raises is still a 400
     try:
@@ -336,7 +362,7 @@ async def _complete(state: ServerState, request: Request, prompt, params: Sampli
                 if out.delta_text or out.finished:
                     yield chunk(out)
                 if out.finished and include_usage:
-                    yield _sse(oai.usage_chunk(rid, model, created, obj, out))
+                    yield _sse(oai.usage_chunk(rid, model, created, obj, call.cumulative()))
                 try:
                     out = await call.next()
                 except oai.APIError as e:  # the deadline
