@@ -9,6 +9,7 @@
 #   gputests   every test marked gpu/multigpu (runtime topologies, NCCL link, ...)
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
 #   decode     whole-model decode: spade fast path vs HF (one GPU); projections auto vs cuBLAS side by side
+#   prefill    the serving prompt pass whole and in pieces against its FLOP floor, with a kernel profile
 #   gemv       the decode projections alone: split-K Triton GEMV vs cuBLAS (bench_gemv --quick)
 #   headline   TPOT at issue #5's shape (B=8 L=32k K=2k, P=9, int4 keys): full, quest, optimal, local,
 #              multiprocess, with device timelines (busy / idle per GPU) and the cache rank's host account
@@ -355,6 +356,13 @@ for s in "${stages[@]}"; do
           --out "$OUT/serving_${kv}_warm.json"
         run "serving_$kv" 140 python3 -m benchmarks.bench_serving $PS $extra --requests 16 --out-min 768 --out-max 1024 \
           --out "$OUT/serving_$kv.json"
+      done ;;
+    prefill)  # the serving prompt pass (FastModel.prefill_row) whole and in pieces, against its FLOP floor, with a
+              # kernel profile by class; contiguous, then paged (PREFILL_LENGTHS, PREFILL_CHUNKS)
+      for bs in 0 16; do
+        run "bench_prefill_bs$bs" 200 python3 -m benchmarks.bench_prefill --lengths ${PREFILL_LENGTHS:-4096,16384,32768} \
+          --chunks ${PREFILL_CHUNKS:-0,2048,512} $( [ $bs -gt 0 ] && echo "--block-size $bs" ) --profile \
+          --out "$OUT/bench_prefill_bs$bs.json"
       done ;;
     kv_layout)  # the sparse attention's scattered reads by KV layout and budget (marginal rate), L2 flushed
       run bench_kv_layout 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_kv_layout \

@@ -4,7 +4,10 @@
   place, optional) then RMSNorm, one program per row;
 * ``qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx,
   k_cache, v_cache, n_q, n_kv)``: split the fused QKV projection, QK-norm, RoPE,
-  and write k/v into the caches at ``widx``; returns q [B, Hq, D];
+  and write k/v into the caches at ``widx``; returns q [B, Hq, D]. The prompt pass
+  runs it with one token per "row": ``k_cache`` a [T, Hkv, 1, D] view of a row's
+  positions, ``widx`` 0, ``pos`` the tokens' positions, ``q_out`` a view of the
+  prompt's queries;
 * ``silu_mul_triton(gu)``: ``silu(gate) * up`` of ``gu`` [B, 2I].
 
 Their torch references are ``add_rms_norm_torch``, ``qkv_rope_store_torch`` and
@@ -164,7 +167,9 @@ def _check_paged_write(k_cache, v_cache, widx, block_table, B):
 
 
 def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_cache, v_cache, n_q, n_kv,
-                          block_table=None):
+                          block_table=None, q_out=None):
+    """``q_out`` (optional): a [B, Hq, D] view to write q into (any row and head strides,
+    the last dim contiguous), e.g. a prompt's queries [Hq, T, D] seen as [T, Hq, D]."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     rot = cos_tab.shape[-1]
@@ -174,7 +179,11 @@ def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx,
     if block_table is not None:
         _check_paged_write(k_cache, v_cache, widx, block_table, B)
         paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k_cache.shape[2])
-    q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
+    if q_out is None:
+        q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
+    elif q_out.shape != (B, n_q, D) or q_out.stride(2) != 1:
+        raise ValueError(f"q_out must be a [B={B}, Hq={n_q}, D={D}] view with a contiguous last dim; "
+                         f"got {tuple(q_out.shape)} strides {q_out.stride()}")
     has_norm = q_norm is not None
     pdl = pdl_enabled(qkv.device)
     _qkv_rope_store_kernel[(B, n_q + 2 * n_kv)](

@@ -953,11 +953,23 @@ class FastModel(DecodeBackend):
         C = max(1, min(self.prefill_chunk, T))
         D, Hq, Hkv = a.head_dim, a.n_q_heads, a.n_kv_heads
         x = F.embedding(ids, self.embed)  # [B, T, H]
+        fused = self.fused_kernels  # the Triton norms, QK-norm + RoPE + store and SiLU product
+        ops = self._ops()
+        widx0 = torch.zeros(1, dtype=torch.long, device=dev)
         for li, L in enumerate(self.layers):
             kc, vc = region(li)
             q_all = torch.empty(B, Hq, T, D, dtype=self.dtype, device=dev)
             for c0 in range(0, T, C):  # pass 1: q/k/v of every prompt token, k/v into the cache
                 c1 = min(T, c0 + C)
+                if fused:  # the decode step's Triton kernels, one token per row (a view of each row's region)
+                    for b in range(B):
+                        h = ops["add_rms_norm"](x[b, c0:c1], None, L.ln1, a.eps)
+                        ops["qkv_rope_store"](
+                            F.linear(h, L.wqkv, L.bqkv), L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab,
+                            pos[b, c0:c1], widx0, kc[b, :, offset + c0:offset + c1].transpose(0, 1).unsqueeze(2),
+                            vc[b, :, offset + c0:offset + c1].transpose(0, 1).unsqueeze(2), Hq, Hkv,
+                            q_out=q_all[b, :, c0:c1].transpose(0, 1))
+                    continue
                 qkv = F.linear(rms_norm_torch(x[:, c0:c1], L.ln1, a.eps), L.wqkv, L.bqkv)  # [B, c, N]
                 q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
                 q = q.view(B, c1 - c0, Hq, D)
@@ -976,8 +988,13 @@ class FastModel(DecodeBackend):
                 o_all = self._prefill_attention(q_all, kc[:, :, :T], vc[:, :, :T], mask, padded, C)  # [B, Hq, T, D]
             for c0 in range(0, T, C):  # pass 2: o_proj and MLP per chunk of tokens
                 c1 = min(T, c0 + C)
-                xc = x[:, c0:c1] + F.linear(o_all[:, :, c0:c1].transpose(1, 2).reshape(B, c1 - c0, Hq * D),
-                                            L.wo, L.bo)
+                o = F.linear(o_all[:, :, c0:c1].transpose(1, 2).reshape(B, c1 - c0, Hq * D), L.wo, L.bo)
+                if fused:
+                    for b in range(B):  # x += o, then the norm: one kernel
+                        h = ops["add_rms_norm"](x[b, c0:c1], o[b], L.ln2, a.eps)
+                        x[b, c0:c1] += F.linear(ops["silu_mul"](F.linear(h, L.wgu)), L.wd)
+                    continue
+                xc = x[:, c0:c1] + o
                 h = rms_norm_torch(xc, L.ln2, a.eps)
                 x[:, c0:c1] = xc + F.linear(silu_mul_torch(F.linear(h, L.wgu)), L.wd)
             del o_all
@@ -1015,23 +1032,11 @@ class FastModel(DecodeBackend):
     def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt chunk: q [B, Hq, c, D] are the last ``c`` of the
         ``n`` positions of k/v [B, Hkv, n, D]; query ``i`` sees keys ``0 .. n - c + i`` (the
-        lower-right causal mask). Grouped K/V heads are expanded, as in
-        ``_prefill_attention``. Returns [B, Hq, c, D].
+        lower-right causal mask). Returns [B, Hq, c, D]
+        (``spade.models.prompt_attention.chunk_attention``)."""
+        from spade.models.prompt_attention import chunk_attention
 
-        On CUDA the mask is ``torch.nn.attention.bias.causal_lower_right`` (the fused
-        kernels apply it without building it); elsewhere an explicit [c, n] boolean mask
-        (importing that module loads torch._dynamo: seconds on a CPU box)."""
-        c, n = q.shape[2], k.shape[2]
-        G = q.shape[1] // k.shape[1]
-        if G > 1:
-            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, Hq, n, D]
-        if q.device.type == "cuda":
-            from torch.nn.attention.bias import causal_lower_right
-
-            mask = causal_lower_right(c, n)
-        else:
-            mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(diagonal=n - c)  # [c, n]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.spec.softmax_scale)
+        return chunk_attention(q, k, v, self.spec.softmax_scale)
 
     @torch.no_grad()
     def fake_prefill(self, seq_len: int, batch: int | None = None, *, ctx=None, std: float = 1.0,
