@@ -16,9 +16,10 @@ Each part returns its output and its rows' log-sum-exp, and the two merge exactl
 SDPA kernels that return the log-sum-exp (cuDNN's, else flash's): unmasked and
 top-left-causal calls, which take the fastest kernels, where one lower-right-masked call
 takes only flash (measured on an H200 at 32k tokens in 2,048-token pieces: flash at
-~340 TFLOP/s against cuDNN's ~650 in the whole-prompt pass; docs/serving.md). On a CPU
-``chunk_attention`` keeps one SDPA call with an explicit mask; ``split=True`` runs the
-split there too, with a torch log-sum-exp (the tests' reference of the merge).
+~340 TFLOP/s against cuDNN's ~650 in the whole-prompt pass; docs/serving.md). Those
+kernels take fp16 / bf16 only (``fused_ok``): in fp32 on a GPU, and on a CPU,
+``chunk_attention`` keeps one masked SDPA call; ``split=True`` runs the split on a CPU
+too, with a torch log-sum-exp (the tests' reference of the merge).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_FUSED: str | None = None  # "cudnn" | "flash" | "none": the first kernel that ran, kept for the process
+_FUSED: str | None = None  # "cudnn" | "flash": the kernel the split runs on, chosen by the first call
 
 
 def _lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -64,19 +65,30 @@ def _lse_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     return out[0], out[1].reshape(out[0].shape[:-1])
 
 
+def fused_ok(q: torch.Tensor) -> bool:
+    """Whether the split runs on the fused kernels: CUDA, fp16 / bf16, head dim <= 256
+    (what cuDNN's and flash's kernels take). Otherwise (fp32 on a GPU, a CPU) one masked
+    SDPA call: on CUDA the lower-right causal bias (the efficient kernel in fp32)."""
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     split: bool | None = None) -> torch.Tensor:
     """Lower-right causal attention of a prompt piece: q [B, Hq, c, D], k/v [B, Hkv, n, D]
-    (n >= c) -> [B, Hq, c, D]. ``split`` (default: on CUDA) runs the two parts and merges
-    them (module doc); otherwise one SDPA call with an explicit [c, n] mask."""
+    (n >= c) -> [B, Hq, c, D]. ``split`` (default: ``fused_ok``) runs the two parts and
+    merges them (module doc); otherwise one masked SDPA call."""
     B, Hq, c, D = q.shape
     Hkv, n = k.shape[1], k.shape[2]
     G = Hq // Hkv
     if split is None:
-        split = q.device.type == "cuda"
+        split = fused_ok(q)
     if not split:
         if G > 1:
             k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, Hq, n, D]
+        if q.device.type == "cuda":  # flash's lower-right mask (bf16 / fp16), else the efficient kernel
+            from torch.nn.attention.bias import causal_lower_right
+
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, n), scale=scale)
         mask = torch.ones(c, n, dtype=torch.bool, device=q.device).tril(diagonal=n - c)  # [c, n]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     part = _lse_fused if q.device.type == "cuda" else _lse_torch
