@@ -18,7 +18,8 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
 * the same over packed int4 keys (``triton_int4``: ``score_keys="int4"``'s copy,
   smoothed per channel with the smoothing folded into the query), floor = D/2
   bytes + a fp32 scale per token;
-* ``score_topk_softmax`` (``sum_softmax``) rows, exact, int8 and int4, at every shape;
+* ``score_topk_softmax`` (``sum_softmax``) rows, exact, int8 and int4, at every shape,
+  and int8 / int4 through the float tile (``*_tile``: the int8-tensor-core logits off);
 * ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
   sizes, and ``sum_softmax`` with per-element online statistics
   (``SCORE_CONFIG["LANE_STATS"]``), at a few shapes;
@@ -314,6 +315,17 @@ def run_shape(r: Runner, B: int, L: int, ks: list[int], *, variants: bool) -> No
             r.add("score_topk_softmax", impl, shp,
                   bench(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
                                                           k_scale=ksc)), fb)
+        # int8 / int4 logits through the float tile (every key element converted) instead of
+        # the int8 tensor cores (the default): the two side by side
+        for impl, qq, kk, ksc, fb in (("triton_int8_tile", q, kq, kscale, int8_key_bytes),
+                                      ("triton_int4_tile", q4, kq4, kscale4, int4_key_bytes)):
+            scoring.GEMV_CONFIG.update(int8_dot=False)
+            try:
+                r.add("score_topk_softmax", impl, shp,
+                      bench(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax",
+                                                              kv_lens=kv_lens, k_scale=ksc)), fb)
+            finally:
+                scoring.GEMV_CONFIG.clear()
 
         n_sel = K // PAGE
         t_sel = quest.quest_select_triton(q, kmin, kmax, kv_lens, n_sel, PAGE)

@@ -15,7 +15,10 @@ and reduces the G rows in registers (``sum_logits`` / ``max_logits``).
 any group sum, so it runs in two kernels: per-head logits plus per-chunk online
 (max, sum-exp) statistics, then a finalize kernel that merges the statistics and
 sums the normalised heads (the logits are G x 4 bytes per token: small next to
-the keys, so the keys are still read once).
+the keys, so the keys are still read once). Over int8 / int4 keys the first
+kernel is ``_i8dot_logits_kernel``: every head's logits from one int8 tensor-core
+dot per key tile (each head's query in fixed-point digits), as ``sum_logits``'
+GEMV does for the group's summed query.
 
 The top-K over the scores: ``spade.kernels.radix_topk`` (exact radix select, the
 default) and ``spade.kernels.carry`` (threshold carry, ``carry=``); ``select_overlap``
@@ -716,6 +719,107 @@ def _i8dot_score_kernel(
 
 
 @triton.jit
+def _i8dot_logits_kernel(
+    q_ptr, k_ptr, ks_ptr, out_ptr, stats_ptr, lo_ptr, hi_ptr,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd, stride_sb, stride_sh, stride_sl,
+    L, CHUNK, N_CHUNKS, scale,
+    HKV: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """``sum_softmax`` stage 1 over int8 / int4 keys on the int8 tensor cores: the G
+    heads' logits of one chunk of one (b, KV head) row into ``out`` [B*HKV, G, L] (over
+    ``[lo, hi)``) and the chunk's online (max, sum-exp) per head into ``stats``
+    [B*HKV, G, N_CHUNKS, 2]: what ``_score_kernel`` writes in its stage-1 mode, for
+    ``_softmax_finalize_kernel``.
+
+    Each head's query goes in fixed point under its own scale and four int8 digits, as
+    in ``_i8dot_score_kernel``; the digit matrix holds head ``g``'s digits in columns
+    ``4g .. 4g + 3`` (GH head slots: 4 GH columns, 16 at least, the smallest MMA width),
+    so one int8 ``tl.dot`` per key tile (two for int4: the raw bytes and their high
+    nibbles) gives every head's four partial dots: the G heads cost what the summed
+    query of ``sum_logits`` costs, where the float tile pads them to 16 MMA rows and
+    converts every key element."""
+    grid_dep_wait(PDL)
+    grid_dep_release(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, False)
+    row64 = row.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, GH)
+    g_ok = offs_g < G
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_mask = g_ok[:, None] & (offs_d[None, :] < D)
+    x = tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32) * scale  # [GH, BLOCK_D] (int4: first half)
+    amax = tl.max(tl.abs(x), axis=1)  # [GH]
+    if KINT4:
+        y = tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32) * scale
+        amax = tl.max(tl.abs(y), axis=1) + 17.0 * amax  # one scale per head for x and z = y - 16 x̂
+    sc = tl.where(amax > 0, amax / 1.0e9, 1.0)  # [GH]
+    qi = tl.floor(x / sc[:, None] + 0.5).to(tl.int32)  # [GH, BLOCK_D]
+    NCOL: tl.constexpr = 4 * GH
+    col = tl.arange(0, NCOL)
+    own = (col // 4)[None, :] == offs_g[:, None]  # [GH, NCOL]: head g owns columns 4g .. 4g + 3
+    qm = _head_digits(qi, own, col)  # [BLOCK_D, NCOL] int8
+    if KINT4:
+        z = y - 16.0 * (qi.to(tl.float32) * sc[:, None])
+        qm2 = _head_digits(tl.floor(z / sc[:, None] + 0.5).to(tl.int32), own, col)
+        c_off = 8.0 * sc * tl.sum(qi.to(tl.float32), axis=1)  # [GH]: the low nibbles' offset, per head
+    else:
+        qm2 = qm  # unused
+        c_off = tl.zeros([GH], dtype=tl.float32)
+    digit_w = tl.where(col % 4 == 0, 1.0, tl.where(col % 4 == 1, 256.0, tl.where(col % 4 == 2, 65536.0,
+                                                                                16777216.0)))
+    w = digit_w * tl.sum(tl.where(own, sc[:, None], 0.0), axis=0)  # [NCOL]: digit weight x its head's scale
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    m_run = tl.full([GH], float("-inf"), tl.float32)
+    s_run = tl.zeros([GH], dtype=tl.float32)
+    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        valid = (offs_l >= lo) & (offs_l < hi)
+        kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+        if KINT4:
+            p = kt.to(tl.int8, bitcast=True)
+            acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, NCOL]
+            acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(kt, qm, out_dtype=tl.int32)
+        lg = tl.sum(tl.reshape(acc.to(tl.float32) * w[None, :], (BLOCK_L, GH, 4)), axis=2) - c_off[None, :]
+        lg = lg * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)[:, None]
+        ptrs = out_ptr + (row64 * G + offs_g[None, :]) * L + offs_l[:, None]  # [BLOCK_L, GH]
+        tl.store(ptrs, lg, mask=valid[:, None] & g_ok[None, :])
+        sm = tl.where(valid[:, None], lg, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(sm, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[None, :]), axis=0)
+        m_run = m_new
+    st = stats_ptr + ((row64 * G + offs_g) * N_CHUNKS + chunk) * 2
+    tl.store(st, m_run, mask=g_ok)
+    tl.store(st + 1, s_run, mask=g_ok)
+
+
+@triton.jit
+def _head_digits(qi, own, col):
+    """The digit matrix of ``_i8dot_logits_kernel``: ``qi`` [GH, BLOCK_D] int32, one
+    fixed-point query per head, as [BLOCK_D, 4 GH] int8 with head ``g``'s four balanced
+    digits (least significant first, ``_q_digits``) in columns ``4g .. 4g + 3``."""
+    q_col = tl.sum(tl.where(own[:, None, :], qi[:, :, None], 0), axis=0)  # [BLOCK_D, NCOL]: its head's qi
+    d0 = ((q_col + 128) & 255) - 128
+    r = (q_col - d0) >> 8
+    d1 = ((r + 128) & 255) - 128
+    r = (r - d1) >> 8
+    d2 = ((r + 128) & 255) - 128
+    d3 = (r - d2) >> 8
+    j = (col % 4)[None, :]
+    return tl.where(j == 0, d0, tl.where(j == 1, d1, tl.where(j == 2, d2, d3))).to(tl.int8)
+
+
+@triton.jit
 def _q_digits(qi):
     """The digit matrix of ``_i8dot_score_kernel``: the fixed-point query ``qi``
     [BLOCK_D] int32 (|qi| <= ~1e9) as four balanced int8 digits, least significant
@@ -897,11 +1001,21 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
-    _score_kernel[grid](
-        qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
-        qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        *ks_strides, L, chunk, n_chunks, scale,
-        REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
+    if (kint8 or kint4) and not paged and GEMV_CONFIG.get("int8_dot", True):  # the int8 tensor cores
+        _i8dot_logits_kernel[grid](
+            qr, k, k_scale, logits, stats, norm_lo, norm_hi,
+            qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            *ks_strides, L, chunk, n_chunks, scale,
+            HKV=Hkv, G=G, GH=max(4, triton.next_power_of_2(G)), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
+            BLOCK_L=BLOCK_L, INTERPRET=_interpret(), KINT4=kint4,
+            ASM4=kint4 and not _interpret() and GEMV_CONFIG.get("int4_asm", True),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qr, "select"))
+    else:
+        _score_kernel[grid](
+            qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
+            qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            *ks_strides, L, chunk, n_chunks, scale,
+            REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
     _softmax_finalize_kernel[grid](
         logits, stats, out, hist_arg, lo, hi, *cargs, L, chunk, n_chunks,
         HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,

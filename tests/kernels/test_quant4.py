@@ -190,11 +190,12 @@ def _scores64(q, k64, reduce, lo, hi):
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("reduce,gemv", [(r, "on") for r in scoring.REDUCES]
-                         + [("sum_logits", "float"), ("sum_logits", "off")])
+                         + [("sum_logits", "float"), ("sum_logits", "off"), ("sum_softmax", "off")])
 def test_group_scores_int4_matches_ref_and_definition(reduce, gemv, heads, qdtype, device, monkeypatch):
     """Every reduce through the tensor-core tile; sum_logits through its three paths:
     ``on`` (the default: the int8-tensor-core GEMV, query in int8 digits), ``float``
-    (the float GEMV tile) and ``off`` (the tile)."""
+    (the float GEMV tile) and ``off`` (the tile); sum_softmax's logits through the int8
+    tensor cores (``on``: each head's query in digits) and the float tile (``off``)."""
     monkeypatch.setitem(scoring.GEMV_CONFIG, "use", "off" if gemv == "off" else "int8")
     monkeypatch.setitem(scoring.GEMV_CONFIG, "int8_dot", gemv == "on")
     for i, (B, L, D) in enumerate(CASES):
