@@ -3,7 +3,9 @@
 ``--requests`` requests with prompt lengths uniform in ``[--prompt-min, --prompt-max]``
 (random token ids), output lengths uniform in ``[--out-min, --out-max]`` (greedy,
 ``ignore_eos``), arriving as a Poisson process of ``--rate`` requests per second
-(``inf``: all at once), served by one engine with ``serving.max_batch`` slots.
+(``inf``: all at once), served by one engine with ``serving.max_batch`` slots. Each
+request asks for its final output only (``SamplingParams.output_kind="final_only"``: an
+offline trace, nothing streamed; ``spade serve``'s clients stream, ``benchmarks/bench_serve.py``).
 Reported per policy: output tokens/s over the whole trace, TTFT / TPOT / queue time
 p50 and p99, decode steps, sparse steps, the engine's counters. JSON to ``--out``.
 
@@ -45,7 +47,8 @@ async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
     async def one(i: int, at: float, prompt: list[int], n: int):
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         last = None
-        async for out in engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), f"q{i}"):
+        params = SamplingParams(max_tokens=n, ignore_eos=True, output_kind="final_only")  # offline: no stream
+        async for out in engine.generate(prompt, params, f"q{i}"):
             last = out
         return last
 
