@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 
 #: topologies a slot batch serves today (``check_served`` says which policies each runs)
 SERVED_TOPOLOGIES = ("inline", "colocated", "local", "multiprocess")
-#: policies a cache rank serves for a slot batch (rows joining and leaving)
-CACHE_RANK_POLICIES = ("asyncspade",)
 
 
 def check_served(config: SpadeConfig) -> None:
@@ -63,10 +61,6 @@ def check_served(config: SpadeConfig) -> None:
             f"{', '.join(SERVED_TOPOLOGIES)}")
     cache_rank = (rt.topology != "inline" and not POLICIES.get(pc.name).needs_current_query
                   and getattr(pc, "budget", None) is not None)
-    if cache_rank and pc.name not in CACHE_RANK_POLICIES:
-        raise ConfigError(
-            f"runtime.topology {rt.topology!r} with policy {pc.name!r} runs a cache rank, which spade.AsyncEngine "
-            f"drives for {', '.join(CACHE_RANK_POLICIES)} only; use runtime.topology: inline for this policy")
     if cache_rank and rt.return_mode != "indices":
         raise ConfigError(
             f"runtime.return_mode {rt.return_mode!r}: spade.AsyncEngine serves a cache rank's selections as index "
@@ -124,10 +118,12 @@ class AsyncEngine:
     a no-op, as in vLLM); ``close()`` aborts everything and frees the model.
     ``stats()`` (alias ``metrics()``) is a dict of counters for a server's /metrics.
 
-    Supported: ``runtime.topology`` ``inline`` (every policy); ``colocated`` and ``local``
-    with ``asyncspade`` on a cache rank that follows the rows (``return_mode: indices``;
-    ``spade.serving.async_slots``) and with the policies those topologies run on the
-    inference rank (``full``, ``quest``, ``oracle``); the fast backend (``model.backend``
+    Supported: ``runtime.topology`` ``inline`` (every policy); ``colocated``, ``local`` and
+    ``multiprocess`` with the policies that select a step ahead (``asyncspade``, ``tova``,
+    ``streaming``) on a cache rank that follows the rows (``return_mode: indices``;
+    ``spade.serving.async_slots``; a policy's ``prefill_rows`` resets a joining row) and with
+    the policies those topologies run on the inference rank (``full``, ``quest``,
+    ``oracle``); the fast backend (``model.backend``
     ``fast`` or ``auto``; ``hf`` is refused). ``check_served`` refuses the rest. Prompts
     are used as given (no chat template). ``cache_hooks``: ``spade.runtime.protocol.CacheHooks``
     for tests (a slow or dying cache rank).

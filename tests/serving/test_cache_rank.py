@@ -321,3 +321,37 @@ def test_a_leave_moves_the_cache_ranks_windows(topology, monkeypatch):
     left_row_start = seen[0][1]
     assert max(left_row_start) > min(left_row_start)  # one row's window moved to a later cursor
     assert together[1].token_ids == alone.token_ids and len(together[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("policy,topology,extra", [
+    ("tova", "colocated", []), ("tova", "multiprocess/nccl", []), ("streaming", "local", []),
+    ("tova", "colocated", ["serving.prefill_chunk=5", "model.block_size=4", "model.kv_blocks=80"]),
+])
+def test_tova_and_streaming_on_a_cache_rank_match_alone_and_inline(policy, topology, extra):
+    """The other policies that select a step ahead (TOVA's held set chosen by the last
+    query's attention, streaming's sinks + recent window) on a cache rank that follows the
+    rows: requests joining at random steps get the greedy tokens they get alone and
+    through the inline topology (also chunked into a paged cache)."""
+    jobs = _jobs(8, seed=7)
+    topology, _, transport = topology.partition("/")
+    extra = list(extra) + (_multiprocess(transport) if transport else [])
+
+    def serve(topo: str, more: list[str]):
+        engine = spade.AsyncEngine(make_config(policy, topo, extra=more))
+
+        async def main():
+            together = await staggered(engine, jobs)
+            stats = engine.stats()
+            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+            await engine.close()
+            return together, alone, stats
+
+        return run(main())
+
+    together, alone, stats = serve(topology, extra)
+    _, inline, _ = serve("inline", [])
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["requests_finished"] == 8
+    assert stats["cache_peers_lost"] == 0 and stats["slots_used"] == 0
+    for (_, p, n), t, a, i in zip(jobs, together, alone, inline):
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids == i.token_ids

@@ -192,8 +192,6 @@ def test_unseeded_sampled_requests_differ_from_greedy():
 
 
 def test_topology_refusals_name_the_field():
-    with pytest.raises(ConfigError, match="runtime.topology 'colocated' with policy 'streaming'"):
-        spade.AsyncEngine(make_config("streaming", "colocated"))
     for mode in ("kv", "delta"):
         with pytest.raises(ConfigError, match=f"runtime.return_mode '{mode}'"):
             spade.AsyncEngine(make_config("asyncspade", "local", extra=[f"runtime.return_mode={mode}"]))
