@@ -3,7 +3,7 @@
     spade run --config configs/cpu_tiny.yaml [--set policy.budget=512] [--out result.json]
     spade validate --config X.yaml
     spade policies | transports | models
-    spade bench {kernels,scoring,attention,decode,tpot,transports,serving,paged,serve} [benchmark args...]
+    spade bench {kernels,scoring,attention,decode,tpot,transports,serving,paged,prefill,serve} [benchmark args...]
     spade eval --config configs/eval_smollm2.yaml [--out DIR] [--only selection,perplexity]
     spade serve --config X.yaml [--host 127.0.0.1] [--port 8000]   (the OpenAI-compatible server)
 """
@@ -245,6 +245,7 @@ BENCHES = {
     "transports": ["benchmarks.bench_transports"],
     "serving": ["benchmarks.bench_serving"],
     "paged": ["benchmarks.bench_paged"],
+    "prefill": ["benchmarks.bench_prefill"],
     "serve": ["benchmarks.bench_serve"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
