@@ -46,7 +46,8 @@ def _together_then_alone(engine, prompts, ns):
 
 
 @pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"), ("quest", "inline"),
-                                             ("asyncspade", "colocated"), ("asyncspade", "local")])
+                                             ("asyncspade", "colocated"), ("asyncspade", "local"),
+                                             ("tova", "colocated")])
 def test_joined_requests_match_alone_on_gpu(policy, topology):
     """(``local`` puts the cache rank on a second GPU when there is one.)"""
     engine = spade.AsyncEngine(_cfg(policy, topology))
