@@ -10,9 +10,12 @@ bias, tied or untied ``lm_head``) with
 * step metadata on the device (``kv_lens``, RoPE positions, write index), bumped
   by one tiny kernel before each step: no host synchronisation in a step;
 * fused Triton kernels for the elementwise work between GEMMs on CUDA
-  (residual add + RMSNorm; QK-norm + RoPE + cache write; SiLU·mul), with plain
-  torch references beside them that follow the transformers op order (used on
-  CPU and in tests);
+  (residual add + RMSNorm; QK-norm + RoPE + cache write; SiLU·mul), in decode
+  steps and in the prompt pass, with plain torch references beside them that
+  follow the transformers op order (used on CPU and in tests);
+* the prompt pass in slices of ``prefill_chunk`` tokens per GEMM, attention on
+  the fused SDPA kernels; a serving prompt in pieces attends its earlier pieces
+  through ``spade.models.prompt_attention`` (no grouped-head copies);
 * decode projections on the split-K Triton GEMV where a GPU sweep measured it
   faster than cuBLAS (``model.linear``); the gate/up GEMV then forms the SiLU
   product in its epilogue (``fuse_glu``: one launch per layer fewer, the same
