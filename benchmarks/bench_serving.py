@@ -33,7 +33,8 @@ from benchmarks.bench_serve import percentile
 #: new tokens of each warm-up request (run before the timed trace)
 WARM_TOKENS = 8
 #: engine.stats() counters reported for the timed trace alone (the warm-up's share taken off)
-TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "tokens_generated", "joins",
+TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "prefill_device_s",
+                  "decode_device_s", "tokens_generated", "joins",
                   "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces",
                   "topk_calls", "topk_fallbacks", "topk_fallbacks_too_many", "requests_finished",
                   "requests_aborted", "requests_failed")
@@ -124,6 +125,8 @@ def run_policy(args, policy: str, jobs) -> dict:
         # reach the same paths (prefill shapes, sparse steps, the cache rank's kernels and graphs)
         warm = [(0.0, j[1], WARM_TOKENS) for j in jobs[:2]]
         await _trace(engine, warm)
+        if engine.device.type == "cuda":  # the warm-up's device times complete before they are taken off
+            torch.cuda.synchronize(engine.device)
         st0 = engine.stats()
         done = asyncio.Event()
         watch = asyncio.ensure_future(_profile(engine, args.profile_steps, done)) if args.profile_steps else None
@@ -205,7 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}  "
               f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  "
               f"decode {r['engine']['decode_s']:.2f} s "
-              f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)")
+              f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)"
+              + (f"  on the GPU's stream: prefill {r['engine']['prefill_device_s']:.2f} s, decode "
+                 f"{r['engine']['decode_device_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step"
+                 if r['engine'].get('prefill_device_s') is not None else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec, indent=1, default=str))

@@ -167,6 +167,11 @@ class AsyncEngine:
         self._step_tokens = torch.zeros(self.batch.B, dtype=torch.long, device=self.device)
         self._counts = collections.Counter()
         self._times = {"prefill_s": 0.0, "decode_s": 0.0}  # worker wall time in joins and in decode steps
+        # CUDA: the stream's time in each iteration's prompt pieces and decode step, from event pairs read
+        # once complete (no sync); the host times above only say how long the launches took
+        self._events: Optional[collections.deque] = collections.deque() if self.device.type == "cuda" else None
+        self._device_times = {"prefill_device_s": None, "decode_device_s": None} if self._events is None else \
+            {"prefill_device_s": 0.0, "decode_device_s": 0.0}
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: Union[str, Sequence[int], torch.Tensor], params: SamplingParams | None = None,
@@ -242,11 +247,26 @@ class AsyncEngine:
             "steps": b.steps, "sparse_steps": b.sparse_steps, "mixed_steps": b.mixed_steps,
             "cursor": b.cursor, "cursor_resets": b.resets, "joins_held_by_cursor": c["held_by_cursor"],
             "joins": b.joins, "joins_into_running": b.joins_running, "prefill_pieces": c["prefill_pieces"],
-            "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"],
+            "prefill_s": self._times["prefill_s"], "decode_s": self._times["decode_s"], **self._device_stats(),
             "late_packs": 0, **dict.fromkeys(TOPK_STATS),  # (no cache rank: inline selections)
             **self._cache_stats(),
             "closed": self._closed,
         }
+
+    def _device_stats(self) -> dict:
+        with self._lock:
+            if self._events is not None:
+                self._account_device()
+            return dict(self._device_times)
+
+    def _account_device(self) -> None:
+        """(Under the lock.) Add the completed iterations' stream times (events that have
+        not completed stay queued: no sync)."""
+        q, t = self._events, self._device_times
+        while q and q[0][2].query():
+            e0, e1, e2 = q.popleft()
+            t["prefill_device_s"] += e0.elapsed_time(e1) / 1e3
+            t["decode_device_s"] += e1.elapsed_time(e2) / 1e3
 
     def _cache_stats(self) -> dict:
         live = getattr(self.batch, "live", None)
@@ -403,19 +423,30 @@ class AsyncEngine:
                 if req.abort:
                     self._retire(req, "abort")
             admits = self._admissions()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self._events is not None else None
         t0 = time.perf_counter()
+        stream = torch.cuda.current_stream(self.device) if ev else None
+        if ev:
+            ev[0].record(stream)
         for req in admits:  # the next piece of each join this iteration (whole prompts: one piece)
             self._prefill(req)
         t1 = time.perf_counter()
+        if ev:
+            ev[1].record(stream)
         with self._lock:
             rows = {row: req for row, req in self._running.items() if req.pending is not None}
             joining = bool(b.prefilling)
         if rows or joining:  # a join in progress needs the cursor to move one step per piece
             self._decode(rows)
         t2 = time.perf_counter()
+        if ev:
+            ev[2].record(stream)
         with self._lock:
             self._times["prefill_s"] += t1 - t0
             self._times["decode_s"] += t2 - t1
+            if ev:
+                self._events.append(ev)
+            self._account_device()
         with self._lock:
             # waiting requests that do not fit yet become admissible as the cursor moves
             return bool(self._running) or (bool(self._waiting) and b.empty)

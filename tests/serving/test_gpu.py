@@ -4,6 +4,7 @@ GPU; run by the lead on an H100/H200."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -54,11 +55,16 @@ def test_joined_requests_match_alone_on_gpu(policy, topology):
     prompts = random_prompts(6, seed=4)
     ns = [8 + 3 * i for i in range(6)]
 
+    t0 = time.perf_counter()
     together, alone, st = _together_then_alone(engine, prompts, ns)
+    wall = time.perf_counter() - t0
     assert st["joins_into_running"] >= 1
     if policy != "full":
         assert st["sparse_steps"] > 0
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+    # the stream's time in prompt pieces and in decode steps (CUDA events), within the run's wall time
+    assert st["prefill_device_s"] > 0 and st["decode_device_s"] > 0
+    assert st["prefill_device_s"] + st["decode_device_s"] < wall
 
 
 @pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"),
