@@ -809,28 +809,30 @@ def _head_digits(qi, own, col):
     fixed-point query per head, as [BLOCK_D, 4 GH] int8 with head ``g``'s four balanced
     digits (least significant first, ``_q_digits``) in columns ``4g .. 4g + 3``."""
     q_col = tl.sum(tl.where(own[:, None, :], qi[:, :, None], 0), axis=0)  # [BLOCK_D, NCOL]: its head's qi
-    d0 = ((q_col + 128) & 255) - 128
-    r = (q_col - d0) >> 8
-    d1 = ((r + 128) & 255) - 128
-    r = (r - d1) >> 8
-    d2 = ((r + 128) & 255) - 128
-    d3 = (r - d2) >> 8
+    d0, d1, d2, d3 = _balanced_digits(q_col)
     j = (col % 4)[None, :]
     return tl.where(j == 0, d0, tl.where(j == 1, d1, tl.where(j == 2, d2, d3))).to(tl.int8)
 
 
 @triton.jit
-def _q_digits(qi):
-    """The digit matrix of ``_i8dot_score_kernel``: the fixed-point query ``qi``
-    [BLOCK_D] int32 (|qi| <= ~1e9) as four balanced int8 digits, least significant
-    first, ``qi = d0 + 256 d1 + 65536 d2 + 2^24 d3`` (d0..d2 in [-128, 127], |d3| <= 64),
-    in columns 0..3 of a [BLOCK_D, 16] int8 matrix (zeros after)."""
+def _balanced_digits(qi):
+    """Fixed-point ``qi`` (int32, |qi| <= ~1e9) as four balanced digits, least significant
+    first: ``qi = d0 + 256 d1 + 65536 d2 + 2^24 d3`` (d0..d2 in [-128, 127], |d3| <= 64)."""
     d0 = ((qi + 128) & 255) - 128
     r = (qi - d0) >> 8  # exact: qi - d0 is a multiple of 256
     d1 = ((r + 128) & 255) - 128
     r = (r - d1) >> 8
     d2 = ((r + 128) & 255) - 128
     d3 = (r - d2) >> 8
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _q_digits(qi):
+    """The digit matrix of ``_i8dot_score_kernel``: the fixed-point query ``qi``
+    [BLOCK_D] int32 as its four balanced digits (``_balanced_digits``) in columns 0..3
+    of a [BLOCK_D, 16] int8 matrix (zeros after)."""
+    d0, d1, d2, d3 = _balanced_digits(qi)
     col = tl.arange(0, 16)[None, :]
     return tl.where(col == 0, d0[:, None], tl.where(col == 1, d1[:, None], tl.where(
         col == 2, d2[:, None], tl.where(col == 3, d3[:, None], 0)))).to(tl.int8)  # [BLOCK_D, 16]
