@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import int_list
 from benchmarks.bench_attention import Timer, hbm_bandwidth, random_middle
 
 
@@ -60,21 +61,11 @@ def caches(B: int, Hkv: int, L: int, D: int, layout: str, dtype, device, seed: i
     raise ValueError(f"layout must be 'separate' or 'interleaved', got {layout!r}")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return vals
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_kv_layout", description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--L", type=int, default=32768)
-    ap.add_argument("--K", type=_ints, default=[1024, 2048],
+    ap.add_argument("--K", type=int_list(), default=[1024, 2048],
                     help="middle tokens selected per (row, KV head), comma-separated (default 1024,2048)")
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--g", type=int, default=4, help="query heads per KV head")

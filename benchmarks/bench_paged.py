@@ -38,20 +38,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import int_list
 from benchmarks.bench_attention import Timer, hbm_bandwidth, random_middle
 
 TARGET_RATIO = 1.05
 KINDS = ("sparse", "dense", "gather", "score")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return vals
 
 
 def parse_args(argv):
@@ -64,7 +55,7 @@ def parse_args(argv):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--recent", type=int, default=64)
-    ap.add_argument("--block-sizes", type=_ints, default=[16, 32, 64], help="tokens per block, comma-separated")
+    ap.add_argument("--block-sizes", type=int_list(1), default=[16, 32, 64], help="tokens per block, comma-separated")
     ap.add_argument("--kinds", default="sparse,dense,gather,score", help="rows to run, comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")

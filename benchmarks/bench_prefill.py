@@ -35,24 +35,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.args import int_list
+
 CLASSES = ("gemm", "attention", "elementwise", "copy", "triton", "other")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return vals
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefill", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-8b", help="random-weight model preset (spade.models.presets)")
-    ap.add_argument("--lengths", type=_ints, default=[4096, 16384, 32768], help="prompt tokens, comma-separated")
-    ap.add_argument("--chunks", type=_ints, default=[0, 2048],
+    ap.add_argument("--lengths", type=int_list(1), default=[4096, 16384, 32768], help="prompt tokens, comma-separated")
+    ap.add_argument("--chunks", type=int_list(0), default=[0, 2048],
                     help="piece sizes (serving.prefill_chunk), comma-separated; 0: the whole prompt in one pass")
     ap.add_argument("--block-size", type=int, default=None, help="a paged KV cache of this block size")
     ap.add_argument("--iters", type=int, default=3)
