@@ -951,14 +951,16 @@ class FastModel(DecodeBackend):
             raise ValueError("a prompt chunk at an offset cannot be padded")
         # [B, T]: left padding does not shift positions; a chunk starts at its offset
         pos = (mask.long().cumsum(1) - 1).clamp(min=0) + offset
-        cos = self.cos_tab[pos].to(self.dtype)[:, :, None, :]  # [B, T, 1, rot]
-        sin = self.sin_tab[pos].to(self.dtype)[:, :, None, :]
+        fused = self.fused_kernels  # the Triton norms, QK-norm + RoPE + store and SiLU product
+        ops = self._ops()
+        if fused:  # the kernel reads the tables at pos itself
+            widx0 = torch.zeros(1, dtype=torch.long, device=dev)
+        else:
+            cos = self.cos_tab[pos].to(self.dtype)[:, :, None, :]  # [B, T, 1, rot]
+            sin = self.sin_tab[pos].to(self.dtype)[:, :, None, :]
         C = max(1, min(self.prefill_chunk, T))
         D, Hq, Hkv = a.head_dim, a.n_q_heads, a.n_kv_heads
         x = F.embedding(ids, self.embed)  # [B, T, H]
-        fused = self.fused_kernels  # the Triton norms, QK-norm + RoPE + store and SiLU product
-        ops = self._ops()
-        widx0 = torch.zeros(1, dtype=torch.long, device=dev)
         for li, L in enumerate(self.layers):
             kc, vc = region(li)
             q_all = torch.empty(B, Hq, T, D, dtype=self.dtype, device=dev)
