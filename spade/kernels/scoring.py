@@ -899,8 +899,9 @@ GEMV_CONFIG: dict = {}
 """Overrides for the ``sum_logits`` GEMV scoring kernel (``BLOCK_L``, ``num_warps``,
 ``num_stages``, ``MIN_CHUNK``, ``PER_SM``), plus ``use``: ``"int8"`` (default: int8
 and int4 keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
-int8 and int4 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores; False:
-the float GEMV tile, which converts every key element), and ``int4_asm`` (default True on a
+int8 and int4 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores, and
+``sum_softmax``'s per-head logits over them through ``_i8dot_logits_kernel``; False: the
+float GEMV tile and the float tensor-core tile, which convert every key element), and ``int4_asm`` (default True on a
 GPU: the int4 high nibbles by four bytes per register, ``_high_nibbles``; False: per byte)."""
 
 
