@@ -437,6 +437,109 @@ def run_sweep(r: Runner) -> None:
     scoring.SCORE_CONFIG.clear()
 
 
+SOFTMAX_SWEEP = [  # (logits BLOCK_L, warps, stages, PER_SM, MIN_CHUNK), (finalize BLOCK_L, warps, PER_SM, MIN_CHUNK)
+    ((64, 4, 3, 16, 256), (64, 4, 16, 256)),
+    ((128, 4, 3, 8, 512), (256, 4, 8, 512)),
+    ((128, 8, 3, 8, 512), (256, 8, 8, 512)),
+    ((256, 8, 3, 8, 512), (256, 4, 8, 512)),
+    ((256, 8, 3, 8, 512), (512, 8, 8, 1024)),
+    ((128, 4, 2, 16, 256), (1024, 8, 4, 1024)),
+    ((256, 4, 3, 8, 512), (512, 4, 8, 512)),
+]
+
+
+def _profile_kernels(fn: Callable[[], object], n: int = 20) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (torch.profiler over
+    ``n`` calls after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + us / n
+    return out
+
+
+def softmax_overrides(i: int) -> dict:
+    """``scoring.SOFTMAX_CONFIG`` of ``SOFTMAX_SWEEP[i]``."""
+    (lb, lw, ls, lp, lm), (fb, fw, fp, fm) = SOFTMAX_SWEEP[i]
+    return dict(logits_BLOCK_L=lb, logits_num_warps=lw, logits_num_stages=ls, logits_PER_SM=lp, logits_MIN_CHUNK=lm,
+                finalize_BLOCK_L=fb, finalize_num_warps=fw, finalize_PER_SM=fp, finalize_MIN_CHUNK=fm)
+
+
+def run_softmax_sweep(r: Runner, shapes: list[tuple[int, int]], K: int = 2048) -> None:
+    """``sum_softmax`` over int4 / int8 keys: the two passes' launch configs
+    (``scoring.SOFTMAX_CONFIG``) at ``shapes``: the scores alone, the score + top-K with
+    the radix select and with the threshold carry (the served path, steady state), each
+    config's kernels by device time (the carry rows), selections checked against the
+    first config's."""
+    from spade.kernels import carry as carry_mod
+    from spade.kernels import quant, scoring
+
+    for B, L in shapes:
+        ok, why = fits(B, L)
+        if not ok:
+            r.skip(dict(B=B, L=L, sweep="softmax"), f"does not fit in memory: {why}")
+            continue
+        g = torch.Generator(device=DEVICE).manual_seed(B * 7 + L)
+        q = torch.randn(B, HQ, D, device=DEVICE, generator=g, dtype=DTYPE)
+        k = torch.randn(B, HKV, L, D, device=DEVICE, generator=g, dtype=DTYPE)
+        kv_lens = torch.full((B,), L, device=DEVICE, dtype=torch.int64)
+        lo, hi = torch.full_like(kv_lens, N_SINK), kv_lens - N_RECENT
+        smooth = quant.fit_smoothing(k)
+        keys = {"int4": (quant.fold_smoothing(q, smooth), *quant.quantize_keys_int4_triton(k, smooth),
+                         B * HKV * L * (D // 2 + 4)),
+                "int8": (q, *quant.quantize_keys_triton(k), B * HKV * L * (D + 4))}
+        del k
+        for kname, (qq, kk, ksc, nbytes) in keys.items():
+            want = None
+            for i, ((lb, lw, ls, lp, lm), (fb, fw, fp, fm)) in enumerate(SOFTMAX_SWEEP):
+                scoring.SOFTMAX_CONFIG.clear()
+                scoring.SOFTMAX_CONFIG.update(softmax_overrides(i))
+                cfg = dict(B=B, L=L, K=K, keys=kname, config=i, logits=f"{lb}:{lw}:{ls}:{lp}:{lm}",
+                           finalize=f"{fb}:{fw}:{fp}:{fm}")
+                try:
+                    got = scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
+                                                    k_scale=ksc)
+                    same = None if want is None else overlap(got, want)
+                    want = got if want is None else want
+                    ms_s = bench(lambda: scoring.group_scores_triton(qq, kk, kv_lens, reduce="sum_softmax",
+                                                                     k_scale=ksc))
+                    ms_r = bench(lambda: scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax",
+                                                                   kv_lens=kv_lens, k_scale=ksc))
+                    c = carry_mod.new_carry(B, HKV, DEVICE)
+
+                    def carried():
+                        return scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
+                                                         k_scale=ksc, carry=c)
+                    for _ in range(4):  # the threshold settles (first call: radix fallback)
+                        carried()
+                    ms_c = bench(carried)
+                    kern = _profile_kernels(carried) if DEVICE == "cuda" else {}
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                    print(f"  softmax config {cfg} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                r.add("softmax_sweep", kname, cfg, ms_c, nbytes, scores_ms=ms_s, radix_ms=ms_r,
+                      overlap_first=same, kernels_us={n: round(v, 2) for n, v in sorted(kern.items(),
+                                                                                    key=lambda kv: -kv[1])[:8]})
+                print(f"  {kname} B={B} L={L} logits {cfg['logits']} finalize {cfg['finalize']}: scores {ms_s:.3f} "
+                      f"ms, +radix {ms_r:.3f}, +carry {ms_c:.3f}; " +
+                      ", ".join(f"{n.split('(')[0][:28]} {v:.1f}" for n, v in
+                                sorted(kern.items(), key=lambda kv: -kv[1])[:5]))
+        scoring.SOFTMAX_CONFIG.clear()
+        del keys, q
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
 def plot(rows: list[dict], path: Path) -> Path | None:
     """One PNG: x floor (time / byte floor) of each selection variant per shape."""
     try:
@@ -495,6 +598,10 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--tiny", action="store_true",
                       help="tiny shapes on the CPU under the Triton interpreter: checks the script in seconds")
     ap.add_argument("--sweep", action="store_true", help="also sweep the scoring kernel's tile configs")
+    ap.add_argument("--softmax-sweep", default="",
+                    help="BxL,...: sweep sum_softmax's two launch configs (SOFTMAX_CONFIG) over int4 / int8 keys at "
+                         "these shapes (scores, + radix top-K, + threshold carry, kernels by device time)")
+    ap.add_argument("--no-grid", action="store_true", help="skip the shape grid (run only the sweeps asked for)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget; shapes that would start past it are skipped (recorded)")
     ap.add_argument("--out", default="results/bench_scoring.json", help="JSON output path (PNG beside it)")
@@ -545,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         variant_shapes = {(8, 32768), (1, 131072), (32, 32768)}
     # the headline shape first, so a short budget still measures it
     order = sorted(((B, L) for B in Bs for L in Ls), key=lambda s: (s != (8, 32768), s[1], s[0]))
-    for B, L in order:
+    for B, L in [] if args.no_grid else order:
         if r.left_s() <= 0:
             r.skip(dict(B=B, L=L), "--budget-s spent")
             continue
@@ -556,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         run_shape(r, B, L, Ks, variants=(B, L) in variant_shapes)
     if args.sweep and DEVICE == "cuda" and r.left_s() > 0:
         run_sweep(r)
+    if args.softmax_sweep:
+        run_softmax_sweep(r, [tuple(int(v) for v in s.lower().split("x")) for s in args.softmax_sweep.split(",") if s],
+                          K=Ks[0] if args.tiny else 2048)
     png = plot(rows, path.with_suffix(".png"))
     doc["plot"] = None if png is None else str(png)
     r.flush()

@@ -173,6 +173,39 @@ def _score_config(D: int, device: torch.device) -> dict:
     return cfg
 
 
+def _softmax_config(device: torch.device, part: str, kint4: bool = False) -> dict:
+    """Launch config of a ``sum_softmax`` pass: ``part`` "logits" (each head's logits over
+    int8 / int4 keys on the int8 tensor cores, ``_i8dot_logits_kernel``) or "finalize"
+    (``_softmax_finalize_kernel``, which streams those logits). ``SCORE_CONFIG`` overrides
+    both (the tests' small tiles); ``SOFTMAX_CONFIG``'s ``logits_*`` / ``finalize_*`` keys
+    override one."""
+    if _interpret() or device.type != "cuda":
+        cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
+    elif part == "logits":
+        cfg = dict(SOFTMAX_GPU["logits_int4" if kint4 else "logits_int8"])
+    else:
+        cfg = dict(SOFTMAX_GPU["finalize"])
+    cfg.update({key: v for key, v in SCORE_CONFIG.items() if key in cfg})
+    cfg.update({key[len(part) + 1:]: v for key, v in SOFTMAX_CONFIG.items() if key.startswith(part + "_")})
+    return cfg
+
+
+SOFTMAX_GPU = {
+    # bench_scoring --softmax-sweep 16x16384,8x32768 on an H200 (kernel device time per call, the
+    # threshold-carry path): int4 logits 57 us at 256-key tiles of 4 warps against 67 at 64 / 4 warps;
+    # int8 logits best at 64 / 4 (82 us; 84-97 at larger tiles); the finalize 12-17 us at 1024-position
+    # tiles of 8 warps (four programs per SM) against 41-61 us at 64 and the group padded to 16 rows
+    "logits_int4": dict(BLOCK_L=256, num_warps=4, num_stages=3, MIN_CHUNK=512, PER_SM=8),
+    "logits_int8": dict(BLOCK_L=64, num_warps=4, num_stages=3, MIN_CHUNK=256, PER_SM=16),
+    "finalize": dict(BLOCK_L=1024, num_warps=8, num_stages=1, MIN_CHUNK=1024, PER_SM=4),
+}
+"""``sum_softmax``'s two passes on a GPU (``_softmax_config``)."""
+
+SOFTMAX_CONFIG: dict = {}
+"""Overrides of ``sum_softmax``'s two passes, ``logits_<key>`` / ``finalize_<key>`` (``BLOCK_L``,
+``num_warps``, ``num_stages``, ``MIN_CHUNK``, ``PER_SM``); the benchmark sweeps them."""
+
+
 PAGED_TILES_MAX = 16
 """Paged scoring: key tiles whose slots a program maps through the block table at a
 time (registers: PAGED_TILES_MAX x BLOCK_L int32 per program)."""
@@ -1003,27 +1036,37 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             **pdl_kwargs(qr, "select"), **paged)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
-    stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)
     if (kint8 or kint4) and not paged and GEMV_CONFIG.get("int8_dot", True):  # the int8 tensor cores
-        _i8dot_logits_kernel[grid](
+        lcfg = _softmax_config(k.device, "logits", kint4)
+        l_chunk, n_stats = _split(L, rows, k.device, block=lcfg["BLOCK_L"], min_chunk=lcfg["MIN_CHUNK"],
+                                  per_sm=lcfg["PER_SM"])
+        stats = torch.empty(rows, G, n_stats, 2, dtype=torch.float32, device=k.device)
+        _i8dot_logits_kernel[(rows, n_stats)](
             qr, k, k_scale, logits, stats, norm_lo, norm_hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-            *ks_strides, L, chunk, n_chunks, scale,
+            *ks_strides, L, l_chunk, n_stats, scale,
             HKV=Hkv, G=G, GH=max(4, triton.next_power_of_2(G)), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
-            BLOCK_L=BLOCK_L, INTERPRET=_interpret(), KINT4=kint4,
+            BLOCK_L=lcfg["BLOCK_L"], INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and GEMV_CONFIG.get("int4_asm", True),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(qr, "select"))
+            num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"))
     else:
+        n_stats = n_chunks
+        stats = torch.empty(rows, G, n_stats, 2, dtype=torch.float32, device=k.device)
         _score_kernel[grid](
             qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
             REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
-    _softmax_finalize_kernel[grid](
-        logits, stats, out, hist_arg, lo, hi, *cargs, L, chunk, n_chunks,
-        HKV=Hkv, G=G, G_PAD=G_PAD, BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_L=BLOCK_L,
-        FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CARRY=do_carry, num_warps=cfg["num_warps"],
-        **pdl_kwargs(logits, "select"))
+    # the finalize streams the logits alone (no keys, no MMA): its own tiles and chunks, and
+    # the group's G heads unpadded (the MMA's 16 rows would be 16 / G times the exp work)
+    fcfg = _softmax_config(k.device, "finalize")
+    f_chunk, f_chunks = _split(L, rows, k.device, block=fcfg["BLOCK_L"], min_chunk=fcfg["MIN_CHUNK"],
+                               per_sm=fcfg["PER_SM"])
+    _softmax_finalize_kernel[(rows, f_chunks)](
+        logits, stats, out, hist_arg, lo, hi, *cargs, L, f_chunk, n_stats,
+        HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), BLOCK_C=triton.next_power_of_2(n_stats),
+        BLOCK_L=fcfg["BLOCK_L"], FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CARRY=do_carry,
+        num_warps=fcfg["num_warps"], **pdl_kwargs(logits, "select"))
 
 
 def group_scores_triton(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *, scale: float | None = None,

@@ -429,3 +429,38 @@ def test_int4_through_the_async_runtime_matches_inline(backend, monkeypatch):
     finally:
         rt.close()
     assert tr.tokens == want and tr.stats["sparse_steps"] > 0
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("logits_tile,finalize_tile,kbits", [(32, 128, "int4"), (64, 32, "int8")])
+def test_sum_softmax_passes_chunked_apart(logits_tile, finalize_tile, kbits, heads, device, monkeypatch):
+    """sum_softmax's logits pass and its finalize run their own tiles and chunks
+    (``scoring.SOFTMAX_CONFIG``): the finalize merges every chunk's statistics of the
+    logits pass, whatever its own chunking. Scores, radix top-K and the threshold-carry
+    top-K (a few calls: first the fallback, then the carried threshold) match the
+    reference on fresh inputs with odd lengths."""
+    from spade.kernels import carry as carry_mod
+
+    monkeypatch.setattr(scoring, "SOFTMAX_CONFIG", dict(
+        logits_BLOCK_L=logits_tile, logits_MIN_CHUNK=logits_tile, finalize_BLOCK_L=finalize_tile,
+        finalize_MIN_CHUNK=finalize_tile))
+    B, L, D = 3, 301, 32
+    if kbits == "int4":
+        q, kq, ks, kv, st, _ = _int4_inputs(B, *heads, L, D, torch.float32, device, seed=31 + logits_tile)
+    else:
+        g = torch.Generator().manual_seed(41 + finalize_tile)
+        q = torch.randn(B, heads[0], D, generator=g).to(device)
+        kq, ks = quant.quantize_keys_ref(torch.randn(B, heads[1], L, D, generator=g).to(device))
+        kv = torch.tensor([L, 190, 77], device=device)
+        st = torch.tensor([0, 5, 2], device=device)
+    ref = scoring.group_scores_ref(q, kq, kv, reduce="sum_softmax", kv_start=st, k_scale=ks)
+    out = scoring.group_scores_triton(q, kq, kv, reduce="sum_softmax", kv_start=st, k_scale=ks)
+    assert torch.equal(out.isinf(), ref.isinf())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    lo, hi = st + 1, kv - 2
+    c = carry_mod.new_carry(B, heads[1], device)
+    for k_top in (5, 5, 5, 40):
+        want = scoring.score_topk_ref(q, kq, lo, hi, k_top, reduce="sum_softmax", kv_lens=kv, k_scale=ks)
+        for kw in ({}, {"carry": c}):
+            got = scoring.score_topk_triton(q, kq, lo, hi, k_top, reduce="sum_softmax", kv_lens=kv, k_scale=ks, **kw)
+            assert torch.equal(got.sort(-1).values.cpu(), want.sort(-1).values.cpu()), (k_top, kw.keys())

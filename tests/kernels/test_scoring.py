@@ -504,6 +504,24 @@ def test_bench_scoring_tiny_writes_rows_and_plot(tmp_path):
     assert (tmp_path / "b.png").stat().st_size > 0 and doc["plot"].endswith("b.png")
 
 
+def test_bench_scoring_softmax_sweep_rows(tmp_path, monkeypatch):
+    """--softmax-sweep alone (--no-grid): a row per config and key copy, the same
+    selection under every config (overlap with the first = 1), the config's overrides
+    left cleared."""
+    import json
+
+    from benchmarks import bench_scoring
+
+    monkeypatch.setattr(bench_scoring, "SOFTMAX_SWEEP", bench_scoring.SOFTMAX_SWEEP[:2])
+    out = tmp_path / "s.json"
+    assert bench_scoring.main(["--tiny", "--no-grid", "--softmax-sweep", "2x150", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["keys"], r["config"]) for r in rows) == [("int4", 0), ("int4", 1), ("int8", 0), ("int8", 1)]
+    assert all(r["op"] == "softmax_sweep" and r["ms"] > 0 and r["scores_ms"] > 0 for r in rows)
+    assert [r["overlap_first"] for r in rows if r["config"] == 1] == [1.0, 1.0]
+    assert scoring.SOFTMAX_CONFIG == {}
+
+
 def test_bench_scoring_budget_skips_with_reason(tmp_path):
     import json
 
