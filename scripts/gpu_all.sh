@@ -289,12 +289,13 @@ for s in "${stages[@]}"; do
     trace)  # the serving core's offline trace (issue workload, TRACE_ARGS: Poisson arrivals, 8k-24k prompts, 512-2048
             # outputs, 16 paged slots) for TRACE_ROWS (default: full and quest on one GPU each, side by side, then
             # asyncspade colocated on GPU 0 and local on the pair; TRACE_AS: asyncspade's extra settings, TRACE_TAG: a
-            # file suffix), each with a kernel profile of TRACE_PROFILE decode steps once all have joined; then the
+            # file suffix), with a kernel profile of TRACE_PROFILE decode steps once all have joined (default 0: the
+            # profiler's stop holds the scheduler for seconds, so a profiled row's tok/s is not comparable); then the
             # static step at 16 x 16k (TRACE_STATIC_METHODS, contiguous and paged; TRACE_STATIC_ARGS) for the pair's
             # "p50 TPOT <= 1.15x static optimal" target (TRACE_STATIC=0 skips it)
       TA=${TRACE_ARGS:---requests 32 --rate 1 --prompt-min 8192 --prompt-max 24576 --out-min 512 --out-max 2048}
       TS="--preset qwen3-8b --max-batch 16 --max-seq-len 26624 --budget 2048 --set model.block_size=16 \
-          --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-20} $TA"
+          --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-0} $TA"
       AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto ${TRACE_AS:-}"
       TG=${TRACE_TAG:-}
       rows=" ${TRACE_ROWS:-full quest colocated local} "

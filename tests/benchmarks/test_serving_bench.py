@@ -44,3 +44,61 @@ def test_profile_window_gives_up_when_the_trace_ends_first(monkeypatch):
         return await asyncio.wait_for(watch, 2.0)
 
     assert asyncio.run(main()) is None
+
+
+def test_profile_table_waits_for_the_trace_and_reports_the_stall(monkeypatch):
+    """The kernel table is built once the trace is over (``done``), not on the event
+    loop mid-trace; the profiler's stop, which did hold the scheduler, is reported as
+    ``stall_s``."""
+    import asyncio
+    import time
+
+    import torch
+
+    class Engine:
+        steps = 0
+
+        def stats(self):
+            Engine.steps += 1  # each poll: one more decode step
+            return {"requests_waiting": 0, "requests_prefilling": 0, "requests_running": 3, "steps": Engine.steps,
+                    "prefill_pieces": 0}
+
+    class Event:
+        key, self_device_time_total = "_decode_split_kernel", 8000.0
+
+    class Prof:  # torch.profiler.profile's part the watcher uses (CUDA activity needs a GPU)
+        built = False
+
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            time.sleep(0.02)  # the stop
+            return False
+
+        def key_averages(self):
+            assert done.is_set(), "the kernel table is built after the trace"
+            Prof.built = True
+            return [Event()]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.profiler, "profile", Prof)
+    done = None
+
+    async def main():
+        nonlocal done
+        done = asyncio.Event()
+        watch = asyncio.ensure_future(bench_serving._profile(Engine(), 4, done))
+        while Engine.steps < 10:  # the window (4 steps, after 2 that may hold a join) has closed
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not watch.done()  # the table waits for the trace's end
+        done.set()
+        return await asyncio.wait_for(watch, 10.0)
+
+    out = asyncio.run(main())
+    assert Prof.built and out["steps"] >= 4 and out["rows"] == 3 and out["stall_s"] >= 0.02
+    assert out["top_kernels_ms_per_step"] == {"_decode_split_kernel": 8.0 / out["steps"]}  # 8 ms over the window
