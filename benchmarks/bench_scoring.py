@@ -23,7 +23,12 @@ candidates ``[4, L - 64)`` (4 sinks and a 64-token recent window excluded):
 * ``variants``: the pass-0 histogram fused into stage 1 or not, stage-2 tile
   sizes, and ``sum_softmax`` with per-element online statistics
   (``SCORE_CONFIG["LANE_STATS"]``), at a few shapes;
-* ``--sweep``: tile configs of the scoring kernel at B=8, L=32k.
+* ``--sweep``: tile configs of the scoring kernel at B=8, L=32k;
+* ``--softmax-sweep BxL,...``: ``sum_softmax``'s two passes (logits, finalize) under the
+  launch configs of ``SOFTMAX_SWEEP`` over int4 / int8 keys: scores alone, + radix top-K,
+  + threshold carry (eager medians, host launch cost included), and the carry path's
+  kernels by device time (torch.profiler: what a CUDA graph replays; the row's time, and
+  its floor ratio, on a GPU); ``--no-grid`` skips the shape grid.
 
 Floors: bytes that must be read (keys of the candidate range once; Quest page
 bounds once) over the HBM bandwidth measured in the same run by a large
@@ -38,6 +43,7 @@ plots x floor per shape for the selection rows.
 
     python -m benchmarks.bench_scoring [--quick | --full] [--sweep] [--budget-s S] [--out results/bench_scoring.json]
     python -m benchmarks.bench_scoring --tiny   # seconds on a CPU (Triton interpreter): checks the script
+    python -m benchmarks.bench_scoring --no-grid --softmax-sweep 16x16384,8x32768   # sum_softmax's launch configs
 """
 
 from __future__ import annotations
@@ -527,9 +533,12 @@ def run_softmax_sweep(r: Runner, shapes: list[tuple[int, int]], K: int = 2048) -
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: report, go on
                     print(f"  softmax config {cfg} failed: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
-                r.add("softmax_sweep", kname, cfg, ms_c, nbytes, scores_ms=ms_s, radix_ms=ms_r,
-                      overlap_first=same, kernels_us={n: round(v, 2) for n, v in sorted(kern.items(),
-                                                                                    key=lambda kv: -kv[1])[:8]})
+                # the row's time: the carry path's kernels by device time (what a graph replays; the
+                # eager medians carry the host's launch cost and spread two-fold between calls)
+                dev_ms = sum(kern.values()) / 1e3 if kern else None
+                r.add("softmax_sweep", kname, cfg, dev_ms or ms_c, nbytes, scores_ms=ms_s, radix_ms=ms_r,
+                      carry_eager_ms=ms_c, overlap_first=same,
+                      kernels_us={n: round(v, 2) for n, v in sorted(kern.items(), key=lambda kv: -kv[1])[:8]})
                 print(f"  {kname} B={B} L={L} logits {cfg['logits']} finalize {cfg['finalize']}: scores {ms_s:.3f} "
                       f"ms, +radix {ms_r:.3f}, +carry {ms_c:.3f}; " +
                       ", ".join(f"{n.split('(')[0][:28]} {v:.1f}" for n, v in
