@@ -444,6 +444,8 @@ def run_sweep(r: Runner) -> None:
 
 
 SOFTMAX_SWEEP = [  # (logits BLOCK_L, warps, stages, PER_SM, MIN_CHUNK), (finalize BLOCK_L, warps, PER_SM, MIN_CHUNK)
+    # [, more SOFTMAX_CONFIG overrides]; the first: the built-in GPU configs (scoring.SOFTMAX_GPU) at int4
+    ((256, 4, 3, 8, 512), (1024, 8, 4, 1024)),
     ((64, 4, 3, 16, 256), (64, 4, 16, 256)),
     ((128, 4, 3, 8, 512), (256, 4, 8, 512)),
     ((128, 8, 3, 8, 512), (256, 8, 8, 512)),
@@ -476,9 +478,10 @@ def _profile_kernels(fn: Callable[[], object], n: int = 20) -> dict[str, float]:
 
 def softmax_overrides(i: int) -> dict:
     """``scoring.SOFTMAX_CONFIG`` of ``SOFTMAX_SWEEP[i]``."""
-    (lb, lw, ls, lp, lm), (fb, fw, fp, fm) = SOFTMAX_SWEEP[i]
+    (lb, lw, ls, lp, lm), (fb, fw, fp, fm), *more = SOFTMAX_SWEEP[i]
     return dict(logits_BLOCK_L=lb, logits_num_warps=lw, logits_num_stages=ls, logits_PER_SM=lp, logits_MIN_CHUNK=lm,
-                finalize_BLOCK_L=fb, finalize_num_warps=fw, finalize_PER_SM=fp, finalize_MIN_CHUNK=fm)
+                finalize_BLOCK_L=fb, finalize_num_warps=fw, finalize_PER_SM=fp, finalize_MIN_CHUNK=fm,
+                **(more[0] if more else {}))
 
 
 def run_softmax_sweep(r: Runner, shapes: list[tuple[int, int]], K: int = 2048) -> None:
@@ -507,11 +510,11 @@ def run_softmax_sweep(r: Runner, shapes: list[tuple[int, int]], K: int = 2048) -
         del k
         for kname, (qq, kk, ksc, nbytes) in keys.items():
             want = None
-            for i, ((lb, lw, ls, lp, lm), (fb, fw, fp, fm)) in enumerate(SOFTMAX_SWEEP):
+            for i, ((lb, lw, ls, lp, lm), (fb, fw, fp, fm), *more) in enumerate(SOFTMAX_SWEEP):
                 scoring.SOFTMAX_CONFIG.clear()
                 scoring.SOFTMAX_CONFIG.update(softmax_overrides(i))
                 cfg = dict(B=B, L=L, K=K, keys=kname, config=i, logits=f"{lb}:{lw}:{ls}:{lp}:{lm}",
-                           finalize=f"{fb}:{fw}:{fp}:{fm}")
+                           finalize=f"{fb}:{fw}:{fp}:{fm}", more=more[0] if more else {})
                 try:
                     got = scoring.score_topk_triton(qq, kk, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
                                                     k_scale=ksc)
