@@ -1060,6 +1060,12 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     # the finalize streams the logits alone (no keys, no MMA): its own tiles and chunks, and
     # the group's G heads unpadded (the MMA's 16 rows would be 16 / G times the exp work)
     fcfg = _softmax_config(k.device, "finalize")
+    bl = fcfg["BLOCK_L"]
+    if do_carry and not (32 <= bl <= 2048 and bl & (bl - 1) == 0):
+        # its tiles mark the threshold carry's bitmask in whole 32-bit words, and the bitmask
+        # has 2048 positions of slack past L (spade.kernels.carry)
+        raise ValueError(f"the sum_softmax finalize's BLOCK_L must be a power of two in [32, 2048] under the "
+                         f"threshold carry, got {bl} (SOFTMAX_CONFIG['finalize_BLOCK_L'] or SCORE_CONFIG['BLOCK_L'])")
     f_chunk, f_chunks = _split(L, rows, k.device, block=fcfg["BLOCK_L"], min_chunk=fcfg["MIN_CHUNK"],
                                per_sm=fcfg["PER_SM"])
     _softmax_finalize_kernel[(rows, f_chunks)](
