@@ -22,6 +22,8 @@
 #              wheels carried in .whl_ucx / .whl_nixl (each call carries one: 64 MiB limit)
 #   select     score + top-K per stage (scoring, radix pass 1, split, ties) and the select launch grid
 #              (SELECT_ARGS: more bench_select flags, e.g. --carry 8:16,4:16 --no-grid --keys int4)
+#   softmax    sum_softmax's logits and finalize passes under bench_scoring's SOFTMAX_SWEEP launch configs, int4 and
+#              int8 keys, kernel device time of the threshold-carry path, at SOFTMAX_SHAPES (default 16x16384,8x32768)
 #   kernels_sweep  launch-config sweeps of the attention / Quest kernels at B=8 L=32k
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
 #   topk       threshold-carry top-K vs radix passes (policy.topk) side by side at TOPK_SHAPES (default
@@ -141,6 +143,9 @@ for s in "${stages[@]}"; do
     select)  # the fused score + top-K stage by stage (cumulative graphs) and the radix-select launch grid
       run bench_select ${SELECT_TIMEOUT:-140} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select --budget-s 120 \
         ${SELECT_ARGS:-} --out "$OUT/bench_select.json" ;;
+    softmax)  # sum_softmax's two passes (logits, finalize) under the launch configs of bench_scoring's SOFTMAX_SWEEP
+      run bench_softmax ${SOFTMAX_TIMEOUT:-200} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_scoring --no-grid \
+        --softmax-sweep ${SOFTMAX_SHAPES:-16x16384,8x32768} --out "$OUT/bench_softmax.json" ;;
     kernels_sweep)
       run kernels_sweep 200 python3 -m benchmarks.kernels --no-scoring --sweep --shapes 8x32768 --budget-s 180 \
         --out "$OUT/kernels_sweep.json" ;;
