@@ -468,12 +468,9 @@ def _profile_kernels(fn: Callable[[], object], n: int = 20) -> dict[str, float]:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-        if us > 0:
-            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + us / n
-    return out
+    from benchmarks.trace_summary import kernel_us
+
+    return {name: us / n for name, us in kernel_us(prof, key_len=60).items()}
 
 
 def softmax_overrides(i: int) -> dict:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_serve import percentile
+from benchmarks.trace_summary import kernel_us
 
 #: new tokens of each warm-up request (run before the timed trace)
 WARM_TOKENS = 8
@@ -91,11 +92,7 @@ async def _profile(engine, n: int, done: asyncio.Event) -> dict | None:
     # trace's wall time); the kernel table is built after the trace, so it costs the trace nothing
     stall = time.perf_counter() - t_stop
     await done.wait()
-    kern: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-        if us > 0:
-            kern[ev.key] = kern.get(ev.key, 0.0) + us
+    kern = kernel_us(prof)
     steps = max(1, steps)
     top = sorted(kern.items(), key=lambda kv: -kv[1])[:25]
     out = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, "rows": st["requests_running"], "stall_s": stall,

@@ -34,6 +34,18 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 COMM_PREFIXES = ("ncclDevKernel", "ncclKernel", "nccl:")
 
 
+def kernel_us(prof, key_len: int | None = None) -> dict[str, float]:
+    """Device microseconds by kernel name (cut to ``key_len`` characters) over a finished
+    ``torch.profiler.profile``: its self device time, summed over calls."""
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            key = ev.key if key_len is None else ev.key[:key_len]
+            out[key] = out.get(key, 0.0) + us
+    return out
+
+
 def _load(trace) -> dict:
     if isinstance(trace, dict):
         return trace

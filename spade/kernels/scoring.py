@@ -1036,42 +1036,41 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             **pdl_kwargs(qr, "select"), **paged)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
-    if (kint8 or kint4) and not paged and GEMV_CONFIG.get("int8_dot", True):  # the int8 tensor cores
+    # the finalize streams the logits alone (no keys, no MMA): its own tiles and chunks, and
+    # the group's G heads unpadded (the MMA's 16 rows would be 16 / G times the exp work)
+    fcfg = _softmax_config(k.device, "finalize")
+    fbl = fcfg["BLOCK_L"]
+    if do_carry and not (32 <= fbl <= 2048 and fbl & (fbl - 1) == 0):
+        # its tiles mark the threshold carry's bitmask in whole 32-bit words, and the bitmask
+        # has 2048 positions of slack past L (spade.kernels.carry)
+        raise ValueError(f"the sum_softmax finalize's BLOCK_L must be a power of two in [32, 2048] under the "
+                         f"threshold carry, got {fbl} (SOFTMAX_CONFIG['finalize_BLOCK_L'] or SCORE_CONFIG['BLOCK_L'])")
+    i8dot = (kint8 or kint4) and not paged and GEMV_CONFIG.get("int8_dot", True)  # the int8 tensor cores
+    if i8dot:  # the logits pass on its own tiles and chunks too
         lcfg = _softmax_config(k.device, "logits", kint4)
-        l_chunk, n_stats = _split(L, rows, k.device, block=lcfg["BLOCK_L"], min_chunk=lcfg["MIN_CHUNK"],
-                                  per_sm=lcfg["PER_SM"])
-        stats = torch.empty(rows, G, n_stats, 2, dtype=torch.float32, device=k.device)
-        _i8dot_logits_kernel[(rows, n_stats)](
+        chunk, n_chunks = _split(L, rows, k.device, block=lcfg["BLOCK_L"], min_chunk=lcfg["MIN_CHUNK"],
+                                 per_sm=lcfg["PER_SM"])
+    stats = torch.empty(rows, G, n_chunks, 2, dtype=torch.float32, device=k.device)  # per logits chunk
+    if i8dot:
+        _i8dot_logits_kernel[(rows, n_chunks)](
             qr, k, k_scale, logits, stats, norm_lo, norm_hi,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-            *ks_strides, L, l_chunk, n_stats, scale,
+            *ks_strides, L, chunk, n_chunks, scale,
             HKV=Hkv, G=G, GH=max(4, triton.next_power_of_2(G)), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=lcfg["BLOCK_L"], INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and GEMV_CONFIG.get("int4_asm", True),
             num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"))
     else:
-        n_stats = n_chunks
-        stats = torch.empty(rows, G, n_stats, 2, dtype=torch.float32, device=k.device)
         _score_kernel[grid](
             qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
             REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
-    # the finalize streams the logits alone (no keys, no MMA): its own tiles and chunks, and
-    # the group's G heads unpadded (the MMA's 16 rows would be 16 / G times the exp work)
-    fcfg = _softmax_config(k.device, "finalize")
-    bl = fcfg["BLOCK_L"]
-    if do_carry and not (32 <= bl <= 2048 and bl & (bl - 1) == 0):
-        # its tiles mark the threshold carry's bitmask in whole 32-bit words, and the bitmask
-        # has 2048 positions of slack past L (spade.kernels.carry)
-        raise ValueError(f"the sum_softmax finalize's BLOCK_L must be a power of two in [32, 2048] under the "
-                         f"threshold carry, got {bl} (SOFTMAX_CONFIG['finalize_BLOCK_L'] or SCORE_CONFIG['BLOCK_L'])")
-    f_chunk, f_chunks = _split(L, rows, k.device, block=fcfg["BLOCK_L"], min_chunk=fcfg["MIN_CHUNK"],
-                               per_sm=fcfg["PER_SM"])
+    f_chunk, f_chunks = _split(L, rows, k.device, block=fbl, min_chunk=fcfg["MIN_CHUNK"], per_sm=fcfg["PER_SM"])
     _softmax_finalize_kernel[(rows, f_chunks)](
-        logits, stats, out, hist_arg, lo, hi, *cargs, L, f_chunk, n_stats,
-        HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), BLOCK_C=triton.next_power_of_2(n_stats),
-        BLOCK_L=fcfg["BLOCK_L"], FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CARRY=do_carry,
+        logits, stats, out, hist_arg, lo, hi, *cargs, L, f_chunk, n_chunks,
+        HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), BLOCK_C=triton.next_power_of_2(n_chunks),
+        BLOCK_L=fbl, FULL_ROW=full_row, HIST=do_hist, INTERPRET=_interpret(), CARRY=do_carry,
         num_warps=fcfg["num_warps"], **pdl_kwargs(logits, "select"))
 
 

@@ -446,8 +446,7 @@ class AsyncEngine:
             self._times["decode_s"] += t2 - t1
             if ev:
                 self._events.append(ev)
-            self._account_device()
-        with self._lock:
+                self._account_device()
             # waiting requests that do not fit yet become admissible as the cursor moves
             return bool(self._running) or (bool(self._waiting) and b.empty)
 
