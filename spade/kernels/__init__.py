@@ -189,7 +189,8 @@ def gather_kv(k, v, indices, block_table=None):
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
-                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None):
+                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None,
+                            rows=None):
     """Decode attention over a subset of the cache, read in place (no gathered copy).
 
     Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
@@ -200,13 +201,16 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
     launch, so statistics cost no kernels on the decode path.
     ``block_table`` (int32 [B, max_blocks]): k/v are block pools
     [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); indices stay logical.
+    ``rows``: the rows that carry work, when fewer than B (a serving batch's rows in use,
+    rounded up to a bucket): the GPU kernel's split plan is sized for them (the result
+    is the same up to the order of the split merge; the reference ignores it).
     """
     from spade.kernels import attention
 
     fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
     paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
-              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
+              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, rows=rows, **paged)
 
 
 def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):

@@ -301,6 +301,41 @@ def test_num_splits_agree(num_splits, merge, device, monkeypatch):
     _check(out, lse, exp_out, exp_lse, torch.float32)
 
 
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_rows_hint_sizes_the_plan_not_the_answer(rows, dense, device, monkeypatch):
+    """``rows`` (a serving batch's rows in use): the split plan is sized for that many
+    rows (more splits per row than for all B), the answer is the reference's, for the
+    long rows and the one-token idle rows alike, dense and indexed, contiguous and paged."""
+    B, Hq, Hkv, D, L = 4, 4, 2, 16, 301
+    gen = torch.Generator().manual_seed(rows * 2 + dense)
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([301, 200, 201, 202])
+    kv_start = torch.tensor([0, 199, 200, 3])  # rows 1-2 idle: a window of their newest token
+    idx = None if dense else _middle_indices(kv_lens, kv_start, Hkv, 40, 2, 5, gen=gen)
+    ns, nr = (0, 0) if dense else (2, 5)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=ns, n_recent=nr, kv_start=kv_start)
+    bn = A._launch_config(16, 4, dense=dense)[0]
+    t_max = L if dense else ns + 40 + nr
+    planned = []
+    real = A.plan_splits
+    monkeypatch.setattr(A, "plan_splits", lambda *a, **kw: planned.append(real(*a, **kw)) or planned[-1])
+    for pool in (False, True):
+        kk, vv, bt = k, v, None
+        if pool:  # a shuffled pool of 8-token blocks, NaN outside each row's tokens
+            from spade.kernels.paged import scatter_to_pool
+            kk, bt = scatter_to_pool(k, 8, torch.Generator().manual_seed(rows), lens=kv_lens)
+            vv, _ = scatter_to_pool(v, 8, torch.Generator().manual_seed(rows), lens=kv_lens)
+        out, lse = A.sparse_decode_attention_triton(
+            q, kk.to(device), vv.to(device), kv_lens.to(device), None if idx is None else idx.to(device),
+            n_sink=ns, n_recent=nr, kv_start=kv_start.to(device), return_lse=True, rows=rows,
+            block_table=None if bt is None else bt.to(device))
+        _check(out, lse, exp_out, exp_lse, torch.float32)
+    assert planned[0] == real(rows * Hkv, t_max, bn, torch.device(device), indexed=not dense)
+    if rows < B:  # fewer busy rows: at least as many splits as the plan for all of them
+        assert planned[0][0] >= real(B * Hkv, t_max, bn, torch.device(device), indexed=not dense)[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS)
 def test_fused_combine_repeats_and_resets_counters(heads, dtype, device):
