@@ -41,7 +41,7 @@ class AsyncSlotContext(SlotContext):
     step's selections are the cache rank's or none)."""
 
     def graph_key(self) -> tuple:
-        return (self.mode,) + tuple(self.selector.graph_key())
+        return (self.mode, self.rows) + tuple(self.selector.graph_key())
 
 
 class AsyncSlotBatch(SlotBatch):
@@ -62,6 +62,7 @@ class AsyncSlotBatch(SlotBatch):
         ctx = AsyncSlotContext(spec, self.sel, device=self.device)
         ctx.kv_start = self.kv_start
         ctx.dense_rows = self.ctx.dense_rows
+        ctx.idle = self.idle
         self.ctx = ctx
         self.sess = None
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet

@@ -22,9 +22,10 @@ row; the next step writes index ``S``). Row ``b``'s request owns ``[kv_start[b],
   made once, after the last piece, from the prompt's last queries (``Policy.rows``)
   and the row's whole prompt cache: what an unchunked join gives;
 * a request LEAVES by freeing its row: the row keeps decoding a dummy token over
-  its own window ``[kv_start, S)`` with ``kv_start`` = the cursor at the leave (the
-  window starts at one token, the current one: no empty softmax, no NaN), and no
-  kernel reads across rows;
+  its own window ``[kv_start, S)``, which starts at its newest token at every step
+  while the row is idle (``SlotContext.idle``: the device moves ``kv_start`` there at
+  the step's first layer; the window starts at one token: no empty softmax, no NaN),
+  and no kernel reads across rows; a row mid-join counts as idle until its last piece;
 * the sparse threshold θ applies per request: row ``b`` attends densely while its
   own length ``S - kv_start[b]`` is ``<= max(θ, budget)``, exactly when the request
   alone would (``ThresholdSelector`` plus the policy's own dense rule). A step whose
@@ -76,33 +77,44 @@ class SlotContext(AttentionContext):
         super().__init__(spec, selector, device=device)
         self.mode = "dense"  # "dense" | "sparse" | "mixed": a host fact per step (a graph key)
         self.dense_rows = torch.zeros(0, dtype=torch.bool, device=device)
+        #: the bucket of rows in use (1, 2, 4, ..., B; a host fact per step, a graph key): the
+        #: attention's split plan is sized for that many rows (``kernels.sparse_decode_attention``)
+        self.rows: int | None = None
+        #: [B] bool on the device, True for a row with no request decoding (free, or mid-join):
+        #: each step starts its window at its newest token (set by ``SlotBatch``; None: no such rows)
+        self.idle: torch.Tensor | None = None
 
     def attend(self, layer, q, k_cache, v_cache, kv_lens):
+        if layer == 0 and self.idle is not None:  # once per step, on the device (inside the step's graph)
+            # an idle row attends (and is scored over) its newest token only, however long ago it left
+            self.kv_start.copy_(torch.where(self.idle, (kv_lens - 1).to(self.kv_start.dtype), self.kv_start))
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:
             sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
+        rows = self.rows
         if sel is None:
             out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                  kv_start=self.kv_start, stats=stats, block_table=bt)
+                                                  kv_start=self.kv_start, stats=stats, block_table=bt, rows=rows)
         else:
             out = kernels.sparse_decode_attention(
                 q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
-                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt)
+                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt,
+                rows=rows)
             if self.mode == "mixed":  # rows still under their own threshold attend densely
                 # the sparse rows' dense windows shrink to their newest token: the dense pass
                 # reads only the dense rows' caches
                 start = torch.where(self.dense_rows, self.kv_start, (kv_lens - 1).to(self.kv_start.dtype))
                 dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                        kv_start=start, block_table=bt)
+                                                        kv_start=start, block_table=bt, rows=rows)
                 out = torch.where(self.dense_rows[:, None, None], dense, out)
         self.selector.after(layer, q, k_cache, v_cache, kv_lens)
         return out
 
     def graph_key(self) -> tuple:
-        return super().graph_key() + (self.mode,)
+        return super().graph_key() + (self.mode, self.rows)
 
 
 @dataclass
@@ -130,6 +142,15 @@ class RowPrefill:
     @property
     def next_size(self) -> int:
         return self.sizes[self.piece]
+
+
+def row_bucket(n: int, B: int) -> int:
+    """The batch-size bucket of ``n`` rows in use out of ``B`` slots: the next power of
+    two, at most ``B`` (``row_bucket(3, 16) == 4``, ``row_bucket(9, 12) == 12``). A decode
+    step's graphs are keyed by it, so a join or leave inside a bucket captures nothing."""
+    if n >= B:
+        return B
+    return min(B, 1 << max(0, int(n) - 1).bit_length())
 
 
 def chunk_sizes(T: int, first: int, chunk: int) -> list[int]:
@@ -178,6 +199,9 @@ class SlotBatch:
         self.ctx = SlotContext(backend.spec, self.selector, device=dev)
         self.ctx.kv_start = self.kv_start
         self.ctx.dense_rows = torch.zeros(self.B, dtype=torch.bool, device=dev)
+        #: rows with no request decoding (device; ``SlotContext.idle``): their windows stay one token
+        self.idle = torch.ones(self.B, dtype=torch.bool, device=dev)
+        self.ctx.idle = self.idle
         #: paged KV cache (``model.block_size``): a row holds blocks for its own window only,
         #: and a join reserves those of its whole generation (``fits``), so a step never runs out
         self.paged = bool(getattr(backend, "paged", False))
@@ -251,6 +275,7 @@ class SlotBatch:
         self.backend.reset_slots(cursor)
         self.kv_start_host = [cursor] * self.B
         self.kv_start.fill_(cursor)
+        self.idle.fill_(True)
         self.resets += 1
 
     def join(self, row: int, ids: torch.Tensor, max_tokens: int = 1) -> torch.Tensor:
@@ -313,6 +338,7 @@ class SlotBatch:
         self.joins += 1
         self.joins_running += any(self.active)
         self.active[row] = True
+        self.idle[row] = False
         return out
 
     def _piece_report(self, row: int, job: RowPrefill, last: bool):
@@ -361,6 +387,7 @@ class SlotBatch:
         """Free ``row`` (a request that finished, or left mid-join): from the next step it
         decodes a dummy token over its own window, which starts at the cursor."""
         self.active[row] = False
+        self.idle[row] = True
         self.prefilling.pop(row, None)
         if self.paged:  # its blocks go back to the pool at once
             self.backend.kv_free(row)
@@ -396,6 +423,7 @@ class SlotBatch:
         if mode == "mixed":
             self.ctx.dense_rows.copy_(torch.tensor(dense, dtype=torch.bool), non_blocking=True)
         self.ctx.mode = mode
+        self.ctx.rows = row_bucket(len(act), self.B)  # (a row mid-join attends its one-token window)
         logits = self._decode(tokens, mode)
         self.steps += 1
         self.sparse_steps += mode != "dense"
