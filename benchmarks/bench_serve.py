@@ -317,13 +317,13 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     from spade.eval.plots import save_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    labels: list[str] = []  # the offered rates, in sweep order ("inf": all at once), as categories
+    def rate(r) -> float:  # "inf" (all at once) sorts last
+        return float(r["rate"])
+
+    # the offered rates as categories, in increasing order (a search's probes fall in between)
+    labels = [str(x) for x in sorted({r["rate"] for run in runs for r in run["rows"]}, key=float)]
     for run in runs:
-        for r in run["rows"]:
-            if str(r["rate"]) not in labels:
-                labels.append(str(r["rate"]))
-    for run in runs:
-        rows = [r for r in run["rows"] if r["completed"]]
+        rows = sorted((r for r in run["rows"] if r["completed"]), key=rate)
         x = [labels.index(str(r["rate"])) for r in rows]
         for ax, key in ((axes[0], "ttft"), (axes[1], "tpot")):
             ax.plot(x, [r[f"{key}_p50_ms"] for r in rows], marker="o", label=f"{run['label']} p50")

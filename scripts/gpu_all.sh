@@ -59,6 +59,8 @@
 #   trace      the serving core's offline trace (TRACE_ARGS; Poisson arrivals, 16 paged slots): full and quest (one GPU
 #              each, side by side), asyncspade colocated and local, kernel profiles of the served step, then the
 #              static step at 16 x 16k (contiguous and paged) for the pair target
+#   bucket     the served decode step with few rows on exactly that many slots vs 16 (what batch-size buckets
+#              could save; BUCKET_ROWS, BUCKET_POLICIES); in the background on GPU 1 when two are visible
 #   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
 #              (default 12 requests of 16000 tokens / 256 outputs at 0.5, 1, 2 req/s), idle TPOT and SLO rate, one plot
 #   cli        `spade run --config CLI_CONFIG` (default configs/h100_qwen3_8b.yaml: one GPU, colocated) end to end
@@ -321,6 +323,7 @@ for s in "${stages[@]}"; do
           --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated$TG.json"
       fi
       if [[ $rows == *" local "* ]] && [ "$NGPU" -ge 2 ]; then
+        if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== background stage done"; bg_pid=""; fi  # needs both GPUs
         run trace_local$TG 400 python3 -m benchmarks.bench_serving $TS --device cuda:0 --topology local \
           --policies asyncspade $AS --out "$OUT/trace_local$TG.json"
       fi
@@ -328,6 +331,30 @@ for s in "${stages[@]}"; do
         run trace_static$TG 300 python3 -m benchmarks.bench_tpot --batch 16 --context ${TRACE_STATIC_L:-16384} --budget 2048 \
           --packs ${PACKS:-9} --score-keys int4 --iters 24 --no-plots ${TRACE_STATIC_ARGS:---block-size 0,16} \
           --methods ${TRACE_STATIC_METHODS:-full,optimal,asyncspade/colocated,asyncspade/local} --out "$OUT/trace_static$TG.json"
+      fi ;;
+    bucket)  # what a decode step per batch-size bucket could save (issue 22): BUCKET_ROWS requests at once (8k prompts,
+             # 256 outputs, paged) on exactly that many slots vs on 16 (the engine always steps max_batch rows), per
+             # BUCKET_POLICIES (asyncspade colocated with int4 keys, full); on GPU 1 in the background when two GPUs are
+             # visible (trace's local row waits for it)
+      bucket_runs() {
+        for p in ${BUCKET_POLICIES:-asyncspade full}; do
+          extra=$([ "$p" = asyncspade ] && echo "--set policy.score_keys=int4 --set runtime.pack_layers=auto")
+          for n in ${BUCKET_ROWS:-1 4}; do
+            for mb in $n 16; do
+              run "bucket_${p}_${n}of$mb" 150 env CUDA_VISIBLE_DEVICES=$1 python3 -m benchmarks.bench_serving \
+                --preset qwen3-8b --device cuda:0 --topology colocated --policies "$p" $extra --max-batch $mb \
+                --requests $n --rate inf --prompt-min 8192 --prompt-max 8192 --out-min 256 --out-max 256 \
+                --max-seq-len 8704 --budget 2048 --set model.block_size=16 --out "$OUT/bucket_${p}_${n}of$mb.json"
+            done
+          done
+        done
+      }
+      if [ "$NGPU" -ge 2 ]; then
+        bucket_runs 1 > "$OUT/bucket.log" 2>&1 &
+        bg_pid=$!
+        echo "=== bucket: in the background on GPU 1 (pid $bg_pid)"
+      else
+        bucket_runs 0
       fi ;;
     serve)  # `spade serve` under the openai client: a request-rate sweep per policy (SERVE_POLICIES) with the idle
             # TPOT and the highest rate within 2x it (SERVE_ARGS), then one plot; needs the serve wheels in .whl
@@ -340,12 +367,19 @@ for s in "${stages[@]}"; do
         --plot-from $(for p in ${SERVE_POLICIES:-full asyncspade}; do echo "$OUT/bench_serve_$p.json"; done) ;;
     serve_long)  # long outputs (16k prompts, 2048 outputs) on 16 paged slots with a logical max_seq_len of 36000
                  # (no wave admission under the shared write cursor), SERVE_LONG_RATES; one policy per call fits 10 min
+                 # on one GPU; with two GPUs visible the policies run side by side, one GPU each
+      i=0; pids=""
       for p in ${SERVE_POLICIES:-full asyncspade}; do
-        run "bench_serve_long_$p" ${SERVE_TIMEOUT:-580} python3 -m benchmarks.bench_serve --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} \
+        gpu=$(( NGPU >= 2 ? i % NGPU : 0 ))
+        cmd=(run "bench_serve_long_$p" ${SERVE_TIMEOUT:-580} env CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.bench_serve \
+          --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} \
           --set serving.max_batch=16 --set model.max_seq_len=36000 --set model.block_size=16 --set model.kv_blocks=18112 \
           --set serve.max_waiting=256 --policies "$p" --input-len 16000 --output-len 2048 --num-prompts 20 \
-          --rates ${SERVE_LONG_RATES:-0.25,0.4} ${SERVE_LONG_ARGS:-} --out "$OUT/bench_serve_long_$p.json"
-      done ;;
+          --rates ${SERVE_LONG_RATES:-0.25,0.4} ${SERVE_LONG_ARGS:-} --out "$OUT/bench_serve_long_$p.json")
+        if [ "$NGPU" -ge 2 ]; then "${cmd[@]}" & pids="$pids $!"; else "${cmd[@]}"; fi
+        i=$((i + 1))
+      done
+      [ -n "$pids" ] && wait $pids ;;
     paged)  # the paged KV cache: its kernels against the contiguous ones, the whole step (PAGED_SHAPES, contiguous
             # and 16-token blocks side by side), then a served trace contiguous / paged / paged at half the memory
       run bench_paged 150 python3 -m benchmarks.bench_paged --graph --out "$OUT/bench_paged.json"
@@ -387,7 +421,7 @@ for s in "${stages[@]}"; do
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
-if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== tests (background) done"; tail -n 15 "$OUT/tests.log"; fi
+if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== background stage done"; tail -n 15 "$OUT/tests.log" 2>/dev/null; fi
 echo "=== total $(( $(date +%s) - T0 )) s"
 if [ -n "$RET" ]; then
   tar czf "$RET/gpu_results.tgz" -C results gpu && echo "packed $(ls "$OUT" | wc -l) files into \$OUT/gpu_results.tgz"
