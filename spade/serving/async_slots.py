@@ -31,6 +31,11 @@ from spade.runtime.selector import AsyncSelector
 from spade.serving.slots import SlotBatch, SlotContext
 
 
+#: while some rows are idle, the cache rank hears the ``kv_start`` vector at least every this
+#: many steps (a LEAVE carrying only that: the inference rank restarts an idle row's window at
+#: its newest token every step), so the cache rank's windows of idle rows stay this short
+IDLE_WINDOW_REFRESH = 64
+
 #: the session counters an ``AsyncSlotBatch`` sums over its epochs
 _SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s", "join_resyncs",
                    "dense_fallback_steps", "leaves")
@@ -67,6 +72,7 @@ class AsyncSlotBatch(SlotBatch):
         self.sess = None
         self._joins: dict[int, tuple[int, list[tuple]]] = {}  # row -> (T, per layer (q_tail, k, v)) not sent yet
         self._left = False  # a row left since the last JOIN / LEAVE
+        self._told_at = 0  # the cursor at which the cache rank last heard the kv_start vector
         self._recording: list[tuple] | None = None
         self.totals = {"late_packs": 0, "restarts": 0, "peers_lost": 0, "dropped_selections": 0, "join_wait_s": 0.0,
                        "join_resyncs": 0, "dense_fallback_steps": 0, "leaves": 0, "epochs": 0,
@@ -78,6 +84,7 @@ class AsyncSlotBatch(SlotBatch):
         super().reset(cursor)
         self._joins.clear()
         self._left = False  # (a new epoch's BOOT carries every row idle)
+        self._told_at = cursor
         self.sess = self.rt.run(self._begin(cursor))
         self.totals["epochs"] += 1
 
@@ -178,12 +185,15 @@ class AsyncSlotBatch(SlotBatch):
         sess = self.sess
         if sess is None:
             raise RuntimeError("a decode step outside a serving epoch (a failed step ended the last one)")
+        stale = not all(self.active) and self.cursor - self._told_at >= IDLE_WINDOW_REFRESH
         if self._joins:  # (a JOIN carries the whole kv_start: the leaves too)
             joins, self._joins, self._left = self._joins, {}, False
             await sess.join_rows(self.cursor, joins)
-        elif self._left:
+            self._told_at = self.cursor
+        elif self._left or stale:
             self._left = False
             await sess.leave_rows(self.cursor)
+            self._told_at = self.cursor
         logits = await sess.step(tokens, sparse=mode != "dense")
         await sess.wait_device()
         return logits

@@ -105,3 +105,38 @@ def test_idle_rows_attend_their_newest_token_only(policy, topology, monkeypatch)
     for idle, w in late:
         assert all(w[b] == 1 for b in idle), (idle, w)
         assert max(w) >= 14  # the running row attends its whole sequence
+
+
+@pytest.mark.parametrize("topology", ["colocated", "local"])
+def test_the_cache_rank_hears_idle_windows_move(topology, monkeypatch):
+    """While rows are idle the cache rank gets the ``kv_start`` vector every
+    ``IDLE_WINDOW_REFRESH`` steps (a LEAVE with no other news), so its windows of rows that
+    never joined follow the cursor; the running request's tokens equal its alone run."""
+    from spade.runtime.cache_rank import _Generation
+    from spade.serving import async_slots
+
+    monkeypatch.setattr(async_slots, "IDLE_WINDOW_REFRESH", 4)
+    seen = []
+    orig = _Generation._leave
+
+    def spy(self, kv_start):
+        orig(self, kv_start)
+        seen.append(self.state.kv_start.tolist())
+
+    monkeypatch.setattr(_Generation, "_leave", spy)
+    prompt = random_prompts(1, seed=11, lo=14, hi=18)[0]
+    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=3))
+
+    async def main():
+        together = await final(engine, prompt, greedy(30), "r")
+        stats = engine.stats()
+        alone = await final(engine, prompt, greedy(30), "a")
+        await engine.close()
+        return together, alone, stats
+
+    together, alone, stats = run(main())
+    assert together.token_ids == alone.token_ids
+    first = seen[: stats["cache_leaves"]]
+    assert len(first) >= 30 // 4 - 1  # one LEAVE per 4 steps of the request's 30
+    idle = [r[2] for r in first]  # row 2 never joins
+    assert all(b - a == 4 for a, b in zip(idle, idle[1:])), idle
