@@ -68,6 +68,11 @@ def test_slo_rate_picks_the_highest_rate_within_the_limit():
             {"label": "asyncspade", "idle_tpot_ms": 15.0, "slo": bench_serve.slo_rate(rows, 15.0, 3.0)}]
     lines = bench_serve.slo_lines(runs)
     assert lines[-1] == "SLO rate asyncspade / full: 2.00x"
+    # with their rows: one SLO for both at the first run's limits (asyncspade's own was looser here)
+    fast = [row(0.5, 30.0), row(1.0, 41.0), row(2.0, 45.0)]
+    runs[0]["rows"], runs[1]["rows"] = rows, fast
+    assert bench_serve.slo_lines(runs)[-1] == ("SLO at full's limits for all (TPOT p99 <= 40.00 ms): full 1 req/s, "
+                                               "asyncspade 0.5 req/s")
 
 
 def test_slo_rate_counts_only_rates_served_without_a_growing_queue():
