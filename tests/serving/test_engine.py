@@ -15,7 +15,8 @@ from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
          ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
-         ("full", "colocated"), ("quest", "colocated")]
+         ("full", "colocated"), ("quest", "colocated"), ("full", "multiprocess/nccl"),
+         ("quest", "multiprocess/nccl")]
 
 
 async def _together_then_alone(engine, jobs):
@@ -31,8 +32,16 @@ async def _together_then_alone(engine, jobs):
 @pytest.mark.parametrize("policy,topology", CASES)
 def test_joined_requests_match_alone(policy, topology):
     """Requests of different lengths joining at random steps: each one's greedy tokens
-    equal the same request alone, through the AsyncEngine and through Engine.generate."""
-    cfg = make_config(policy, topology)
+    equal the same request alone, through the AsyncEngine and through Engine.generate
+    (``multiprocess``: these policies select on the inference rank, so no cache process
+    runs; nccl is gloo on a CPU)."""
+    extra = []
+    if "/" in topology:
+        from .test_cache_rank import _multiprocess
+
+        topology, transport = topology.split("/")
+        extra = _multiprocess(transport)
+    cfg = make_config(policy, topology, extra=extra)
     g = torch.Generator().manual_seed(1)
     prompts = random_prompts(6, seed=2)
     jobs = [(int(torch.randint(0, 12, (1,), generator=g)) if i else 0, p, int(torch.randint(4, 24, (1,), generator=g)))
