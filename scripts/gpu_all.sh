@@ -334,8 +334,9 @@ for s in "${stages[@]}"; do
       fi ;;
     bucket)  # what a decode step per batch-size bucket could save (issue 22): BUCKET_ROWS requests at once (8k prompts,
              # 256 outputs, paged) on exactly that many slots vs on 16 (the engine always steps max_batch rows), per
-             # BUCKET_POLICIES (asyncspade colocated with int4 keys, full); on GPU 1 in the background when two GPUs are
-             # visible (trace's local row waits for it)
+             # BUCKET_POLICIES (asyncspade colocated with int4 keys, full); BUCKET_PROFILE: a kernel profile of that many
+             # decode steps (its stop holds the scheduler: compare unprofiled rows); on GPU 1 in the background when two
+             # GPUs are visible (trace's local row waits for it)
       bucket_runs() {
         for p in ${BUCKET_POLICIES:-asyncspade full}; do
           extra=$([ "$p" = asyncspade ] && echo "--set policy.score_keys=int4 --set runtime.pack_layers=auto")
@@ -344,7 +345,8 @@ for s in "${stages[@]}"; do
               run "bucket_${p}_${n}of$mb" 150 env CUDA_VISIBLE_DEVICES=$1 python3 -m benchmarks.bench_serving \
                 --preset qwen3-8b --device cuda:0 --topology colocated --policies "$p" $extra --max-batch $mb \
                 --requests $n --rate inf --prompt-min 8192 --prompt-max 8192 --out-min 256 --out-max 256 \
-                --max-seq-len 8704 --budget 2048 --set model.block_size=16 --out "$OUT/bucket_${p}_${n}of$mb.json"
+                --max-seq-len 8704 --budget 2048 --set model.block_size=16 --profile-steps ${BUCKET_PROFILE:-0} \
+                --out "$OUT/bucket_${p}_${n}of$mb.json"
             done
           done
         done
