@@ -9,7 +9,7 @@ import pytest
 import spade
 from spade.serving.slots import row_bucket
 
-from .conftest import final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 
 def test_row_bucket():
@@ -35,21 +35,13 @@ def test_steps_are_keyed_by_the_bucket_of_rows_in_use(policy, topology):
 
     batch._decode = spy
 
-    async def staggered(prompts, ns):
-        import asyncio
-
-        async def one(i, p, n):
-            await asyncio.sleep(0.02 * i)
-            return await final(engine, p, greedy(n), f"r{len(seen)}-{i}")
-
-        return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))))
-
     async def main():
         prompts = random_prompts(6, seed=7, lo=14, hi=20)
         ns = [14 + 3 * i for i in range(6)]
-        together = await staggered(prompts, ns)
+        together = await staggered(engine, [(i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))], "r")
         first = len(seen)
-        await staggered(random_prompts(6, seed=8, lo=14, hi=20), [12 + 2 * i for i in range(6)])
+        await staggered(engine, [(first + i, p, 12 + 2 * i) for i, p in
+                                 enumerate(random_prompts(6, seed=8, lo=14, hi=20))], "s")
         alone = [await final(engine, p, greedy(n)) for p, n in zip(prompts, ns)]
         await engine.close()
         return together, alone, first
