@@ -47,7 +47,7 @@ from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import (_NBINS, _NHIST, SELECT_CONFIG, _f32_key, _key_f32, _pick_digit, _row_bounds,
                                       _select_from_scores)
 
-__all__ = ["CARRY_MARGIN", "CARRY_SLOTS", "carry_sizes", "carry_stats", "carry_threshold", "new_carry", "reset_carry"]
+__all__ = ["CARRY_CAP_MAX", "CARRY_MARGIN", "CARRY_SLOTS", "carry_sizes", "carry_stats", "carry_threshold", "new_carry", "reset_carry"]
 
 
 @triton.jit
@@ -269,12 +269,22 @@ CARRY_MARGIN = 1.5
 (``SELECT_CONFIG["carry_margin"]`` overrides); the candidate list holds 1.25x that."""
 
 
+CARRY_CAP_MAX = 16384
+"""The longest candidate list a wider ``margin`` may ask for while the default margin's
+list still fits in it: ``_carry_select_kernel`` holds the list in registers, and past this
+size it spills. Measured on an H200 (colocated, B=8 L=32k, int4, ``rerank: 4``, P=9,
+2026-11-28): a select of 8.1k candidates took 0.19 ms per layer with a 16,384 list and
+1.71 ms with 32,768 (``refresh_every: 4``'s margin of 2.0), so that step ran 15.7 ms
+against 12.7 selecting every step; with the cap it runs 9.3 ms (docs/perf.md, two-stage)."""
+
+
 def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
     """(k_next, CAP) of the threshold-carry top-K for ``k_top``: the candidates the next
     threshold aims at (> k_top) and the capacity of the candidate list (a power of two:
     the select kernel holds it in registers). ``margin``: the caller's (a policy that
     selects every few steps wants more slack), else ``SELECT_CONFIG["carry_margin"]``,
-    else ``CARRY_MARGIN``."""
+    else ``CARRY_MARGIN``. A wider margin is narrowed to keep the list within
+    ``CARRY_CAP_MAX`` where the default margin fits in it."""
     if margin is None:
         margin = float(SELECT_CONFIG.get("carry_margin", CARRY_MARGIN))
     margin = float(margin)
@@ -282,7 +292,14 @@ def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
         raise ValueError(f"the carry margin must be > 1 (argument carry_margin or SELECT_CONFIG['carry_margin']), "
                          f"got {margin}")
     k_next = max(k_top + 1, math.ceil(margin * k_top))
-    return k_next, triton.next_power_of_2(math.ceil(1.25 * k_next))
+    cap = triton.next_power_of_2(math.ceil(1.25 * k_next))
+    if cap > CARRY_CAP_MAX:
+        # a wider list than the select holds in registers without spilling: aim lower, as
+        # long as the slack stays at least the default margin's
+        k_fit = int(CARRY_CAP_MAX / 1.25)
+        if k_fit >= max(k_top + 1, math.ceil(min(margin, CARRY_MARGIN) * k_top)):
+            return max(k_top + 1, min(k_next, k_fit)), CARRY_CAP_MAX
+    return k_next, cap
 
 
 def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:

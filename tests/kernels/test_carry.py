@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 
+import math
+
 import pytest
 import torch
 
@@ -278,6 +280,27 @@ def test_carry_state_is_checked_and_reset(device):
 def test_carry_sizes():
     assert carry_sizes(1980) == (2970, 4096)
     assert carry_sizes(1) == (2, 4)
+
+
+def test_carry_sizes_wide_margin_stays_in_registers():
+    """A wider margin (selecting every few steps) is narrowed to a list of at most
+    CARRY_CAP_MAX where the default margin's list fits in it, never below the default
+    margin; where even the default does not fit, the margin asked for is kept."""
+    from spade.kernels.carry import CARRY_CAP_MAX, CARRY_MARGIN
+
+    assert carry_sizes(4056, 2.0) == (8112, 16384)  # fits as asked
+    k_next, cap = carry_sizes(8109, 2.0)  # rerank 4 x 2027 candidates, refresh_every > 1
+    assert cap == CARRY_CAP_MAX and math.ceil(CARRY_MARGIN * 8109) <= k_next < 2 * 8109
+    assert math.ceil(1.25 * k_next) <= cap
+    assert carry_sizes(8109) == (math.ceil(CARRY_MARGIN * 8109), 16384)  # the default margin: unchanged
+    for k_top in (1, 100, 5000, 8738, 8739, 12000, 20000):
+        for margin in (1.1, 1.5, 2.0, 3.0):
+            k_next, cap = carry_sizes(k_top, margin)
+            assert k_top < k_next and math.ceil(1.25 * k_next) <= cap and cap & (cap - 1) == 0
+            want = max(k_top + 1, math.ceil(margin * k_top))
+            if k_next != want:  # narrowed: only a margin above the default, into CARRY_CAP_MAX
+                assert margin > CARRY_MARGIN and cap == CARRY_CAP_MAX
+                assert k_next >= math.ceil(CARRY_MARGIN * k_top)
     k_next, cap = carry_sizes(100)
     assert k_next == 150 and cap == 256
     assert carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
