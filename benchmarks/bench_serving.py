@@ -119,7 +119,7 @@ def run_policy(args, policy: str, jobs) -> dict:
         overrides.append(f"policy.budget={args.budget}")
     if args.prefill_chunk is not None:
         overrides.append(f"serving.prefill_chunk={args.prefill_chunk}")
-    if args.threshold is not None:
+    if args.threshold:
         overrides.append(f"runtime.sparse_threshold={args.threshold}")
     engine = spade.AsyncEngine(spade.load_config(None, overrides=overrides + list(args.set)))
 
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--topology", default="inline")
     ap.add_argument("--policies", default="full,asyncspade")
     ap.add_argument("--budget", type=int, default=256)
-    ap.add_argument("--threshold", type=int, default=None,
-                    help="runtime.sparse_threshold (0: the budget); default: the config's (auto: three budgets)")
+    ap.add_argument("--threshold", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--prefill-chunk", type=int, default=None,

@@ -296,8 +296,7 @@ def run_async(model, topology: str, P: int, mode: str, B: int, L: int, K: int, a
     over = policy_overrides("asyncspade", K, a) + [
         f"runtime.topology={topology}", f"runtime.pack_layers={P}", f"runtime.return_mode={mode}",
         f"runtime.on_late={a.on_late}", "runtime.late_timeout_s=120",
-        f"runtime.cache_thread={getattr(a, 'cur_cache_thread', 'auto')}",
-        "runtime.sparse_threshold=0"]  # every timed step sparse, at any context (the default is dense below 3 K)
+        f"runtime.cache_thread={getattr(a, 'cur_cache_thread', 'auto')}"]
     if topology == "multiprocess":
         over += ["runtime.transport.name=nccl", f"runtime.transport.master_port={a.port}",
                  "runtime.transport.timeout_s=90"]

@@ -55,31 +55,14 @@ class InlineSelector:
         self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
 
 
-SPARSE_AFTER_BUDGETS = 3
-"""``runtime.sparse_threshold: auto``: decode densely while the context is at most this many
-budgets (6,144 tokens at K = 2,048). Below that a sparse step saves too few KV bytes to pay
-for its selection: measured on one H200 (Qwen3-8B preset, K = 2k, int4 scoring keys, P = 9,
-2026-11-28, docs/perf.md "Short contexts"), ``colocated`` ran 1.08-1.16x full attention's
-step at 4k (B = 1-32), 1.02-1.04x at 5k, 0.95-1.03x at 6k and 0.82-1.02x at 8k; dense steps
-are also exact."""
-
-
-def resolve_theta(theta: int | str, budget: int | None) -> int:
-    """``runtime.sparse_threshold`` as a cache length: ``"auto"`` is ``SPARSE_AFTER_BUDGETS``
-    budgets (0 for a policy without a budget), an int is itself."""
-    if theta == "auto":
-        return SPARSE_AFTER_BUDGETS * int(budget) if budget is not None else 0
-    return int(theta)
-
-
 class ThresholdSelector(InlineSelector):
     """Inline selection with the sparse threshold: dense while the cache length is
     ``<= theta`` (``select`` is not called then), the policy's selection after.
-    With ``theta = 0`` it is exactly ``InlineSelector``; ``"auto"``: ``resolve_theta``."""
+    With ``theta = 0`` it is exactly ``InlineSelector``."""
 
-    def __init__(self, policy: Policy, state: PolicyState, theta: int | str = 0):
+    def __init__(self, policy: Policy, state: PolicyState, theta: int = 0):
         super().__init__(policy, state)
-        self.theta = resolve_theta(theta, policy.budget)
+        self.theta = int(theta)
 
     def selection(self, layer, q, k_cache, kv_lens):
         if self.state.seq_len <= self.theta:

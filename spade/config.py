@@ -125,10 +125,8 @@ class RuntimeConfig(ConfigSection):
     cache_device: str = "auto"
     """Device of the cache rank (``auto``: cuda:1 for ``local``/``multiprocess`` when
     two GPUs exist, else the inference device)."""
-    sparse_threshold: Annotated[int, Field(ge=0)] | Literal["auto"] = 0
-    """θ: decode densely while the context is at most θ tokens (0: the policy budget).
-    ``auto``: three budgets (``spade.attention.SPARSE_AFTER_BUDGETS``), where a sparse step
-    starts to pay for its selection (docs/perf.md, "Short contexts"; the GPU configs set it)."""
+    sparse_threshold: int = Field(0, ge=0)
+    """θ: decode densely until the context reaches θ tokens (0: the policy budget)."""
     pack_layers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     """P: layers whose (q, k, v) travel in one message. ``auto``: four packs per step
     (``ceil(n_layers / 4)``, 9 for Qwen3-8B's 36 layers): the control plane's host work is

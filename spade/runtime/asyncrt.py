@@ -74,7 +74,7 @@ import weakref
 
 import torch
 
-from spade.attention import InlineSelector, ThresholdSelector, resolve_theta
+from spade.attention import InlineSelector, ThresholdSelector
 from spade.errors import ConfigError, TransportError
 from spade.policies.base import Policy
 from spade.runtime import protocol as P
@@ -126,8 +126,7 @@ class AsyncRuntime(Runtime):
         self._standby: asyncio.Task | None = None  # opening (or opened) the spare link (runtime.standby)
         self.hooks = hooks or P.CacheHooks()
         self.sync_policy = not is_async_policy(policy)
-        self.theta = (theta_eff(rt.sparse_threshold, policy) if not self.sync_policy
-                      else resolve_theta(rt.sparse_threshold, policy.budget))
+        self.theta = theta_eff(rt.sparse_threshold, policy) if not self.sync_policy else int(rt.sparse_threshold)
         self._link = link
         self._owns_link = link is None
         # a shared link lives on the loop that opened it

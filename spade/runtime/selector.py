@@ -12,19 +12,17 @@ from __future__ import annotations
 import torch
 
 from spade import kernels
-from spade.attention import AttentionContext, resolve_theta
+from spade.attention import AttentionContext
 from spade.kernels.stage import stage_qkv
 from spade.policies.base import Policy, Selection
 from spade.policies.common import last_token_keys
 from spade.runtime.cache_rank import SharedKV
 
 
-def theta_eff(theta: int | str, policy: Policy) -> int:
-    """Steps with cache length ``<= theta_eff`` decode densely (0 means the budget;
-    ``"auto"``: ``spade.attention.resolve_theta``)."""
+def theta_eff(theta: int, policy: Policy) -> int:
+    """Steps with cache length ``<= theta_eff`` decode densely (0 means the budget)."""
     b = policy.budget
-    t = resolve_theta(theta, b)
-    return max(t, int(b)) if b is not None else t
+    return max(int(theta), int(b)) if b is not None else int(theta)
 
 
 def is_async_policy(policy: Policy) -> bool:

@@ -135,28 +135,6 @@ def test_threshold_inside_the_span_and_reused_runtime(model, prompt):
     assert run_with_selector(model, pol, Selectors.threshold(0), *prompt) != want
 
 
-def test_auto_threshold_is_three_budgets(model, prompt):
-    """``runtime.sparse_threshold: auto``: dense while the cache holds at most three
-    budgets (24 tokens at K=8), sparse after, on the cache rank as inline; the same
-    tokens as inline selection with theta = 24, and not those of theta = 0."""
-    from spade.attention import SPARSE_AFTER_BUDGETS
-
-    assert SPARSE_AFTER_BUDGETS == 3
-    budget = 8
-    cfg = config(f"policy.budget={budget}", "runtime.topology=colocated", "runtime.pack_layers=2",
-                 "runtime.sparse_threshold=auto")
-    assert cfg.runtime.sparse_threshold == "auto"
-    pol = build_policy(cfg.policy, model.spec)
-    assert theta_eff("auto", pol) == 3 * budget and theta_eff(0, pol) == budget
-    want = run_with_selector(model, pol, Selectors.threshold(3 * budget), *prompt)
-    assert run_with_selector(model, pol, Selectors.threshold("auto"), *prompt) == want
-    assert InlineRuntime(cfg, model, pol).generate(*prompt, max_new_tokens=NEW, sample_fn=greedy).tokens == want
-    tr = generate_cfg(cfg, model, prompt)
-    assert tr.tokens == want
-    assert tr.stats["sparse_steps"] == sum(1 for s in range(1, NEW) if T + s > 3 * budget) > 0
-    assert run_with_selector(model, pol, Selectors.threshold(0), *prompt) != want
-
-
 @pytest.mark.parametrize("name", ["quest", "oracle"])
 def test_query_aware_policies_run_inline_through_the_runtime(model, prompt, name):
     over = ["policy.budget=32", "policy.page_size=4"] if name == "quest" else \
@@ -247,10 +225,6 @@ def test_threshold_selector_and_theta():
     spec = AttentionSpec(n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=8)
     pol = build_policy(cfg.policy, spec)
     assert theta_eff(0, pol) == BUDGET and theta_eff(40, pol) == 40 and theta_eff(BUDGET - 3, pol) == BUDGET
-    assert theta_eff("auto", pol) == 3 * BUDGET
-    from spade.attention import resolve_theta
-
-    assert resolve_theta("auto", None) == 0 and resolve_theta("auto", 5) == 15 and resolve_theta(7, 5) == 7
     st = pol.new_state(1, "cpu")
     sel = ThresholdSelector(pol, st, theta=30)
     st.seq_len = 30
