@@ -41,6 +41,17 @@ TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s
                   "requests_aborted", "requests_failed")
 
 
+def warm_jobs(jobs: list[tuple[float, list[int], int]], max_batch: int, chunk: int) -> list[tuple[float, list[int], int]]:
+    """The warm-up before the timed trace: the trace's first ``min(max_batch, len(jobs))``
+    prompts at once, each decoding long enough that the first is still running when the
+    last has joined (one prompt piece per iteration), so the batch passes through every
+    row bucket (1, 2, 4, ...) the trace can reach: each bucket's decode graphs and kernel
+    specialisations are made here, not inside the timed trace."""
+    first = jobs[:max(1, min(max_batch, len(jobs)))]
+    pieces = sum(-(-len(p) // chunk) if chunk > 0 else 1 for _, p, _ in first)
+    return [(0.0, p, WARM_TOKENS + pieces) for _, p, _ in first]
+
+
 async def _trace(engine, jobs: list[tuple[float, list[int], int]]):
     from spade.serving import SamplingParams
 
@@ -126,8 +137,7 @@ def run_policy(args, policy: str, jobs) -> dict:
     async def main():
         # compile / capture outside the timed trace: requests of the trace's own prompt lengths
         # reach the same paths (prefill shapes, sparse steps, the cache rank's kernels and graphs)
-        warm = [(0.0, j[1], WARM_TOKENS) for j in jobs[:2]]
-        await _trace(engine, warm)
+        await _trace(engine, warm_jobs(jobs, args.max_batch, engine.cfg.serving.prefill_chunk))
         if engine.device.type == "cuda":  # the warm-up's device times complete before they are taken off
             torch.cuda.synchronize(engine.device)
         st0 = engine.stats()

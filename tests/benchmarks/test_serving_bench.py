@@ -102,3 +102,15 @@ def test_profile_table_waits_for_the_trace_and_reports_the_stall(monkeypatch):
     out = asyncio.run(main())
     assert Prof.built and out["steps"] >= 4 and out["rows"] == 3 and out["stall_s"] >= 0.02
     assert out["top_kernels_ms_per_step"] == {"_decode_split_kernel": 8.0 / out["steps"]}  # 8 ms over the window
+
+
+def test_warm_jobs_reach_every_row_bucket():
+    """The warm-up runs the trace's first max_batch prompts at once, each long enough to
+    outlast every prompt piece before the last join (so the batch reaches its largest
+    bucket); with whole prompts (chunk 0) one iteration per prompt."""
+    jobs = [(0.1 * i, [1] * n, 50) for i, n in enumerate([5000, 2048, 100, 7])]
+    warm = bench_serving.warm_jobs(jobs, max_batch=3, chunk=2048)
+    assert [len(p) for _, p, _ in warm] == [5000, 2048, 100]
+    assert {at for at, _, _ in warm} == {0.0} and {n for _, _, n in warm} == {bench_serving.WARM_TOKENS + 3 + 1 + 1}
+    assert [n for *_, n in bench_serving.warm_jobs(jobs, max_batch=8, chunk=0)] == [bench_serving.WARM_TOKENS + 4] * 4
+    assert len(bench_serving.warm_jobs(jobs[:1], max_batch=0, chunk=512)) == 1
