@@ -355,7 +355,11 @@ def _decode_split_kernel(
         recent_start = tl.maximum(kv_len - N_RECENT, sink_end)
         n_sink_b = tl.maximum(sink_end - s, 0)
         n_rec_b = kv_len - recent_start
-        T = n_sink_b + K_MID + n_rec_b
+        # a window of at most sinks + recent tokens has no middle (every index would fall
+        # outside [sink_end, recent_start)): its programs skip the K_MID slots, e.g. a served
+        # batch's idle rows, whose one-token windows still carry a selection's index list
+        k_mid_b = tl.where(recent_start > sink_end, K_MID, 0)
+        T = n_sink_b + k_mid_b + n_rec_b
     else:
         sink_end = s
         recent_start = s
@@ -394,7 +398,7 @@ def _decode_split_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
 
     if HAS_INDICES:
-        pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, K_MID, stride_ik,
+        pos2d = _chunk_positions(i_base, start, end, n_sink_b, s, sink_end, recent_start, k_mid_b, stride_ik,
                                  MAX_BLOCKS, BLOCK_N)
     else:
         pos2d = 0

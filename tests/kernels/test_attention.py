@@ -233,6 +233,39 @@ def test_messy_indices_match_reference(case, device):
     assert ((idx >= L) | (idx < -1)).any()  # the selection really held ignored slots
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_windows_without_middle_skip_the_index_list(num_splits, device):
+    """Rows whose window holds at most sinks + recent tokens (a served batch's idle rows:
+    one token; short rows) have no middle: a full stale index list (positions anywhere,
+    in the window or not) is skipped and they attend their sinks and recent tokens, as
+    the reference; the long rows beside them attend their selections. Stats count the
+    same tokens."""
+    B, Hq, Hkv, D, L, k_mid, n_sink, n_recent = 4, 4, 2, 16, 157, 48, 3, 6
+    gen = torch.Generator().manual_seed(7 + (num_splits or 0))
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
+    kv_lens = torch.tensor([157, 120, 121, 90])
+    kv_start = torch.tensor([0, 119, 112, 81])  # windows of 157, 1 (idle), 9 = 3 + 6, 9 tokens
+    kv_start[3] = 83  # 7 tokens: 3 sinks and 4 of the recent window
+    idx = torch.randint(0, L, (B, Hkv, k_mid), generator=gen, dtype=torch.int32)  # stale, some in-window
+    idx[0] = _middle_indices(kv_lens[:1], kv_start[:1], Hkv, k_mid, n_sink, n_recent, gen=gen)[0]
+    # expected: row 0 its selection; the short rows their whole window (all sinks or recent)
+    exp_out, exp_lse = _expected(q, k, v, kv_lens, idx, n_sink=n_sink, n_recent=n_recent, kv_start=kv_start)
+    short_out, short_lse = _expected(q, k, v, kv_lens, None, kv_start=kv_start)
+    exp_out[1:], exp_lse[1:] = short_out[1:], short_lse[1:]
+    st_t = torch.zeros(2, dtype=torch.int64, device=device)
+    st_r = torch.zeros(2, dtype=torch.int64, device=device)
+    kw = dict(n_sink=n_sink, n_recent=n_recent, kv_start=kv_start.to(device), return_lse=True)
+    out, lse = A.sparse_decode_attention_triton(q, k.to(device), v.to(device), kv_lens.to(device), idx.to(device),
+                                                num_splits=num_splits, stats=st_t, **kw)
+    _check(out, lse, exp_out, exp_lse, torch.float32)
+    A.sparse_decode_attention_ref(q, k, v, kv_lens, idx, stats=st_r, n_sink=n_sink, n_recent=n_recent,
+                                  kv_start=kv_start)
+    assert st_t.tolist() == st_r.tolist()
+    win = (kv_lens - kv_start)[1:]
+    assert bool((win <= n_sink + n_recent).all())  # the short rows really have no middle
+    assert bool(((idx[1:] >= kv_start[1:, None, None]) & (idx[1:] < kv_lens[1:, None, None])).any())
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dense", [False, True])
 def test_stats_count_attended_tokens_and_calls(dense, num_splits, device):
