@@ -192,14 +192,36 @@ def server_info(base_url: str, api_key: str) -> dict:
     return {"id": m.id, **(m.model_extra or {}).get("spade", {})}
 
 
+def warmup_plan(args, info: dict) -> tuple[int, int]:
+    """(requests, max_tokens) of the warm-up before the sweep. ``--warmup -1`` (the
+    default): one request per batch slot of the server (``max_batch`` in its /v1/models
+    metadata), at once, each decoding until the last has joined (one prompt piece of
+    ``prefill_chunk`` tokens per iteration, 8 tokens more), so every row bucket's decode
+    graphs and kernels are made before the first measured rate; the server's decode
+    graphs are keyed by the bucket of rows in use, and a bucket first reached inside a
+    measured run stalls it (its TPOT p99). Without the metadata: 2 requests."""
+    n = args.warmup
+    if n == 0:
+        return 0, 0
+    slots = info.get("max_batch")
+    if n < 0:
+        n = int(slots) if slots else 2
+    n = max(1, min(n, args.num_prompts))
+    chunk = info.get("prefill_chunk") or 0
+    pieces = n * (-(-args.input_len // chunk) if chunk > 0 else 1)
+    room = int(info.get("max_seq_len") or 0) - args.input_len
+    tokens = 8 + pieces
+    return n, max(1, min(tokens, room)) if room > 0 else tokens
+
+
 def sweep(base_url: str, api_key: str, args, rates: list[float], label: str | None = None) -> dict:
     info = server_info(base_url, api_key)
     label = label or info.get("policy") or "server"
     model = args.model or info["id"]
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-    if args.warmup:  # first-request compile and allocation out of the measured runs
-        asyncio.run(run_rate(base_url, api_key, model, prompts[:args.warmup], args.output_len, math.inf,
-                             args.seed, None))
+    n_warm, warm_len = warmup_plan(args, info)
+    if n_warm:  # compiles, allocations and graph captures out of the measured runs
+        asyncio.run(run_rate(base_url, api_key, model, prompts[:n_warm], warm_len, math.inf, args.seed, None))
     idle = idle_ttft = None
     if args.idle:  # one request alone: the TPOT the SLO is relative to, and the TTFT of an empty queue
         one = asyncio.run(run_rate(base_url, api_key, model, prompts[:1], args.output_len, math.inf, args.seed, None))
@@ -365,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
     ap.add_argument("--output-len", type=int, default=128, help="max_tokens, with ignore_eos")
     ap.add_argument("--max-concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
-    ap.add_argument("--warmup", type=int, default=2, help="requests sent (all at once) before the sweep")
+    ap.add_argument("--warmup", type=int, default=-1,
+                    help="requests sent (all at once) before the sweep; -1: one per batch slot of the server, each "
+                         "decoding until the last has joined, so every row bucket is captured (warmup_plan); 0: none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--idle", action=argparse.BooleanOptionalAction, default=True,
                     help="first time one request alone (the idle TPOT), for the SLO below")

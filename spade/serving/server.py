@@ -73,7 +73,8 @@ class ServerState:
         pol = cfg.policy
         self.metadata = {"model": cfg.model.name, "policy": pol.name, "budget": getattr(pol, "budget", None),
                          "topology": cfg.runtime.topology, "transport": cfg.runtime.transport.name,
-                         "max_seq_len": cfg.model.max_seq_len}
+                         "max_seq_len": cfg.model.max_seq_len, "max_batch": cfg.serving.max_batch,
+                         "prefill_chunk": cfg.serving.prefill_chunk}
         self.metrics = ServerMetrics({"model": self.model_name, "policy": pol.name,
                                       "topology": cfg.runtime.topology, "transport": cfg.runtime.transport.name})
         key = cfg.serve.api_key

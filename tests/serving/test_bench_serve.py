@@ -113,3 +113,19 @@ def test_next_probe_bisects_toward_the_highest_rate_meeting_the_slo():
     rows = [row(0.1, 15.0), row(0.4, 18.0, ttft=9000.0)]
     assert bench_serve.next_probe(rows, 10.0, 2.0) == 0.8
     assert bench_serve.next_probe(rows, 10.0, 2.0, idle_ttft_ms=1000.0, ttft_factor=5.0) == 0.2
+
+
+def test_warmup_plan_fills_every_slot():
+    """The default warm-up: one request per batch slot, each outlasting every prompt piece
+    before the last join (8 tokens more), capped by the context left after the prompt."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(warmup=-1, num_prompts=20, input_len=5000)
+    info = {"max_batch": 16, "prefill_chunk": 2048, "max_seq_len": 36000}
+    assert bench_serve.warmup_plan(a, info) == (16, 8 + 16 * 3)
+    assert bench_serve.warmup_plan(SimpleNamespace(warmup=-1, num_prompts=4, input_len=5000), info) == (4, 8 + 4 * 3)
+    assert bench_serve.warmup_plan(a, {**info, "prefill_chunk": 0}) == (16, 8 + 16)
+    assert bench_serve.warmup_plan(a, {**info, "max_seq_len": 5020}) == (16, 20)  # the room after the prompt
+    assert bench_serve.warmup_plan(a, {}) == (2, 8 + 2)  # an older server: no slots in its metadata
+    assert bench_serve.warmup_plan(SimpleNamespace(warmup=0, num_prompts=4, input_len=5), info) == (0, 0)
+    assert bench_serve.warmup_plan(SimpleNamespace(warmup=3, num_prompts=4, input_len=5), info)[0] == 3

@@ -80,6 +80,7 @@ def test_models_and_health(server, client, http):
     meta = models.data[0].model_extra["spade"]
     assert meta["policy"] == "asyncspade" and meta["budget"] == 32
     assert meta["topology"] == "inline" and meta["transport"] == "local"
+    assert meta["max_batch"] == 4 and meta["prefill_chunk"] >= 0
 
 
 def test_completion_sync_stream_equals_nonstream(client):
