@@ -41,7 +41,10 @@ TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s
                   "requests_aborted", "requests_failed")
 
 
-def warm_jobs(jobs: list[tuple[float, list[int], int]], max_batch: int, chunk: int) -> list[tuple[float, list[int], int]]:
+Job = tuple[float, list[int], int]  # (arrival s, prompt ids, max_tokens)
+
+
+def warm_jobs(jobs: list[Job], max_batch: int, chunk: int) -> list[Job]:
     """The warm-up before the timed trace: the trace's first ``min(max_batch, len(jobs))``
     prompts at once, each decoding long enough that the first is still running when the
     last has joined (one prompt piece per iteration), so the batch passes through every

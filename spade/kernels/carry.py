@@ -47,7 +47,8 @@ from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import (_NBINS, _NHIST, SELECT_CONFIG, _f32_key, _key_f32, _pick_digit, _row_bounds,
                                       _select_from_scores)
 
-__all__ = ["CARRY_CAP_MAX", "CARRY_MARGIN", "CARRY_SLOTS", "carry_sizes", "carry_stats", "carry_threshold", "new_carry", "reset_carry"]
+__all__ = ["CARRY_CAP_MAX", "CARRY_MARGIN", "CARRY_SLOTS", "carry_sizes", "carry_stats", "carry_threshold", "new_carry",
+           "reset_carry"]
 
 
 @triton.jit
