@@ -192,6 +192,15 @@ def server_info(base_url: str, api_key: str) -> dict:
     return {"id": m.id, **(m.model_extra or {}).get("spade", {})}
 
 
+def prompt_pieces(T: int, chunk: int) -> int:
+    """Iterations a prompt of ``T`` tokens takes to join with ``serving.prefill_chunk`` =
+    ``chunk`` (0: whole, one), its pieces whole chunks (the engine's first piece may be
+    shorter, what is left of an iteration's budget: one more)."""
+    from spade.serving.slots import chunk_sizes
+
+    return len(chunk_sizes(T, chunk, chunk)) if chunk > 0 else 1
+
+
 def warmup_plan(args, info: dict) -> tuple[int, int]:
     """(requests, max_tokens) of the warm-up before the sweep. ``--warmup -1`` (the
     default): one request per batch slot of the server (``max_batch`` in its /v1/models
@@ -208,7 +217,7 @@ def warmup_plan(args, info: dict) -> tuple[int, int]:
         n = int(slots) if slots else 2
     n = max(1, min(n, args.num_prompts))
     chunk = info.get("prefill_chunk") or 0
-    pieces = n * (-(-args.input_len // chunk) if chunk > 0 else 1)
+    pieces = n * prompt_pieces(args.input_len, chunk)
     room = int(info.get("max_seq_len") or 0) - args.input_len
     tokens = 8 + pieces
     return n, max(1, min(tokens, room)) if room > 0 else tokens

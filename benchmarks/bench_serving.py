@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.bench_serve import percentile
+from benchmarks.bench_serve import percentile, prompt_pieces
 from benchmarks.trace_summary import kernel_us
 
 #: new tokens of each warm-up request (run before the timed trace)
@@ -51,7 +51,7 @@ def warm_jobs(jobs: list[Job], max_batch: int, chunk: int) -> list[Job]:
     row bucket (1, 2, 4, ...) the trace can reach: each bucket's decode graphs and kernel
     specialisations are made here, not inside the timed trace."""
     first = jobs[:max(1, min(max_batch, len(jobs)))]
-    pieces = sum(-(-len(p) // chunk) if chunk > 0 else 1 for _, p, _ in first)
+    pieces = sum(prompt_pieces(len(p), chunk) for _, p, _ in first)
     return [(0.0, p, WARM_TOKENS + pieces) for _, p, _ in first]
 
 

@@ -12,7 +12,6 @@ back again and still selects exactly.
 from __future__ import annotations
 
 import itertools
-
 import math
 
 import pytest
@@ -280,6 +279,12 @@ def test_carry_state_is_checked_and_reset(device):
 def test_carry_sizes():
     assert carry_sizes(1980) == (2970, 4096)
     assert carry_sizes(1) == (2, 4)
+    k_next, cap = carry_sizes(100)
+    assert k_next == 150 and cap == 256
+    assert carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
+    for bad in (1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="carry margin must be > 1"):
+            carry_sizes(100, bad)
 
 
 def test_carry_sizes_wide_margin_stays_in_registers():
@@ -301,12 +306,6 @@ def test_carry_sizes_wide_margin_stays_in_registers():
             if k_next != want:  # narrowed: only a margin above the default, into CARRY_CAP_MAX
                 assert margin > CARRY_MARGIN and cap == CARRY_CAP_MAX
                 assert k_next >= math.ceil(CARRY_MARGIN * k_top)
-    k_next, cap = carry_sizes(100)
-    assert k_next == 150 and cap == 256
-    assert carry_sizes(2048, 2.0) == (4096, 8192)  # a caller's own margin
-    for bad in (1.0, 0.5, float("nan")):
-        with pytest.raises(ValueError, match="carry margin must be > 1"):
-            carry_sizes(100, bad)
 
 
 def test_carry_margin_stays_exact_and_aims_wider(device):
