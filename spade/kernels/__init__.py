@@ -47,6 +47,7 @@ __all__ = [
     "group_scores",
     "score_topk",
     "select_overlap",
+    "plan_rows",
     "quest_build",
     "quest_update",
     "quest_page_scores",
@@ -117,6 +118,16 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, lo, hi, k_top, scale=scale, reduce=reduce, kv_lens=kv_lens, kv_start=kv_start,
               k_scale=k_scale, out=out, carry=carry, carry_margin=carry_margin, **paged)
+
+
+def plan_rows(busy, total):
+    """A context in which the selection kernels' (row, chunk) grids are split as if only
+    ``busy`` of every ``total`` batch rows carried work (``common.plan_rows``): a serving
+    batch's idle rows, whose windows are a few tokens, do not thin the chunks of the rows
+    in use. Same results; a host fact that keys any CUDA graph captured inside."""
+    from spade.kernels.common import plan_rows as _plan_rows
+
+    return _plan_rows(busy, total)
 
 
 def select_overlap(device, enabled=None):
@@ -248,18 +259,25 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     return fn(out_a, lse_a, out_b, lse_b)
 
 
-def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2):
+def ridge_predict(window, n_valid, *, mode="assembled", eps=1e-2, skip=None, per=1):
     """Predict the next query from a window of past queries.
 
     ``window``: [N, W, D] (N = batch × heads flattened), oldest first, the last
     ``n_valid`` (int) rows valid and right-aligned. Returns [N, D] float32.
     Modes: ``last``, ``ridge``, ``softmax_ridge``, ``assembled`` (see
-    ``spade.kernels.ridge``).
+    ``spade.kernels.ridge``). ``skip`` (bool [A] on the window's device; window row
+    ``n`` belongs to entry ``(n // per) % A``): the rows of a True entry skip the solve
+    and return their newest query (a serving batch's idle rows, whose predictions
+    nobody reads).
     """
     from spade.kernels import ridge
 
-    fn = ridge.ridge_predict_triton if use_triton(window) else ridge.ridge_predict_torch
-    return fn(window, n_valid, mode=mode, eps=eps)
+    if use_triton(window):
+        return ridge.ridge_predict_triton(window, n_valid, mode=mode, eps=eps, skip=skip, per=per)
+    if skip is None:
+        return ridge.ridge_predict_torch(window, n_valid, mode=mode, eps=eps)
+    return ridge.ridge_predict_skip(window, n_valid, mode=mode, eps=eps, skip=skip, per=per,
+                                    fn=ridge.ridge_predict_torch)
 
 
 def window_push(window, q):

@@ -5,7 +5,9 @@ kernel of the package uses for loops over a tensor range (``loop_bound``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -41,6 +43,30 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+class _Plan(threading.local):
+    busy: int | None = None
+    total: int = 1
+
+
+_PLAN = _Plan()
+
+
+@contextlib.contextmanager
+def plan_rows(busy: int | None, total: int):
+    """Inside: the (row, chunk) grids of the selection kernels are split as if only
+    ``busy`` of every ``total`` batch rows carried work (a serving batch's rows in use,
+    rounded up to their bucket: the others' windows are a few tokens, and their programs
+    end at once), so the rows in use get the chunks a batch of their own size would.
+    The results do not change, only the grid. ``busy`` None (or >= ``total``): every
+    row. A host fact: a CUDA graph captured inside must be keyed by it. Per thread."""
+    prev = _PLAN.busy, _PLAN.total
+    _PLAN.busy, _PLAN.total = (None, 1) if busy is None or busy >= total else (max(1, int(busy)), int(total))
+    try:
+        yield
+    finally:
+        _PLAN.busy, _PLAN.total = prev
+
+
 def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int,
            per_sm: int = 4) -> tuple[int, int]:
     """Split rows of length ``n`` into chunks for a (row, chunk) grid.
@@ -48,8 +74,11 @@ def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: in
     Aims at about ``per_sm`` programs per SM (several waves, so the last partial
     wave costs little), with chunks of at least ``min_chunk`` elements (rounded to
     ``block``) so per-program work amortises its fixed costs (q load, histogram
-    atomics). Returns (chunk, n_chunks)."""
+    atomics). Inside ``plan_rows`` only its share of ``rows`` counts. Returns
+    (chunk, n_chunks)."""
     n = max(n, 1)
+    if _PLAN.busy is not None:
+        rows = triton.cdiv(max(rows, 1) * _PLAN.busy, _PLAN.total)
     target = per_sm * _sm_count(device)
     n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
     chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block

@@ -157,14 +157,20 @@ def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "asse
 
 
 @triton.jit
-def _ridge_kernel(W, OUT, stride_n, stride_r, stride_d, R, m, eps,
-                  D: tl.constexpr, D_PAD: tl.constexpr, M: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr = False):
+def _ridge_kernel(W, OUT, SKIP, stride_n, stride_r, stride_d, R, m, eps, PER, N_SKIP,
+                  D: tl.constexpr, D_PAD: tl.constexpr, M: tl.constexpr, MODE: tl.constexpr,
+                  HAS_SKIP: tl.constexpr = False, PDL: tl.constexpr = False):
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     pid = tl.program_id(0).to(tl.int64)
     offs_p = tl.arange(0, M)  # tile rows: X row p <-> window row R-1-M+p (valid for p >= off)
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < D
+    if HAS_SKIP:  # a row nobody reads (``skip``): the newest query, no solve
+        if tl.load(SKIP + (pid // PER) % N_SKIP) != 0:
+            newest = tl.load(W + pid * stride_n + (R - 1) * stride_r + offs_d * stride_d, mask=d_mask, other=0.0)
+            tl.store(OUT + pid * D + offs_d, newest.to(tl.float32), mask=d_mask)
+            return
     off = M - m  # first valid tile row
     valid_p = offs_p >= off
     rows = offs_p[:, None]  # [M, 1]
@@ -236,10 +242,12 @@ def _ridge_kernel(W, OUT, stride_n, stride_r, stride_d, R, m, eps,
 
 
 def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "assembled",
-                         eps: float = 1e-2) -> torch.Tensor:
+                         eps: float = 1e-2, skip: torch.Tensor | None = None, per: int = 1) -> torch.Tensor:
     """Triton predictor (whole solve in-kernel); same contract as ``ridge_predict_ref``.
-    ``last`` (and n < 2) is a plain copy of the newest row, no kernel."""
+    ``last`` (and n < 2) is a plain copy of the newest row, no kernel. ``skip``
+    (``ridge_predict_skip``): window rows whose entry is True skip the solve."""
     _check(window, n_valid, mode, eps)
+    _check_skip(window, skip, per)
     N, R, D = window.shape
     n = int(n_valid)
     if mode == "last" or n < 2:
@@ -255,9 +263,37 @@ def ridge_predict_triton(window: torch.Tensor, n_valid: int, *, mode: str = "ass
     # registers (M=16, D=128: 86 regs, no spills on sm_90); bigger tiles get a warp
     # per ~1024 elements of X (M=64, D=128: 8 warps, 128 regs).
     num_warps = max(1, min(16, (M * D_PAD) // (2048 if M <= 16 else 1024)))
-    _ridge_kernel[(N,)](window, out, *window.stride(), R, m, float(eps),
-                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps, **pdl_kwargs(window, "select"))
+    sk = {} if skip is None else dict(HAS_SKIP=True)
+    _ridge_kernel[(N,)](window, out, out if skip is None else skip, *window.stride(), R, m, float(eps),
+                        int(per), 1 if skip is None else int(skip.numel()),
+                        D=D, D_PAD=D_PAD, M=M, MODE=_MODE_ID[mode], num_warps=num_warps, **sk,
+                        **pdl_kwargs(window, "select"))
     return out
+
+
+def _check_skip(window: torch.Tensor, skip: torch.Tensor | None, per: int) -> None:
+    if skip is None:
+        return
+    N = window.shape[0]
+    if skip.dtype != torch.bool or skip.dim() != 1 or skip.device != window.device:
+        raise ValueError(f"skip must be a 1-d bool tensor on {window.device}, got {skip.dtype} "
+                         f"{tuple(skip.shape)} on {skip.device}")
+    if per < 1 or N % (per * max(1, skip.numel())):
+        raise ValueError(f"the window's {N} rows must be whole groups of per={per} rows for each of the "
+                         f"{skip.numel()} entries of skip (N = repeats x {skip.numel()} x {per})")
+
+
+def ridge_predict_skip(window: torch.Tensor, n_valid: int, *, mode: str = "assembled", eps: float = 1e-2,
+                       skip: torch.Tensor, per: int = 1, fn=None) -> torch.Tensor:
+    """Reference of ``ridge_predict_triton(..., skip=, per=)``: window row ``n`` belongs
+    to entry ``(n // per) % len(skip)`` (e.g. ``[P, B, H]`` flattened with ``per = H``
+    and ``skip`` [B]); rows of a True entry predict their newest query (no solve, as
+    ``last``), the others ``fn`` (default ``ridge_predict_ref``)."""
+    _check(window, n_valid, mode, eps)
+    _check_skip(window, skip, per)
+    full = (fn or ridge_predict_ref)(window, n_valid, mode=mode, eps=eps)
+    rows = (torch.arange(window.shape[0], device=window.device) // per) % skip.numel()
+    return torch.where(skip[rows][:, None], window[:, -1].float(), full)
 
 
 # ----------------------------------------------------------------------------- window push

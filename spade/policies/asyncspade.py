@@ -734,7 +734,7 @@ class AsyncSpadePolicy(Policy):
         w = base[layers[0]:layers[-1] + 1]  # [P, B, Hq, R, D], contiguous
         P, B, H, R, D = w.shape
         q = kernels.ridge_predict(w.reshape(P * B * H, R, D), n, mode=self.cfg.predictor,
-                                  eps=self.cfg.ridge_eps).view(P, B, H, D)
+                                  eps=self.cfg.ridge_eps, skip=state.idle, per=H).view(P, B, H, D)
         rotated = self.rope_aware and kv_lens is not None
         if rotated:  # every layer of the run at the rows' positions: one launch
             q = self._rotate(q.view(P * B, H, D), state, kv_lens).view(P, B, H, D)
@@ -785,7 +785,7 @@ class AsyncSpadePolicy(Policy):
         elif n < 0:  # rows with windows of different fill (serving): one prediction per fill
             q_hat = self._predict_rows(state, layer)
         else:
-            q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps)  # [B, Hq, D]
+            q_hat = predict(st.window, n, self.cfg.predictor, self.cfg.ridge_eps, skip=state.idle)  # [B, Hq, D]
         if self.rope_aware:
             q_hat = self._rotate(q_hat, state, kv_lens)
         return q_hat

@@ -251,6 +251,10 @@ class PolicyState:
     cache_len: int | None = None
     """The cache's logical capacity in tokens (per row), when it is not ``k_cache``'s
     dimension 2 (a paged cache; a prefill handed only the prompt); None: that dimension."""
+    idle: torch.Tensor | None = None
+    """Serving: [B] bool on the device, True for a row no request decodes in (whose
+    selections nobody reads): per-row work may skip it (the predictor's solve). Updated
+    in place; None: every row is in use."""
 
 
 class Policy(ABC):

@@ -32,11 +32,13 @@ from spade.policies.base import RopeSpec
 PREDICTOR_KINDS = ("last", "ridge", "softmax_ridge", "assembled")
 
 
-def predict(window: torch.Tensor, n_valid: int, kind: str = "assembled", eps: float = 1e-2) -> torch.Tensor:
+def predict(window: torch.Tensor, n_valid: int, kind: str = "assembled", eps: float = 1e-2,
+            skip: torch.Tensor | None = None) -> torch.Tensor:
     """Predict the next query of every (row, head) from its window.
 
     ``window``: [B, H, R, D] past queries, oldest first, the last ``n_valid``
     (host int, 1 <= n_valid <= R) rows valid. Returns q̂ [B, H, D] float32.
+    ``skip`` ([B] bool, ``PolicyState.idle``): rows predicted as their newest query (no solve).
 
     >>> w = torch.arange(12.0).view(1, 1, 3, 4)
     >>> predict(w, 3, "last")
@@ -47,7 +49,7 @@ def predict(window: torch.Tensor, n_valid: int, kind: str = "assembled", eps: fl
     B, H, R, D = window.shape
     if not 1 <= n_valid <= R:
         raise ValueError(f"n_valid={n_valid} must lie in [1, {R}]")
-    out = kernels.ridge_predict(window.reshape(B * H, R, D), n_valid, mode=kind, eps=eps)  # [B*H, D]
+    out = kernels.ridge_predict(window.reshape(B * H, R, D), n_valid, mode=kind, eps=eps, skip=skip, per=H)
     return out.view(B, H, D)
 
 

@@ -314,6 +314,9 @@ class _Generation:
             state = self.state = policy.new_state(B, dev)
             state.kv_start = kv_start
             state.seq_len = T
+            # serving: every row idle until a JOIN (``protocol``: the idle mask of JOIN / LEAVE)
+            state.idle = torch.ones(B, dtype=torch.bool, device=dev) if s.serving else None
+            self.busy = 0 if s.serving else B  # rows a request decodes in (sizes the selection grids)
             state.cache_len = s.static_len or None  # the cache's capacity (a paged or a boot view is shorter)
             if s.shared_kv:
                 if rank.shared is None:
@@ -357,10 +360,10 @@ class _Generation:
             if c[0] == P.SHUTDOWN:
                 raise _Shutdown()
             if c[0] == P.JOIN:
-                await self._join(c[1], c[2], c[3], msg[1].tolist(), msg[2])
+                await self._join(c[1], c[2], c[3], msg[1].tolist(), msg[2], msg[3])
                 continue
             if c[0] == P.LEAVE:
-                self._leave(msg[1])
+                self._leave(msg[1], msg[2])
                 continue
             if c[0] != P.STEP:
                 raise TransportError(f"cache rank: expected STEP/END, got command {c[0]}")
@@ -384,7 +387,26 @@ class _Generation:
             del msg, q_tail
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
 
-    async def _join(self, S: int, step: int, gen: int, rows: list[list[int]], kv_start: torch.Tensor) -> None:
+    def _set_idle(self, idle: torch.Tensor) -> None:
+        """The rows no request decodes in (JOIN / LEAVE's mask; in place: captured work
+        reads the same tensor) and the count of the others. A cache rank restarted mid-serving
+        booted as a static batch (every row in use) and gets its first mask here."""
+        if self.state.idle is None:
+            self.state.idle = idle.to(self.dev, torch.bool).clone()
+        else:
+            self.state.idle.copy_(idle.to(self.dev, torch.bool))
+        self.busy = self.B - int(idle.sum())
+
+    def plan(self) -> int:
+        """The selection grids' plan: the bucket of rows in use (``kernels.plan_rows``; a graph key)."""
+        if self.state.idle is None:
+            return self.B
+        from spade.serving.slots import row_bucket
+
+        return row_bucket(self.busy, self.B)
+
+    async def _join(self, S: int, step: int, gen: int, rows: list[list[int]], kv_start: torch.Tensor,
+                    idle: torch.Tensor) -> None:
         """Serving: requests join rows ``rows`` ([row, prompt length]) at cursor ``S``
         before decode step ``step``: each row's state becomes its request's alone
         (``policy.prefill_rows`` on its prompt's keys and last queries), then step
@@ -395,6 +417,7 @@ class _Generation:
                 state.kv_start = kv_start.to(self.dev).clone()
             else:
                 state.kv_start.copy_(kv_start.to(self.dev))
+            self._set_idle(idle)
             kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.dev)
         state.seq_len = S
         for layer in range(self.n_layers):
@@ -422,7 +445,7 @@ class _Generation:
             for p in range(len(self.packs)):
                 await self._select_and_send(p, step, S + 1)
 
-    def _leave(self, kv_start: torch.Tensor) -> None:
+    def _leave(self, kv_start: torch.Tensor, idle: torch.Tensor) -> None:
         """Serving: rows left; their windows start at the cursor of their leave (in place:
         captured selections read the same tensor), so their old tokens are not scanned."""
         state = self.state
@@ -431,6 +454,7 @@ class _Generation:
                 state.kv_start = kv_start.to(self.dev).clone()
             else:
                 state.kv_start.copy_(kv_start.to(self.dev))
+            self._set_idle(idle)
         self.rank.stats["leaves"] = self.rank.stats.get("leaves", 0) + 1
 
     def _buffers(self) -> None:
@@ -490,8 +514,8 @@ class _Generation:
         # its indices there directly (select_takes_out); a fresh buffer below gets copies
         rows = out[p]["rows"] if p in out and policy.select_takes_out else None
         # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
-        # on exit, before anything below reads the indices)
-        with shared_derived(state), kernels.select_overlap(self.dev):
+        # on exit, before anything below reads the indices); grids sized for the rows in use
+        with shared_derived(state), kernels.select_overlap(self.dev), kernels.plan_rows(self.plan(), self.B):
             for j, layer in enumerate(range(l0, l1)):
                 k, _ = self.view(layer, seq)
                 if rows is None:
@@ -547,7 +571,7 @@ class _Generation:
             if seq != self.sel_seq:  # the step's first pack (later packs select at the same length)
                 torch.add(self.kv_lens, seq - self.T, out=self.kv_sel)
                 self.sel_seq = seq
-            key = ("select", p, _key(self.policy, self.state, seq))
+            key = ("select", p, self.plan(), _key(self.policy, self.state, seq))
             info = rank._run(key, lambda: self._select_pack(p, seq), self.graphs_on)
             tensors = rank._encode(info, self.out.get(p), p, step, seq, self.s, self.view, self.prev,
                                    self.packs[p][0], self.gen)

@@ -9,9 +9,9 @@ Tags and contents (``n`` = layers in the pack, ``B`` rows, ``Hq``/``Hkv`` heads,
     inference -> cache
       "ctl"   [cmd int64 [4] (cpu)]                    STEP(seq_len, step) | END | SHUTDOWN
               [cmd, setup uint8 (cpu, JSON), kv_lens [B], kv_start [B]?]       BOOT(B, T)
-              [cmd, rows int64 [n, 2] (cpu: row, prompt length T_i), kv_start [B]]
+              [cmd, rows int64 [n, 2] (cpu: row, prompt length T_i), kv_start [B], idle uint8 [B] (cpu)]
                                                        JOIN(S, step, gen) (serving, below)
-              [cmd, kv_start [B]]                      LEAVE(S, step) (serving, below)
+              [cmd, kv_start [B], idle uint8 [B] (cpu)] LEAVE(S, step) (serving, below)
       "boot"  per layer: [q_tail [B, Hq, W, D], k [B, Hkv, T, D], v [B, Hkv, T, D]]
               (the prompt's KV and last W queries; only q_tail when the cache rank
               reads the inference rank's own cache: ``colocated`` with a static cache)
@@ -51,7 +51,13 @@ rank drops every selection of an older ``gen`` and waits for these before runnin
 LEAVE(S, step): the whole ``kv_start`` vector, the left rows' windows starting at the
 cursor of their leave, so the cache rank stops scanning their old requests' tokens (no
 acknowledgement, no new selections: a left row's selections are ignored until a JOIN
-resets its state).
+resets its state). JOIN and LEAVE carry ``idle``, 1 for each row no request decodes in
+(free or mid-join) as of the message: the cache rank skips those rows' predictor solves
+and sizes its selection grids for the rows in use (``kernels.plan_rows``, by their
+bucket). Every change of the rows in use reaches it before the next step (a leave by
+LEAVE or the next JOIN, a join by JOIN), so a row is never idle there while it decodes
+here. Until the first JOIN of a serving BOOT every row is idle; a non-serving BOOT (a
+static batch, a restarted cache rank) has every row in use.
 
 Bootstrap choice (the sparse threshold θ): the cache rank receives the prompt's
 KV and last W queries right after prefill and then *every* step's q/k/v, dense
@@ -75,7 +81,8 @@ from spade.policies.base import AttentionSpec, RopeSpec
 #: 2: ``Setup.first_step`` (a cache rank restarted mid-generation).
 #: 3: serving: ``Setup.serving``, JOIN, the ``META_GEN`` column of "sel".
 #: 4: serving: LEAVE.
-PROTOCOL = "spade-async/4"
+#: 5: serving: the ``idle`` row mask of JOIN and LEAVE.
+PROTOCOL = "spade-async/5"
 
 # ctl commands
 BOOT, STEP, END, SHUTDOWN, JOIN, LEAVE = 1, 2, 3, 4, 5, 6

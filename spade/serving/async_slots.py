@@ -15,8 +15,10 @@ step, on the runtime's own event loop (the engine's worker thread):
   the step waits for its selections made after it (``InferenceSession.join_rows``): the
   cache rank's row state is then what the request alone would have, so its tokens
   equal its alone run's;
-* a **leave** sends nothing: the free row's window is one token and its selections are
-  ignored until a JOIN resets its state;
+* a **leave** is told before the next step (a LEAVE, or the next JOIN): the free row's
+  window is one token and its selections are ignored until a JOIN resets its state; JOIN
+  and LEAVE carry which rows are idle, so the cache rank skips their predictor solves and
+  sizes its selection grids for the rows in use;
 * per-row θ as in ``SlotBatch``: the cache rank selects for every row once the cursor
   is past θ; rows under their own θ attend densely in a mixed step.
 """
@@ -188,11 +190,11 @@ class AsyncSlotBatch(SlotBatch):
         stale = not all(self.active) and self.cursor - self._told_at >= IDLE_WINDOW_REFRESH
         if self._joins:  # (a JOIN carries the whole kv_start: the leaves too)
             joins, self._joins, self._left = self._joins, {}, False
-            await sess.join_rows(self.cursor, joins)
+            await sess.join_rows(self.cursor, joins, busy=self.active)
             self._told_at = self.cursor
         elif self._left or stale:
             self._left = False
-            await sess.leave_rows(self.cursor)
+            await sess.leave_rows(self.cursor, busy=self.active)
             self._told_at = self.cursor
         logits = await sess.step(tokens, sparse=mode != "dense")
         await sess.wait_device()

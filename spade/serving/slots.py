@@ -88,9 +88,10 @@ class SlotContext(AttentionContext):
         if layer == 0 and self.idle is not None:  # once per step, on the device (inside the step's graph)
             # an idle row attends (and is scored over) its newest token only, however long ago it left
             self.kv_start.copy_(torch.where(self.idle, (kv_lens - 1).to(self.kv_start.dtype), self.kv_start))
-        sel = self.selector.selection(layer, q, k_cache, kv_lens)
-        if sel is not None and sel.keep > 0:
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
+        with kernels.plan_rows(self.rows, q.shape[0]):  # selection grids sized for the rows in use
+            sel = self.selector.selection(layer, q, k_cache, kv_lens)
+            if sel is not None and sel.keep > 0:
+                sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
@@ -202,6 +203,7 @@ class SlotBatch:
         #: rows with no request decoding (device; ``SlotContext.idle``): their windows stay one token
         self.idle = torch.ones(self.B, dtype=torch.bool, device=dev)
         self.ctx.idle = self.idle
+        self.state.idle = self.idle  # (the policy skips idle rows' per-row work: the predictor's solve)
         #: paged KV cache (``model.block_size``): a row holds blocks for its own window only,
         #: and a join reserves those of its whole generation (``fits``), so a step never runs out
         self.paged = bool(getattr(backend, "paged", False))

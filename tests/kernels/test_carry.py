@@ -488,3 +488,35 @@ def test_select_overlap_on_gpu_matches_serial(warps):
     for a, b, ca, cb in zip(ref_o, ov_o, ref_c, ov_c):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
         assert torch.equal(ca, cb)  # 5 calls each (capturing launches nothing)
+
+
+@pytest.mark.parametrize("reduce", ["sum_softmax", "sum_logits"])
+def test_plan_rows_changes_the_grid_not_the_selection(reduce, device):
+    """``kernels.plan_rows``: a batch whose rows 1..3 are idle (two-token windows) and row
+    0 long, selected with its grids planned for the one row in use: more chunks per row,
+    and every call (carry and radix) still an exact top-K, equal to the unplanned call."""
+    from spade.kernels import common
+
+    B, Hq, Hkv, L, D = 4, 4, 2, 1100, 16
+    q, k, kv_lens, kv_start = _inputs(B, Hq, Hkv, L, D, torch.float32, device, seed=11)
+    kv_lens = torch.tensor([L, 900, 700, 500], device=device)
+    kv_start = torch.tensor([0, 898, 698, 498], device=device)  # idle rows: their newest two tokens
+    lo, hi = _bounds(kv_lens, kv_start, 0, 0)
+    cfg = dict(block=64, min_chunk=64, per_sm=4)
+    n = 1 << 20  # long enough rows that the chunk floor never binds, on any GPU
+    plain = common._split(n, B * Hkv, k.device, **cfg)
+    with kernels.plan_rows(1, B):
+        planned = common._split(n, B * Hkv, k.device, **cfg)
+        with kernels.plan_rows(None, B):  # nested: every row again
+            assert common._split(n, B * Hkv, k.device, **cfg) == plain
+    assert planned[1] > plain[1], (planned, plain)
+    assert common._split(n, B * Hkv, k.device, **cfg) == plain  # restored on exit
+    k_top = 33
+    true = _scores64(q, k, reduce, *_norm(reduce, lo.cpu(), hi.cpu(),
+                                          kv_lens.cpu() if reduce == "sum_softmax" else None))
+    for carry in (None, new_carry(B, Hkv, device)):
+        base, _ = _run(q, k, lo, hi, k_top, reduce, kv_lens, None if carry is None else carry.clone())
+        with kernels.plan_rows(1, B):
+            out, _ = _run(q, k, lo, hi, k_top, reduce, kv_lens, carry)
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        assert torch.equal(out.sort(-1).values, base.sort(-1).values)

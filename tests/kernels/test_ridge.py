@@ -194,3 +194,40 @@ def test_batched_torch_path_matches_reference(mode, n, R):
     ref = Rg.ridge_predict_ref(window, n, mode=mode, eps=1e-2)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5, _rel(out, ref)
+
+
+@pytest.mark.parametrize("P,B,H", [(1, 1, 2), (3, 4, 2), (2, 3, 5)])
+def test_skip_rows_keep_their_newest_query(P, B, H, device):
+    """``skip`` [B] over a [P, B, H]-flattened window (``per = H``): skipped rows return
+    their newest query, the others the solve, in Triton as in the reference; a skipped
+    row's garbage (NaN) never reaches a row in use."""
+    g = torch.Generator().manual_seed(P * 100 + B * 10 + H)
+    R, D, n = 9, 32, 7
+    window = torch.randn(P * B * H, R, D, generator=g).to(device)
+    skip = torch.rand(B, generator=g) < 0.5
+    skip[0] = True
+    if B > 1:
+        skip[-1] = False
+    skip = skip.to(device)
+    rows = (torch.arange(P * B * H, device=device) // H) % B
+    window[skip[rows], : R - 1] = float("nan")  # a skipped row's history is never read
+    out = Rg.ridge_predict_triton(window, n, mode="assembled", skip=skip, per=H)
+    ref = Rg.ridge_predict_skip(window, n, mode="assembled", skip=skip, per=H)
+    assert torch.equal(out[skip[rows]], window[skip[rows], -1].float())
+    used = ~skip[rows]
+    if used.any():
+        assert torch.isfinite(out[used]).all()
+        assert _rel(out[used], Rg.ridge_predict_ref(window[used], n, mode="assembled")) < 1e-4
+        assert _rel(out[used], ref[used]) < 1e-4
+    from spade import kernels
+
+    torch_out = kernels.ridge_predict(window.cpu(), n, skip=skip.cpu(), per=H)  # the CPU dispatch
+    assert torch.equal(torch_out[skip.cpu()[rows.cpu()]], window.cpu()[skip.cpu()[rows.cpu()], -1].float())
+
+
+def test_skip_argument_checks():
+    w = torch.randn(6, 4, 8)
+    with pytest.raises(ValueError, match="whole groups"):
+        Rg.ridge_predict_skip(w, 3, skip=torch.zeros(4, dtype=torch.bool), per=1)
+    with pytest.raises(ValueError, match="bool"):
+        Rg.ridge_predict_skip(w, 3, skip=torch.zeros(6, dtype=torch.int32), per=1)

@@ -103,17 +103,19 @@ def test_idle_rows_attend_their_newest_token_only(policy, topology, monkeypatch)
 def test_the_cache_rank_hears_idle_windows_move(topology, monkeypatch):
     """While rows are idle the cache rank gets the ``kv_start`` vector every
     ``IDLE_WINDOW_REFRESH`` steps (a LEAVE with no other news), so its windows of rows that
-    never joined follow the cursor; the running request's tokens equal its alone run."""
+    never joined follow the cursor, and the idle mask: its selection grids are planned for
+    one row; the running request's tokens equal its alone run."""
     from spade.runtime.cache_rank import _Generation
     from spade.serving import async_slots
 
     monkeypatch.setattr(async_slots, "IDLE_WINDOW_REFRESH", 4)
-    seen = []
+    seen, masks = [], []
     orig = _Generation._leave
 
-    def spy(self, kv_start):
-        orig(self, kv_start)
+    def spy(self, kv_start, idle):
+        orig(self, kv_start, idle)
         seen.append(self.state.kv_start.tolist())
+        masks.append((self.state.idle.tolist(), self.plan()))
 
     monkeypatch.setattr(_Generation, "_leave", spy)
     prompt = random_prompts(1, seed=11, lo=14, hi=18)[0]
@@ -132,3 +134,5 @@ def test_the_cache_rank_hears_idle_windows_move(topology, monkeypatch):
     assert len(first) >= 30 // 4 - 1  # one LEAVE per 4 steps of the request's 30
     idle = [r[2] for r in first]  # row 2 never joins
     assert all(b - a == 4 for a, b in zip(idle, idle[1:])), idle
+    # the request decodes in row 0 throughout the first generation's refreshes
+    assert masks[: len(first) - 1] == [([False, True, True], 1)] * (len(first) - 1), masks

@@ -311,12 +311,13 @@ def test_a_leave_moves_the_cache_ranks_windows(topology, monkeypatch):
     cursor: its old request is no longer scanned); the other rows' tokens are unchanged."""
     from spade.runtime.cache_rank import _Generation
 
-    seen = []
+    seen, masks = [], []
     orig = _Generation._leave
 
-    def spy(self, kv_start):
-        orig(self, kv_start)
+    def spy(self, kv_start, idle):
+        orig(self, kv_start, idle)
         seen.append((kv_start.tolist(), self.state.kv_start.tolist()))
+        masks.append(self.state.idle.tolist())
 
     monkeypatch.setattr(_Generation, "_leave", spy)
     prompts = random_prompts(2, seed=9, lo=14, hi=18)
@@ -335,6 +336,8 @@ def test_a_leave_moves_the_cache_ranks_windows(topology, monkeypatch):
     left_row_start = seen[0][1]
     assert max(left_row_start) > min(left_row_start)  # one row's window moved to a later cursor
     assert together[1].token_ids == alone.token_ids and len(together[0].token_ids) == 4
+    # the first LEAVE: the early request's row is idle, the other one decodes on
+    assert sorted(masks[0])[:1] == [False] and sum(masks[0]) == len(masks[0]) - 1, masks
 
 
 @pytest.mark.parametrize("policy,topology,extra", [
