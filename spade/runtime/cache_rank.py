@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -144,6 +146,7 @@ class CacheRank:
         self.use_graphs = True
         self._graphs: dict = {}
         self._seen: set = set()  # graph keys run once (eagerly); the second call captures
+        self._kept: _Generation | None = None  # the last serving epoch's generation (renewed by the next one)
         self._pool = None
         self._capture_stream = None
         if self.device.type == "cuda":
@@ -189,7 +192,20 @@ class CacheRank:
 
     # ------------------------------------------------------------------ one generation
     async def _generation(self, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> None:
-        await _Generation(self, s, kv_lens, kv_start).run()
+        """One generation. A serving BOOT whose setup matches the last serving epoch's
+        (everything but the cursor) renews that epoch's generation: its policy state, fixed
+        buffers and CUDA graphs carry over, as the inference rank's slot batch keeps its own
+        (an idle row's state is never read, a joining row's is reset by its JOIN), so an
+        epoch captures nothing its predecessor captured."""
+        kept, self._kept = self._kept, None
+        if kept is not None and s.serving and _epoch_key(s) == _epoch_key(kept.s):
+            kept.renew(s, kv_lens, kv_start)
+            gen = kept
+        else:
+            gen = _Generation(self, s, kv_lens, kv_start)
+        await gen.run()
+        if s.serving:  # ended by END (a failure raised past here)
+            self._kept = gen
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graphs_enabled(self, s: P.Setup) -> bool:
@@ -310,6 +326,8 @@ class _Generation:
         self.packs = P.packs_of(n_layers, s.pack_layers)
         rank.stats["generations"] += 1
         self.kstore = self.vstore = self.no_v = None
+        self._renewed = False  # renew() ran: the next run() keeps the buffers
+        self._carry0: dict[str, float] = {}  # the carry's counters at the epoch's start (renew)
         with rank._on():
             state = self.state = policy.new_state(B, dev)
             state.kv_start = kv_start
@@ -341,11 +359,40 @@ class _Generation:
         return (self.kstore[layer][:, :, :n],
                 (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
 
+    def renew(self, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> None:
+        """A new serving epoch on this generation's state and buffers (``CacheRank._generation``):
+        every row idle at the new cursor ``s.prompt_len``; the policy state, the buffers and
+        the rank's graphs stay."""
+        rank, state = self.rank, self.state
+        self.s, self.T = s, s.prompt_len
+        self.hooks = P.CacheHooks(**s.hooks)
+        rank.stats["generations"] += 1
+        rank.stats["renewed"] = rank.stats.get("renewed", 0) + 1
+        self.kv_lens = kv_lens  # (read eagerly per step: kv_obs / kv_sel, which graphs read, derive from it)
+        with rank._on():
+            if kv_start is not None:
+                if state.kv_start is None:
+                    state.kv_start = kv_start.to(self.dev).clone()
+                else:
+                    state.kv_start.copy_(kv_start)
+            state.seq_len = self.T
+            if state.idle is None:
+                state.idle = torch.ones(self.B, dtype=torch.bool, device=self.dev)
+            state.idle.fill_(True)
+        self.busy = 0
+        self._renewed = True
+        # the threshold carry's counters run on: this epoch's account is what it adds (one read per epoch)
+        self._carry0 = _carry_account(state)
+
     async def run(self) -> None:
         T, s = self.T, self.s
         if not s.serving:  # (serving: every row idle until a JOIN)
             await self._boot()
-        self._buffers()
+        if self._renewed:
+            self._renewed = False
+            self._epoch()
+        else:
+            self._buffers()
         if T + 1 > s.theta and not s.serving:
             for p in range(len(self.packs)):
                 await self._select_and_send(p, s.first_step, T + 1)
@@ -457,14 +504,20 @@ class _Generation:
             self._set_idle(idle)
         self.rank.stats["leaves"] = self.rank.stats.get("leaves", 0) + 1
 
+    def _epoch(self) -> None:
+        """The host state of one generation (a serving epoch: of each epoch on the same buffers)."""
+        self.prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
+        self.stalled = False
+        self.acct: dict[str, list[float]] = {"host": [], "send": [], "wait": []}  # this generation's host time (s)
+        self.rank.generation_stats = {}
+        self.sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
+        self.gen = 0  # serving: the inference rank's join counter of the last JOIN
+
     def _buffers(self) -> None:
         """The generation's host state and the fixed device buffers: inputs copied in per
         pack, outputs read out per pack, so that a pack's work can be replayed as a CUDA graph."""
         s, rank = self.s, self.rank
-        self.prev: dict[int, torch.Tensor] = {}  # delta mode: the last indices the inference rank holds per layer
-        self.stalled = False
-        self.acct: dict[str, list[float]] = {"host": [], "send": [], "wait": []}  # this generation's host time (s)
-        rank.generation_stats = {}
+        self._epoch()
         self.graphs_on = rank._graphs_enabled(s)
         rank._graphs = {}
         rank._seen = set()
@@ -483,8 +536,6 @@ class _Generation:
         self.new_keys = (not s.shared_kv and s.static_len > 0 and self.vstore is None
                          and self.policy.takes_new_keys(self.state))
         self.append_k = not s.shared_kv and not self.new_keys
-        self.sel_seq = -1  # the cache length kv_sel holds (one update per step, not per pack)
-        self.gen = 0  # serving: the inference rank's join counter of the last JOIN
 
     def _observe_pack(self, p: int, seq: int) -> None:
         l0, l1 = self.packs[p]
@@ -630,12 +681,14 @@ class _Generation:
         """END: the generation's stats after the end marker; free the generation's graphs."""
         rank, dev = self.rank, self.dev
         end = torch.full((1, P.META), -1, dtype=torch.int64)
-        rank.generation_stats = {**_account(self.acct), **_carry_account(self.state)}
+        carry = {k: v - self._carry0.get(k, 0.0) for k, v in _carry_account(self.state).items()}
+        rank.generation_stats = {**_account(self.acct), **carry}
         await self.t.send("sel", [end, P.stats_tensor(rank.generation_stats)])
         if dev.type == "cuda":  # buffers of this generation were used on several streams
             torch.cuda.synchronize(dev)
-        rank._graphs = {}
-        rank._seen = set()
+        if not self.s.serving:  # (a serving epoch's graphs serve the next epoch: CacheRank._generation)
+            rank._graphs = {}
+            rank._seen = set()
 
 
 @contextlib.contextmanager
@@ -664,6 +717,14 @@ def _carry_account(state) -> dict[str, float]:
 
     c = torch.stack([x.reshape(-1, CARRY_SLOTS).to(torch.int64) for x in carries]).sum((0, 1)).cpu()
     return {"topk_calls": float(c[3]), "topk_fallbacks": float(c[2]), "topk_fallbacks_too_many": float(c[7])}
+
+
+def _epoch_key(s: P.Setup) -> str:
+    """What two serving BOOTs must share for the second to renew the first's generation:
+    the whole setup but the cursor."""
+    d = dataclasses.asdict(s)
+    d.pop("prompt_len")
+    return json.dumps(d, sort_keys=True)
 
 
 def _key(policy: Policy, state, seq: int) -> tuple:

@@ -37,7 +37,9 @@ decode step its first selections are for.
 
 Serving (``spade.serving``, a slot batch whose rows join and leave between steps):
 BOOT has ``Setup.serving`` set and no "boot" messages: every row is idle at the
-cursor ``T`` (no ``policy.prefill``, no first selections). A request joining rows
+cursor ``T`` (no ``policy.prefill``, no first selections); when its setup matches the
+last serving epoch's but for ``T``, the cache rank keeps that epoch's policy state,
+buffers and CUDA graphs (``CacheRank._generation``). A request joining rows
 ``r_i`` (prompt lengths ``T_i``) before decode step ``step`` at cursor ``S`` is a JOIN:
 the whole ``kv_start`` vector (leaves included), then per layer, per joining row, a
 "boot" message [q_tail [1, Hq, W_i, D], k [1, Hkv, T_i, D], v (kv mode)] (k and v:

@@ -372,3 +372,26 @@ def test_tova_and_streaming_on_a_cache_rank_match_alone_and_inline(policy, topol
     for (_, p, n), t, a, i in zip(jobs, together, alone, inline):
         assert len(t.token_ids) == n
         assert t.token_ids == a.token_ids == i.token_ids
+
+
+@pytest.mark.parametrize("topology", ["colocated", "local"])
+def test_serving_epochs_renew_the_cache_ranks_generation(topology):
+    """Requests one at a time (the batch drains between them: an epoch each, at cursors of
+    their own): from the second epoch on the cache rank renews the first epoch's generation
+    (policy state, buffers, graphs) instead of building one; every request's tokens equal
+    its inline run (the GPU test checks the graphs and the top-K accounts)."""
+    jobs = [(0, p, n) for p, n in zip(random_prompts(4, seed=21, lo=10, hi=26), (9, 14, 6, 11))]
+    want = _inline_alone(jobs)
+    engine = spade.AsyncEngine(make_config("asyncspade", topology))
+
+    async def main():
+        got = [(await final(engine, p, greedy(n), f"r{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
+        rank = engine.batch.rt._link.cache
+        await engine.close()
+        return got, engine.stats(), rank
+
+    got, stats, rank = run(main())
+    assert got == want
+    assert stats["cache_epochs"] >= len(jobs)
+    assert rank.stats["renewed"] == rank.stats["generations"] - 1 >= len(jobs) - 1
+    assert stats["sparse_steps"] > 0

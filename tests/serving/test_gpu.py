@@ -117,3 +117,31 @@ def test_cache_rank_joins_and_leaves_do_not_recapture():
     keys, keys2, st = run(main())
     assert st["sparse_steps"] > 0 and st["joins_into_running"] >= 1
     assert keys <= keys2 and len(keys2) <= 9
+
+
+@pytest.mark.parametrize("topology", ["colocated", "local"])
+def test_cache_rank_epochs_keep_their_graphs(topology):
+    """Requests one at a time (an epoch each): the cache rank renews its generation, so a
+    second round of the same requests captures no new graph there; the tokens repeat,
+    and the epochs' top-K accounts add up to the carry's counters."""
+    from spade.runtime.cache_rank import _carry_account
+
+    engine = spade.AsyncEngine(_cfg("asyncspade", topology))
+    prompts = random_prompts(3, seed=12, lo=14, hi=24)
+    ns = [14, 9, 12]
+
+    async def main():
+        first = [(await final(engine, p, greedy(n))).token_ids for p, n in zip(prompts, ns)]
+        rank = engine.batch.rt._link.cache  # (the link opens with the first request)
+        graphs = rank.stats.get("graphs", 0)
+        second = [(await final(engine, p, greedy(n))).token_ids for p, n in zip(prompts, ns)]
+        after = rank.stats.get("graphs", 0)
+        await engine.close()
+        return first, second, graphs, after, rank
+
+    first, second, graphs, after, rank = run(main())
+    st = engine.stats()
+    assert first == second
+    assert rank.stats["renewed"] == rank.stats["generations"] - 1 >= 5
+    assert graphs > 0 and after == graphs, (graphs, after)
+    assert st["topk_calls"] == _carry_account(rank._kept.state)["topk_calls"] > 0
