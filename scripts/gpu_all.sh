@@ -57,8 +57,8 @@
 #   serving    tests/serving/test_gpu.py, then bench_serving per SERVING_POLICIES (full asyncspade) on SERVING_TOPOLOGY
 #              (colocated), SERVING_ARGS (default 8 requests of 8k-16k prompts, 200-256 outputs)
 #   trace      the serving core's offline trace (TRACE_ARGS; Poisson arrivals, 16 paged slots): full and quest (one GPU
-#              each, side by side), asyncspade colocated and local, kernel profiles of the served step, then the
-#              static step at 16 x 16k (contiguous and paged) for the pair target
+#              each, side by side), asyncspade colocated (default and the GPU config's settings, side by side) and
+#              local, then the static step at 16 x 16k (contiguous and paged) for the pair target
 #   bucket     the served decode step with few rows on exactly that many slots vs 16 (what batch-size buckets
 #              could save; BUCKET_ROWS, BUCKET_POLICIES); in the background on GPU 1 when two are visible
 #   serve      `spade serve` + the openai client: bench_serve per SERVE_POLICIES (full asyncspade) with SERVE_ARGS
@@ -295,7 +295,8 @@ for s in "${stages[@]}"; do
       done ;;
     trace)  # the serving core's offline trace (issue workload, TRACE_ARGS: Poisson arrivals, 8k-24k prompts, 512-2048
             # outputs, 16 paged slots) for TRACE_ROWS (default: full and quest on one GPU each, side by side, then
-            # asyncspade colocated on GPU 0 and local on the pair; TRACE_AS: asyncspade's extra settings, TRACE_TAG: a
+            # asyncspade colocated (library default) beside gpucfg (the GPU config's sum_logits settings), one GPU
+            # each, then local on the pair; TRACE_AS: asyncspade's extra settings, TRACE_TAG: a
             # file suffix), with a kernel profile of TRACE_PROFILE decode steps once all have joined (default 0: the
             # profiler's stop holds the scheduler for seconds, so a profiled row's tok/s is not comparable); then the
             # static step at 16 x 16k (TRACE_STATIC_METHODS, contiguous and paged; TRACE_STATIC_ARGS) for the pair's
@@ -305,7 +306,7 @@ for s in "${stages[@]}"; do
           --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-0} $TA"
       AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto ${TRACE_AS:-}"
       TG=${TRACE_TAG:-}
-      rows=" ${TRACE_ROWS:-full quest colocated local} "
+      rows=" ${TRACE_ROWS:-full quest colocated gpucfg local} "
       t_full=""
       if [[ $rows == *" full "* ]]; then
         run trace_full$TG 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
@@ -318,10 +319,21 @@ for s in "${stages[@]}"; do
           --topology colocated --policies quest --out "$OUT/trace_quest$TG.json"
       fi
       [ -n "$t_full" ] && wait $t_full
+      t_co=""
       if [[ $rows == *" colocated "* ]]; then
         run trace_colocated$TG 400 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_serving $TS --device cuda:0 \
-          --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated$TG.json"
+          --topology colocated --policies asyncspade $AS --out "$OUT/trace_colocated$TG.json" &
+        t_co=$!
       fi
+      if [[ $rows == *" gpucfg "* ]]; then  # the GPU config's one-GPU settings (configs/h100_qwen3_8b.yaml)
+        gpu=$([ "$NGPU" -ge 2 ] && [ -n "$t_co" ] && echo 1 || echo 0)
+        [ "$gpu" = 0 ] && [ -n "$t_co" ] && wait $t_co && t_co=""
+        if [ "$gpu" = 1 ] && [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== background stage done"; bg_pid=""; fi
+        run trace_gpucfg$TG 400 env CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.bench_serving $TS --device cuda:0 \
+          --topology colocated --policies asyncspade $AS --set policy.group_reduce=sum_logits \
+          --set policy.rope_aware=false --set policy.recent_tokens=64 --out "$OUT/trace_gpucfg$TG.json"
+      fi
+      [ -n "$t_co" ] && wait $t_co
       if [[ $rows == *" local "* ]] && [ "$NGPU" -ge 2 ]; then
         if [ -n "$bg_pid" ]; then wait "$bg_pid"; echo "=== background stage done"; bg_pid=""; fi  # needs both GPUs
         run trace_local$TG 400 python3 -m benchmarks.bench_serving $TS --device cuda:0 --topology local \
