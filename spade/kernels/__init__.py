@@ -121,10 +121,11 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
 
 
 def plan_rows(busy, total):
-    """A context in which the selection kernels' (row, chunk) grids are split as if only
-    ``busy`` of every ``total`` batch rows carried work (``common.plan_rows``): a serving
-    batch's idle rows, whose windows are a few tokens, do not thin the chunks of the rows
-    in use. Same results; a host fact that keys any CUDA graph captured inside."""
+    """A context in which the selection kernels' (row, chunk) grids and the decode
+    attention's split plan are sized as if only ``busy`` of every ``total`` batch rows
+    carried work (``common.plan_rows``): a serving batch's idle rows, whose windows are a
+    few tokens, do not thin the work of the rows in use. Same results; a host fact that
+    keys any CUDA graph captured inside."""
     from spade.kernels.common import plan_rows as _plan_rows
 
     return _plan_rows(busy, total)
@@ -200,8 +201,7 @@ def gather_kv(k, v, indices, block_table=None):
 
 
 def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recent=0, scale=None,
-                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None,
-                            rows=None):
+                            kv_start=None, return_lse=False, stats=None, count_call=True, block_table=None):
     """Decode attention over a subset of the cache, read in place (no gathered copy).
 
     Attended set per (b, KV head) as in ``spade.policies.base.Selection``; with
@@ -212,16 +212,15 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
     launch, so statistics cost no kernels on the decode path.
     ``block_table`` (int32 [B, max_blocks]): k/v are block pools
     [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); indices stay logical.
-    ``rows``: the rows that carry work, when fewer than B (a serving batch's rows in use,
-    rounded up to a bucket): the GPU kernel's split plan is sized for them (the result
-    is the same up to the order of the split merge; the reference ignores it).
+    Inside ``plan_rows`` the GPU kernel's split plan is sized for the rows that carry work
+    (the result is the same up to the order of the split merge; the reference ignores it).
     """
     from spade.kernels import attention
 
     fn = attention.sparse_decode_attention_triton if use_triton(q) else attention.sparse_decode_attention_ref
     paged = {} if block_table is None else {"block_table": block_table}
     return fn(q, k, v, kv_lens, indices, n_sink=n_sink, n_recent=n_recent, scale=scale,
-              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, rows=rows, **paged)
+              kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
 def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from spade.envs import env, triton_interpret
-from spade.kernels.common import loop_bound
+from spade.kernels.common import loop_bound, plan_share
 from spade.kernels.paged import check_block_table, check_pool, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
@@ -154,7 +154,7 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 n_sink: int = 0, n_recent: int = 0, scale: float | None = None,
                                 kv_start: torch.Tensor | None = None, return_lse: bool = False,
                                 stats: torch.Tensor | None = None, count_call: bool = True,
-                                block_table: torch.Tensor | None = None, rows: int | None = None):
+                                block_table: torch.Tensor | None = None):
     """Plain-torch decode attention over the attended set, in float32 (materialises
     [B, Hq, L] scores: for tests and small shapes). An empty set gives out = 0 and
     lse = -inf.
@@ -168,7 +168,7 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``block_table[b, p // block_size]`` at offset ``p % block_size``; the rows are
     copied out through the table (``paged_to_contiguous``) and every position that is
     not attended is zeroed first, so blocks the row does not own (garbage, NaN)
-    never reach the result. ``rows``: the GPU kernel's split-plan hint; no effect here."""
+    never reach the result."""
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start, block_table)
     _check_stats(stats, q.device)
     G = Hq // Hkv
@@ -661,13 +661,13 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    num_splits: int | None = None, block_n: int | None = None,
                                    num_warps: int | None = None, num_stages: int | None = None,
                                    stats: torch.Tensor | None = None, count_call: bool = True,
-                                   block_table: torch.Tensor | None = None, rows: int | None = None):
+                                   block_table: torch.Tensor | None = None):
     """Triton split-K decode attention; same contract as ``sparse_decode_attention_ref``.
 
-    ``rows``: how many of the ``B`` rows carry work (a serving batch: its rows in use,
-    rounded up to a bucket; the others attend a token or two). The split plan fills a
-    wave for that many rows instead of ``B``: one long row among fifteen idle ones gets
-    the splits it would get alone. The grid still covers every row. None: ``B``.
+    Inside ``kernels.plan_rows(busy, B)`` (a serving batch: its rows in use, rounded up to
+    a bucket; the others attend a token or two) the split plan fills a wave for ``busy``
+    rows instead of ``B``: one long row among fifteen idle ones gets the splits it would
+    get alone. The grid still covers every row.
 
     ``block_table`` (int32 [B, max_blocks] on the cache's device): k/v are block pools
     [num_blocks, Hkv, block_size, D] shared by the rows; indices, ``kv_lens`` and
@@ -722,7 +722,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         t_max = L
         idx_t = kv_lens  # never read
         si = (0, 0, 0)
-    busy = B if rows is None else max(1, min(B, int(rows)))
+    busy = min(B, plan_share(B))  # the rows that carry work (kernels.plan_rows), B outside a plan
     splits, max_blocks = plan_splits(busy * Hkv, t_max, bn, q.device, num_splits=num_splits, indexed=has_idx)
 
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)

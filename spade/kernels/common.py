@@ -53,8 +53,8 @@ _PLAN = _Plan()
 
 @contextlib.contextmanager
 def plan_rows(busy: int | None, total: int):
-    """Inside: the (row, chunk) grids of the selection kernels are split as if only
-    ``busy`` of every ``total`` batch rows carried work (a serving batch's rows in use,
+    """Inside: the (row, chunk) grids of the selection kernels and the decode attention's
+    split plan are sized as if only ``busy`` of every ``total`` batch rows carried work (a serving batch's rows in use,
     rounded up to their bucket: the others' windows are a few tokens, and their programs
     end at once), so the rows in use get the chunks a batch of their own size would.
     The results do not change, only the grid. ``busy`` None (or >= ``total``): every
@@ -67,6 +67,14 @@ def plan_rows(busy: int | None, total: int):
         _PLAN.busy, _PLAN.total = prev
 
 
+def plan_share(rows: int) -> int:
+    """``rows`` rows of a (row, ...) grid as the current ``plan_rows`` counts them: its
+    share of them (at least one), or all of them outside a plan."""
+    if _PLAN.busy is None:
+        return rows
+    return max(1, triton.cdiv(max(rows, 1) * _PLAN.busy, _PLAN.total))
+
+
 def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: int,
            per_sm: int = 4) -> tuple[int, int]:
     """Split rows of length ``n`` into chunks for a (row, chunk) grid.
@@ -77,8 +85,7 @@ def _split(n: int, rows: int, device: torch.device, *, block: int, min_chunk: in
     atomics). Inside ``plan_rows`` only its share of ``rows`` counts. Returns
     (chunk, n_chunks)."""
     n = max(n, 1)
-    if _PLAN.busy is not None:
-        rows = triton.cdiv(max(rows, 1) * _PLAN.busy, _PLAN.total)
+    rows = plan_share(rows)
     target = per_sm * _sm_count(device)
     n_chunks = max(1, min(triton.cdiv(target, max(rows, 1)), triton.cdiv(n, min_chunk)))
     chunk = triton.cdiv(triton.cdiv(n, n_chunks), block) * block

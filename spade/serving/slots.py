@@ -78,7 +78,8 @@ class SlotContext(AttentionContext):
         self.mode = "dense"  # "dense" | "sparse" | "mixed": a host fact per step (a graph key)
         self.dense_rows = torch.zeros(0, dtype=torch.bool, device=device)
         #: the bucket of rows in use (1, 2, 4, ..., B; a host fact per step, a graph key): the
-        #: attention's split plan is sized for that many rows (``kernels.sparse_decode_attention``)
+        #: attention's split plan and the selection's grids are sized for that many rows
+        #: (``kernels.plan_rows``)
         self.rows: int | None = None
         #: [B] bool on the device, True for a row with no request decoding (free, or mid-join):
         #: each step starts its window at its newest token (set by ``SlotBatch``; None: no such rows)
@@ -88,30 +89,32 @@ class SlotContext(AttentionContext):
         if layer == 0 and self.idle is not None:  # once per step, on the device (inside the step's graph)
             # an idle row attends (and is scored over) its newest token only, however long ago it left
             self.kv_start.copy_(torch.where(self.idle, (kv_lens - 1).to(self.kv_start.dtype), self.kv_start))
-        with kernels.plan_rows(self.rows, q.shape[0]):  # selection grids sized for the rows in use
-            sel = self.selector.selection(layer, q, k_cache, kv_lens)
-            if sel is not None and sel.keep > 0:
-                sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
+        # the selection's grids and the attention's split plan sized for the rows in use
+        with kernels.plan_rows(self.rows, q.shape[0]):
+            out = self._attend(layer, q, k_cache, v_cache, kv_lens)
+        self.selector.after(layer, q, k_cache, v_cache, kv_lens)
+        return out
+
+    def _attend(self, layer, q, k_cache, v_cache, kv_lens):
+        sel = self.selector.selection(layer, q, k_cache, kv_lens)
+        if sel is not None and sel.keep > 0:
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
-        rows = self.rows
         if sel is None:
-            out = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                  kv_start=self.kv_start, stats=stats, block_table=bt, rows=rows)
-        else:
-            out = kernels.sparse_decode_attention(
-                q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
-                kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt,
-                rows=rows)
-            if self.mode == "mixed":  # rows still under their own threshold attend densely
-                # the sparse rows' dense windows shrink to their newest token: the dense pass
-                # reads only the dense rows' caches
-                start = torch.where(self.dense_rows, self.kv_start, (kv_lens - 1).to(self.kv_start.dtype))
-                dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
-                                                        kv_start=start, block_table=bt, rows=rows)
-                out = torch.where(self.dense_rows[:, None, None], dense, out)
-        self.selector.after(layer, q, k_cache, v_cache, kv_lens)
+            return kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
+                                                   kv_start=self.kv_start, stats=stats, block_table=bt)
+        out = kernels.sparse_decode_attention(
+            q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
+            kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt)
+        if self.mode == "mixed":  # rows still under their own threshold attend densely
+            # the sparse rows' dense windows shrink to their newest token: the dense pass
+            # reads only the dense rows' caches
+            start = torch.where(self.dense_rows, self.kv_start, (kv_lens - 1).to(self.kv_start.dtype))
+            dense = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
+                                                    kv_start=start, block_table=bt)
+            out = torch.where(self.dense_rows[:, None, None], dense, out)
         return out
 
     def graph_key(self) -> tuple:

@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from spade import kernels
 from spade.kernels import attention as A
 from tests.kernels.aot import run_aot_script
 
@@ -336,10 +337,11 @@ def test_num_splits_agree(num_splits, merge, device, monkeypatch):
 
 @pytest.mark.parametrize("dense", [True, False])
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_rows_hint_sizes_the_plan_not_the_answer(rows, dense, device, monkeypatch):
-    """``rows`` (a serving batch's rows in use): the split plan is sized for that many
-    rows (more splits per row than for all B), the answer is the reference's, for the
-    long rows and the one-token idle rows alike, dense and indexed, contiguous and paged."""
+def test_plan_rows_sizes_the_plan_not_the_answer(rows, dense, device, monkeypatch):
+    """Inside ``kernels.plan_rows(rows, B)`` (a serving batch's rows in use): the split plan
+    is sized for that many rows (more splits per row than for all B), the answer is the
+    reference's, for the long rows and the one-token idle rows alike, dense and indexed,
+    contiguous and paged."""
     B, Hq, Hkv, D, L = 4, 4, 2, 16, 301
     gen = torch.Generator().manual_seed(rows * 2 + dense)
     q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, device)
@@ -359,10 +361,11 @@ def test_rows_hint_sizes_the_plan_not_the_answer(rows, dense, device, monkeypatc
             from spade.kernels.paged import scatter_to_pool
             kk, bt = scatter_to_pool(k, 8, torch.Generator().manual_seed(rows), lens=kv_lens)
             vv, _ = scatter_to_pool(v, 8, torch.Generator().manual_seed(rows), lens=kv_lens)
-        out, lse = A.sparse_decode_attention_triton(
-            q, kk.to(device), vv.to(device), kv_lens.to(device), None if idx is None else idx.to(device),
-            n_sink=ns, n_recent=nr, kv_start=kv_start.to(device), return_lse=True, rows=rows,
-            block_table=None if bt is None else bt.to(device))
+        with kernels.plan_rows(rows, B):
+            out, lse = A.sparse_decode_attention_triton(
+                q, kk.to(device), vv.to(device), kv_lens.to(device), None if idx is None else idx.to(device),
+                n_sink=ns, n_recent=nr, kv_start=kv_start.to(device), return_lse=True,
+                block_table=None if bt is None else bt.to(device))
         _check(out, lse, exp_out, exp_lse, torch.float32)
     assert planned[0] == real(rows * Hkv, t_max, bn, torch.device(device), indexed=not dense)
     if rows < B:  # fewer busy rows: at least as many splits as the plan for all of them
