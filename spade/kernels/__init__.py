@@ -48,6 +48,7 @@ __all__ = [
     "score_topk",
     "select_overlap",
     "plan_rows",
+    "row_bucket",
     "quest_build",
     "quest_update",
     "quest_page_scores",
@@ -129,6 +130,13 @@ def plan_rows(busy, total):
     from spade.kernels.common import plan_rows as _plan_rows
 
     return _plan_rows(busy, total)
+
+
+def row_bucket(n, B):
+    """The batch-size bucket of ``n`` rows in use out of ``B`` (``common.row_bucket``)."""
+    from spade.kernels.common import row_bucket as _row_bucket
+
+    return _row_bucket(n, B)
 
 
 def select_overlap(device, enabled=None):

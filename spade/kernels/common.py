@@ -43,6 +43,16 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def row_bucket(n: int, B: int) -> int:
+    """The batch-size bucket of ``n`` rows in use out of ``B`` slots: the next power of
+    two, at most ``B`` (``row_bucket(3, 16) == 4``, ``row_bucket(9, 12) == 12``). A served
+    decode step's graphs are keyed by it, so a join or leave inside a bucket captures
+    nothing, and ``plan_rows`` sizes the work for it."""
+    if n >= B:
+        return B
+    return min(B, 1 << max(0, int(n) - 1).bit_length())
+
+
 class _Plan(threading.local):
     busy: int | None = None
     total: int = 1

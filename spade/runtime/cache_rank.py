@@ -334,7 +334,8 @@ class _Generation:
             state.seq_len = T
             # serving: every row idle until a JOIN (``protocol``: the idle mask of JOIN / LEAVE)
             state.idle = torch.ones(B, dtype=torch.bool, device=dev) if s.serving else None
-            self.busy = 0 if s.serving else B  # rows a request decodes in (sizes the selection grids)
+            # the selection grids' plan: the bucket of rows in use (``kernels.plan_rows``; a graph key)
+            self.plan = 1 if s.serving else B
             state.cache_len = s.static_len or None  # the cache's capacity (a paged or a boot view is shorter)
             if s.shared_kv:
                 if rank.shared is None:
@@ -379,7 +380,7 @@ class _Generation:
             if state.idle is None:
                 state.idle = torch.ones(self.B, dtype=torch.bool, device=self.dev)
             state.idle.fill_(True)
-        self.busy = 0
+        self.plan = 1
         self._renewed = True
         # the threshold carry's counters run on: this epoch's account is what it adds (one read per epoch)
         self._carry0 = _carry_account(state)
@@ -435,22 +436,14 @@ class _Generation:
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
 
     def _set_idle(self, idle: torch.Tensor) -> None:
-        """The rows no request decodes in (JOIN / LEAVE's mask; in place: captured work
-        reads the same tensor) and the count of the others. A cache rank restarted mid-serving
+        """The rows no request decodes in (JOIN / LEAVE's mask, cpu; in place: captured work
+        reads the same tensor) and the plan of the others. A cache rank restarted mid-serving
         booted as a static batch (every row in use) and gets its first mask here."""
         if self.state.idle is None:
             self.state.idle = idle.to(self.dev, torch.bool).clone()
         else:
             self.state.idle.copy_(idle.to(self.dev, torch.bool))
-        self.busy = self.B - int(idle.sum())
-
-    def plan(self) -> int:
-        """The selection grids' plan: the bucket of rows in use (``kernels.plan_rows``; a graph key)."""
-        if self.state.idle is None:
-            return self.B
-        from spade.serving.slots import row_bucket
-
-        return row_bucket(self.busy, self.B)
+        self.plan = kernels.row_bucket(self.B - int(idle.sum()), self.B)
 
     async def _join(self, S: int, step: int, gen: int, rows: list[list[int]], kv_start: torch.Tensor,
                     idle: torch.Tensor) -> None:
@@ -566,7 +559,7 @@ class _Generation:
         rows = out[p]["rows"] if p in out and policy.select_takes_out else None
         # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
         # on exit, before anything below reads the indices); grids sized for the rows in use
-        with shared_derived(state), kernels.select_overlap(self.dev), kernels.plan_rows(self.plan(), self.B):
+        with shared_derived(state), kernels.select_overlap(self.dev), kernels.plan_rows(self.plan, self.B):
             for j, layer in enumerate(range(l0, l1)):
                 k, _ = self.view(layer, seq)
                 if rows is None:
@@ -622,7 +615,7 @@ class _Generation:
             if seq != self.sel_seq:  # the step's first pack (later packs select at the same length)
                 torch.add(self.kv_lens, seq - self.T, out=self.kv_sel)
                 self.sel_seq = seq
-            key = ("select", p, self.plan(), _key(self.policy, self.state, seq))
+            key = ("select", p, self.plan, _key(self.policy, self.state, seq))
             info = rank._run(key, lambda: self._select_pack(p, seq), self.graphs_on)
             tensors = rank._encode(info, self.out.get(p), p, step, seq, self.s, self.view, self.prev,
                                    self.packs[p][0], self.gen)

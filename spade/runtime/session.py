@@ -248,10 +248,10 @@ class InferenceSession:
         if self.peer_gone is None:
             self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
 
-    async def leave_rows(self, cursor: int, busy: list[bool] | None = None) -> None:
+    async def leave_rows(self, cursor: int, busy: list[bool]) -> None:
         """Serving: rows left since the last message (their ``kv_start`` moved to the cursor
         of their leave): LEAVE with the whole vector and the idle mask (``busy``: the rows
-        a request decodes in; None: every row), before the next step. Nothing is sent
+        a request decodes in), before the next step. Nothing is sent
         while the cache rank is lost (its successor boots with the vector)."""
         if self.peer_gone is not None:
             return
@@ -259,20 +259,18 @@ class InferenceSession:
         await self._send("ctl", [P.cmd(P.LEAVE, cursor, step, 0), self.ctx.kv_start, self._idle_mask(busy)])
         self.stats["leaves"] += 1
 
-    def _idle_mask(self, busy: list[bool] | None) -> torch.Tensor:
+    def _idle_mask(self, busy: list[bool]) -> torch.Tensor:
         """JOIN / LEAVE's ``idle`` [B] uint8 (cpu): 1 where no request decodes (``busy`` False)."""
-        if busy is None:
-            return torch.zeros(self._B, dtype=torch.uint8)
         if len(busy) != self._B:
             raise ValueError(f"busy names {len(busy)} rows, the batch has {self._B}")
         return torch.tensor([not b for b in busy], dtype=torch.uint8)
 
     async def join_rows(self, cursor: int, joins: dict[int, tuple[int, list[tuple]]],
-                        busy: list[bool] | None = None) -> None:
+                        busy: list[bool]) -> None:
         """Serving: the requests prefilled into rows ``joins`` (row -> (prompt length T,
         per layer (q_tail [1, Hq, W, D], k [1, Hkv, T, D] or None, v or None))) at
         ``cursor`` join before the next decode step (``busy``: the rows a request decodes
-        in from then, the joining ones included; None: every row): JOIN (``spade.runtime.protocol``),
+        in from then, the joining ones included): JOIN (``spade.runtime.protocol``),
         then wait for that step's selections made after it (a sync point at joins only;
         with the cache rank lost nothing is sent: its successor boots from this rank's
         cache)."""

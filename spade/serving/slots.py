@@ -40,6 +40,7 @@ import torch
 
 from spade.attention import AttentionContext
 from spade import kernels
+from spade.kernels.common import row_bucket
 from spade.policies.base import Policy, PolicyState
 from spade.runtime.selector import theta_eff
 
@@ -146,15 +147,6 @@ class RowPrefill:
     @property
     def next_size(self) -> int:
         return self.sizes[self.piece]
-
-
-def row_bucket(n: int, B: int) -> int:
-    """The batch-size bucket of ``n`` rows in use out of ``B`` slots: the next power of
-    two, at most ``B`` (``row_bucket(3, 16) == 4``, ``row_bucket(9, 12) == 12``). A decode
-    step's graphs are keyed by it, so a join or leave inside a bucket captures nothing."""
-    if n >= B:
-        return B
-    return min(B, 1 << max(0, int(n) - 1).bit_length())
 
 
 def chunk_sizes(T: int, first: int, chunk: int) -> list[int]:

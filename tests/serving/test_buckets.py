@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import spade
-from spade.serving.slots import row_bucket
+from spade.kernels import row_bucket
 
 from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
@@ -115,7 +115,7 @@ def test_the_cache_rank_hears_idle_windows_move(topology, monkeypatch):
     def spy(self, kv_start, idle):
         orig(self, kv_start, idle)
         seen.append(self.state.kv_start.tolist())
-        masks.append((self.state.idle.tolist(), self.plan()))
+        masks.append((self.state.idle.tolist(), self.plan))
 
     monkeypatch.setattr(_Generation, "_leave", spy)
     prompt = random_prompts(1, seed=11, lo=14, hi=18)[0]
