@@ -19,12 +19,13 @@ from spade.errors import ConfigError, SpadeError  # noqa: E402  (no imports of i
 
 if TYPE_CHECKING:  # pragma: no cover
     from spade.config import SpadeConfig, load_config
-    from spade.engine import Engine, GenerationResult, run
+    from spade.engine import Engine, GenerationResult
+    from spade.static import run
 
 # Loaded on first use, so that ``import spade.envs`` (read by the kernels) stays light:
 # ``spade.config`` brings pydantic, ``spade.engine`` torch and the models.
 _LAZY = {"SpadeConfig": "spade.config", "load_config": "spade.config",
-         "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.engine",
+         "Engine": "spade.engine", "GenerationResult": "spade.engine", "run": "spade.static",
          "AsyncEngine": "spade.serving", "SamplingParams": "spade.serving", "RequestOutput": "spade.serving",
          "RequestOutputKind": "spade.serving"}
 

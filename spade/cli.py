@@ -94,7 +94,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from spade.engine import run
+    from spade.static import run
     from spade.paths import check_output_file
     from spade.runtime.worker import maybe_serve
 

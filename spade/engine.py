@@ -4,11 +4,20 @@
 >>> cfg = spade.load_config("configs/cpu_tiny.yaml", overrides=["generation.max_new_tokens=16"])
 >>> engine = spade.Engine(cfg)
 >>> [r.text for r in engine.generate(["What is a sink token?"])]
+
+``Engine`` is the synchronous front of ``spade.AsyncEngine``: ``generate(prompts)``
+submits every prompt as a request of the one serving core (continuous batching over
+row slots, ``serving.max_batch`` at once) and returns when all have finished. Also
+here: what the engines share (device and dtype, prompt checks and encoding, model
+loading). ``spade.static`` holds the static batch engine that ``spade run`` measures.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import operator
+import queue
 import statistics
 import threading
 import time
@@ -38,17 +47,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-def _kernels_setting() -> str:
-    """``SPADE_KERNELS`` as the run used it (a bad value reads as itself: the run JSON
-    records what was set, the error is raised elsewhere)."""
-    from spade.envs import env
-
-    try:
-        return env("SPADE_KERNELS")
-    except ValueError:
-        return "invalid"
 
 
 def check_kernels_env(device: torch.device) -> None:
@@ -129,6 +127,82 @@ def check_prompts(prompts, where: str, vocab: int, model_name: str) -> list:
     return out
 
 
+def preflight_transport(cfg: SpadeConfig) -> None:
+    """A spawned cache process listens on the transport's port: a port another program
+    holds fails here, before the model loads (under torchrun the cache rank may already
+    listen there, so only its own listening side checks)."""
+    rt = cfg.runtime
+    if rt.topology != "multiprocess":
+        return
+    from spade.runtime.link import torchrun_world
+    from spade.transports import TRANSPORTS
+
+    if not torchrun_world():
+        TRANSPORTS.get(rt.transport.name).preflight(rt.transport)
+
+
+def build_prompt(cfg: SpadeConfig, tok, p: PromptConfig | str) -> str:
+    """The text of prompt ``p``: its essay context (``essay_tokens``) and the model's chat
+    template (``model.chat_template``) applied."""
+    if isinstance(p, str):
+        p = PromptConfig(text=p)
+    body = p.text
+    if p.essay_tokens:
+        if tok is None:
+            raise ConfigError("generation.prompts[].essay_tokens needs a model with a tokenizer")
+        from spade.data import essay_context
+
+        body = f"{essay_context(tok, p.essay_tokens)}\n\n{p.text}".strip()
+    if tok is not None and cfg.model.chat_template and getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
+                                       add_generation_prompt=True)
+    return body
+
+
+def preset_len(p: PromptConfig | str) -> int:
+    """Prompt length for tokenizer-less presets: essay_tokens + one per word of text."""
+    if isinstance(p, str):
+        p = PromptConfig(text=p)
+    return p.essay_tokens + max(1, len(p.text.split()))
+
+
+def encode_prompts(cfg: SpadeConfig, tok, vocab: int, prompts: list) -> tuple[list[str], list[list[int]]]:
+    """Checked ``prompts`` (``check_prompts``) as texts (for the results) and token ids.
+    Token ids are used as given; text gets ``build_prompt``. Without a tokenizer (a
+    random-weight preset) a text prompt becomes deterministic random ids of
+    ``preset_len`` tokens (``generation.seed``)."""
+    g = torch.Generator().manual_seed(cfg.generation.seed)
+    texts: list[str] = []
+    seqs: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, list):  # token ids
+            seqs.append(list(p))
+            texts.append(tok.decode(p) if tok is not None else " ".join(map(str, p)))
+        elif tok is None:
+            seqs.append(torch.randint(0, vocab, (preset_len(p),), generator=g).tolist())
+            texts.append(p if isinstance(p, str) else p.text)
+        else:
+            text = build_prompt(cfg, tok, p)
+            seqs.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+            texts.append(text)
+        if len(seqs[-1]) == 0:
+            raise ArgumentError(f"prompts[{i}]: encodes to no tokens; give it some text")
+    return texts, seqs
+
+
+def check_max_new(g, max_new_tokens) -> int:
+    """``max_new_tokens`` checked: a positive int, or None for ``generation.max_new_tokens``."""
+    if max_new_tokens is None:
+        return g.max_new_tokens
+    ok = not isinstance(max_new_tokens, bool) and hasattr(max_new_tokens, "__index__")
+    n = operator.index(max_new_tokens) if ok else None
+    if n is None or n < 1:
+        raise ArgumentError(
+            f"max_new_tokens must be a positive int, got {max_new_tokens!r}: pass e.g. max_new_tokens=32, "
+            f"or None for the config's generation.max_new_tokens ({g.max_new_tokens})")
+    return n
+
+
 #: a prompt: text, a ``PromptConfig``, or token ids (a list of ints or a 1-D integer tensor)
 Prompt = Union[str, PromptConfig, Sequence[int], torch.Tensor]
 
@@ -144,7 +218,16 @@ def _percentile(xs: list[float], q: float) -> float:
 
 @dataclass
 class GenerationResult:
-    """One prompt's generation and its per-step measurements."""
+    """One prompt's generation and its measurements.
+
+    ``step_times_s``: seconds per decode step (``spade.Engine``: between this request's
+    tokens after its first; ``StaticEngine``: the batch's steps). ``prefill_time_s``:
+    ``spade.Engine``: seconds from submission to the first token (queueing and prompt
+    pass); ``StaticEngine``: the batch's prompt pass. ``mean_attended``: tokens attended
+    per decode step (``spade.Engine``: this request's window while it is dense, the
+    policy's budget once sparse; ``StaticEngine``: the attention kernels' count over the
+    batch). ``finished``: ``"eos"``, ``"length"``, or ``"error"`` in the
+    ``partial_results`` of a failed call."""
 
     prompt: str
     text: str
@@ -239,242 +322,231 @@ def _load_backend(config: SpadeConfig, kind: str, source, device: torch.device, 
                                     block_size=m.block_size, kv_blocks=m.kv_blocks)
 
 
+class _Live:
+    """One prompt's request as it streams (written on the engine's loop thread)."""
+
+    __slots__ = ("ids", "times", "out")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.times: list[float] = []  # the arrival of each token
+        self.out = None  # its newest RequestOutput
+
+
 class Engine:
-    """Load the model, policy and runtime once; ``generate`` many times."""
+    """Load the model once; ``generate`` many times: the synchronous front of
+    ``spade.AsyncEngine``.
 
-    def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None):
+    ``generate(prompts)`` submits every prompt as a request of one ``AsyncEngine``
+    (continuous batching: ``serving.max_batch`` rows decode at once, the rest wait, a row
+    freed by a finished prompt takes the next) and returns when all have finished, so each
+    prompt gets the tokens it would get alone. It serves what ``AsyncEngine`` serves
+    (``check_served``: the fast backend, index-list selections); ``spade.run`` /
+    ``spade run`` decode one static batch on the batch runtime, which takes every backend
+    and setting. ``cache_hooks``: ``spade.runtime.protocol.CacheHooks`` for tests.
+    """
+
+    def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None, cache_hooks=None):
+        from spade.runtime.link import LoopThread
+        from spade.serving.engine import AsyncEngine, check_served
+
+        check_kernels_env(resolve_device(config.model.device))
+        try:
+            check_served(config)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (spade.Engine serves its prompts through spade.AsyncEngine; `spade run` / "
+                              "spade.run(cfg) decode one static batch and take this setting)") from None
+        preflight_transport(config)
         self.cfg = config
-        self.say = progress or (lambda msg: None)
-        check_kernels_env(resolve_device(config.model.device))  # (load_model checks again: cheap)
-        self._preflight_transport()
-        # one generation at a time: the runtime's event loop and cache link serve one batch
-        self._lock = threading.Lock()
-        self._busy: int | None = None  # the thread inside generate(), if any
+        self._cv = threading.Condition()  # the calls in flight, the closed flag
+        self._active = 0
+        self._callers: set[int] = set()  # the threads inside generate()
         self._closed = False
-        self.last_trace = None
-        parts = load_model(config, max_batch=max(1, len(config.generation.prompts)), say=self.say)
-        self.device, self.dtype, self.source = parts.device, parts.dtype, parts.source
-        self.backend_kind, self.backend, self.policy = parts.backend_kind, parts.backend, parts.policy
-        from spade.runtime import build_runtime
+        self._calls = itertools.count()
+        self._core = AsyncEngine(config, progress=progress, cache_hooks=cache_hooks)
+        self._loop = LoopThread("spade-engine")  # the core's scheduler runs on this loop
 
-        self.runtime = build_runtime(config, self.backend, self.policy)
-
-    def _preflight_transport(self) -> None:
-        """A spawned cache process listens on the transport's port: a port another
-        program holds fails here, before the model loads (under torchrun the cache rank
-        may already listen there, so only its own listening side checks)."""
-        rt = self.cfg.runtime
-        if rt.topology != "multiprocess":
-            return
-        from spade.runtime.link import torchrun_world
-        from spade.transports import TRANSPORTS
-
-        if not torchrun_world():
-            TRANSPORTS.get(rt.transport.name).preflight(rt.transport)
-
+    # -- what was loaded ----------------------------------------------------
     @property
     def tokenizer(self):
-        return getattr(self.backend, "tokenizer", None)
+        return self._core.tokenizer
 
-    # -- prompts ------------------------------------------------------------
-    def build_prompt(self, p: PromptConfig | str) -> str:
-        if isinstance(p, str):
-            p = PromptConfig(text=p)
-        tok = self.tokenizer
-        body = p.text
-        if p.essay_tokens:
-            if tok is None:
-                raise ConfigError("generation.prompts[].essay_tokens needs a model with a tokenizer")
-            from spade.data import essay_context
+    @property
+    def backend(self):
+        return self._core.backend
 
-            body = f"{essay_context(tok, p.essay_tokens)}\n\n{p.text}".strip()
-        if tok is not None and self.cfg.model.chat_template and getattr(tok, "chat_template", None):
-            return tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False,
-                                           add_generation_prompt=True)
-        return body
+    @property
+    def policy(self):
+        return self._core.policy
 
-    @staticmethod
-    def _preset_len(p: PromptConfig | str) -> int:
-        """Prompt length for tokenizer-less presets: essay_tokens + one per word of text."""
-        if isinstance(p, str):
-            p = PromptConfig(text=p)
-        return p.essay_tokens + max(1, len(p.text.split()))
+    @property
+    def device(self) -> torch.device:
+        return self._core.device
 
-    def _check_prompts(self, prompts, where: str) -> list:
-        """``prompts`` as a list of str / PromptConfig / list[int] (token ids), checked
-        (``check_prompts``)."""
-        return check_prompts(prompts, where, int(getattr(self.backend, "vocab_size", 0) or 0), self.cfg.model.name)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._core.dtype
 
-    def _check_max_new(self, max_new_tokens) -> int:
-        g = self.cfg.generation
-        if max_new_tokens is None:
-            return g.max_new_tokens
-        ok = not isinstance(max_new_tokens, bool) and hasattr(max_new_tokens, "__index__")
-        n = operator.index(max_new_tokens) if ok else None
-        if n is None or n < 1:
-            raise ArgumentError(
-                f"max_new_tokens must be a positive int, got {max_new_tokens!r}: pass e.g. max_new_tokens=32, "
-                f"or None for the config's generation.max_new_tokens ({g.max_new_tokens})")
-        return n
+    @property
+    def core(self):
+        """The ``spade.AsyncEngine`` underneath (its scheduler runs on this engine's own loop thread)."""
+        return self._core
 
-    def _encode(self, prompts: list) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """Prompt texts (for the results), ids [B, T] and mask [B, T], left padded.
-        Without a tokenizer (random-weight preset) a text prompt becomes deterministic
-        random ids of ``_preset_len`` tokens."""
-        tok = self.tokenizer
-        g = torch.Generator().manual_seed(self.cfg.generation.seed)
-        texts: list[str] = []
-        seqs: list[torch.Tensor] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, list):  # token ids
-                seqs.append(torch.tensor(p, dtype=torch.long))
-                texts.append(tok.decode(p) if tok is not None else " ".join(map(str, p)))
-            elif tok is None:
-                seqs.append(torch.randint(0, self.backend.vocab_size, (self._preset_len(p),), generator=g))
-                texts.append(p if isinstance(p, str) else p.text)
-            else:
-                text = self.build_prompt(p)
-                seqs.append(torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long))
-                texts.append(text)
-            if len(seqs[-1]) == 0:
-                raise ArgumentError(f"prompts[{i}]: encodes to no tokens; give it some text")
-        T = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-        if pad is not None:
-            ids.fill_(pad)
-        for i, s in enumerate(seqs):  # left padding
-            ids[i, T - len(s):] = s
-            mask[i, T - len(s):] = 1
-        return texts, ids, mask
-
-    # -- sampling -----------------------------------------------------------
-    def _sampler(self, temperature: float, top_p: float, seed: int):
-        if temperature == 0:
-            return lambda logits: logits.argmax(dim=-1)
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-
-        def sample(logits: torch.Tensor) -> torch.Tensor:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            if top_p < 1.0:
-                sp, si = probs.sort(dim=-1, descending=True)
-                keep = sp.cumsum(-1) - sp < top_p
-                sp = sp * keep
-                probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-            return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-        return sample
+    def stats(self) -> dict:
+        """The core's counters (``AsyncEngine.stats``)."""
+        return self._core.stats()
 
     # -- generation ---------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt] | None = None, max_new_tokens: int | None = None,
                  *, on_text: Callable[[int, str], None] | None = None) -> list[GenerationResult]:
-        """Generate for ``prompts`` (default: the config's) as one batch.
+        """Generate for ``prompts`` (default: the config's); one ``GenerationResult`` per
+        prompt, in order.
 
         A prompt is a str, a ``PromptConfig`` or a list of token ids (used as given: no
-        chat template); a bare str is one prompt. ``max_new_tokens``: a positive int, or None for the config's value.
-        ``on_text(row, delta)`` streams decoded text as tokens arrive.
+        chat template); a bare str is one prompt. ``max_new_tokens``: a positive int, or
+        None for the config's value. Sampling follows ``generation`` (temperature, top_p;
+        prompt ``i`` samples from its own generator seeded ``generation.seed + i``, so its
+        tokens do not depend on the others). ``on_text(i, delta)`` streams prompt ``i``'s
+        new text, on the calling thread.
 
-        Thread-safe: concurrent calls (threads, ``asyncio.to_thread``) run one after
-        the other, each with its own results. On a failure the exception carries
-        ``partial_results`` (the tokens generated so far, ``finished="error"``).
+        Every prompt is checked before any runs. Thread-safe: concurrent calls (threads,
+        ``asyncio.to_thread``) share the batch, each with its own results. On a failure
+        the exception carries ``partial_results`` (the tokens generated so far,
+        ``finished="error"``); the engine goes on serving.
 
         >>> engine.generate("Hello", max_new_tokens=8)[0].text      # doctest: +SKIP
         """
         me = threading.get_ident()
-        if self._busy == me:
-            raise RuntimeError("Engine.generate() called again from inside its own on_text callback; "
-                               "generate after the call returns")
-        with self._lock:
+        with self._cv:
+            if me in self._callers:
+                raise RuntimeError("Engine.generate() called again from inside its own on_text callback; "
+                                   "generate after the call returns")
             if self._closed:
                 raise EngineClosedError("this Engine is closed (close() was called); build a new spade.Engine(cfg)")
-            self._busy = me
-            try:
-                return self._generate(prompts, max_new_tokens, on_text)
-            finally:
-                self._busy = None
+            self._active += 1
+            self._callers.add(me)
+        try:
+            return self._generate(prompts, max_new_tokens, on_text)
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._callers.discard(me)
+                self._cv.notify_all()
+
+    def _requests(self, prompts, max_new_tokens) -> tuple[list[str], list[list[int]], list]:
+        """The checked prompts as texts, token ids and ``SamplingParams`` (nothing runs yet)."""
+        from spade.serving.params import RequestOutputKind, SamplingParams
+
+        g = self.cfg.generation
+        core = self._core
+        if prompts is None:
+            prompts = check_prompts(list(g.prompts), "generation.prompts", core.vocab, self.cfg.model.name)
+        else:
+            prompts = check_prompts(prompts, "prompts", core.vocab, self.cfg.model.name)
+        max_new = check_max_new(g, max_new_tokens)
+        texts, seqs = encode_prompts(self.cfg, self.tokenizer, core.vocab, prompts)
+        longest = max(len(s) for s in seqs)
+        if longest + max_new > core.max_seq_len:
+            raise ConfigError(
+                f"model.max_seq_len ({core.max_seq_len}) is too small: the prompt has {longest} tokens and "
+                f"generation.max_new_tokens is {max_new}; raise model.max_seq_len to at least {longest + max_new}")
+        params = [SamplingParams(max_tokens=max_new, temperature=g.temperature, top_p=g.top_p, seed=g.seed + i,
+                                 ignore_eos=not g.stop_at_eos, output_kind=RequestOutputKind.DELTA)
+                  for i in range(len(seqs))]
+        for s, p in zip(seqs, params):
+            core.validate(s, p)  # (the KV pool's limit, ...): every prompt before any runs
+        return texts, seqs, params
 
     def _generate(self, prompts, max_new_tokens, on_text) -> list[GenerationResult]:
-        g = self.cfg.generation
-        if prompts is None:
-            prompts = self._check_prompts(list(g.prompts), "generation.prompts")
-        else:
-            prompts = self._check_prompts(prompts, "prompts")
-        max_new = self._check_max_new(max_new_tokens)
-        texts, ids, mask = self._encode(prompts)
-        need = ids.shape[1] + max_new
-        if need > self.cfg.model.max_seq_len:
-            raise ConfigError(
-                f"model.max_seq_len ({self.cfg.model.max_seq_len}) is too small: the prompt has "
-                f"{ids.shape[1]} tokens and generation.max_new_tokens is {max_new}; raise model.max_seq_len "
-                f"to at least {need}"
-            )
-        eos = set(getattr(self.backend, "eos_token_ids", []) or [])
-        done = [False] * len(texts)
-        finished = ["length"] * len(texts)
-        tok = self.tokenizer
-        streamed: list[list[int]] = [[] for _ in texts]
-        detoks = None
-        if on_text is not None and tok is not None:
-            from spade.serving.detok import IncrementalDetokenizer
+        texts, seqs, params = self._requests(prompts, max_new_tokens)
+        live = [_Live() for _ in seqs]
+        feed: queue.SimpleQueue = queue.SimpleQueue()  # (i, delta) for on_text, handed to this thread
+        finished = threading.Event()
+        call = next(self._calls)
+        core, loop = self._core, self._loop.loop
 
-            detoks = [IncrementalDetokenizer(tok) for _ in texts]  # a window per token, not the whole text
+        async def one(i: int) -> None:
+            st = live[i]
+            async for out in core.generate(seqs[i], params[i], f"engine-{call}-{i}"):
+                if out.token_ids:
+                    st.ids.extend(out.token_ids)
+                    st.times.extend([time.perf_counter()] * len(out.token_ids))
+                st.out = out
+                if on_text is not None and out.delta_text:
+                    feed.put((i, out.delta_text))
 
-        def on_token(step: int, host: torch.Tensor) -> bool:
-            for b in range(len(texts)):
-                if done[b]:
-                    continue
-                t = int(host[b])
-                if g.stop_at_eos and t in eos:
-                    done[b], finished[b] = True, "eos"
-                    continue
-                streamed[b].append(t)
-                if detoks is not None:
-                    new = detoks[b].step(streamed[b])
-                    if new:
-                        on_text(b, new)
-            return g.stop_at_eos and all(done)
+        async def every() -> None:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(seqs))]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # one failed, or the call was cancelled: the others end too (their requests abort)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
-        def results(trace) -> list[GenerationResult]:
-            out = []
-            for b, text in enumerate(texts):
-                toks = list(streamed[b])
-                out.append(GenerationResult(
-                    prompt=text, text=tok.decode(toks, skip_special_tokens=True) if tok is not None
-                    else " ".join(map(str, toks)),
-                    token_ids=toks, prompt_tokens=int(mask[b].sum()),
-                    step_times_s=list(trace.step_times_s) if trace is not None else [],
-                    prefill_time_s=trace.prefill_time_s if trace is not None else 0.0,
-                    mean_attended=trace.mean_attended if trace is not None else 0.0,
-                    finished=finished[b] if trace is not None or finished[b] == "eos" else "error",
-                ))
-            return out
+        box: dict = {}
 
-        self.last_trace = None
+        def start() -> None:
+            box["task"] = loop.create_task(every())
+            box["task"].add_done_callback(lambda t: finished.set())
+
+        loop.call_soon_threadsafe(start)
         try:
-            trace = self.runtime.generate(ids, mask, max_new_tokens=max_new,
-                                          sample_fn=self._sampler(g.temperature, g.top_p, g.seed),
-                                          on_token=on_token)
+            while not (finished.is_set() and feed.empty()):
+                try:
+                    item = feed.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                on_text(*item)
+            task = box["task"]
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
         except BaseException as e:
-            e.partial_results = results(None)  # what was generated before the failure
+            loop.call_soon_threadsafe(lambda: box["task"].cancel())  # (runs after start: the loop's FIFO)
+            finished.wait()
+            e.partial_results = self._results(texts, seqs, live, error=True)
             raise
-        self.last_trace = trace
-        self.last_prompt_len = int(ids.shape[1])
-        return results(trace)
+        return self._results(texts, seqs, live)
+
+    def _results(self, texts, seqs, live, error: bool = False) -> list[GenerationResult]:
+        tok = self.tokenizer
+        batch, budget = self._core.batch, self.policy.budget
+        theta = batch.theta_row  # None: always dense
+        out = []
+        for text, ids, st in zip(texts, seqs, live):
+            toks = list(st.ids)
+            reason = st.out.finish_reason if st.out is not None else None
+            finished = "error" if error or reason is None else ("eos" if reason == "stop" else reason)
+            T = len(ids)
+            # decode steps: one per sampled token after the first (an EOS is sampled, not kept)
+            steps = max(0, len(toks) + (reason == "stop") - 1)
+            windows = [T + k for k in range(1, steps + 1)]  # the row's window at each decode step
+            attended = [w if theta is None or w <= theta else min(budget, w) for w in windows]
+            out.append(GenerationResult(
+                prompt=text,
+                text=tok.decode(toks, skip_special_tokens=True) if tok is not None else " ".join(map(str, toks)),
+                token_ids=toks, prompt_tokens=T,
+                step_times_s=[b - a for a, b in zip(st.times, st.times[1:])],
+                prefill_time_s=(st.out.ttft_s or 0.0) if st.out is not None else 0.0,
+                mean_attended=sum(attended) / len(attended) if attended else 0.0,
+                finished=finished))
+        return out
 
     def close(self) -> None:
-        """Release the runtime (cache rank, transport) and the backend; idempotent.
-        Waits for a running ``generate`` to finish; later calls raise ``EngineClosedError``."""
-        if self._busy == threading.get_ident():
-            raise RuntimeError("Engine.close() called from inside generate's on_text callback")
-        with self._lock:
+        """Wait for running ``generate`` calls, then free the model (and cache rank);
+        idempotent. Later calls raise ``EngineClosedError``."""
+        with self._cv:
+            if threading.get_ident() in self._callers:
+                raise RuntimeError("Engine.close() called from inside generate's on_text callback")
             if self._closed:
                 return
             self._closed = True
-            self.runtime.close()
-            close = getattr(self.backend, "close", None)
-            if close is not None:
-                close()
+            while self._active:
+                self._cv.wait()
+        try:
+            asyncio.run_coroutine_threadsafe(self._core.close(), self._loop.loop).result()
+        finally:
+            self._loop.stop()
 
     @property
     def closed(self) -> bool:
@@ -487,109 +559,4 @@ class Engine:
         self.close()
 
 
-def run_events(trace, prompt_len: int = 0) -> list[dict]:
-    """What went off the plain path in one generation, from the runtime's record:
-    each loss and restart of the cache rank (``peer_lost``, ``restart_failed``,
-    ``peer_restored``, ``no_restart``, with the decode step and ``t_s``, seconds
-    since the generation began), dense steps past the sparse threshold
-    (``dense_fallback``: how many, and their [first, last] step ranges), late packs
-    by what ``runtime.on_late`` did with them."""
-    if trace is None:
-        return []
-    st = trace.stats or {}
-    events: list[dict] = [dict(e) for e in st.get("events", [])]
-    theta = st.get("theta")
-    if theta is not None and not st.get("sync_policy"):
-        n = len(trace.step_times_s)
-        past = sum(1 for i in range(1, n + 1) if prompt_len + i > theta)  # steps meant to be sparse
-        dense = int(st.get("dense_fallback_steps", 0))
-        if dense > 0:
-            events.append({"event": "dense_fallback", "steps": dense, "of_sparse_steps": past,
-                           "ranges": st.get("dense_fallback", [])})
-    if trace.late_packs:
-        events.append({"event": "late_packs", "total": trace.late_packs, "stale": st.get("stale_packs", 0),
-                       "full": st.get("full_packs", 0), "waited": st.get("waited_packs", 0),
-                       "timed_out": st.get("timed_out_packs", 0), "wait_s": st.get("wait_s", 0.0)})
-    return events
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and x != x:
-        return None  # NaN is not JSON
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)
-
-
-def summarize(cfg: SpadeConfig, results: list[GenerationResult], trace=None, *, engine: Engine | None = None,
-              error: BaseException | None = None) -> dict:
-    """The summary ``spade run`` prints and writes as JSON. With ``error`` it is the
-    partial record of a failed run: the tokens generated so far and the error."""
-    steps = results[0].step_times_s if results else []
-    pol = cfg.policy
-    events = run_events(trace, getattr(engine, "last_prompt_len", 0) if engine is not None else 0)
-    out = {
-        "status": "failed" if error is not None else "ok",
-        "model": cfg.model.name,
-        "backend": engine.backend_kind if engine is not None else cfg.model.backend,
-        "device": str(engine.device) if engine is not None else cfg.model.device,
-        "dtype": str(engine.dtype).removeprefix("torch.") if engine is not None else cfg.model.dtype,
-        "kernels": _kernels_setting(),
-        "policy": pol.name,
-        "budget": getattr(pol, "budget", None),
-        "topology": cfg.runtime.topology,
-        "transport": cfg.runtime.transport.name,
-        "on_late": cfg.runtime.on_late,
-        "batch": len(results),
-        "prompt_tokens": [r.prompt_tokens for r in results],
-        "generated_tokens": [len(r.token_ids) for r in results],
-        "decode_steps": len(steps),
-        "tpot_median_ms": statistics.median(steps) * 1e3 if steps else None,
-        "tpot_p90_ms": _percentile(steps, 0.9) * 1e3 if steps else None,
-        "prefill_ms": results[0].prefill_time_s * 1e3 if results else None,
-        "tokens_attended_per_step": results[0].mean_attended if results else None,
-        "late_packs": getattr(trace, "late_packs", 0) if trace is not None else 0,
-        "events": events,
-        "runtime_stats": _jsonable(trace.stats) if trace is not None else {},
-        "results": [r.to_dict() for r in results],
-        "config": cfg.dump(),
-    }
-    if error is not None:
-        msg = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        out["error"] = {"type": type(error).__name__, "message": msg}
-        out["events"].append({"event": "error", "type": type(error).__name__, "message": msg,
-                              "tokens_generated": [len(r.token_ids) for r in results]})
-    return out
-
-
-def run(config: SpadeConfig, *, on_text=None, progress=None) -> dict:
-    """``spade run`` as a function: load, generate the configured prompts, summarise.
-
-    On any failure the exception carries ``partial_summary``: the summary of what was
-    generated before it (``status: failed``, the error, the events)."""
-    engine = None
-    try:
-        engine = Engine(config, progress=progress)
-        results = engine.generate(on_text=on_text)
-        return summarize(config, results, engine.last_trace, engine=engine)
-    except BaseException as e:
-        try:
-            e.partial_summary = summarize(config, getattr(e, "partial_results", []), None, engine=engine, error=e)
-        except Exception:  # pragma: no cover - the record must never mask the error
-            pass
-        if engine is not None:
-            try:
-                engine.close()
-            except Exception:
-                pass
-        raise
-    finally:
-        if engine is not None:
-            engine.close()
-
-
-__all__ = ["Engine", "GenerationResult", "Prompt", "run", "run_events", "summarize", "SpadeError", "ModelError"]
+__all__ = ["Engine", "GenerationResult", "Prompt", "load_model", "SpadeError", "ModelError"]

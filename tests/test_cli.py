@@ -196,9 +196,9 @@ def test_dead_cache_rank_is_survived(tmp_path, capsys, monkeypatch):
 
 def test_any_failure_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
     """A non-spade exception mid-generation (a bug): one line with its type, partial JSON."""
-    from spade.engine import Engine
+    from spade.static import StaticEngine
 
-    real = Engine._sampler
+    real = StaticEngine._sampler
 
     def sampler(self, *a):
         s, n = real(self, *a), [0]
@@ -212,7 +212,7 @@ def test_any_failure_leaves_a_partial_json(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setenv("SPADE_KERNELS", "torch")
     monkeypatch.delenv("SPADE_DEBUG", raising=False)
-    monkeypatch.setattr(Engine, "_sampler", sampler)
+    monkeypatch.setattr(StaticEngine, "_sampler", sampler)
     rc, lines, s = _in_process_run(tmp_path, capsys)
     assert rc == 2 and len(lines) == 1
     assert "the run failed: KeyError: 'boom'" in lines[0] and "[2, 2] token(s) per prompt" in lines[0]

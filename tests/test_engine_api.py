@@ -1,5 +1,6 @@
-"""The library API of ``spade.Engine`` on a random-weight tiny preset (CPU, seconds):
-argument checks, closed engines, concurrent callers, partial results on failure."""
+"""The library API of ``spade.Engine`` (the synchronous front of ``spade.AsyncEngine``) on
+a random-weight tiny preset (CPU, seconds): argument checks, closed engines, concurrent
+callers, partial results on failure; and ``spade.run``'s events (the static batch)."""
 
 from __future__ import annotations
 
@@ -113,17 +114,20 @@ def test_library_errors_are_spade_errors(engine):
 
 # ----------------------------------------------------------------------------- close
 def test_generate_after_close_raises_and_opens_nothing():
+    threads = threading.active_count()
     eng = make_engine()
     eng.generate(max_new_tokens=2)
+    link = eng.core.batch.rt._link  # the colocated cache rank's link
+    assert link is not None and not link.closed
     eng.close()
-    threads = threading.active_count()
+    assert link.closed and eng.core.closed
+    assert threading.active_count() <= threads  # the loop thread, scheduler and cache rank are gone
     with pytest.raises(EngineClosedError, match="closed.*build a new spade.Engine"):
         eng.generate(max_new_tokens=2)
     with pytest.raises(RuntimeError):  # EngineClosedError is a RuntimeError too
         eng.generate(["x"])
-    link = eng.runtime._link
-    assert link is None or link.closed  # no cache rank (task, link) was started again
-    assert threading.active_count() == threads
+    assert eng.core.batch.rt._link is link and link.closed  # no cache rank (task, link) was started again
+    assert threading.active_count() <= threads
     eng.close()  # idempotent
     assert eng.closed
 
@@ -135,8 +139,9 @@ def test_context_manager_closes():
 
 
 # ----------------------------------------------------------------------------- concurrency
-def test_concurrent_threads_are_serialised_with_correct_results(engine):
-    """Two threads at once (different prompts and lengths): each gets what it gets alone."""
+def test_concurrent_threads_share_the_batch_with_correct_results(engine):
+    """Two threads at once (different prompts and lengths) share the core's batch: each gets
+    what it gets alone."""
     p1 = (["a b c d e f g h i j k l m n o p q r"], 6)
     p2 = (["u v w x y z", "k l m n o p q r s t u v w"], 5)
     alone1 = tokens(engine.generate(*p1))
@@ -178,59 +183,74 @@ def test_asyncio_gather_to_thread(engine):
     assert tokens(b) == alone_short
 
 
-def test_reentrant_generate_from_callback_is_refused(engine, monkeypatch):
-    """A generate() from inside generate (same thread) would deadlock on the lock: it raises."""
+def test_reentrant_generate_from_callback_is_refused(engine):
+    """A generate() or close() from inside generate's on_text callback (same thread) would
+    deadlock: it raises, and the outer call completes."""
     inner: list = []
-    real = engine._sampler
 
-    def sampler(*a):
-        s = real(*a)
-
-        def sample(logits):
-            if not inner:
+    def on_text(i, delta):
+        if not inner:
+            for call in (lambda: engine.generate(["x"], max_new_tokens=1), engine.close):
                 try:
-                    engine.generate(["x"], max_new_tokens=1)
+                    call()
                 except RuntimeError as e:
                     inner.append(e)
-            return s(logits)
-        return sample
 
-    monkeypatch.setattr(engine, "_sampler", sampler)
-    engine.generate(max_new_tokens=2)
-    assert inner and "on_text callback" in str(inner[0])
+    out = engine.generate(max_new_tokens=2, on_text=on_text)
+    assert len(inner) == 2 and all("on_text callback" in str(e) for e in inner)
+    assert [len(r.token_ids) for r in out] == [2, 2] and not engine.closed
+
+
+def test_on_text_streams_each_prompts_text(engine):
+    got: dict = {}
+    out = engine.generate(max_new_tokens=5, on_text=lambda i, d: got.__setitem__(i, got.get(i, "") + d))
+    assert got == {i: r.text for i, r in enumerate(out)}  # (token ids as text: the preset has no tokenizer)
 
 
 # ----------------------------------------------------------------------------- partial results
 def test_failure_mid_generation_carries_partial_results(engine, monkeypatch):
-    real = engine._sampler
+    """The core's 4th sampling call fails (the two prompts' first tokens, one decode step,
+    then the failing one): both requests fail with it and keep their first two tokens."""
+    real = engine.core._sample
+    n = [0]
 
-    def sampler(*a):
-        s = real(*a)
-        n = [0]
-
-        def sample(logits):
-            n[0] += 1
-            if n[0] == 4:
-                raise RuntimeError("injected sampler failure")
-            return s(logits)
-        return sample
+    def sample(logits, reqs):
+        n[0] += 1
+        if n[0] == 4:
+            raise RuntimeError("injected sampler failure")
+        return real(logits, reqs)
 
     full = tokens(engine.generate(max_new_tokens=6))
-    monkeypatch.setattr(engine, "_sampler", sampler)
+    monkeypatch.setattr(engine.core, "_sample", sample)
     with pytest.raises(RuntimeError, match="injected") as ei:
         engine.generate(max_new_tokens=6)
     part = ei.value.partial_results
-    assert [r.token_ids for r in part] == [t[:3] for t in full]  # the three tokens made before the failure
+    assert [r.token_ids for r in part] == [t[:2] for t in full]  # the tokens made before the failure
     assert all(r.finished == "error" for r in part)
     monkeypatch.undo()
     assert tokens(engine.generate(max_new_tokens=6)) == full  # the engine still works afterwards
+    assert engine.stats()["slots_used"] == 0
+
+
+def test_on_text_failure_aborts_the_call(engine):
+    """An exception from on_text ends the call (its requests abort; their rows are freed
+    at the core's next iteration)."""
+    def on_text(i, delta):
+        raise ValueError("callback failed")
+
+    with pytest.raises(ValueError, match="callback failed") as ei:
+        engine.generate(max_new_tokens=6, on_text=on_text)
+    assert all(r.finished == "error" and len(r.token_ids) < 6 for r in ei.value.partial_results)
+    assert [len(t) for t in tokens(engine.generate(max_new_tokens=6))] == [6, 6]
+    st = engine.stats()
+    assert st["slots_used"] == 0 and st["requests_waiting"] == 0 and st["requests_aborted"] >= 2
 
 
 # ----------------------------------------------------------------------------- run JSON events
 def _run_with_hooks(monkeypatch, hooks, *over):
     import spade.runtime as runtime
-    from spade.engine import run
     from spade.runtime.asyncrt import AsyncRuntime
+    from spade.static import run
 
     monkeypatch.setattr(runtime, "build_runtime", lambda cfg, be, pol: AsyncRuntime(cfg, be, pol, hooks=hooks))
     return run(spade.load_config(None, overrides=[*TINY, "generation.max_new_tokens=10", *over]))

@@ -134,7 +134,7 @@ class AsyncEngine:
         self.cfg = config
         rt = config.runtime
         check_served(config)
-        # model.backend auto means fast here, on a CPU too (Engine picks hf there for real weights)
+        # model.backend auto means fast here, on a CPU too (the static batch picks hf there for real weights)
         parts = load_model(config, max_batch=config.serving.max_batch, say=progress, backend="fast")
         self.device, self.dtype = parts.device, parts.dtype
         self.backend, self.policy = parts.backend, parts.policy
@@ -286,7 +286,14 @@ class AsyncEngine:
         return self._closed
 
     # ------------------------------------------------------------------ input checks
-    def _make_request(self, prompt, params, request_id) -> _Request:
+    def validate(self, prompt: Union[str, Sequence[int], torch.Tensor],
+                 params: SamplingParams | None = None) -> list[int]:
+        """The token ids of ``prompt`` if ``generate(prompt, params)`` would take it, else
+        the ``ArgumentError`` / ``ArgumentTypeError`` it would raise; starts no work. For
+        callers that submit several requests only once all of them are known good."""
+        return self._checked(prompt, params)[0]
+
+    def _checked(self, prompt, params) -> tuple[list[int], SamplingParams, RequestOutputKind]:
         if self._closed:
             raise EngineClosedError("this AsyncEngine is closed (close() was called); build a new "
                                     "spade.AsyncEngine(cfg)")
@@ -296,11 +303,6 @@ class AsyncEngine:
             raise ArgumentTypeError(f"params: expected a spade.SamplingParams, got {type(params).__name__}; "
                                     "e.g. SamplingParams(max_tokens=64)")
         kind = _output_kind(params.output_kind)  # (a field may have been set after construction)
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise ArgumentTypeError(f"request_id: expected a non-empty str (or None for a fresh one), got "
-                                    f"{request_id!r}")
         ids = self._encode(prompt)
         T = len(ids)
         if T + params.max_tokens > self.max_seq_len:
@@ -323,6 +325,15 @@ class AsyncEngine:
         if bad:
             raise ArgumentError(f"SamplingParams.stop_token_ids: {bad[0]} is outside the vocabulary "
                                 f"[0, {self.vocab}) of model '{self.cfg.model.name}'")
+        return ids, params, kind
+
+    def _make_request(self, prompt, params, request_id) -> _Request:
+        ids, params, kind = self._checked(prompt, params)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise ArgumentTypeError(f"request_id: expected a non-empty str (or None for a fresh one), got "
+                                    f"{request_id!r}")
         gen = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,),

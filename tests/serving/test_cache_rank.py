@@ -297,7 +297,9 @@ def test_refresh_every_serves_one_schedule_per_batch(topology):
     assert stats["requests_finished"] == 5 and stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
     assert stats["cache_peers_lost"] == 0
     assert got == want and alone == alone_inline
-    ref = spade.Engine(make_config("asyncspade", "inline", extra=extra))
+    from spade.static import StaticEngine
+
+    ref = StaticEngine(make_config("asyncspade", "inline", extra=extra))  # the static batch runtime
     try:
         assert ref.generate([jobs[0][1]], max_new_tokens=jobs[0][2])[0].token_ids == alone
     finally:

@@ -32,9 +32,9 @@ async def _together_then_alone(engine, jobs):
 @pytest.mark.parametrize("policy,topology", CASES)
 def test_joined_requests_match_alone(policy, topology):
     """Requests of different lengths joining at random steps: each one's greedy tokens
-    equal the same request alone, through the AsyncEngine and through Engine.generate
-    (``multiprocess``: these policies select on the inference rank, so no cache process
-    runs; nccl is gloo on a CPU)."""
+    equal the same request alone, through the AsyncEngine and through the static batch
+    (``spade.static.StaticEngine``, what ``spade run`` decodes; ``multiprocess``: these
+    policies select on the inference rank, so no cache process runs; nccl is gloo on a CPU)."""
     extra = []
     if "/" in topology:
         from .test_cache_rank import _multiprocess
@@ -56,7 +56,9 @@ def test_joined_requests_match_alone(policy, topology):
         assert t.finish_reason == a.finish_reason == "length"
         assert len(t.token_ids) == n
         assert t.token_ids == a.token_ids
-    ref = spade.Engine(cfg)
+    from spade.static import StaticEngine
+
+    ref = StaticEngine(cfg)
     try:
         for (_, p, n), a in zip(jobs[:3], alone):
             assert ref.generate([p], max_new_tokens=n)[0].token_ids == a.token_ids

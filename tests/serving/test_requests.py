@@ -71,6 +71,17 @@ def test_bad_input_names_the_field(engine, prompt, params, rid, exc, field):
     with pytest.raises(exc, match=field):
         run(collect(engine, prompt, params, rid))
     assert engine.stats()["requests_waiting"] == 0 and engine.stats()["slots_used"] == 0
+    if rid is None:  # validate() refuses the same input with the same error, outside any event loop
+        with pytest.raises(exc, match=field):
+            engine.validate(prompt, params)
+
+
+def test_validate_returns_the_ids_and_starts_nothing(engine):
+    before = engine.stats()
+    assert engine.validate([3, 1, 4], SamplingParams(max_tokens=5)) == [3, 1, 4]
+    after = engine.stats()
+    assert after["requests_waiting"] == before["requests_waiting"] == 0
+    assert after["prompt_tokens"] == before["prompt_tokens"] and after["slots_used"] == 0
 
 
 @pytest.mark.parametrize("kw,field", [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
