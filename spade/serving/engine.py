@@ -108,6 +108,12 @@ class _Request:
             pass
 
 
+def _deliver(items: list) -> None:
+    """(On the requests' loop.) Hand each (queue, item) to its request's iterator, in order."""
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncEngine:
     """Continuous batching over ``serving.max_batch`` row slots of the static KV cache.
 
@@ -165,6 +171,9 @@ class AsyncEngine:
         self._closed = False
         self._seeds = torch.Generator().manual_seed(config.generation.seed)  # seeds of unseeded sampled requests
         self._step_tokens = torch.zeros(self.batch.B, dtype=torch.long, device=self.device)
+        #: the worker thread's outputs of the iteration in flight, handed to their loops at its end in
+        #: one wake-up per loop (not one per request and token); None outside an iteration
+        self._outbox = threading.local()
         self._counts = collections.Counter()
         self._times = {"prefill_s": 0.0, "decode_s": 0.0}  # worker wall time in joins and in decode steps
         # CUDA: the stream's time in each iteration's prompt pieces and decode step, from event pairs read
@@ -427,7 +436,37 @@ class AsyncEngine:
     def _iteration(self) -> bool:
         """Worker thread: retire aborted requests, admit waiting ones (prefill, first
         token), one decode step for the running rows. Returns whether work remains that
-        needs no new event (running rows, or waiting requests that may fit later)."""
+        needs no new event (running rows, or waiting requests that may fit later). The
+        iteration's outputs reach their requests together: the joins' first tokens
+        after the prompt pieces, the rest after the decode step (one wake-up of the
+        requests' loop each, not one per request and token)."""
+        self._outbox.items = []
+        try:
+            return self._iterate()
+        finally:
+            items, self._outbox.items = self._outbox.items, None
+            self._flush(items)
+
+    def _push(self, req: _Request, item) -> None:
+        """Stream ``item`` to ``req``: with the worker's iteration's outputs, else at once."""
+        box = getattr(self._outbox, "items", None)
+        if box is None:
+            req.push(item)
+        else:
+            box.append((req, item))
+
+    @staticmethod
+    def _flush(items: list) -> None:
+        by_loop: dict = {}
+        for req, item in items:
+            by_loop.setdefault(req.loop, []).append((req.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+    def _iterate(self) -> bool:
         b = self.batch
         with self._lock:
             for row, req in list(self._running.items()):
@@ -441,6 +480,9 @@ class AsyncEngine:
             ev[0].record(stream)
         for req in admits:  # the next piece of each join this iteration (whole prompts: one piece)
             self._prefill(req)
+        if self._outbox.items:  # joins' first tokens: streamed now, not after the decode step
+            items, self._outbox.items = self._outbox.items, []
+            self._flush(items)
         t1 = time.perf_counter()
         if ev:
             ev[1].record(stream)
@@ -566,10 +608,10 @@ class AsyncEngine:
     def _decode(self, rows: dict[int, _Request]) -> None:
         """One decode step of every row; ``rows`` (maybe none: a join in progress moves the
         cursor) are the requests that sample from it."""
-        toks = torch.zeros(self.batch.B, dtype=torch.long)
+        toks = [0] * self.batch.B
         for row, req in rows.items():
             toks[row] = req.pending
-        self._step_tokens.copy_(toks, non_blocking=True)
+        self._step_tokens.copy_(torch.tensor(toks, dtype=torch.long), non_blocking=True)
         try:
             logits = self.batch.step(self._step_tokens)
             order = sorted(rows)
@@ -648,7 +690,7 @@ class AsyncEngine:
             else:
                 req.pending = tok
                 if req.kind is not RequestOutputKind.FINAL_ONLY:
-                    req.push(self._output(req))
+                    self._push(req, self._output(req))
 
     def _visible(self, req: _Request) -> int:
         """The length of the text a running request may stream: without a possibly
@@ -701,7 +743,7 @@ class AsyncEngine:
         self._requests.pop(req.id, None)
         req.finish_reason = reason
         self._counts["aborted" if reason == "abort" else "finished"] += 1
-        req.push(self._output(req))
+        self._push(req, self._output(req))
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         if req.row >= 0 and self._running.get(req.row) is req:
@@ -711,7 +753,7 @@ class AsyncEngine:
         req.pending = None
         self._requests.pop(req.id, None)
         self._counts["failed"] += 1
-        req.push(exc)
+        self._push(req, exc)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:

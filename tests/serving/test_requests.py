@@ -201,3 +201,25 @@ def test_soak_many_tiny_requests_leak_nothing(paged):
     if paged:
         assert st["kv_blocks_used"] == 0 and st["kv_blocks_reserved"] == 0 and st["kv_blocks_free"] == free0
         engine.backend.kv_pool.check()
+
+
+def test_an_iterations_outputs_reach_the_loop_together(monkeypatch):
+    """The worker hands each iteration's outputs to the requests' loop in one call (two
+    with joins' first tokens), not one per request and token; every output arrives, in order."""
+    import spade.serving.engine as se
+
+    calls: list[int] = []
+    real = se._deliver
+    monkeypatch.setattr(se, "_deliver", lambda items: (calls.append(len(items)), real(items)))
+    engine = spade.AsyncEngine(make_config("full", max_batch=4, max_seq_len=64))
+
+    async def main():
+        outs = await asyncio.gather(*(collect(engine, [1 + i, 2, 3], greedy(10), f"b{i}") for i in range(4)))
+        st = engine.stats()
+        await engine.close()
+        return outs, st
+
+    outs, st = run(main())
+    assert [len(o) for o in outs] == [10] * 4 and sum(calls) == 40
+    assert all([len(x.token_ids) for x in o] == list(range(1, 11)) for o in outs)  # in order
+    assert len(calls) <= st["steps"] + 2 < 40
