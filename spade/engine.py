@@ -343,7 +343,9 @@ class Engine:
     prompt gets the tokens it would get alone. It serves what ``AsyncEngine`` serves
     (``check_served``: the fast backend, index-list selections); ``spade.run`` /
     ``spade run`` decode one static batch on the batch runtime, which takes every backend
-    and setting. ``cache_hooks``: ``spade.runtime.protocol.CacheHooks`` for tests.
+    and setting. It holds ``serving.max_batch`` rows of ``model.max_seq_len`` tokens of KV
+    cache (or ``model.kv_blocks`` blocks when paged). ``cache_hooks``:
+    ``spade.runtime.protocol.CacheHooks`` for tests.
     """
 
     def __init__(self, config: SpadeConfig, *, progress: Callable[[str], None] | None = None, cache_hooks=None):
