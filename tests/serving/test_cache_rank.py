@@ -397,3 +397,30 @@ def test_serving_epochs_renew_the_cache_ranks_generation(topology):
     assert stats["cache_epochs"] >= len(jobs)
     assert rank.stats["renewed"] == rank.stats["generations"] - 1 >= len(jobs) - 1
     assert stats["sparse_steps"] > 0
+
+
+@pytest.mark.parametrize("topology", ["colocated", "multiprocess"])
+def test_engine_front_over_a_cache_rank(topology):
+    """``spade.Engine`` (the synchronous front) with asyncspade's cache rank, a process of
+    its own for ``multiprocess``: more prompts than rows (they wait and join a running
+    batch), each gets the greedy tokens the static batch gives it alone; close ends the
+    link and the cache process."""
+    from spade.static import StaticEngine
+
+    extra = _multiprocess("nccl") if topology == "multiprocess" else []
+    prompts = random_prompts(5, seed=21, lo=14, hi=26)  # past the budget: sparse steps from the first
+    eng = spade.Engine(make_config("asyncspade", topology, max_batch=2, extra=extra))
+    try:
+        got = eng.generate(prompts, max_new_tokens=9)
+        stats = eng.stats()
+        link = eng.core.batch.rt._link
+    finally:
+        eng.close()
+    assert link.closed and (link.proc is None or link.proc.poll() is not None)
+    assert stats["joins_into_running"] >= 1 and stats["sparse_steps"] > 0 and stats["slots_used"] == 0
+    ref = StaticEngine(make_config("asyncspade", "inline"))
+    try:
+        want = [ref.generate([p], max_new_tokens=9)[0].token_ids for p in prompts]
+    finally:
+        ref.close()
+    assert [r.token_ids for r in got] == want and all(r.finished == "length" for r in got)
