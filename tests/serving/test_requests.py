@@ -222,4 +222,4 @@ def test_an_iterations_outputs_reach_the_loop_together(monkeypatch):
     outs, st = run(main())
     assert [len(o) for o in outs] == [10] * 4 and sum(calls) == 40
     assert all([len(x.token_ids) for x in o] == list(range(1, 11)) for o in outs)  # in order
-    assert len(calls) <= st["steps"] + 2 < 40
+    assert len(calls) <= st["steps"] + st["joins"] < 40  # a call per step, one more per iteration that admits
