@@ -448,6 +448,7 @@ class Engine:
         max_new = check_max_new(g, max_new_tokens)
         texts, seqs = encode_prompts(self.cfg, self.tokenizer, core.vocab, prompts)
         longest = max(len(s) for s in seqs)
+        # (validate below checks each request too, in SamplingParams' terms; this names the caller's fields)
         if longest + max_new > core.max_seq_len:
             raise ConfigError(
                 f"model.max_seq_len ({core.max_seq_len}) is too small: the prompt has {longest} tokens and "

@@ -223,7 +223,6 @@ class StaticEngine:
         self.close()
 
 
-
 def run_events(trace, prompt_len: int = 0) -> list[dict]:
     """What went off the plain path in one generation, from the runtime's record:
     each loss and restart of the cache rank (``peer_lost``, ``restart_failed``,

@@ -444,8 +444,13 @@ class AsyncEngine:
         try:
             return self._iterate()
         finally:
-            items, self._outbox.items = self._outbox.items, None
-            self._flush(items)
+            self._send(reopen=False)
+
+    def _send(self, reopen: bool) -> None:
+        """(Worker thread, in an iteration.) Hand the outputs gathered so far to their
+        loops; ``reopen``: keep gathering for the rest of the iteration."""
+        items, self._outbox.items = self._outbox.items, ([] if reopen else None)
+        self._flush(items)
 
     def _push(self, req: _Request, item) -> None:
         """Stream ``item`` to ``req``: with the worker's iteration's outputs, else at once."""
@@ -481,8 +486,7 @@ class AsyncEngine:
         for req in admits:  # the next piece of each join this iteration (whole prompts: one piece)
             self._prefill(req)
         if self._outbox.items:  # joins' first tokens: streamed now, not after the decode step
-            items, self._outbox.items = self._outbox.items, []
-            self._flush(items)
+            self._send(reopen=True)
         t1 = time.perf_counter()
         if ev:
             ev[1].record(stream)
