@@ -116,8 +116,9 @@ def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, 
                 n: torch.Tensor | None = None) -> None:
     """Write ``x`` [B, Hkv, T, D] into ``pool`` at row b's logical positions
     ``start[b] .. start[b] + T`` (``n[b]``: only the first n[b] tokens of row b, the rest
-    of ``x`` is padding and is not written). One scatter through the table, no host
-    synchronisation; the rows' blocks must be distinct (they are: a pool never hands a
+    of ``x`` is padding and is not written). One scatter through the table; without ``n``
+    and with a host-int or device ``start`` no host synchronisation (``n``'s boolean
+    index waits for the GPU); the rows' blocks must be distinct (they are: a pool never hands a
     block out twice). Positions past the table (``>= max_blocks * block_size``) are an
     error of the caller, not checked on the device."""
     check_pool(pool)
@@ -142,13 +143,18 @@ def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, 
             paged_write(pool, block_table, x[:, :, T - tail:], start + T - tail)
         return
     dev = pool.device
-    start_t = torch.as_tensor(start, device=dev).long().reshape(-1).expand(B)  # [B]
-    pos = start_t[:, None] + torch.arange(T, device=dev)  # [B, T] logical positions
-    keep = torch.ones(B, T, dtype=torch.bool, device=dev) if n is None else (
+    if isinstance(start, int):  # (a host int made a device tensor would wait for the GPU)
+        pos = torch.arange(start, start + T, device=dev).expand(B, T)  # [B, T] logical positions
+    else:
+        pos = (start.to(dev).long().reshape(-1, 1) + torch.arange(T, device=dev)).expand(B, T)
+    keep = None if n is None else (
         torch.arange(T, device=dev)[None, :] < torch.as_tensor(n, device=dev).long().reshape(-1, 1))
     blk = torch.gather(block_table.long(), 1, (pos // bs).clamp(0, block_table.shape[1] - 1))  # [B, T]
-    slot = blk * bs + pos % bs  # [B, T] physical slots of the pool
-    slot, src = slot[keep], x.permute(0, 2, 1, 3)[keep]  # [N], [N, Hkv, D]
+    slot, src = blk * bs + pos % bs, x.permute(0, 2, 1, 3)  # [B, T] physical slots of the pool, [B, T, Hkv, D]
+    if n is None:  # every token: no boolean index (its nonzero would wait for the GPU)
+        slot, src = slot.reshape(-1), src.reshape(B * T, Hkv, D)
+    else:
+        slot, src = slot[keep], src[keep]  # [N], [N, Hkv, D]
     pool[slot // bs, :, slot % bs, :] = src.to(pool.dtype)  # one advanced-index scatter
 
 

@@ -92,3 +92,27 @@ def test_prefill_fast_path_equals_the_scatter(bs, T, start):
     for r in range(2):
         assert torch.equal(paged_range(pool, table[r], start, start + T)[0], x[r])
         assert paged_range(pool, table[r], start, start).shape == (1, 2, 0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,start", [(5, 0), (33, 3), (70, 17), (2048, 1000)])
+def test_prefill_write_waits_for_no_gpu(T, start):
+    """A prompt piece's write at a host-int start, unaligned ends included, and the gather of
+    the row's range queue their work without a host synchronisation (each used to wait for
+    the GPU several times per layer: a boolean index and a host int made a tensor)."""
+    from spade.kernels.paged import paged_range
+
+    g = torch.Generator().manual_seed(T + start)
+    pool, table = scatter_to_pool(torch.zeros(2, 2, start + T + 40, 8), 16, g)
+    pool, table = pool.cuda(), table.cuda()
+    x = torch.randn(2, 2, T, 8, generator=g).cuda()
+    ref = pool.clone()
+    paged_write(ref, table, x, torch.tensor(start, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        paged_write(pool, table, x, start)
+        got = paged_range(pool, table[1], start, start + T)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(pool.nan_to_num(0.5), ref.nan_to_num(0.5)) and torch.equal(got[0], x[1])
