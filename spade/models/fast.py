@@ -530,17 +530,21 @@ class FastModel(DecodeBackend):
 
     def _paged_row(self, li: int, row: int, lo: int, hi: int, cap: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``row``'s cache positions ``[lo, hi)`` as contiguous [1, Hkv, (cap or hi) - lo, D]
-        copies (positions past ``hi`` zero)."""
+        """Row ``row``'s cache positions ``[lo, hi)`` as [1, Hkv, (cap or hi) - lo, D] copies
+        (positions past ``hi`` zero; with ``cap``, a view of a buffer of
+        ``prompt_attention.plan_capacity`` positions: cuDNN plans are keyed by strides too)."""
         from spade.kernels.paged import paged_range
+        from spade.models.prompt_attention import plan_capacity
 
         self.sync_table()
         table = self.table.tensor[row]
         out = []
         for pool in (self.k_cache[li], self.v_cache[li]):
             x = paged_range(pool, table, lo, hi)
-            if cap is not None and cap > hi:  # room for positions [hi, cap)
-                x = torch.cat([x, x.new_zeros(1, x.shape[1], cap - hi, x.shape[3])], dim=2)
+            if cap is not None and cap > hi:  # room for positions [hi, cap), in a buffer of bounded strides
+                buf = x.new_zeros(1, x.shape[1], plan_capacity(cap - lo), x.shape[3])
+                buf[:, :, :hi - lo] = x
+                x = buf[:, :, :cap - lo]
             out.append(x)
         return out[0], out[1]
 
@@ -1021,7 +1025,9 @@ class FastModel(DecodeBackend):
         if G > 1:
             k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, Hq, T, D]
         if not padded:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            from spade.models.prompt_attention import causal_attention
+
+            return causal_attention(q, k, v, scale)
         out = torch.empty_like(q)
         kpos = torch.arange(T, device=q.device)[None, :]  # [1, T]
         for c0 in range(0, T, chunk):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import random
 
 import pytest
 import torch
@@ -701,9 +702,55 @@ def test_chunk_attention_split_merges_exactly(Hq, Hkv, c, n):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("c,m", [(4, 0), (4, 7), (4, 8), (4, 13), (8, 40), (8, 100), (3, 40), (16, 9)])
+def test_chunk_attention_plan_bounded_split(monkeypatch, Hq, Hkv, c, m):
+    """With the plan-bounded split (a power-of-two piece sends the ladder's share of its
+    earlier keys to one call, the rest with the piece to a lower-right causal one) the
+    merge still equals one masked call; small thresholds so that a CPU runs every branch."""
+    from spade.models import prompt_attention as PA
+
+    monkeypatch.setattr(PA, "PLAN_MIN_ROWS", 4)
+    monkeypatch.setattr(PA, "PLAN_MIN_KEYS", 8)
+    n = m + c
+    g = torch.Generator().manual_seed(c * 1000 + n * 10 + Hkv)
+    D, scale = 8, 0.3
+    q = torch.randn(1, Hq, c, D, generator=g, dtype=torch.float64)
+    cache = torch.randn(2, 1, Hkv, PA.plan_capacity(n), D, generator=g, dtype=torch.float64)
+    k, v = cache[0, :, :, :n], cache[1, :, :, :n]  # views of a plan_capacity buffer, as a paged piece's
+    ref = PA.chunk_attention(q, k, v, scale, split=False)
+    out = PA.chunk_attention(q, k, v, scale, split=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_plan_ladder_bounds_the_cudnn_shapes():
+    """A served trace's prompts (random lengths, a random first piece, then pieces of 2,048)
+    give a bounded set of cuDNN calls: (piece rows, keys, buffer capacity) take a few values
+    per octave however many prompts run, and each call takes over three quarters of the
+    earlier keys."""
+    from spade.models.prompt_attention import plan_capacity, plan_keys, plan_rows
+
+    rng = random.Random(0)
+    shapes, pieces = set(), 0
+    for _ in range(2000):
+        T, off, C = rng.randrange(1, 32768), 0, 2048
+        c = rng.randrange(1, C + 1)
+        while off < T:
+            c = min(c, T - off)
+            pieces += 1
+            ma = plan_keys(off) if plan_rows(c) else 0
+            if ma:
+                assert off - ma < off / 4 + 1 and ma <= off
+                shapes.add((c, ma, plan_capacity(off + c)))
+            off, c = off + c, C
+    assert pieces > 10000 and len(shapes) <= 64, (pieces, len(shapes))
+    caps = {plan_capacity(n) for n in range(1, 1 << 16)}
+    assert len(caps) <= 4 * 16 and all(plan_capacity(n) >= n for n in range(1, 5000))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (8, 8, 64), (14, 2, 64), (9, 3, 64)])
-@pytest.mark.parametrize("c,n", [(1, 1), (1, 300), (37, 37), (64, 1000), (2048, 5000)])
+@pytest.mark.parametrize("c,n", [(1, 1), (1, 300), (37, 37), (64, 1000), (512, 3100), (2048, 5000)])
 def test_cuda_chunk_attention_fused_parts(Hq, Hkv, D, c, n):
     """On CUDA a prompt piece's attention runs as two fused-kernel calls merged by their
     log-sum-exp: against the float64 reference, bf16, on views of a larger cache."""
@@ -715,7 +762,8 @@ def test_cuda_chunk_attention_fused_parts(Hq, Hkv, D, c, n):
     k, v = cache[:1, :, 5:5 + n], cache[1:, :, 5:5 + n]
     scale = D ** -0.5
     out = PA.chunk_attention(q, k, v, scale)  # split, fused
-    assert PA._FUSED in ("cudnn", "flash")
+    if PA.plan_rows(c) and PA.plan_keys(n - c):  # a plan-bounded part ran (cuDNN, else flash)
+        assert PA._FUSED in ("cudnn", "flash")
     ref = PA.chunk_attention(q.double(), k.double(), v.double(), scale, split=False)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     lower_right = PA.chunk_attention(q, k, v, scale, split=False)  # one masked call, as before
