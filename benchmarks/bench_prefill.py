@@ -12,6 +12,11 @@ steps between them), and reports:
   non-embedding parameters plus the last token's LM head) and ``2 * 2 * T^2 / 2 *
   Hq * D`` per layer for causal attention; TFLOP/s achieved and the fraction of
   ``--peak-tflops`` (default 989: an H100 SXM's dense bf16);
+* with ``--fresh``: the median of ``--iters`` passes at prompt lengths never run before
+  (``T - 1``, ``T - 18``, ...), whose first piece takes a random part of a chunk (the
+  scheduler's budget left in an iteration): what a served trace's prompts cost, where
+  every length is new (per-shape work such as cuDNN's plans shows here, not in the
+  repeated passes);
 * with ``--profile``: one pass under ``torch.profiler``, its CUDA time by kernel
   class (GEMM, attention, elementwise / norm / RoPE, copies, Triton, other) and the
   top kernels, so the gap to the floor has names.
@@ -48,6 +53,9 @@ def parse_args(argv):
                     help="piece sizes (serving.prefill_chunk), comma-separated; 0: the whole prompt in one pass")
     ap.add_argument("--block-size", type=int, default=None, help="a paged KV cache of this block size")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true",
+                    help="also time passes at prompt lengths never run before (T + 1, T + 2, ...; a served trace's "
+                         "prompts), whose first piece takes a random share of the chunk (the scheduler's budget)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for the fraction")
     ap.add_argument("--profile", action="store_true", help="profile one pass of the longest prompt per piece size")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per profile")
@@ -95,18 +103,21 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def one_pass(model, T: int, chunk: int, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill ``ids`` [T] into row 0 in pieces of ``chunk`` tokens (0: whole); the last
-    position's logits [1, V]."""
+def one_pass(model, T: int, chunk: int, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Prefill ``ids`` [T] into row 0 in pieces of ``chunk`` tokens (0: whole), the first
+    piece ``first`` tokens when given; the last position's logits [1, V]."""
     if model.paged:
         model.kv_free(0)
     model.reset_slots(T)
     noop = lambda *a: None  # noqa: E731
     if chunk <= 0 or chunk >= T:
         return model.prefill_row(0, ids, noop)
-    for off in range(0, T, chunk):
-        c = min(chunk, T - off)
+    off = 0
+    while off < T:
+        c = min(first or chunk, T - off)
+        first = 0
         out = model.prefill_row(0, ids[off:off + c], noop, first=0, offset=off, last=off + c == T)
+        off += c
     return out
 
 
@@ -171,14 +182,28 @@ def run(argv: list[str] | None = None) -> dict:
                     one_pass(model, T, chunk, ids)
                     sync(dev)
                     times.append(time.perf_counter() - t)
+            fresh = []
+            if args.fresh:  # lengths never run before, a random first piece: every attention shape new
+                with torch.inference_mode():
+                    for j in range(args.iters):
+                        Tj = T - 1 - 17 * j - 3 * len(rows)
+                        first = int(torch.randint(64, max(65, chunk), (1,), generator=g)) if 0 < chunk < Tj else 0
+                        t = time.perf_counter()
+                        one_pass(model, Tj, chunk, ids[:Tj], first)
+                        sync(dev)
+                        fresh.append(time.perf_counter() - t)
             s = statistics.median(times)
             row = {"T": T, "chunk": chunk, "pieces": 1 if chunk <= 0 or chunk >= T else -(-T // chunk),
                    "ms": s * 1e3, "tokens_per_s": T / s, "flops": fl, "tflops": fl["total"] / s / 1e12,
                    "of_peak": fl["total"] / s / 1e12 / args.peak_tflops,
                    "floor_ms": fl["total"] / (args.peak_tflops * 1e12) * 1e3,
-                   "logits_rel_err_vs_whole": float((got - ref).norm() / ref.norm().clamp_min(1e-30))}
+                   "logits_rel_err_vs_whole": float((got - ref).norm() / ref.norm().clamp_min(1e-30)),
+                   "fresh_ms": statistics.median(fresh) * 1e3 if fresh else None,
+                   "fresh_each_ms": [round(t * 1e3, 1) for t in fresh]}
             print(f"{T:>7} {chunk:>6} {row['ms']:>10.1f} {row['tokens_per_s']:>9.0f} {row['tflops']:>8.1f} "
-                  f"{row['of_peak']:>8.2f} {row['logits_rel_err_vs_whole']:>10.1e}", flush=True)
+                  f"{row['of_peak']:>8.2f} {row['logits_rel_err_vs_whole']:>10.1e}"
+                  + (f"  fresh lengths {row['fresh_ms']:.1f} ms ({', '.join(map(str, row['fresh_each_ms']))})"
+                     if fresh else ""), flush=True)
             rows.append(row)
     profiles = []
     if args.profile:
