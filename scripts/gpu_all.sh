@@ -10,6 +10,9 @@
 #   kernels    python -m benchmarks.kernels --full (B x L x K sweep, JSON per row)
 #   decode     whole-model decode: spade fast path vs HF (one GPU); projections auto vs cuBLAS side by side
 #   prefill    the serving prompt pass whole and in pieces against its FLOP floor, with a kernel profile
+#   prefill_fresh  the prompt pass at lengths never run before (a served trace's prompts), paged
+#   syncs      host synchronisations of a served trace by Python line (SYNCS_POLICIES, default
+#              "full:inline asyncspade:colocated")
 #   gemv       the decode projections alone: split-K Triton GEMV vs cuBLAS (bench_gemv --quick)
 #   headline   TPOT at issue #5's shape (B=8 L=32k K=2k, P=9, int4 keys): full, quest, optimal, local,
 #              multiprocess, with device timelines (busy / idle per GPU) and the cache rank's host account
@@ -417,6 +420,14 @@ for s in "${stages[@]}"; do
         run "bench_prefill_bs$bs" 200 python3 -m benchmarks.bench_prefill --lengths ${PREFILL_LENGTHS:-4096,16384,32768} \
           --chunks ${PREFILL_CHUNKS:-0,2048,512} $( [ $bs -gt 0 ] && echo "--block-size $bs" ) --profile \
           --out "$OUT/bench_prefill_bs$bs.json"
+      done ;;
+    prefill_fresh)  # the prompt pass at lengths never run before (a served trace's prompts), paged 16-token blocks
+      run bench_prefill_fresh 200 python3 -m benchmarks.bench_prefill --lengths ${PREFILL_LENGTHS:-4096,8192,16384} \
+        --chunks 0,2048 --iters 3 --fresh --block-size 16 --out "$OUT/bench_prefill_fresh.json" ;;
+    syncs)  # host synchronisations of a served trace by Python line, per policy (SYNCS_POLICIES)
+      for p in ${SYNCS_POLICIES:-full:inline asyncspade:colocated}; do
+        run "bench_syncs_${p%%:*}" 120 python3 -m benchmarks.bench_syncs --policy "${p%%:*}" --topology "${p##*:}" \
+          --out "$OUT/bench_syncs_${p%%:*}.json"
       done ;;
     kv_layout)  # the sparse attention's scattered reads by KV layout and budget (marginal rate), L2 flushed
       run bench_kv_layout 150 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_kv_layout \

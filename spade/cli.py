@@ -247,6 +247,7 @@ BENCHES = {
     "paged": ["benchmarks.bench_paged"],
     "prefill": ["benchmarks.bench_prefill"],
     "serve": ["benchmarks.bench_serve"],
+    "syncs": ["benchmarks.bench_syncs"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
 source checkout (the folder is not part of the installed package)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["current_stream", "indexed_device", "no_grad_on", "stream_scope"]
+__all__ = ["current_stream", "device_index", "indexed_device", "no_grad_on", "stream_scope"]
 
 
 def indexed_device(device) -> torch.device:
@@ -102,3 +102,11 @@ class no_grad_on:
         self._scope.__exit__(*exc)
         torch._C._set_grad_enabled(self._grad)
         return False
+
+
+def device_index(values, device) -> torch.Tensor:
+    """A host list of ints as an int64 tensor on ``device``, without waiting for the GPU:
+    ``torch.as_tensor(values, device=cuda)`` copies synchronously (the host waits for
+    every kernel queued on the stream), which a per-layer join hook pays once per layer;
+    an asynchronous copy from host memory returns once the values are staged."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

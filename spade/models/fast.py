@@ -910,7 +910,7 @@ class FastModel(DecodeBackend):
             raise ConfigError(
                 f"a prompt chunk of {c} tokens at prompt offset {offset} from cache position {first} does not "
                 f"fit before the cursor at {S}" + (" (a last chunk must end at the cursor)" if last else ""))
-        ids = input_ids.to(self.device).reshape(1, c)
+        ids = input_ids.to(self.device, non_blocking=True).reshape(1, c)  # (a blocking copy waits for the GPU)
         mask = torch.ones(1, c, dtype=torch.bool, device=self.device)
         tmp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # paged: the prompt's K/V so far, contiguous
         if self.paged:

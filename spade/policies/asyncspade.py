@@ -61,6 +61,7 @@ from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConf
 from spade.policies.common import (cache_dims, derived, is_dense, last_token_keys, layer_carry, logical_keys,
                                    reset_carry, row_start, topk_selection)
 from spade.policies.predictors import predict, rotate
+from spade.streams import device_index
 
 log = logging.getLogger(__name__)
 
@@ -835,7 +836,7 @@ class AsyncSpadePolicy(Policy):
         new = sub.layers[layer]
         st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
         B = state.batch_size
-        idx = torch.as_tensor(rows, device=st.window.device)
+        idx = device_index(rows, st.window.device)
         st.window.index_copy_(0, idx, new.window)
         if st.row_anchors is None:
             if st.anchor_seq_len is not None:  # a batch prefill (a restarted cache rank's boot): its rows keep it

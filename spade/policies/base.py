@@ -41,6 +41,7 @@ import torch
 from pydantic import Field, model_validator
 
 from spade.config import ConfigSection
+from spade.streams import device_index
 
 
 GroupReduce = Literal["sum_logits", "max_logits", "sum_softmax"]
@@ -343,7 +344,7 @@ class Policy(ABC):
         sub.seq_len = state.seq_len
         sub.cache_len = state.cache_len  # the capacity a prefill sizes its state for
         if state.kv_start is not None:
-            sub.kv_start = state.kv_start[torch.as_tensor(rows, device=state.kv_start.device)]
+            sub.kv_start = state.kv_start[device_index(rows, state.kv_start.device)]
         return sub
 
     @abstractmethod

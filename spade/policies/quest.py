@@ -30,6 +30,7 @@ from spade import kernels
 from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import cache_dims, is_dense, last_token_keys
+from spade.streams import device_index
 
 
 class QuestPolicyConfig(ConfigSection):
@@ -130,7 +131,7 @@ class QuestPolicy(Policy):
             st = QuestLayerState(kmin=new.kmin.new_full(shape, float("inf")),
                                  kmax=new.kmax.new_full(shape, float("-inf")))
             state.layers[layer] = st
-        idx = torch.as_tensor(rows, device=st.kmin.device)
+        idx = device_index(rows, st.kmin.device)
         st.kmin.index_copy_(0, idx, new.kmin)
         st.kmax.index_copy_(0, idx, new.kmax)
 

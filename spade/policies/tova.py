@@ -34,6 +34,7 @@ from spade import kernels
 from spade.config import ConfigSection
 from spade.policies.base import Policy, PolicyState, Selection
 from spade.policies.common import cache_dims, is_dense, row_start
+from spade.streams import device_index
 
 
 class TovaPolicyConfig(ConfigSection):
@@ -105,7 +106,7 @@ class TovaPolicy(Policy):
         sub = self.row_state(state, rows, k_cache.device)
         self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
         slots = state.layers[layer].slots
-        slots.index_copy_(0, torch.as_tensor(rows, device=slots.device), sub.layers[layer].slots.to(slots.device))
+        slots.index_copy_(0, device_index(rows, slots.device), sub.layers[layer].slots.to(slots.device))
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:
