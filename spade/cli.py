@@ -248,11 +248,12 @@ BENCHES = {
     "prefill": ["benchmarks.bench_prefill"],
     "serve": ["benchmarks.bench_serve"],
     "syncs": ["benchmarks.bench_syncs"],
+    "guidellm": ["benchmarks.bench_guidellm"],
 }
 """``spade bench KIND`` -> the ``main(argv)`` modules it runs, from ``benchmarks/`` of a
 source checkout (the folder is not part of the installed package)."""
 
-TAKES_CONFIG = {"tpot", "serve"}
+TAKES_CONFIG = {"tpot", "serve", "guidellm"}
 """Benchmarks whose ``main`` takes ``--config`` (``spade bench KIND --config X.yaml``)."""
 
 
