@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -67,7 +68,8 @@ def model_tokenizer(config: str | None, sets: list[str], out_dir: Path) -> Path:
 
 def guidellm_command(exe: str, target: str, model: str, profile: list[str], requests: int, input_len: int,
                      output_len: int, tokenizer: Path, out_json: Path) -> list[str]:
-    return [exe, "run", "--backend", f"kind=openai_http,target={target},model={model}", *profile,
+    """``exe``: guidellm's command, e.g. ``.venv-guidellm/bin/guidellm`` or ``python3 -m guidellm``."""
+    return [*shlex.split(exe), "run", "--backend", f"kind=openai_http,target={target},model={model}", *profile,
             "--constraint", f"kind=max_requests,count={requests}",
             "--data", f"kind=synthetic_text,prompt_tokens={input_len},output_tokens={output_len}",
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
@@ -118,7 +120,7 @@ def run_guidellm(cmd: list[str], log: Path, timeout_s: float) -> None:
 
 
 def guidellm_version(exe: str) -> str:
-    p = subprocess.run([exe, "--version"], capture_output=True, text=True, env=guidellm_env(), timeout=120)
+    p = subprocess.run([*shlex.split(exe), "--version"], capture_output=True, text=True, env=guidellm_env(), timeout=120)
     if p.returncode != 0:
         return f"unknown (rc {p.returncode})"
     return (p.stdout or p.stderr).strip().splitlines()[-1].removeprefix("guidellm version:").strip()  # "0.8.1"
@@ -164,7 +166,9 @@ def parse_args(argv):
     ap.add_argument("--config", "-c", required=True, help="start `spade serve --config X` (one per --policies entry)")
     ap.add_argument("--set", action="append", default=[], help="config override for the server (repeatable)")
     ap.add_argument("--policies", default="", help="comma list: one server per policy; default: the config's")
-    ap.add_argument("--guidellm", default="guidellm", help="the guidellm executable (its own environment)")
+    ap.add_argument("--guidellm", default="guidellm",
+                    help="guidellm's command (its own environment), e.g. .venv-guidellm/bin/guidellm or "
+                         "'python3 -m guidellm' where it is importable")
     ap.add_argument("--tokenizer", help="tokenizer folder for guidellm's token counts (default: the served model's, "
                                         "or byte-level for a model without one)")
     ap.add_argument("--rates", default="0.5,1", help="comma list of Poisson request rates (req/s)")

@@ -11,6 +11,7 @@
 #   decode     whole-model decode: spade fast path vs HF (one GPU); projections auto vs cuBLAS side by side
 #   prefill    the serving prompt pass whole and in pieces against its FLOP floor, with a kernel profile
 #   prefill_fresh  the prompt pass at lengths never run before (a served trace's prompts), paged
+#   guidellm   `spade serve` driven by guidellm (wheels carried in .whl_guidellm; docs/serve.md)
 #   syncs      host synchronisations of a served trace by Python line (SYNCS_POLICIES, default
 #              "full:inline asyncspade:colocated")
 #   gemv       the decode projections alone: split-K Triton GEMV vs cuBLAS (bench_gemv --quick)
@@ -382,6 +383,13 @@ for s in "${stages[@]}"; do
       done
       run bench_serve_plot 60 python3 -m benchmarks.bench_serve --plot "$OUT/bench_serve.png" \
         --plot-from $(for p in ${SERVE_POLICIES:-full asyncspade}; do echo "$OUT/bench_serve_$p.json"; done) ;;
+    guidellm)  # `spade serve` driven by guidellm 0.8.1 (its wheels carried in .whl_guidellm beside .whl; docs/serve.md),
+               # one policy per GUIDELLM_POLICIES entry, 16k prompts, SERVE_ARGS-like GUIDELLM_ARGS
+      wheels .whl_guidellm || { rc=3; continue; }
+      run bench_guidellm ${GUIDELLM_TIMEOUT:-560} python3 -m benchmarks.bench_guidellm --guidellm "python3 -m guidellm" \
+        --config ${SERVE_CONFIG:-configs/h100_qwen3_8b.yaml} --set serving.max_batch=8 --set serve.max_waiting=256 \
+        --policies ${GUIDELLM_POLICIES:-full,asyncspade} \
+        ${GUIDELLM_ARGS:---input-len 16000 --output-len 256 --num-prompts 12 --rates 0.5,1} --out "$OUT/bench_guidellm.json" ;;
     serve_long)  # long outputs (16k prompts, 2048 outputs) on 16 paged slots with a logical max_seq_len of 36000
                  # (no wave admission under the shared write cursor), SERVE_LONG_RATES; one policy per call fits 10 min
                  # on one GPU; with two GPUs visible the policies run side by side, one GPU each

@@ -54,6 +54,8 @@ def test_guidellm_command_names_every_setting(tmp_path):
                  f"kind=json,path={tmp_path / 'o.json'}", "--profile kind=synchronous"):
         assert want in line
     assert bench_guidellm.guidellm_env()["GUIDELLM__MAX_WORKER_PROCESSES"] == "1"
+    as_module = bench_guidellm.guidellm_command("python3 -m guidellm", "http://h", "m", [], 1, 1, 1, tmp_path, tmp_path)
+    assert as_module[:4] == ["python3", "-m", "guidellm", "run"]
 
 
 STAND_IN = '''#!{python}
