@@ -159,15 +159,15 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     planned, free = (_lse_cudnn, _lse_flash) if q.device.type == "cuda" else (_lse_torch, _lse_torch)
     early = n - c  # the earlier pieces' keys
-    head = plan_keys(early) if plan_rows(c) else 0  # of them, those the plan-bounded call takes
+    cut = plan_keys(early) if plan_rows(c) else 0  # keys [0, cut) go to the plan-bounded call
     qf = q.reshape(B, Hkv, G * c, D)  # head h = kv * G + g, row g * c + i: a view of a contiguous q
-    if head:
-        o1, l1 = planned(qf, k[:, :, :head], v[:, :, :head], False, scale)  # no mask
-    kc, vc = k[:, :, head or early:], v[:, :, head or early:]  # the rest and the piece (lower-right), or the piece
+    if cut:
+        o1, l1 = planned(qf, k[:, :, :cut], v[:, :, :cut], False, scale)  # no mask
+    kc, vc = k[:, :, cut or early:], v[:, :, cut or early:]  # the rest and the piece (lower-right), or the piece
     if G > 1:
         kc, vc = kc.repeat_interleave(G, dim=1), vc.repeat_interleave(G, dim=1)  # [B, Hq, < early / 4 + c, D]
     o2, l2 = free(q, kc, vc, True, scale)
-    if not head:
+    if not cut:
         if early == 0:
             return o2
         o1, l1 = free(qf, k[:, :, :early], v[:, :, :early], False, scale)  # the earlier pieces: no mask
