@@ -127,7 +127,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     flash's kernel below ``WHOLE_PLAN_MIN`` tokens on the fused path (no cuDNN plan for a
     one-off length), else SDPA's own choice."""
     if fused_ok(q) and q.shape[2] < WHOLE_PLAN_MIN:
-        return _lse_flash(q, k, v, True, scale)[0]
+        try:
+            return _lse_flash(q, k, v, True, scale)[0]
+        except RuntimeError as e:  # no flash kernel for this GPU or shape: SDPA chooses
+            log.info("prompt pass: flash attention did not run (%s); SDPA's choice runs it", str(e).splitlines()[0][:200])
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 

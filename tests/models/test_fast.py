@@ -723,6 +723,28 @@ def test_chunk_attention_plan_bounded_split(monkeypatch, Hq, Hkv, c, m):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_whole_prompt_attention_falls_back_to_sdpa(monkeypatch):
+    """A whole prompt under WHOLE_PLAN_MIN goes to flash; where flash cannot run (a GPU
+    without it), SDPA's own choice runs it: the same causal attention."""
+    import torch.nn.functional as F
+
+    from spade.models import prompt_attention as PA
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    calls = []
+
+    def no_flash(*a):
+        calls.append(a[0].shape)
+        raise RuntimeError("No available kernel")
+
+    monkeypatch.setattr(PA, "fused_ok", lambda q: True)
+    monkeypatch.setattr(PA, "_lse_flash", no_flash)
+    out = PA.causal_attention(q, k, v, 0.5)
+    assert calls == [q.shape]
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5))
+
+
 def test_plan_ladder_bounds_the_cudnn_shapes():
     """A served trace's prompts (random lengths, a random first piece, then pieces of 2,048)
     give a bounded set of cuDNN calls: (piece rows, keys, buffer capacity) take a few values
