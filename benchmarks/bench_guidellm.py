@@ -13,7 +13,7 @@ guidellm's own TPOT (first token included) is kept as `guidellm_tpot_*`.
 
 guidellm needs its own environment (it pins a newer torch than spade's):
 
-    python -m venv .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1
+    python -m venv .venv-guidellm && .venv-guidellm/bin/pip install torch==2.13.0 guidellm==0.8.1
     python -m benchmarks.bench_guidellm --guidellm .venv-guidellm/bin/guidellm --config configs/cpu_serve.yaml \\
         --rates 0.5,1 --num-prompts 10 --input-len 64 --output-len 16 --out results/bench_guidellm.json
 
