@@ -11,7 +11,8 @@ and reads guidellm's JSON into `bench_serve`'s rows, SLO lines and plot. TPOT he
 guidellm's inter-token latency (first token excluded, as `bench_serve`'s TPOT);
 guidellm's own TPOT (first token included) is kept as `guidellm_tpot_*`.
 
-guidellm needs its own environment (it pins a newer torch than spade's):
+guidellm runs from its own environment (it brings datasets, pandas, sanic and more; left unpinned, pip
+resolves a newer torch for it than spade's), torch pinned there to the CPU wheel:
 
     python -m venv .venv-guidellm && .venv-guidellm/bin/pip install torch==2.13.0 guidellm==0.8.1
     python -m benchmarks.bench_guidellm --guidellm .venv-guidellm/bin/guidellm --config configs/cpu_serve.yaml \\

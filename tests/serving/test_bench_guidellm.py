@@ -2,7 +2,7 @@
 report of a real guidellm 0.8.1 run against `spade serve` on SmolLM2, CPU), the byte-level
 tokenizer of a model without one, and the whole path (a `spade serve` of the tiny preset
 started, warmed up, driven, stopped) with a stand-in for the guidellm executable, which
-is not installed in CI (it pins its own torch)."""
+is not installed in CI (it brings its own environment)."""
 
 from __future__ import annotations
 
