@@ -147,13 +147,12 @@ def paged_write(pool: torch.Tensor, block_table: torch.Tensor, x: torch.Tensor, 
         pos = torch.arange(start, start + T, device=dev).expand(B, T)  # [B, T] logical positions
     else:
         pos = (start.to(dev).long().reshape(-1, 1) + torch.arange(T, device=dev)).expand(B, T)
-    keep = None if n is None else (
-        torch.arange(T, device=dev)[None, :] < torch.as_tensor(n, device=dev).long().reshape(-1, 1))
     blk = torch.gather(block_table.long(), 1, (pos // bs).clamp(0, block_table.shape[1] - 1))  # [B, T]
     slot, src = blk * bs + pos % bs, x.permute(0, 2, 1, 3)  # [B, T] physical slots of the pool, [B, T, Hkv, D]
     if n is None:  # every token: no boolean index (its nonzero would wait for the GPU)
         slot, src = slot.reshape(-1), src.reshape(B * T, Hkv, D)
     else:
+        keep = torch.arange(T, device=dev)[None, :] < torch.as_tensor(n, device=dev).long().reshape(-1, 1)
         slot, src = slot[keep], src[keep]  # [N], [N, Hkv, D]
     pool[slot // bs, :, slot % bs, :] = src.to(pool.dtype)  # one advanced-index scatter
 

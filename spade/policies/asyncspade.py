@@ -813,7 +813,7 @@ class AsyncSpadePolicy(Policy):
         key = (str(device), rows)
         idx = self._row_index.get(key)
         if idx is None:
-            idx = self._row_index[key] = torch.as_tensor(rows, dtype=torch.int64, device=device)
+            idx = self._row_index[key] = device_index(rows, device)
         return idx
 
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
