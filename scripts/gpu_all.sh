@@ -304,9 +304,10 @@ for s in "${stages[@]}"; do
             # file suffix), with a kernel profile of TRACE_PROFILE decode steps once all have joined (default 0: the
             # profiler's stop holds the scheduler for seconds, so a profiled row's tok/s is not comparable); then the
             # static step at 16 x 16k (TRACE_STATIC_METHODS, contiguous and paged; TRACE_STATIC_ARGS) for the pair's
-            # "p50 TPOT <= 1.15x static optimal" target (TRACE_STATIC=0 skips it)
+            # "p50 TPOT <= 1.15x static optimal" target (TRACE_STATIC=0 skips it); TRACE_MSL: the logical
+            # model.max_seq_len (default 26624 = the longest prompt + output; the KV pool stays TRACE_BLOCKS)
       TA=${TRACE_ARGS:---requests 32 --rate 1 --prompt-min 8192 --prompt-max 24576 --out-min 512 --out-max 2048}
-      TS="--preset qwen3-8b --max-batch 16 --max-seq-len 26624 --budget 2048 --set model.block_size=16 \
+      TS="--preset qwen3-8b --max-batch 16 --max-seq-len ${TRACE_MSL:-26624} --budget 2048 --set model.block_size=16 \
           --set model.kv_blocks=${TRACE_BLOCKS:-18000} --profile-steps ${TRACE_PROFILE:-0} $TA"
       AS="--set policy.score_keys=int4 --set runtime.pack_layers=auto ${TRACE_AS:-}"
       TG=${TRACE_TAG:-}

@@ -11,7 +11,7 @@ import torch
 
 import spade
 
-from .conftest import final, greedy, make_config, random_prompts, run
+from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,6 +31,16 @@ async def _staggered(engine, prompts, ns):
         return await final(engine, p, greedy(n), f"r{i}")
 
     return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))))
+
+
+def _overlapping(engine, prompts, ns, every=2):
+    """Jobs for ``conftest.staggered`` that surely overlap: request 0 decodes until every
+    other has arrived (request ``i`` ``every * i`` decode steps after the engine's count
+    now), whatever the GPU's speed (arrivals by wall time let fast steps finish each
+    request before the next arrives)."""
+    s0 = engine.stats()["steps"]
+    ns = [max(ns[0], every * len(prompts) + 4)] + list(ns[1:])
+    return [(s0 + every * i, p, n) for i, (p, n) in enumerate(zip(prompts, ns))]
 
 
 def _together_then_alone(engine, prompts, ns):
@@ -88,9 +98,9 @@ def test_joins_and_leaves_do_not_recapture():
     engine = spade.AsyncEngine(_cfg("full"))
 
     async def main():
-        await _staggered(engine, random_prompts(6, seed=5), [5 + 2 * i for i in range(6)])
+        await staggered(engine, _overlapping(engine, random_prompts(6, seed=5), [5 + 2 * i for i in range(6)]))
         keys = len(engine.backend._graphs)
-        await _staggered(engine, random_prompts(8, seed=6), [3 + i for i in range(8)])
+        await staggered(engine, _overlapping(engine, random_prompts(8, seed=6), [3 + i for i in range(8)]))
         keys2 = len(engine.backend._graphs)
         await engine.close()
         return keys, keys2
@@ -106,9 +116,11 @@ def test_cache_rank_joins_and_leaves_do_not_recapture():
     engine = spade.AsyncEngine(_cfg("asyncspade", "colocated"))
 
     async def main():
-        await _staggered(engine, random_prompts(6, seed=5, lo=14, hi=20), [12 + 2 * i for i in range(6)])
+        prompts = random_prompts(6, seed=5, lo=14, hi=20)
+        await staggered(engine, _overlapping(engine, prompts, [12 + 2 * i for i in range(6)]))
         keys = set(engine.backend._graphs)
-        await _staggered(engine, random_prompts(8, seed=6, lo=14, hi=20), [10 + i for i in range(8)])
+        prompts = random_prompts(8, seed=6, lo=14, hi=20)
+        await staggered(engine, _overlapping(engine, prompts, [10 + i for i in range(8)]))
         keys2 = set(engine.backend._graphs)
         st = engine.stats()
         await engine.close()
