@@ -35,7 +35,7 @@ from benchmarks.trace_summary import kernel_us
 WARM_TOKENS = 8
 #: engine.stats() counters reported for the timed trace alone (the warm-up's share taken off)
 TRACE_COUNTERS = ("steps", "sparse_steps", "mixed_steps", "prefill_s", "decode_s", "prefill_device_s",
-                  "decode_device_s", "tokens_generated", "joins",
+                  "decode_device_s", "tokens_generated", "joins", "joins_held_by_cursor",
                   "late_packs", "join_wait_s", "prompt_tokens", "cursor_resets", "prefill_pieces",
                   "topk_calls", "topk_fallbacks", "topk_fallbacks_too_many", "requests_finished",
                   "requests_aborted", "requests_failed")
@@ -171,6 +171,8 @@ def run_policy(args, policy: str, jobs) -> dict:
         "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
         "queue_p50_s": percentile(queue, 0.5), "queue_p99_s": percentile(queue, 0.99),
         "mean_tpot_s": statistics.mean(tpot) if tpot else None,
+        # rows that decode per step on average (of max_batch): what a step's weight read is shared by
+        "rows_per_step": ntok / st["steps"] if st.get("steps") else None,
         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
         "engine": st,
         "profile": prof,
@@ -223,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['policy']:>12} ({r['topology']}): {r['output_tok_per_s']:.1f} tok/s ({r['output_tok_per_s_per_gpu']:.1f} per GPU)  TTFT p50 {r['ttft_p50_s']:.3f} s "
               f"p99 {r['ttft_p99_s']:.3f} s  TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms p99 "
               f"{r['tpot_p99_s'] * 1e3:.2f} ms  steps {r['engine']['steps']} sparse {r['engine']['sparse_steps']}  "
+              f"rows/step {r['rows_per_step'] or 0:.2f} of {args.max_batch} "
+              f"(joins held by the cursor {r['engine'].get('joins_held_by_cursor', 0)})  "
               f"prefill {r['engine']['prefill_s']:.2f} s ({r['engine']['prefill_pieces']} pieces)  "
               f"decode {r['engine']['decode_s']:.2f} s "
               f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)"
