@@ -934,7 +934,7 @@ class FastModel(DecodeBackend):
         x = self._prompt_pass(ids, mask, False, region, fwd, offset=offset)
         if not last:
             return None
-        self._meta[1, row] = offset + c - 1
+        self._meta[1, row:row + 1].fill_(offset + c - 1)  # (a scalar fill: no host wait)
         self._x[row].copy_(x[0, -1])
         h = rms_norm_torch(x[:, -1], self.norm, self.arch.eps)  # [1, H]
         return F.linear(h, self.lm_head).float()

@@ -442,7 +442,8 @@ class _Generation:
         if self.state.idle is None:
             self.state.idle = idle.to(self.dev, torch.bool).clone()
         else:
-            self.state.idle.copy_(idle.to(self.dev, torch.bool))
+            # a fresh host copy, sent without waiting for the queued work
+            self.state.idle.copy_(idle.to(torch.bool, copy=True), non_blocking=True)
         self.plan = kernels.row_bucket(self.B - int(idle.sum()), self.B)
 
     async def _join(self, S: int, step: int, gen: int, rows: list[list[int]], kv_start: torch.Tensor,

@@ -40,6 +40,7 @@ from spade.engine import check_prompt_text, check_prompts, load_model
 from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
 from spade.runtime.protocol import TOPK_STATS
 from spade.serving.detok import IncrementalDetokenizer
+from spade.streams import device_index
 from spade.serving.params import RequestOutput, RequestOutputKind, SamplingParams, _output_kind
 
 log = logging.getLogger(__name__)
@@ -619,7 +620,9 @@ class AsyncEngine:
         try:
             logits = self.batch.step(self._step_tokens)
             order = sorted(rows)
-            new = self._sample(logits[order], [rows[r] for r in order]) if order else []
+            if order and len(order) < logits.shape[0]:  # (a host list as an index would wait for the step)
+                logits = logits.index_select(0, device_index(order, logits.device))
+            new = self._sample(logits, [rows[r] for r in order]) if order else []
         except Exception as e:  # every row of the step fails (its state is unknown); others go on
             log.warning("a decode step failed (%d requests): %s", len(rows), e)
             with self._lock:

@@ -318,7 +318,7 @@ class SlotBatch:
         first = job.end - T
         if last:
             self.kv_start_host[row] = first
-            self.kv_start[row] = first
+            self.kv_start[row:row + 1].fill_(first)  # (a scalar fill: item assignment copies and waits)
             self.state.seq_len = S
             self.state.kv_start = self.kv_start
         try:
@@ -335,7 +335,7 @@ class SlotBatch:
         self.joins += 1
         self.joins_running += any(self.active)
         self.active[row] = True
-        self.idle[row] = False
+        self.idle[row:row + 1].fill_(False)
         return out
 
     def _piece_report(self, row: int, job: RowPrefill, last: bool):
@@ -384,14 +384,14 @@ class SlotBatch:
         """Free ``row`` (a request that finished, or left mid-join): from the next step it
         decodes a dummy token over its own window, which starts at the cursor."""
         self.active[row] = False
-        self.idle[row] = True
+        self.idle[row:row + 1].fill_(True)
         self.prefilling.pop(row, None)
         if self.paged:  # its blocks go back to the pool at once
             self.backend.kv_free(row)
             self.reserved[row] = 0
         S = self.cursor
         self.kv_start_host[row] = S
-        self.kv_start[row] = S
+        self.kv_start[row:row + 1].fill_(S)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, tokens: torch.Tensor, mode: str) -> torch.Tensor:
