@@ -172,7 +172,8 @@ def run_policy(args, policy: str, jobs) -> dict:
         "queue_p50_s": percentile(queue, 0.5), "queue_p99_s": percentile(queue, 0.99),
         "mean_tpot_s": statistics.mean(tpot) if tpot else None,
         # rows that decode per step on average (of max_batch): what a step's weight read is shared by
-        "rows_per_step": ntok / st["steps"] if st.get("steps") else None,
+        # (a request's first token comes from its prompt pass, not from a step)
+        "rows_per_step": (ntok - sum(1 for o in outs if o.token_ids)) / st["steps"] if st.get("steps") else None,
         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
         "engine": st,
         "profile": prof,
