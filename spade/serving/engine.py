@@ -40,8 +40,8 @@ from spade.engine import check_prompt_text, check_prompts, load_model
 from spade.errors import ArgumentError, ArgumentTypeError, ConfigError, EngineClosedError
 from spade.runtime.protocol import TOPK_STATS
 from spade.serving.detok import IncrementalDetokenizer
-from spade.streams import device_index
 from spade.serving.params import RequestOutput, RequestOutputKind, SamplingParams, _output_kind
+from spade.streams import device_index
 
 log = logging.getLogger(__name__)
 
