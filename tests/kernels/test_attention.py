@@ -433,6 +433,34 @@ def test_empty_set_and_scale(device):
         assert out[1].abs().max().item() == 0.0 and torch.isinf(lse[1]).all()
 
 
+def test_reference_reads_no_position_past_the_longest_row():
+    """The torch reference (the CPU's serving kernel) stops at the longest row's length:
+    positions past every ``kv_lens`` may hold anything (here NaN) and the answer is the one
+    over a cache cut there; with a block table, blocks past it are not read either."""
+    B, Hq, Hkv, D, L = 3, 4, 2, 16, 64
+    q, k, v = _inputs(B, Hq, Hkv, D, L, torch.float32, "cpu")
+    kv_lens, kv_start = torch.tensor([29, 17, 30]), torch.tensor([0, 4, 9])
+    idx = _middle_indices(kv_lens, kv_start, Hkv, 6, 2, 3, holes=0.2)
+    for indices in (None, idx):
+        kw = dict(n_sink=2, n_recent=3, kv_start=kv_start, return_lse=True)
+        want = A.sparse_decode_attention_ref(q, k[:, :, :30], v[:, :, :30], kv_lens, indices, **kw)
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, 30:], v2[:, :, 30:] = float("nan"), float("nan")
+        got = A.sparse_decode_attention_ref(q, k2, v2, kv_lens, indices, **kw)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # paged: 4-token blocks, the rows' blocks then NaN-filled ones the table also lists
+        bs, nb = 4, L // 4
+        pool = torch.full((B * nb + 1, Hkv, bs, D), float("nan"))
+        vpool = pool.clone()
+        table = torch.arange(1, B * nb + 1, dtype=torch.int32).view(B, nb)
+        for b in range(B):
+            for j in range(8):  # blocks 0..7 hold positions 0..31 (>= every row's length)
+                pool[table[b, j]] = k[b, :, j * bs:(j + 1) * bs]
+                vpool[table[b, j]] = v[b, :, j * bs:(j + 1) * bs]
+        got = A.sparse_decode_attention_ref(q, pool, vpool, kv_lens, indices, block_table=table, **kw)
+        torch.testing.assert_close(got, want)  # (32 positions read against 30: fp32 rounding)
+
+
 def test_strided_inputs(device):
     """q and the cache as non-contiguous views (a [B, L, H, D] cache transposed)."""
     B, Hq, Hkv, D, L = 2, 4, 2, 64, 50
