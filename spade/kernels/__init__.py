@@ -85,7 +85,7 @@ def use_triton(t: torch.Tensor) -> bool:
 def group_scores(q, k, kv_lens, *, scale=None, reduce="sum_logits", kv_start=None, k_scale=None, block_table=None):
     """Scores of every cached key for each KV head: [B, Hkv, L] float32, ``-inf``
     outside ``[kv_start, kv_lens)``. GQA as a batched GEMM with the group reduction.
-    ``block_table``: exact keys in a block pool, as in ``score_topk``.
+    ``block_table``: the keys (and an int8 / int4 copy's scales) in a block pool, as in ``score_topk``.
     int8 ``k`` (from ``quantize_keys``) needs ``k_scale`` [B, Hkv, L]: logits are
     ``scale * (q · kq) * k_scale``; so does packed int4 ``k`` (uint8 [B, Hkv, L, D/2]
     from ``quantize_keys_int4``; q then carries the copy's smoothing: ``fold_smoothing``)."""
@@ -111,8 +111,9 @@ def score_topk(q, k, lo, hi, k_top, *, scale=None, reduce="sum_logits", kv_lens=
     among the scores above the previous call's threshold instead of by radix passes
     over every row; ``carry_margin``: its next threshold aims at that many times
     ``k_top`` candidates (``carry.carry_sizes``; the reference ignores it).
-    ``block_table`` (int32 [B, max_blocks]): exact keys in a block pool
-    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); positions stay logical."""
+    ``block_table`` (int32 [B, max_blocks]): the keys are a block pool
+    [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``; int8 / int4 copies with
+    ``k_scale`` a pool [num_blocks, Hkv, block_size]); positions stay logical."""
     from spade.kernels import scoring
 
     fn = scoring.score_topk_triton if use_triton(q) else scoring.score_topk_ref
@@ -324,16 +325,19 @@ def quantize_keys(k):
     return fn(k)
 
 
-def quantize_append(kq, ks, k_new, pos, *, pos_offset=0):
+def quantize_append(kq, ks, k_new, pos, *, pos_offset=0, block_table=None):
     """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b] + pos_offset`` (``pos``:
     [B] int device tensor, no host sync; the host int ``pos_offset`` is added in the
     kernel, e.g. ``kv_lens`` with -1) of ``kq``/``ks``; rows whose slot is outside
     ``[0, L)`` are skipped. ``k_new`` may be the cache itself [B, H, L', D]: its row at
-    the slot is read in the same launch (no gather of the newest keys first)."""
+    the slot is read in the same launch (no gather of the newest keys first).
+    ``block_table`` [B, max_blocks] int32: ``kq`` [num_blocks, H, bs, D] / ``ks``
+    [num_blocks, H, bs] are pools paged like the KV cache, the slot is logical
+    (L = max_blocks * bs)."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
-    return fn(kq, ks, k_new, pos, pos_offset=pos_offset)
+    return fn(kq, ks, k_new, pos, pos_offset=pos_offset, block_table=block_table)
 
 
 def quantize_keys_int4(k, smooth=None):
@@ -347,14 +351,16 @@ def quantize_keys_int4(k, smooth=None):
     return fn(k, smooth)
 
 
-def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0):
+def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0, block_table=None):
     """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
     ``pos[b] + pos_offset`` of the packed ``kq``/``ks``; rows whose slot is outside
-    ``[0, L)`` skipped. ``k_new`` may be the cache [B, H, L', D], read at the slot."""
+    ``[0, L)`` skipped. ``k_new`` may be the cache [B, H, L', D], read at the slot.
+    ``block_table``: ``kq`` [num_blocks, H, bs, D/2] / ``ks`` [num_blocks, H, bs] are
+    pools, as in ``quantize_append``."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref
-    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset)
+    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset, block_table=block_table)
 
 
 def fit_smoothing(k, kv_lens=None, kv_start=None):

@@ -384,13 +384,15 @@ _CARRY_NORM = {"sum_softmax": 0, "sum_logits": 1, "max_logits": 2}  # _carry_pre
 
 
 def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, scale: float, reduce: str, k_scale,
-                hkv: int, score: bool = True, select: bool = True, margin: float | None = None) -> None:
+                hkv: int, score: bool = True, select: bool = True, margin: float | None = None,
+                block_table=None) -> None:
     """The threshold-carry top-K into ``idx`` [rows, k_top]: this call's threshold from
     the carried one and the query's norm (``_carry_prep_kernel``), scoring that marks
     the candidates above it in a bitmask per row, ``_carry_select_kernel``, then the
     radix passes gated on the rows it could not select (``_select_from_scores(gate=)``).
-    ``score`` / ``select``: run only one half (the benchmark times them apart)."""
-    rows, L = scores.shape[0], k.shape[2]
+    ``score`` / ``select``: run only one half (the benchmark times them apart).
+    ``block_table``: ``k`` (and ``k_scale``) are pools read through it; the scores stay logical."""
+    rows, L = scores.shape  # logical positions (a pool's dimension 2 is its block size)
     k_next, cap = carry_sizes(k_top, margin)
     cfg = _carry_config(cap, k.device, rows)
     dev = k.device
@@ -405,7 +407,7 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
                                     G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
                                     NORM=_CARRY_NORM[reduce], num_warps=1, **pdl_kwargs(q, "select"))
         _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
-                       full_row=False, hist=None, k_scale=k_scale, carry=(carry, mask, nw))
+                       full_row=False, hist=None, k_scale=k_scale, carry=(carry, mask, nw), block_table=block_table)
     if select:
         side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
         if side is not None and _OVERLAP.index != _device_index(dev):

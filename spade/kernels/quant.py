@@ -23,7 +23,10 @@ Two ops, each with a torch reference and a Triton kernel:
 * ``quantize_append(kq, ks, k_new, pos)``: in place, quantise ``k_new`` [B, H, D]
   into slot ``pos[b]`` of each row. ``pos`` is a device tensor read by the kernel
   (no host sync), so the op can be replayed in a CUDA graph; rows with ``pos``
-  outside ``[0, L)`` are left untouched.
+  outside ``[0, L)`` are left untouched. With a ``block_table`` the copy is a pool
+  ``[num_blocks, H, block_size, D]`` (scales ``[num_blocks, H, block_size]``) laid out
+  like the paged KV cache (``spade.kernels.paged``): the slot is logical and maps to
+  ``(table[b, p // block_size], p % block_size)``.
 
 int4 keys (a quarter of bf16's bytes)
 ------------------------------------
@@ -67,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spade.kernels.paged import check_block_table
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 
 __all__ = ["SCALE_FLOOR", "INT4_MAX", "SMOOTH_FLOOR", "quantize_keys_ref", "quantize_keys_triton",
@@ -123,15 +127,58 @@ def _check_k(k: torch.Tensor) -> None:
         raise ValueError(f"k must be a float [B, H, L, D] tensor, got {tuple(k.shape)} {k.dtype}")
 
 
-def _check_append(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor) -> None:
-    if kq.dim() != 4 or kq.dtype != torch.int8:
-        raise ValueError(f"kq must be int8 [B, H, L, D], got {tuple(kq.shape)} {kq.dtype}")
-    B, H, L, D = kq.shape
-    if ks.shape != (B, H, L) or ks.dtype != torch.float32:
-        raise ValueError(f"ks must be float32 [{B}, {H}, {L}], got {tuple(ks.shape)} {ks.dtype}")
-    _check_new(k_new, B, H, D)
+def _append_dims(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                 block_table: torch.Tensor | None, dtype: torch.dtype, kind: str, d_name: str,
+                 d_mult: int) -> tuple[int, int, int, int]:
+    """Check an append's copy, keys, slots and table; (B, H, L, Dq) with L the logical
+    length (``max_blocks * block_size`` for a pool) and Dq the copy's last dim. A pool
+    does not know B: it comes from ``k_new`` (else ``pos``) and every other argument must agree."""
+    layout = f"[B, H, L, {d_name}]" if block_table is None else f"[num_blocks, H, block_size, {d_name}] (a pool)"
+    if kq.dim() != 4 or kq.dtype != dtype:
+        raise ValueError(f"kq must be {kind} {layout}, got {tuple(kq.shape)} {kq.dtype}")
+    if block_table is None:
+        B, H, L, Dq = kq.shape
+    else:
+        _, H, bs, Dq = kq.shape
+        B = k_new.shape[0] if k_new.dim() in (3, 4) else (pos.shape[0] if pos.dim() == 1 else 0)
+        L = block_table.shape[1] * bs if block_table.dim() == 2 else 0
+    if ks.shape != kq.shape[:3] or ks.dtype != torch.float32:
+        raise ValueError(f"ks must be float32 {list(kq.shape[:3])} (kq's shape less its last dim), "
+                         f"got {tuple(ks.shape)} {ks.dtype}")
+    _check_new(k_new, B, H, d_mult * Dq)
     if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
         raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
+    if block_table is not None:
+        check_block_table(block_table, B, kq.device)
+    return B, H, L, Dq
+
+
+def _check_append(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
+                  block_table: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Check an int8 append: (B, H, L, D)."""
+    return _append_dims(kq, ks, k_new, pos, block_table, torch.int8, "int8", "D", 1)
+
+
+def _write_rows_ref(kq: torch.Tensor, ks: torch.Tensor, q_new: torch.Tensor, s_new: torch.Tensor,
+                    p: torch.Tensor, L: int, block_table: torch.Tensor | None) -> None:
+    """Store row b's quantised keys ``q_new[b]`` [H, Dq] and scales ``s_new[b]`` [H] at
+    logical slot ``p[b]`` of the copy (through ``block_table`` when given), as a device
+    gather/where/scatter (no host sync): a row whose slot is outside ``[0, L)`` rewrites
+    the place of its slot 0 with the value read there before any write. The places
+    written must be distinct from those slot-0 places of skipped rows (each row owns its
+    blocks; duplicates among skipped rows all rewrite the same old value)."""
+    if L == 0:
+        return
+    ok = (p >= 0) & (p < L)  # [B]
+    p_safe = torch.where(ok, p, torch.zeros_like(p))
+    if block_table is None:
+        blk, off = torch.arange(p.shape[0], device=p.device), p_safe
+    else:
+        bs = kq.shape[2]
+        blk = block_table.gather(1, (p_safe // bs)[:, None]).squeeze(1).long()
+        off = p_safe % bs
+    ks[blk, :, off] = torch.where(ok[:, None], s_new, ks[blk, :, off])  # [B, H]
+    kq[blk, :, off] = torch.where(ok[:, None, None], q_new, kq[blk, :, off])  # [B, H, Dq]
 
 
 def _quantize_rows_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,21 +196,14 @@ def quantize_keys_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_append_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
-                        pos_offset: int = 0) -> None:
+                        pos_offset: int = 0, block_table: torch.Tensor | None = None) -> None:
     """Reference ``quantize_append`` (in place). A device-side scatter: rows whose
-    ``pos + pos_offset`` is outside ``[0, L)`` rewrite their own slot 0 with its old value."""
-    _check_append(kq, ks, k_new, pos)
-    B, H, L, D = kq.shape
+    ``pos + pos_offset`` is outside ``[0, L)`` rewrite their own slot 0 with its old value.
+    ``block_table`` [B, max_blocks]: ``kq``/``ks`` are pools, the slot is logical."""
+    _, _, L, _ = _check_append(kq, ks, k_new, pos, block_table)
     p = _slots(pos, pos_offset, kq.device)  # [B]
-    ok = (p >= 0) & (p < L)  # [B]
-    p_safe = torch.where(ok, p, torch.zeros_like(p))
     q_new, s_new = _quantize_rows_ref(_new_rows(k_new, p).to(kq.device))  # [B, H, D], [B, H]
-    idx_s = p_safe.view(B, 1, 1).expand(B, H, 1)
-    old_s = ks.gather(2, idx_s)  # [B, H, 1]
-    ks.scatter_(2, idx_s, torch.where(ok.view(B, 1, 1), s_new[..., None], old_s))
-    idx_q = p_safe.view(B, 1, 1, 1).expand(B, H, 1, D)
-    old_q = kq.gather(2, idx_q)  # [B, H, 1, D]
-    kq.scatter_(2, idx_q, torch.where(ok.view(B, 1, 1, 1), q_new[:, :, None], old_q))
+    _write_rows_ref(kq, ks, q_new, s_new, p, L, block_table)
 
 
 @triton.jit
@@ -219,22 +259,39 @@ def _append_slot(POS, b, L, OFFSET, H: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _append_place(BT, b, p, stride_tb: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(block, row in block) of the copy that slot ``p`` of row ``b`` is stored at: (b, p),
+    or under PAGED ``(BT[b, p // BLOCK_SIZE], p % BLOCK_SIZE)`` (int64). ``p`` is 0 for a
+    skipped row (``_append_slot``): its table entry 0 is read, never written through."""
+    blk = b
+    r = p
+    if PAGED:
+        blk = tl.load(BT + b * stride_tb + p // BLOCK_SIZE).to(tl.int64)
+        r = p % BLOCK_SIZE
+    return blk, r
+
+
+@triton.jit
 def _quantize_append_kernel(KN, KQ, KS, POS, L, OFFSET,
                             stride_nb, stride_nh, stride_nl, stride_nd,
                             stride_qb, stride_qh, stride_ql, stride_qd,
                             stride_sb, stride_sh, stride_sl,
                             H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                            PDL: tl.constexpr = False):
-    """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside [0, L))."""
+                            PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0,
+                            PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1):
+    """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside [0, L)).
+    PAGED: ``KQ``/``KS`` are pools [num_blocks, H, BLOCK_SIZE(, D)] addressed through the
+    block tables ``BT`` [B, max_blocks]; L and the slot stay logical."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
+    blk, r = _append_place(BT, b, p, stride_tb, PAGED, BLOCK_SIZE)
     offs_d = tl.arange(0, BLOCK_D)
     # stride_nl = 0 for new keys [B, H, D]; the cache's row stride reads its row ``p``
     k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
-    q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
-    s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
+    q_ptrs = KQ + blk * stride_qb + h64[:, None] * stride_qh + r * stride_ql + offs_d[None, :] * stride_qd
+    s_ptrs = KS + blk * stride_sb + h64 * stride_sh + r * stride_sl
     _quantize_tile(k_ptrs, q_ptrs, s_ptrs, mask_h, offs_d < D)
 
 
@@ -258,18 +315,25 @@ def quantize_keys_triton(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kq, ks
 
 
+def _paged_kwargs(kq: torch.Tensor, block_table: torch.Tensor | None) -> dict:
+    """The append kernels' PAGED arguments (none for a contiguous copy)."""
+    if block_table is None:
+        return {}
+    return dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=kq.shape[2])
+
+
 def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
-                           pos_offset: int = 0) -> None:
+                           pos_offset: int = 0, block_table: torch.Tensor | None = None) -> None:
     """Triton ``quantize_append`` (in place, one program per batch row, no host sync;
-    ``pos_offset`` is added in the kernel: no launch for ``kv_lens - 1``)."""
-    _check_append(kq, ks, k_new, pos)
-    B, H, L, D = kq.shape
-    if B * H * D == 0:
+    ``pos_offset`` is added in the kernel: no launch for ``kv_lens - 1``). ``block_table``:
+    ``kq``/``ks`` are pools, the slot is logical (mapped in the kernel)."""
+    B, H, L, D = _check_append(kq, ks, k_new, pos, block_table)
+    if B * H * D == 0 or (block_table is not None and L == 0):
         return
     pos = pos.to(kq.device)
     _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *kq.stride(),
                                   *ks.stride(), H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
-                                  num_warps=4, **pdl_kwargs(k_new, "select"))
+                                  num_warps=4, **_paged_kwargs(kq, block_table), **pdl_kwargs(k_new, "select"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,16 +400,11 @@ def _check_smooth(smooth: torch.Tensor | None, B: int, H: int, D: int, device: t
 
 
 def _check_append4(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                   smooth: torch.Tensor | None) -> None:
-    if kq.dim() != 4 or kq.dtype != torch.uint8:
-        raise ValueError(f"kq must be packed int4 (uint8) [B, H, L, D/2], got {tuple(kq.shape)} {kq.dtype}")
-    B, H, L, D2 = kq.shape
-    if ks.shape != (B, H, L) or ks.dtype != torch.float32:
-        raise ValueError(f"ks must be float32 [{B}, {H}, {L}], got {tuple(ks.shape)} {ks.dtype}")
-    _check_new(k_new, B, H, 2 * D2)
-    if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
-        raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
+                   smooth: torch.Tensor | None, block_table: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Check an int4 append: (B, H, L, D/2)."""
+    B, H, L, D2 = _append_dims(kq, ks, k_new, pos, block_table, torch.uint8, "packed int4 (uint8)", "D/2", 2)
     _check_smooth(smooth, B, H, 2 * D2, kq.device)
+    return B, H, L, D2
 
 
 def _quantize_rows4_ref(k: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,20 +431,16 @@ def quantize_keys_int4_ref(k: torch.Tensor, smooth: torch.Tensor | None = None) 
 
 
 def quantize_append_int4_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                             smooth: torch.Tensor | None = None, *, pos_offset: int = 0) -> None:
+                             smooth: torch.Tensor | None = None, *, pos_offset: int = 0,
+                             block_table: torch.Tensor | None = None) -> None:
     """Reference ``quantize_append_int4`` (in place): ``k_new`` [B, H, D] into slot
     ``pos[b] + pos_offset``; rows whose slot is outside ``[0, L)`` untouched (a
-    device-side scatter)."""
-    _check_append4(kq, ks, k_new, pos, smooth)
-    B, H, L, D2 = kq.shape
+    device-side scatter). ``block_table`` [B, max_blocks]: ``kq``/``ks`` are pools, the
+    slot is logical."""
+    _, _, L, _ = _check_append4(kq, ks, k_new, pos, smooth, block_table)
     p = _slots(pos, pos_offset, kq.device)  # [B]
-    ok = (p >= 0) & (p < L)
-    p_safe = torch.where(ok, p, torch.zeros_like(p))
     q_new, s_new = _quantize_rows4_ref(_new_rows(k_new, p).to(kq.device), smooth)  # [B, H, D/2], [B, H]
-    idx_s = p_safe.view(B, 1, 1).expand(B, H, 1)
-    ks.scatter_(2, idx_s, torch.where(ok.view(B, 1, 1), s_new[..., None], ks.gather(2, idx_s)))
-    idx_q = p_safe.view(B, 1, 1, 1).expand(B, H, 1, D2)
-    kq.scatter_(2, idx_q, torch.where(ok.view(B, 1, 1, 1), q_new[:, :, None], kq.gather(2, idx_q)))
+    _write_rows_ref(kq, ks, q_new, s_new, p, L, block_table)
 
 
 @triton.jit
@@ -455,18 +510,22 @@ def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L, OFFSET,
                              stride_qb, stride_qh, stride_ql, stride_qd,
                              stride_sb, stride_sh, stride_sl,
                              H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_H: tl.constexpr,
-                             SMOOTH: tl.constexpr, PDL: tl.constexpr = False):
+                             SMOOTH: tl.constexpr, PDL: tl.constexpr = False, BT=None,
+                             stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+                             BLOCK_SIZE: tl.constexpr = 1):
     """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside
-    [0, L)); the tile's rows are the H heads (each with its own smoothing vector)."""
+    [0, L)); the tile's rows are the H heads (each with its own smoothing vector).
+    PAGED: ``KQ``/``KS`` are pools addressed through ``BT``, as in ``_quantize_append_kernel``."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
+    blk, r = _append_place(BT, b, p, stride_tb, PAGED, BLOCK_SIZE)
     offs_d = tl.arange(0, BLOCK_DH)
     k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
     sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
-    q_ptrs = KQ + b * stride_qb + h64[:, None] * stride_qh + p * stride_ql + offs_d[None, :] * stride_qd
-    s_ptrs = KS + b * stride_sb + h64 * stride_sh + p * stride_sl
+    q_ptrs = KQ + blk * stride_qb + h64[:, None] * stride_qh + r * stride_ql + offs_d[None, :] * stride_qd
+    s_ptrs = KS + blk * stride_sb + h64 * stride_sh + r * stride_sl
     sm_mask = (h64[:, None] < H) & (offs_d[None, :] < DH)
     _quantize4_tile(k_lo, k_lo + DH * stride_nd, sm_lo, sm_lo + DH * stride_md, sm_mask, q_ptrs, s_ptrs,
                     mask_h, offs_d < DH, SMOOTH)
@@ -496,12 +555,13 @@ def quantize_keys_int4_triton(k: torch.Tensor,
 
 
 def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                                smooth: torch.Tensor | None = None, *, pos_offset: int = 0) -> None:
+                                smooth: torch.Tensor | None = None, *, pos_offset: int = 0,
+                                block_table: torch.Tensor | None = None) -> None:
     """Triton ``quantize_append_int4`` (in place, one program per batch row, no host sync;
-    ``pos_offset`` is added in the kernel)."""
-    _check_append4(kq, ks, k_new, pos, smooth)
-    B, H, L, D2 = kq.shape
-    if B * H * D2 == 0:
+    ``pos_offset`` is added in the kernel). ``block_table``: ``kq``/``ks`` are pools, the
+    slot is logical (mapped in the kernel)."""
+    B, H, L, D2 = _check_append4(kq, ks, k_new, pos, smooth, block_table)
+    if B * H * D2 == 0 or (block_table is not None and L == 0):
         return
     pos = pos.to(kq.device)
     sm = smooth if smooth is not None else ks
@@ -509,4 +569,4 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
                                    *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4,
-                                   **pdl_kwargs(k_new, "select"))
+                                   **_paged_kwargs(kq, block_table), **pdl_kwargs(k_new, "select"))

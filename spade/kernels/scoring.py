@@ -27,12 +27,13 @@ default) and ``spade.kernels.carry`` (threshold carry, ``carry=``); ``select_ove
 Everything is sized from tensor shapes only (no host sync), so the ops can be
 captured in a CUDA graph.
 
-Paged cache (``block_table`` [B, max_blocks] int32, ``spade.kernels.paged``): exact
-(float) keys only; ``k`` is then a pool [num_blocks, Hkv, block_size, D], positions
-(``lo``/``hi``, ``kv_lens``, the scores' L = max_blocks * block_size and the returned
-indices) stay logical and each key tile's rows are mapped through the table at their
-load. The int8 / int4 scoring copies, the GEMV path and the threshold carry are not
-paged yet (clear errors).
+Paged cache (``block_table`` [B, max_blocks] int32, ``spade.kernels.paged``): ``k`` is
+then a pool [num_blocks, Hkv, block_size, D] (int8 / int4 copies: with ``k_scale`` a
+pool [num_blocks, Hkv, block_size]), positions (``lo``/``hi``, ``kv_lens``, the scores'
+L = max_blocks * block_size and the returned indices) stay logical and each key tile's
+rows (and scales) are mapped through the table at their load. The float GEMV tile of
+``sum_logits`` is not paged: paged int8 / int4 keys take the int8 tensor-core kernels,
+or the float tile when those are switched off (``GEMV_CONFIG["int8_dot"]``).
 
 Queries are rounded to the keys' dtype before scoring (the tensor-core path on
 GPU; the reference does the same rounding), so a float32 predicted query
@@ -104,9 +105,6 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor,
     B, Hq, D = q.shape
     Bk, Hkv, L, Dk = k.shape
     if block_table is not None:
-        if not k.dtype.is_floating_point:
-            raise ValueError(f"paged scoring takes exact (float) keys; got {k.dtype} keys (the int8 / int4 "
-                             "scoring copies are not paged yet: pass their contiguous copy without block_table)")
         check_block_table(block_table, B, k.device)
         Bk, L = B, block_table.shape[1] * k.shape[2]
     if k.dtype == torch.uint8:  # packed int4: two channels per byte
@@ -251,15 +249,21 @@ def _group_logits_ref(q: torch.Tensor, k: torch.Tensor, scale: float,
 
 
 def _logical_keys(k: torch.Tensor, block_table: torch.Tensor | None, lo: torch.Tensor,
-                  hi: torch.Tensor) -> torch.Tensor:
-    """The keys as the reference reads them: ``k`` itself, or the pool's logical copy
-    through ``block_table`` with every position outside ``[lo, hi)`` zeroed (keys a row
-    does not own may be garbage, NaN included, and must not reach a score)."""
+                  hi: torch.Tensor, k_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys (and int8 / int4 scales) as the reference reads them: ``k`` itself, or
+    the pool's logical copy through ``block_table`` with every position outside
+    ``[lo, hi)`` zeroed (keys a row does not own may be garbage, NaN included, and must
+    not reach a score)."""
     if block_table is None:
-        return k
+        return k, k_scale
     kl = paged_to_contiguous(k, block_table)  # [B, Hkv, L, D]
     keep = _range_mask(lo.to(k.device), hi.to(k.device), kl.shape[2])[:, None, :, None]
-    return torch.where(keep, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+    kl = torch.where(keep, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
+    if k_scale is not None:  # [num_blocks, Hkv, bs] -> [B, Hkv, L], zeroed like the keys
+        sl = paged_to_contiguous(k_scale.unsqueeze(-1), block_table).squeeze(-1)
+        k_scale = torch.where(keep[..., 0], sl, torch.zeros((), dtype=sl.dtype, device=sl.device))
+    return kl, k_scale
 
 
 def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -290,7 +294,7 @@ def group_scores_ref(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, *,
     _check_rows(kv_lens, B, "kv_lens")
     start = torch.zeros_like(kv_lens) if kv_start is None else _check_rows(kv_start, B, "kv_start")
     valid = _range_mask(start.to(k.device), kv_lens.to(k.device), L)
-    k = _logical_keys(k, block_table, start, kv_lens)
+    k, k_scale = _logical_keys(k, block_table, start, kv_lens, k_scale)
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     return _reduce_ref(logits, valid, valid, reduce)
 
@@ -341,7 +345,7 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
-    k = _logical_keys(k, block_table, torch.minimum(lo, n_lo), torch.maximum(hi, n_hi))
+    k, k_scale = _logical_keys(k, block_table, torch.minimum(lo, n_lo), torch.maximum(hi, n_hi), k_scale)
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)
@@ -399,7 +403,7 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
                 KINT4: tl.constexpr, CARRY: tl.constexpr, slots=None, stride_kb=0, PAGED: tl.constexpr = False,
-                BLOCK_SIZE: tl.constexpr = 1):
+                BLOCK_SIZE: tl.constexpr = 1, stride_sb=0):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
@@ -438,7 +442,11 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         s = dot_t(q, kt, IEEE)
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
     if KINT8 or KINT4:
-        ksv = tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)  # [BLOCK_L] fp32
+        if PAGED:  # the scales' pool [num_blocks, HKV, BLOCK_SIZE], at the keys' slots
+            ks_rows = (slots64 // BLOCK_SIZE) * stride_sb + (slots64 % BLOCK_SIZE) * stride_sl
+        else:
+            ks_rows = offs_l.to(tl.int64) * stride_sl
+        ksv = tl.load(ks_base + ks_rows, mask=valid, other=0.0)  # [BLOCK_L] fp32
         s = s * ksv[None, :]
     if REDUCE == 2:
         ptrs = out_ptr + (row64 * G + offs_g[:, None]) * L + offs_l[None, :]
@@ -511,10 +519,11 @@ def _score_kernel(
         q = q.to(tl.float32)
     if PAGED:
         k_base = k_ptr + h.to(tl.int64) * stride_kh
+        ks_base = ks_ptr + h.to(tl.int64) * stride_sh  # only read for int8 / int4 keys
         bt_row = BT + b.to(tl.int64) * stride_tb
     else:
         k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read when KINT8
+        ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read for int8 / int4
     row64 = row.to(tl.int64)
     thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
 
@@ -537,7 +546,7 @@ def _score_kernel(
                                                  stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr,
                                                  cand_row, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST,
                                                  UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CARRY, slots, stride_kb,
-                                                 PAGED, BLOCK_SIZE)
+                                                 PAGED, BLOCK_SIZE, stride_sb)
     else:
         for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
@@ -683,9 +692,11 @@ def _i8dot_score_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
     KINT4: tl.constexpr, ASM4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
+    BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
-    conversion of the keys.
+    conversion of the keys. PAGED: ``k_ptr`` / ``ks_ptr`` are pools read through the
+    block tables ``BT`` (``_key_rows``), as in ``_score_kernel``.
 
     Converting every int8 key element to float runs at a quarter of the FMA rate on
     Hopper, which caps the float GEMV tile near 2x its byte floor. Here the group's
@@ -740,13 +751,13 @@ def _i8dot_score_kernel(
     col = tl.arange(0, 16)[None, :]
     w = tl.where(col == 0, 1.0, tl.where(col == 1, 256.0, tl.where(col == 2, 65536.0, tl.where(
         col == 3, 16777216.0, 0.0)))) * s  # [1, 16] fp32: the digits' weights
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    k_base, ks_base, bt_row = _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh,
+                                         stride_tb, PAGED)
     hist = tl.zeros([256], dtype=tl.int32)
     for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
         hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
                            stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                           FULL_ROW, HIST, KINT4, ASM4, CARRY)
+                           FULL_ROW, HIST, KINT4, ASM4, CARRY, bt_row, stride_kb, stride_sb, PAGED, BLOCK_SIZE)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -758,9 +769,11 @@ def _i8dot_logits_kernel(
     L, CHUNK, N_CHUNKS, scale,
     HKV: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr = 1,
 ):
-    """``sum_softmax`` stage 1 over int8 / int4 keys on the int8 tensor cores: the G
+    """``sum_softmax`` stage 1 over int8 / int4 keys on the int8 tensor cores (PAGED: pools
+    read through the block tables ``BT``, ``_key_rows``): the G
     heads' logits of one chunk of one (b, KV head) row into ``out`` [B*HKV, G, L] (over
     ``[lo, hi)``) and the chunk's online (max, sum-exp) per head into ``stats``
     [B*HKV, G, N_CHUNKS, 2]: what ``_score_kernel`` writes in its stage-1 mode, for
@@ -807,14 +820,16 @@ def _i8dot_logits_kernel(
     digit_w = tl.where(col % 4 == 0, 1.0, tl.where(col % 4 == 1, 256.0, tl.where(col % 4 == 2, 65536.0,
                                                                                 16777216.0)))
     w = digit_w * tl.sum(tl.where(own, sc[:, None], 0.0), axis=0)  # [NCOL]: digit weight x its head's scale
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    k_base, ks_base, bt_row = _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh,
+                                         stride_tb, PAGED)
     m_run = tl.full([GH], float("-inf"), tl.float32)
     s_run = tl.zeros([GH], dtype=tl.float32)
     for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
         offs_l = l0 + tl.arange(0, BLOCK_L)
         valid = (offs_l >= lo) & (offs_l < hi)
-        kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+        k_rows, s_rows = _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl, PAGED,
+                                   BLOCK_SIZE)
+        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                      mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
         if KINT4:
             p = kt.to(tl.int8, bitcast=True)
@@ -823,7 +838,7 @@ def _i8dot_logits_kernel(
         else:
             acc = tl.dot(kt, qm, out_dtype=tl.int32)
         lg = tl.sum(tl.reshape(acc.to(tl.float32) * w[None, :], (BLOCK_L, GH, 4)), axis=2) - c_off[None, :]
-        lg = lg * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)[:, None]
+        lg = lg * tl.load(ks_base + s_rows, mask=valid, other=0.0)[:, None]
         ptrs = out_ptr + (row64 * G + offs_g[None, :]) * L + offs_l[:, None]  # [BLOCK_L, GH]
         tl.store(ptrs, lg, mask=valid[:, None] & g_ok[None, :])
         sm = tl.where(valid[:, None], lg, float("-inf"))
@@ -894,14 +909,53 @@ def _high_nibbles(p, ASM: tl.constexpr):
 
 
 @triton.jit
+def _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh, stride_tb,
+               PAGED: tl.constexpr):
+    """The (b, h) row's key and scale bases and, under PAGED, its block table row (pools:
+    the block enters per key at ``_key_rows``, so the bases hold the head only)."""
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    if PAGED:
+        k_base = k_ptr + h64 * stride_kh
+        ks_base = ks_ptr + h64 * stride_sh
+        bt_row = BT + b64 * stride_tb
+    else:
+        k_base = k_ptr + b64 * stride_kb + h64 * stride_kh
+        ks_base = ks_ptr + b64 * stride_sb + h64 * stride_sh
+        bt_row = k_base  # (unused)
+    return k_base, ks_base, bt_row
+
+
+@triton.jit
+def _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl,
+              PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Row offsets (int64 [BLOCK_L]) of a tile's keys and of their scales: logical rows of
+    a contiguous copy, or under PAGED the slots the row's block table maps them to
+    (pools [num_blocks, HKV, BLOCK_SIZE, ...]; positions outside ``valid`` are never loaded)."""
+    if PAGED:
+        slots = paged_slots(tl.where(valid, offs_l, -1), bt_row, BLOCK_SIZE).to(tl.int64)
+        blk = slots // BLOCK_SIZE
+        off = slots % BLOCK_SIZE
+        k_rows = blk * stride_kb + off * stride_kl
+        s_rows = blk * stride_sb + off * stride_sl
+    else:
+        l64 = offs_l.to(tl.int64)
+        k_rows = l64 * stride_kl
+        s_rows = l64 * stride_sl
+    return k_rows, s_rows
+
+
+@triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
                 stride_sl, hist, thr, cand_row, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                 FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
-                CARRY: tl.constexpr):
+                CARRY: tl.constexpr, bt_row=None, stride_kb=0, stride_sb=0, PAGED: tl.constexpr = False,
+                BLOCK_SIZE: tl.constexpr = 1):
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
-    kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
+    k_rows, s_rows = _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl, PAGED, BLOCK_SIZE)
+    kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
     if KINT4:
         p = kt.to(tl.int8, bitcast=True)  # lo + 8 + 16 * hi; padding bytes are 0 and add nothing
@@ -911,7 +965,7 @@ def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, 
     else:
         acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
         r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
-    r = r * tl.load(ks_base + offs_l.to(tl.int64) * stride_sl, mask=valid, other=0.0)
+    r = r * tl.load(ks_base + s_rows, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
     return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
@@ -938,6 +992,11 @@ float GEMV tile and the float tensor-core tile, which convert every key element)
 GPU: the int4 high nibbles by four bytes per register, ``_high_nibbles``; False: per byte)."""
 
 
+def _int8_dot(k: torch.Tensor) -> bool:
+    """int8 / int4 keys scored on the int8 tensor cores (``GEMV_CONFIG["int8_dot"]``)."""
+    return k.dtype in _QUANT_KEYS and GEMV_CONFIG.get("int8_dot", True)
+
+
 def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     mode = GEMV_CONFIG.get("use", "int8")
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
@@ -953,10 +1012,12 @@ def _carry_args(carry: tuple | None, out: torch.Tensor) -> tuple:
 
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
                  scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None,
-                 carry: tuple | None = None) -> None:
+                 carry: tuple | None = None, paged: dict | None = None) -> None:
+    """``sum_logits`` by GEMV: int8 / int4 keys on the int8 tensor cores (``paged``: pools
+    through a block table, ``_launch_scores``' kwargs), else the float GEMV tile (not paged)."""
     B, Hq, D = q.shape
     cargs, do_carry = _carry_args(carry, out)
-    _, Hkv, L, _ = k.shape
+    Hkv, L = k.shape[1], out.shape[-1]  # L logical (a pool's dimension 2 is its block size)
     rows = B * Hkv
     cfg = _gemv_config(k)
     BLOCK_L = cfg["BLOCK_L"]
@@ -973,8 +1034,10 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CARRY=do_carry,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"), **(paged or {}))
         return
+    if paged:
+        raise ValueError("the float GEMV tile reads no block table (_launch_scores sends paged keys elsewhere)")
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if k_scale is not None else out
     ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
@@ -994,13 +1057,14 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``;
     ``carry`` = (carry, mask, NW): also mark each row's candidates above its carried
-    threshold in its bitmask (``_carry_mask``). ``block_table``: ``k`` is a pool of exact
-    keys (``_score_kernel``'s PAGED path; the GEMV path is not paged)."""
+    threshold in its bitmask (``_carry_mask``). ``block_table``: ``k`` (and ``k_scale``) are
+    pools read through it (the kernels' PAGED paths)."""
     paged = {}
     if block_table is not None:
         paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
-    elif _use_gemv(k, reduce):
-        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry)
+    if _use_gemv(k, reduce) and (not paged or _int8_dot(k)):
+        _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry,
+                     paged=paged)
         return
     cargs, do_carry = _carry_args(carry, out)
     B, Hq, D = q.shape
@@ -1015,7 +1079,9 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     if paged:  # tiles of slots a program maps at a time: its whole chunk, at most PAGED_TILES_MAX
-        paged["PAGED_TILES"] = min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, BLOCK_L)))
+        tiles = dict(paged, PAGED_TILES=min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, BLOCK_L))))
+    else:
+        tiles = {}
     upcast, ieee = _dot_flags_qk(q, k)
     qr = _round_q(q, k)
     kint8 = k.dtype == torch.int8
@@ -1033,7 +1099,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
             REDUCE=_REDUCE_CODE[reduce], FULL_ROW=full_row, HIST=do_hist, CARRY=do_carry, **common,
-            **pdl_kwargs(qr, "select"), **paged)
+            **pdl_kwargs(qr, "select"), **tiles)
         return
     logits = torch.empty(rows, G, L, dtype=torch.float32, device=k.device)  # [B*Hkv, G, L]
     # the finalize streams the logits alone (no keys, no MMA): its own tiles and chunks, and
@@ -1045,7 +1111,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
         # has 2048 positions of slack past L (spade.kernels.carry)
         raise ValueError(f"the sum_softmax finalize's BLOCK_L must be a power of two in [32, 2048] under the "
                          f"threshold carry, got {fbl} (SOFTMAX_CONFIG['finalize_BLOCK_L'] or SCORE_CONFIG['BLOCK_L'])")
-    i8dot = (kint8 or kint4) and not paged and GEMV_CONFIG.get("int8_dot", True)  # the int8 tensor cores
+    i8dot = _int8_dot(k)  # the int8 tensor cores
     if i8dot:  # the logits pass on its own tiles and chunks too
         lcfg = _softmax_config(k.device, "logits", kint4)
         chunk, n_chunks = _split(L, rows, k.device, block=lcfg["BLOCK_L"], min_chunk=lcfg["MIN_CHUNK"],
@@ -1059,13 +1125,13 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             HKV=Hkv, G=G, GH=max(4, triton.next_power_of_2(G)), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=lcfg["BLOCK_L"], INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and GEMV_CONFIG.get("int4_asm", True),
-            num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"))
+            num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"), **paged)
     else:
         _score_kernel[grid](
             qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,
             qr.stride(0), qr.stride(1), qr.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *ks_strides, L, chunk, n_chunks, scale,
-            REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **paged)
+            REDUCE=_LOGITS_MODE, FULL_ROW=False, HIST=False, **common, **pdl_kwargs(qr, "select"), **tiles)
     f_chunk, f_chunks = _split(L, rows, k.device, block=fbl, min_chunk=fcfg["MIN_CHUNK"], per_sm=fcfg["PER_SM"])
     _softmax_finalize_kernel[(rows, f_chunks)](
         logits, stats, out, hist_arg, lo, hi, *cargs, L, f_chunk, n_chunks,
@@ -1121,8 +1187,6 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     """
     _check_reduce(reduce)
     B, Hq, Hkv, L, D = _check_qk(q, k, block_table)
-    if block_table is not None and carry is not None:
-        raise ValueError("score_topk: the threshold carry is not paged yet; pass carry=None with a block_table")
     k_scale = _check_k_scale(k, k_scale)
     lo = _check_rows(lo, B, "lo", k.device)
     hi = _check_rows(hi, B, "hi", k.device)
@@ -1144,7 +1208,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
         scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)
         idx = torch.empty(rows, k_top, dtype=torch.int32, device=k.device) if out is None else out.view(rows, k_top)
         _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top, carry, idx, scale=_default_scale(scale, D),
-                    reduce=reduce, k_scale=k_scale, hkv=Hkv, margin=carry_margin)
+                    reduce=reduce, k_scale=k_scale, hkv=Hkv, margin=carry_margin, block_table=block_table)
         return idx.view(B, Hkv, k_top) if out is None else out
     fuse = SELECT_CONFIG.get("fuse_hist", True)
     ws = _new_workspace(rows, k.device)

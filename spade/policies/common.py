@@ -112,14 +112,12 @@ def layer_carry(state: PolicyState, layer: int, topk: str, k_cache: torch.Tensor
     would be captured too and reset the threshold at every replay: that capture keeps
     the radix path). A state of another batch shape is replaced.
 
-    ``block_table``: the table the scored keys ``k_cache`` are read through (a paged
-    cache's pool, ``state.block_table``), or None for contiguous keys. The threshold-carry
-    top-K is not paged, so keys read through a table get no carry state (None: the radix
-    top-K, the same selection); a policy's own contiguous scoring copy (asyncspade's int8 /
-    int4) still carries on a paged cache."""
-    if topk != "carry" or block_table is not None or not kernels.use_triton(k_cache):
+    ``block_table``: the table the scored keys ``k_cache`` are read through (a pool: a paged
+    cache's, or asyncspade's scoring copy in its layout), or None for contiguous keys; the
+    batch rows are then the table's."""
+    if topk != "carry" or not kernels.use_triton(k_cache):
         return None
-    B, H = k_cache.shape[0], k_cache.shape[1]
+    B, H = (k_cache.shape[0] if block_table is None else block_table.shape[0]), k_cache.shape[1]
     c = state.carry.get(layer)
     if c is not None and c.shape[:2] == (B, H) and c.device == k_cache.device:
         return c

@@ -83,11 +83,75 @@ def test_paged_scoring_dispatch_and_errors(device, monkeypatch):
         assert s.shape == (1, 1, table.shape[1] * pool.shape[2])
         idx = kernels.score_topk(q, pool, lo, hi, 4, block_table=table)
         assert idx.shape == (1, 1, 4) and (idx >= 0).all()
-    with pytest.raises(ValueError, match="exact \\(float\\) keys"):
+    with pytest.raises(ValueError, match="k_scale must have shape"):  # a pool's scales are a pool too
         scoring.score_topk_triton(q, pool.to(torch.int8), lo, hi, 4, block_table=table,
-                                  k_scale=torch.ones(pool.shape[:3], device=device))
-    with pytest.raises(ValueError, match="carry is not paged yet"):
-        scoring.score_topk_triton(q, pool, lo, hi, 4, block_table=table, carry=C.new_carry(1, 1, device))
+                                  k_scale=torch.ones(1, 1, table.shape[1] * pool.shape[2], device=device))
+
+
+QUANT_CASES = [  # (keys, reduce, (Hq, Hkv), lens, kv_start, D, block_size, k_top)
+    ("int4", "sum_softmax", (4, 2), [130, 61, 7], [0, 2, 1], 16, 8, 20),  # GQA, odd lengths, a 7-token row
+    ("int4", "sum_logits", (4, 1), [37], [0], 16, 16, 1),  # B=1, MQA, K=1
+    ("int8", "sum_softmax", (6, 2), [300, 129], [0, 4], 16, 5, 33),  # G=3, odd block, several chunks
+    ("int8", "sum_logits", (4, 4), [99, 40], [3, 0], 24, 32, 200),  # MHA, K >= candidates
+    ("int4", "max_logits", (4, 2), [70, 33], [1, 0], 16, 4, 9),  # the float tile's paged path
+]
+
+
+def _paged_quant(case, device):
+    """A quantised copy (int8, or packed int4 with a smoothing fold) moved into a pool
+    under a shuffled table, its scales into a pool of the same table: keys past a row's
+    length 0xFF (int8: 127), scales there and in unowned blocks NaN."""
+    keys, reduce, (Hq, Hkv), lens, start, D, bs, k_top = QUANT_CASES[case]
+    gen = torch.Generator().manual_seed(900 + case)
+    B, L = len(lens), max(lens)
+    q = torch.randn(B, Hq, D, generator=gen)
+    k = torch.randn(B, Hkv, L, D, generator=gen)
+    if keys == "int4":
+        kq, ks = kernels.quantize_keys_int4(k)
+    else:
+        kq, ks = kernels.quantize_keys(k)
+    kv_lens = torch.tensor(lens)
+    pool, table = scatter_to_pool(kq, bs, torch.Generator().manual_seed(case), lens=kv_lens,
+                                  poison=0xFF if keys == "int4" else 127)
+    spool, table2 = scatter_to_pool(ks[..., None], bs, torch.Generator().manual_seed(case), lens=kv_lens)
+    assert torch.equal(table, table2)
+    return (q.to(device), pool.to(device), spool[..., 0].to(device), table.to(device), kv_lens.to(device),
+            torch.tensor(start).to(device))
+
+
+@pytest.mark.parametrize("case", range(len(QUANT_CASES)))
+def test_paged_quant_scores_equal_the_contiguous_copy(case, device, monkeypatch):
+    """int8 / int4 copies in a pool: the paged kernels give the contiguous kernels' scores
+    bit for bit (int8 tensor-core kernels; case 4 the float tile), the same selection with
+    and without the threshold carry, and the paged reference agrees."""
+    keys, reduce, _, _, _, _, _, k_top = QUANT_CASES[case]
+    if case == 4:
+        monkeypatch.setitem(scoring.GEMV_CONFIG, "int8_dot", False)
+    q, pool, spool, table, kv_lens, kv_start = _paged_quant(case, device)
+    kc = paged_to_contiguous(pool, table)
+    sc = paged_to_contiguous(spool[..., None], table)[..., 0]
+    kw = dict(reduce=reduce, kv_start=kv_start)
+    out = scoring.group_scores_triton(q, pool, kv_lens, k_scale=spool, block_table=table, **kw)
+    out_c = scoring.group_scores_triton(q, kc, kv_lens, k_scale=sc, **kw)
+    assert torch.equal(out, out_c)  # only the addresses differ
+    assert not torch.isnan(out).any()
+    ref = scoring.group_scores_ref(q, pool, kv_lens, k_scale=spool, block_table=table, **kw)
+    fin = torch.isfinite(out)
+    assert torch.equal(torch.isfinite(ref), fin)
+    torch.testing.assert_close(ref[fin], out[fin], rtol=1e-5, atol=1e-5)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    kw = dict(reduce=reduce, kv_lens=kv_lens if reduce == "sum_softmax" else None, kv_start=kv_start)
+    want = scoring.score_topk_triton(q, kc, lo, hi, k_top, k_scale=sc, **kw).sort(-1).values
+    got = scoring.score_topk_triton(q, pool, lo, hi, k_top, k_scale=spool, block_table=table, **kw)
+    assert torch.equal(got.sort(-1).values, want)
+    carry = C.new_carry(*q.shape[:1], pool.shape[1], device)
+    for _ in range(2):  # the first call falls back, the second selects among its candidates
+        got = scoring.score_topk_triton(q, pool, lo, hi, k_top, k_scale=spool, block_table=table, carry=carry, **kw)
+        assert torch.equal(got.sort(-1).values, want)
+    ref = scoring.score_topk_ref(q, pool, lo, hi, k_top, k_scale=spool, block_table=table, **kw)
+    true = out_c.double() if reduce != "sum_softmax" else scoring.group_scores_ref(
+        q, kc, kv_lens, k_scale=sc, **dict(reduce=reduce, kv_start=kv_start)).double()
+    torch.testing.assert_close(_sel_sum(ref, true.cpu()), _sel_sum(want, true.cpu()), rtol=1e-5, atol=1e-4)
 
 
 def test_paged_scoring_maps_the_table_in_several_rounds(device, monkeypatch):
@@ -140,3 +204,41 @@ def test_paged_scoring_builds_for_hopper_and_pipelines():
     for name, r in res.items():
         assert r["pipelined"] and r["k_buffers"] == contiguous["k_buffers"], (name, r, contiguous)
         assert r["loads_in_loop"] == contiguous["loads_in_loop"], (name, r, contiguous)
+
+
+_AOT_I8DOT = r'''
+import json
+from spade.kernels import scoring as S
+from tests.kernels.aot import sm90_compile
+
+L, Hkv, Dk = 32768, 8, 64  # int4: the packed row's 64 bytes
+p, f, i = ("ptr", "u8"), ("ptr", "fp32"), ("ptr", "i32")
+out = {}
+for paged in (False, True):
+    bs = 16 if paged else L
+    common = dict(q_ptr=("ptr", "bf16"), k_ptr=p, ks_ptr=f, out_ptr=f, lo_ptr=i, hi_ptr=i,
+                  stride_qb=32 * 128, stride_qh=128, stride_qd=1, stride_kb=Hkv * bs * Dk, stride_kh=bs * Dk,
+                  stride_kl=Dk, stride_kd=1, stride_sb=Hkv * bs, stride_sh=bs, stride_sl=1, L=L, CHUNK=1024,
+                  scale=("fp32", 0.1))
+    cons = dict(HKV=Hkv, D=Dk, BLOCK_D=Dk, INTERPRET=False, KINT4=True, ASM4=True)
+    if paged:
+        common["BT"] = i
+        cons.update(PAGED=True, BLOCK_SIZE=bs, stride_tb=2048)
+    logits = S._i8dot_logits_kernel
+    k = sm90_compile(logits, dict(common, stats_ptr=f, N_CHUNKS=32), dict(cons, G=4, GH=4, BLOCK_L=256))
+    out[f"logits_{paged}"] = k.asm["ttgir"].count("tt.dot") + k.asm["ttgir"].count("warp_group_dot")
+    k = sm90_compile(S._i8dot_score_kernel, dict(common, hist_ptr=i, carry_ptr=f, cand_ptr=i, NW=4),
+                     dict(cons, G=4, G_PAD=4, BLOCK_L=256, FULL_ROW=False, HIST=True, CARRY=True), num_warps=8)
+    out[f"score_{paged}"] = k.asm["ttgir"].count("tt.dot") + k.asm["ttgir"].count("warp_group_dot")
+print(json.dumps(out))
+'''
+
+
+def test_paged_int8_dot_kernels_build_for_hopper():
+    """The int8 tensor-core scoring kernels compile for sm_90 with a block table (the
+    interpreter accepts code the compiler rejects), with the contiguous kernels' dots."""
+    from tests.kernels.aot import run_aot_script
+
+    res = run_aot_script(_AOT_I8DOT)
+    for name in ("logits", "score"):
+        assert res[f"{name}_True"] == res[f"{name}_False"] > 0, res

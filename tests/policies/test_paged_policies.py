@@ -253,14 +253,15 @@ def test_rerank_on_a_pool_needs_the_table():
     assert c.indices is out and torch.equal(out, a.indices)
 
 
-def test_no_carry_through_a_table(monkeypatch):
-    """The threshold-carry top-K is not paged: keys read through a table get no carry state."""
+def test_carry_through_a_table_is_sized_by_its_rows(monkeypatch):
+    """Keys read through a table (a pool of 9 blocks) carry a threshold per table row and
+    KV head, not per block."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")
     st = PolicyState(batch_size=2)
     pool, table = torch.zeros(9, 2, 4, 8), torch.zeros(2, 3, dtype=torch.int32)
-    assert layer_carry(st, 0, "carry", pool, table) is None
-    assert not st.carry
-    assert layer_carry(st, 0, "carry", torch.zeros(2, 2, 12, 8)) is not None  # contiguous keys still carry
+    c = layer_carry(st, 0, "carry", pool, table)
+    assert c is not None and c.shape[:2] == (2, 2) and st.carry[0] is c
+    assert layer_carry(st, 0, "carry", torch.zeros(2, 2, 12, 8)) is c  # contiguous keys of the same rows
 
 
 TRITON_CASES = ["oracle", "quest", "tova", "asyncspade-exact", "asyncspade-int8"]
@@ -268,8 +269,8 @@ TRITON_CASES = ["oracle", "quest", "tova", "asyncspade-exact", "asyncspade-int8"
 
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_paged_policy_with_triton_kernels(case, monkeypatch):
-    """The same through the Triton kernels (the interpreter on CPU): the paged scoring's
-    radix top-K where asyncspade's default ``topk: carry`` is refused a table."""
+    """The same through the Triton kernels (the interpreter on CPU): the paged scoring, with
+    asyncspade's default ``topk: carry`` through the table."""
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("drives the kernels on CPU tensors (interpreter)")
     monkeypatch.setenv("SPADE_KERNELS", "triton")
