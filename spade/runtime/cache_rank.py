@@ -48,7 +48,7 @@ from spade import kernels
 from spade.envs import env
 from spade.errors import PeerGone, TransportError
 from spade.policies.base import Policy
-from spade.policies.common import shared_derived
+from spade.policies.common import logical_keys, shared_derived
 from spade.runtime import protocol as P
 from spade.streams import current_stream, indexed_device, no_grad_on
 
@@ -431,6 +431,11 @@ class _Generation:
                     if self.vstore is not None:
                         self.vstore[layer][:, :, :T].copy_(msg[2])
                 k, v = self.view(layer, T)
+                bt = self.state.block_table
+                if bt is not None:  # shared pools: the rows' first T positions, contiguous (a prefill's keys)
+                    k = logical_keys(k, self.state, T)
+                    v = k.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])  # (policies that select ahead read none)
+                    self.state.block_table = None
                 self.policy.prefill(self.state, layer, q_tail, k, v, self.kv_lens)
             del msg, q_tail
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])

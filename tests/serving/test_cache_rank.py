@@ -153,14 +153,16 @@ def test_abort_mid_decode_frees_the_slot():
     assert after.token_ids == _inline_alone([(0, prompts[1], 12)])[0]
 
 
-@pytest.mark.parametrize("policy", ["asyncspade", "tova"])
-def test_a_lost_cache_rank_is_restarted_mid_serving(policy):
+@pytest.mark.parametrize("policy,extra", [("asyncspade", []), ("tova", []),
+                                          ("asyncspade_int4", ["model.block_size=4"])])
+def test_a_lost_cache_rank_is_restarted_mid_serving(policy, extra):
     """The cache rank dies at step 6 of the first epoch: the running rows decode densely,
-    a new cache rank boots from the current batch (every row), and every request
-    completes. Tokens after the loss may differ from the alone runs (the new cache rank's
-    query windows, or TOVA's held sets, restart), so only completion is asserted."""
+    a new cache rank boots from the current batch (every row; on a paged cache from the
+    shared pools, read through the table into the contiguous keys a prefill takes), and
+    every request completes. Tokens after the loss may differ from the alone runs (the new
+    cache rank's query windows, or TOVA's held sets, restart), so only completion is asserted."""
     jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
-    engine = spade.AsyncEngine(make_config(policy, "colocated"), cache_hooks=CacheHooks(die_at_step=6))
+    engine = spade.AsyncEngine(make_config(policy, "colocated", extra=extra), cache_hooks=CacheHooks(die_at_step=6))
 
     async def main():
         outs = await staggered(engine, jobs)
