@@ -57,6 +57,7 @@ from pydantic import Field, model_validator
 from spade import kernels
 from spade.errors import ConfigError
 from spade.kernels.overlap import after_selects
+from spade.kernels.paged import paged_write
 from spade.policies.base import Policy, PolicyState, Selection, SparseCommonConfig
 from spade.policies.common import (cache_dims, derived, is_dense, last_token_keys, layer_carry, logical_keys,
                                    reset_carry, row_start, topk_selection)
@@ -281,6 +282,13 @@ class AsyncSpadeLayerState:
     """``score_channels``: int64 [B, Hkv, r], the channels the scoring copy holds (None: all)."""
     chan_seq: int = 0
     """Host ``seq_len`` at the last channel choice (``channel_refresh`` counts from it)."""
+    paged: bool = False
+    """The scoring copy is a pool in the paged KV cache's layout: ``kq`` [num_blocks, Hkv,
+    block_size, Dq], ``ks`` [num_blocks, Hkv, block_size], position p of row b at block
+    ``table[b, p // block_size]`` of the cache's own table (so the copy's memory follows the
+    KV pool, not max_batch x max_seq_len). Made when rows join a paged serving batch
+    (``prefill_rows`` with ``PolicyState.join_pool``); read and appended through
+    ``PolicyState.block_table``."""
     keys_elsewhere: bool = False
     """``observe`` got the step's keys as ``k_new``: the caller may leave decoded keys out
     of ``k_cache`` from then on, so the compressed copy must never be rebuilt from it
@@ -484,6 +492,8 @@ class AsyncSpadePolicy(Policy):
         cache's logical capacity (``state.cache_len`` when set), so a prefill handed only
         the prompt sizes it for the whole cache and decoding never rebuilds it for length.
         """
+        if st.paged and not prefill:
+            return self._paged_keys(st, k_cache, kv_lens, k_new, state, rebuild)
         B, H, L, D, bt = self._dims(k_cache, state, prefill)
         mode = self.cfg.score_keys
         int4 = mode == "int4"
@@ -517,6 +527,31 @@ class AsyncSpadePolicy(Policy):
         elif kv_lens is not None:
             self._append_copy(st, k_cache, kv_lens, k_new, dt, bt)
         return st.kq[:, :, :L], None if st.ks is None else st.ks[:, :, :L]
+
+    def _paged_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor, kv_lens: torch.Tensor | None,
+                    k_new: torch.Tensor | None, state: PolicyState | None, rebuild: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scoring_keys`` of a pool copy (``st.paged``): with ``kv_lens`` the newest key of
+        each row quantised into its slot through ``state.block_table`` (the cache's table), then
+        the pools themselves, which the scoring kernels read through that table. A pool copy
+        has no capacity to outgrow and its smoothing was fitted at the rows' joins; what would
+        rebuild it is refused."""
+        bt = None if state is None else state.block_table
+        if bt is None or rebuild:
+            raise RuntimeError(
+                "asyncspade: the scoring copy is in the paged cache's layout (rows joined a paged serving batch) "
+                + ("and cannot be rebuilt" if rebuild else "but this call has no block table (state.block_table)"))
+        if kv_lens is not None:
+            kv = kv_lens.to(k_cache.device)
+            src = k_new if k_new is not None else last_token_keys(k_cache, kv, bt)  # [B, H, D]
+            if k_new is not None:
+                st.keys_elsewhere = True
+            if self.cfg.score_keys == "int4":
+                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, block_table=bt)
+            else:
+                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1, block_table=bt)
+        st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        return st.kq, st.ks
 
     @staticmethod
     def _dims(k_cache: torch.Tensor, state: PolicyState | None, prefill: bool = False
@@ -679,7 +714,7 @@ class AsyncSpadePolicy(Policy):
         reset_carry(state, layer)
         if self.keeps_copy:
             st.kq = st.ks = st.k_smooth = st.chans = None  # a new prompt: fit and quantise the whole cache afresh
-            st.keys_elsewhere = False
+            st.keys_elsewhere = st.paged = False
             if self.channels is not None:
                 self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device), prefill=True)
             # sized for the cache's capacity (state.cache_len), not the view: k_cache may be the prompt alone
@@ -831,10 +866,12 @@ class AsyncSpadePolicy(Policy):
                 f"policy.score_channels ({cfg.score_channels}) keeps a channel choice shared by every row, which a "
                 "request joining a running batch cannot have yet: set score_channels: null to serve asyncspade")
         state.refresh_anchor = None  # refresh_every > 1: every row selects afresh at the next step
+        st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
         sub = self.row_state(state, rows, k_cache.device)
+        if state.join_pool is not None and (st.kq is None or st.paged):
+            sub.cache_len = None  # a pool copy takes the rows' [0, S) only: no copy of the whole capacity
         self.prefill(sub, layer, q, k_cache, v_cache, kv_lens)
         new = sub.layers[layer]
-        st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
         B = state.batch_size
         idx = device_index(rows, st.window.device)
         st.window.index_copy_(0, idx, new.window)
@@ -852,20 +889,37 @@ class AsyncSpadePolicy(Policy):
         st.last_sel = None
         reset_carry(state, layer, rows)  # a speed hint only: the selection is the exact top-K either way
         if self.keeps_copy:
-            self._copy_rows(st, new, idx, B)
+            self._copy_rows(st, new, idx, B, state.join_pool, state.seq_len)
 
     @staticmethod
-    def _copy_rows(st: AsyncSpadeLayerState, new: AsyncSpadeLayerState, idx: torch.Tensor, B: int) -> None:
+    def _copy_rows(st: AsyncSpadeLayerState, new: AsyncSpadeLayerState, idx: torch.Tensor, B: int,
+                   join_pool: tuple[torch.Tensor, torch.Tensor] | None = None, S: int = 0) -> None:
         """The joining rows' scoring copy (``new``, made by a prefill of them alone) into the
-        batch's (made on first use, the capacity of the rows' copy)."""
-        if st.kq is None or st.kq.shape[0] != B or st.kq.shape[1:] != new.kq.shape[1:] \
-                or st.kq.dtype != new.kq.dtype or st.kq.device != new.kq.device:
-            st.kq = torch.zeros(B, *new.kq.shape[1:], dtype=new.kq.dtype, device=new.kq.device)
-            st.ks = None if new.ks is None else torch.zeros(B, *new.ks.shape[1:], dtype=new.ks.dtype,
-                                                            device=new.ks.device)
-        st.kq.index_copy_(0, idx, new.kq)
-        if new.ks is not None:
-            st.ks.index_copy_(0, idx, new.ks)
+        batch's, made on first use: with ``join_pool`` (a paged cache: its key pool and block
+        table) and an int8 / int4 copy, a pool in the cache's layout (``st.paged``) that takes
+        the rows' first ``S`` positions through the table; else rows of the rows' capacity."""
+        pool = join_pool is not None and new.ks is not None and (st.kq is None or st.paged)
+        if pool:
+            k_pool, table = join_pool
+            shape = (k_pool.shape[0], new.kq.shape[1], k_pool.shape[2], new.kq.shape[3])
+            if st.kq is None or tuple(st.kq.shape) != shape or st.kq.dtype != new.kq.dtype \
+                    or st.kq.device != new.kq.device:
+                st.kq = torch.zeros(shape, dtype=new.kq.dtype, device=new.kq.device)
+                st.ks = torch.zeros(shape[:3], dtype=torch.float32, device=new.kq.device)
+            rows = table.index_select(0, idx)  # the joining rows' tables
+            # positions before a row's window map to the null block, which nothing reads
+            paged_write(st.kq, rows, new.kq[:, :, :S], 0)
+            paged_write(st.ks[..., None], rows, new.ks[:, :, :S, None], 0)
+            st.paged = True
+        else:
+            if st.kq is None or st.kq.shape[0] != B or st.kq.shape[1:] != new.kq.shape[1:] \
+                    or st.kq.dtype != new.kq.dtype or st.kq.device != new.kq.device:
+                st.kq = torch.zeros(B, *new.kq.shape[1:], dtype=new.kq.dtype, device=new.kq.device)
+                st.ks = None if new.ks is None else torch.zeros(B, *new.ks.shape[1:], dtype=new.ks.dtype,
+                                                                device=new.ks.device)
+            st.kq.index_copy_(0, idx, new.kq)
+            if new.ks is not None:
+                st.ks.index_copy_(0, idx, new.ks)
         if new.k_smooth is not None:
             if st.k_smooth is None or st.k_smooth.shape[1:] != new.k_smooth.shape[1:]:
                 base = st.all_smooth
@@ -904,10 +958,10 @@ class AsyncSpadePolicy(Policy):
         B, Hkv = cache_dims(k_cache, state)[:2]
         k_score, k_scale = k_cache, None
         bt = state.block_table  # a paged cache: exact keys are scored in the pool through the table
-        if self.keeps_copy:  # the policy's own contiguous copy, whatever the cache's layout
+        if self.keeps_copy:  # the policy's own copy: rows of its own, or a pool under the cache's table
             k_score, k_scale = self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state,
                                                  lens=kv_lens)
-            bt = None
+            bt = bt if st.paged else None  # a pool copy is read through the cache's table
             if pre is not None and smooth is st.k_smooth and pre.dtype == st.score_dtype:
                 q_hat = pre
             else:

@@ -479,10 +479,14 @@ class _Generation:
                     if state.block_table is not None:  # paged (shared): the row's [0, S), contiguous
                         from spade.kernels.paged import paged_range
 
-                        k = paged_range(self.rank.shared.refs[layer][0], state.block_table[row], 0, S)
+                        k_pool = self.rank.shared.refs[layer][0]
+                        k = paged_range(k_pool, state.block_table[row], 0, S)
                         v = k.new_empty(1, k.shape[1], 0, k.shape[3])  # (policies that select ahead read no values)
-                        state.block_table = None
-                    policy.prefill_rows(state, layer, [row], msg[0], k, v, kv_lens)
+                        state.join_pool, state.block_table = (k_pool, state.block_table), None
+                    try:
+                        policy.prefill_rows(state, layer, [row], msg[0], k, v, kv_lens)
+                    finally:
+                        state.join_pool = None
                 del msg
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
         self.gen = gen

@@ -376,7 +376,12 @@ class SlotBatch:
 
         def report(layer, q, k_row, v_row):
             self.state.block_table = None  # a paged cache's row comes contiguous (its prompt's window)
-            self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
+            b = self.backend
+            self.state.join_pool = (b.k_cache[layer], b.block_table) if b.paged else None
+            try:
+                self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)
+            finally:
+                self.state.join_pool = None
 
         return report
 

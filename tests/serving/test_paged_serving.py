@@ -41,10 +41,24 @@ def serve(cfg, jobs):
 
 
 @pytest.mark.parametrize("policy,topology", CASES)
-def test_paged_tokens_equal_contiguous(policy, topology):
+def test_paged_tokens_equal_contiguous(policy, topology, monkeypatch):
+    """asyncspade's int8 / int4 scoring copy is a pool in the cache's layout where the
+    selecting side reads the cache's pool (inline, colocated); `local`'s cache rank keeps
+    its own contiguous store and copy."""
+    from spade.policies.asyncspade import AsyncSpadePolicy
+
+    pool_calls = []
+    real = AsyncSpadePolicy._paged_keys
+    monkeypatch.setattr(AsyncSpadePolicy, "_paged_keys", lambda self, st, *a: pool_calls.append(
+        tuple(st.kq.shape)) or real(self, st, *a))
     jobs = jobs_for(3)
     base, _ = serve(make_config(policy, topology), jobs)
+    assert not pool_calls  # a contiguous cache: a contiguous copy
     paged, stats = serve(make_config(policy, topology, extra=PAGED), jobs)
+    if policy.startswith("asyncspade_") and topology != "local":
+        assert pool_calls and all(shape[2] == 4 for shape in pool_calls)  # [num_blocks, Hkv, block_size 4, Dq]
+    else:
+        assert not pool_calls
     assert stats["joins_into_running"] >= 2 and stats["requests_finished"] == len(jobs)
     if policy != "full":
         assert stats["sparse_steps"] > 0
