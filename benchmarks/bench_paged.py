@@ -1,4 +1,4 @@
-"""Paged vs contiguous KV cache: decode attention and the selected-K/V gather, against the byte floor.
+"""Paged vs contiguous KV cache: decode attention, the selected-K/V gather and scoring, against the byte floor.
 
 The same kernels (``spade.kernels.sparse_decode_attention``, ``gather_kv``) read the
 same tokens twice: from the contiguous cache [B, Hkv, L, D], and from block pools
@@ -11,7 +11,10 @@ each ``--block-sizes``. Rows:
 * ``dense``: the ``indices=None`` path over the whole context (the ``full`` policy);
 * ``gather``: ``gather_kv`` of the K selected rows (the ``kv`` return mode);
 * ``score``: ``score_topk`` over the exact keys of the middle range (sum of the
-  group's logits, radix top-K): the cache side's selection from exact keys.
+  group's logits, radix top-K): the cache side's selection from exact keys;
+* ``int4``: ``score_topk`` over asyncspade's packed int4 scoring copy (its pool shares
+  the K pool's table), the served default: ``sum_softmax`` per head, the threshold-carry
+  top-K (a carry per layout, in its steady state: the same query every call).
 
 Each row reports the median time (CUDA events, L2 flushed before every call by a
 512 MiB memset, which also hides the host's launch), the K/V bytes it must read, the
@@ -42,7 +45,7 @@ from benchmarks.args import int_list
 from benchmarks.bench_attention import Timer, hbm_bandwidth, random_middle
 
 TARGET_RATIO = 1.05
-KINDS = ("sparse", "dense", "gather", "score")
+KINDS = ("sparse", "dense", "gather", "score", "int4")
 
 
 def parse_args(argv):
@@ -56,7 +59,7 @@ def parse_args(argv):
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--block-sizes", type=int_list(1), default=[16, 32, 64], help="tokens per block, comma-separated")
-    ap.add_argument("--kinds", default="sparse,dense,gather,score", help="rows to run, comma-separated")
+    ap.add_argument("--kinds", default="sparse,dense,gather,score,int4", help="rows to run, comma-separated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     ap.add_argument("--seed", type=int, default=0)
@@ -108,15 +111,21 @@ def run(argv: list[str] | None = None) -> dict:
     lo = torch.full((B,), a.sink, dtype=torch.int32, device=dev)
     hi = torch.full((B,), L - a.recent, dtype=torch.int32, device=dev)
     nbytes = {"sparse": 2 * B * Hkv * n_tok * D * esz, "dense": 2 * B * Hkv * L * D * esz,
-              "gather": 2 * B * Hkv * K * D * esz, "score": B * Hkv * (L - a.sink - a.recent) * D * esz}
+              "gather": 2 * B * Hkv * K * D * esz, "score": B * Hkv * (L - a.sink - a.recent) * D * esz,
+              "int4": B * Hkv * L * (D // 2 + 4)}  # the normaliser spans the row: every key and scale
 
-    def calls(k, v, table):
+    def calls(k, v, kq, ks, table):
         paged = {} if table is None else {"block_table": table}
+        from spade.kernels.carry import new_carry
+
+        carry = new_carry(B, Hkv, dev) if cuda else None  # (the threshold carry is the Triton path's)
         return {"sparse": lambda: kernels.sparse_decode_attention(q, k, v, kv_lens, mid, n_sink=a.sink,
                                                                   n_recent=a.recent, **paged),
                 "dense": lambda: kernels.sparse_decode_attention(q, k, v, kv_lens, **paged),
                 "gather": lambda: torch.cat(kernels.gather_kv(k, v, mid, **paged), dim=-1),
-                "score": lambda: kernels.score_topk(q, k, lo, hi, K, **paged).sort(-1).values}
+                "score": lambda: kernels.score_topk(q, k, lo, hi, K, **paged).sort(-1).values,
+                "int4": lambda: kernels.score_topk(q, kq, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
+                                                   k_scale=ks, carry=carry, **paged).sort(-1).values}
 
     def row(kind: str, layout: str, bs: int | None, ms: float, err: float | None) -> dict:
         floor_ms = nbytes[kind] / copy_bw * 1e3
@@ -131,9 +140,10 @@ def run(argv: list[str] | None = None) -> dict:
 
     k = torch.randn(B, Hkv, L, D, generator=g, device=dev).to(dtype)
     v = torch.randn(B, Hkv, L, D, generator=g, device=dev).to(dtype)
+    kq, ks = kernels.quantize_keys_int4(k)
     ref: dict = {}
     base: dict = {}
-    for kind, fn in calls(k, v, None).items():
+    for kind, fn in calls(k, v, kq, ks, None).items():
         if kind in a.kinds:
             ref[kind] = fn().float()
             base[kind] = row(kind, "contiguous", None, time_fn(fn), None)["us"]
@@ -143,7 +153,10 @@ def run(argv: list[str] | None = None) -> dict:
         k_pool, table = scatter_to_pool(k, bs, pg, poison=0.0)  # the same shuffle for K and V:
         v_pool, table_v = scatter_to_pool(v, bs, torch.Generator().manual_seed(a.seed + bs), poison=0.0)
         assert torch.equal(table, table_v)
-        for kind, fn in calls(k_pool, v_pool, table).items():
+        kq_pool, table_q = scatter_to_pool(kq, bs, torch.Generator().manual_seed(a.seed + bs), poison=0)
+        ks_pool, table_s = scatter_to_pool(ks[..., None], bs, torch.Generator().manual_seed(a.seed + bs), poison=0.0)
+        assert torch.equal(table, table_q) and torch.equal(table, table_s)
+        for kind, fn in calls(k_pool, v_pool, kq_pool, ks_pool[..., 0], table).items():
             if kind not in a.kinds:
                 continue
             out = fn().float()
@@ -151,7 +164,7 @@ def run(argv: list[str] | None = None) -> dict:
             err = float((out - ref[kind]).norm() / ref[kind].norm().clamp_min(1e-12))
             r = row(kind, "paged", bs, time_fn(fn), err)
             res["ratios_paged_vs_contiguous"][f"{kind}/bs={bs}"] = r["us"] / base[kind]
-        del k_pool, v_pool
+        del k_pool, v_pool, kq_pool, ks_pool
         if cuda:
             torch.cuda.empty_cache()
     ratios = res["ratios_paged_vs_contiguous"]

@@ -159,6 +159,9 @@ def run_policy(args, policy: str, jobs) -> dict:
         return outs, wall, st, prof
 
     outs, wall, st, prof = asyncio.run(main())
+    # the process's peak of allocated GPU memory: weights, KV pool, policy state (asyncspade's scoring
+    # copy), activations; a side-by-side figure of what a setting holds
+    peak = torch.cuda.max_memory_allocated(engine.device) / 2**30 if engine.device.type == "cuda" else None
     ntok = sum(len(o.token_ids) for o in outs)
     ttft = [o.ttft_s for o in outs if o.ttft_s is not None]
     tpot = [o.tpot_s for o in outs if o.tpot_s is not None]
@@ -176,6 +179,7 @@ def run_policy(args, policy: str, jobs) -> dict:
         "rows_per_step": (ntok - sum(1 for o in outs if o.token_ids)) / st["steps"] if st.get("steps") else None,
         "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("length", "stop", "abort")},
         "engine": st,
+        "gpu_peak_gib": peak,
         "profile": prof,
         "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
     }
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"({r['engine']['decode_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step)"
               + (f"  on the GPU's stream: prefill {r['engine']['prefill_device_s']:.2f} s, decode "
                  f"{r['engine']['decode_device_s'] / max(1, r['engine']['steps']) * 1e3:.2f} ms/step"
-                 if r['engine'].get('prefill_device_s') is not None else ""))
+                 if r['engine'].get('prefill_device_s') is not None else "")
+              + (f"  GPU peak {r['gpu_peak_gib']:.2f} GiB" if r.get("gpu_peak_gib") is not None else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec, indent=1, default=str))

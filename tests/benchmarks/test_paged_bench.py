@@ -27,11 +27,14 @@ def test_smoke_rows(kernels, tmp_path, monkeypatch, capsys):
                      + [(k, "paged", bs) for bs in sh["block_sizes"] for k in BP.KINDS])
     esz = 4  # fp32 on the CPU
     for r in doc["rows"]:
-        per = {"sparse": 2 * (sh["sink"] + sh["K"] + sh["recent"]), "dense": 2 * sh["L"], "gather": 2 * sh["K"],
-               "score": sh["L"] - sh["sink"] - sh["recent"]}[r["kind"]]  # K and V rows; keys only for score
-        assert r["bytes"] == sh["B"] * sh["Hkv"] * per * sh["D"] * esz
+        if r["kind"] == "int4":  # every key's packed bytes (D / 2) and its fp32 scale
+            assert r["bytes"] == sh["B"] * sh["Hkv"] * sh["L"] * (sh["D"] // 2 + 4)
+        else:
+            per = {"sparse": 2 * (sh["sink"] + sh["K"] + sh["recent"]), "dense": 2 * sh["L"], "gather": 2 * sh["K"],
+                   "score": sh["L"] - sh["sink"] - sh["recent"]}[r["kind"]]  # K and V rows; keys only for score
+            assert r["bytes"] == sh["B"] * sh["Hkv"] * per * sh["D"] * esz
         assert r["us"] > 0 and r["x_floor"] == pytest.approx(r["us"] / r["floor_us"])
-        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] in ("gather", "score")):
+        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] in ("gather", "score", "int4")):
             assert r["rel_err_vs_contiguous"] == 0.0  # same arithmetic, only the addresses differ
         elif r["layout"] == "paged":  # the torch reference zeroes unattended rows first: fp32 rounding
             assert r["rel_err_vs_contiguous"] < 1e-6
