@@ -357,10 +357,26 @@ class InferenceSession:
             acks += 1
 
     async def _boot_ack(self) -> None:
+        """One layer's boot acknowledgement, or the cache rank declared lost: when the wait
+        reaches ``peer_deadline_s``, or at once when an in-process cache rank's task ends
+        first (a boot that raised sends no acknowledgement, and its transport stays open)."""
         if self.peer_gone is not None:
             return
         try:
-            await self.link.transport.recv("boot_ack", timeout=self.rt.peer_deadline_s)
+            task = self.link.cache_task
+            recv = self.link.transport.recv("boot_ack", timeout=self.rt.peer_deadline_s)
+            if task is None:
+                await recv
+                return
+            got = asyncio.ensure_future(recv)
+            await asyncio.wait([got, task], return_when=asyncio.FIRST_COMPLETED)
+            if got.done():
+                got.result()
+                return
+            got.cancel()
+            await asyncio.gather(got, return_exceptions=True)
+            self.link.check()  # the task's own failure
+            raise TransportError("the cache rank stopped during its boot")
         except TransportError as e:
             await self._on_peer_failure(e)
 

@@ -177,6 +177,40 @@ def test_a_lost_cache_rank_is_restarted_mid_serving(policy, extra):
         assert o.finish_reason == "length" and len(o.token_ids) == n
 
 
+@pytest.mark.timeout(90)
+def test_a_cache_rank_that_fails_its_boot_is_noticed_at_once(monkeypatch):
+    """The restarted cache rank raises while it boots (once): the inference rank notices
+    the failed task at once, not after ``runtime.peer_deadline_s`` (set far past the test's
+    timeout here), starts another, and every request completes."""
+    from spade.runtime import cache_rank as CR
+
+    real, calls = CR._Generation._boot, []
+
+    async def boot_fails_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boot failed (test)")
+        await real(self)
+
+    monkeypatch.setattr(CR._Generation, "_boot", boot_fails_once)
+    jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
+    cfg = make_config("asyncspade", "colocated", extra=["runtime.peer_deadline_s=3600"])
+    engine = spade.AsyncEngine(cfg, cache_hooks=CacheHooks(die_at_step=6))
+
+    async def main():
+        outs = await staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert len(calls) >= 2  # the failed boot, then a booted one
+    assert stats["cache_peers_lost"] >= 2 and stats["cache_restarts"] >= 1
+    assert stats["requests_finished"] == len(jobs)
+    for (_, _, n), o in zip(jobs, outs):
+        assert o.finish_reason == "length" and len(o.token_ids) == n
+
+
 @pytest.mark.parametrize("topology", ["colocated", "multiprocess", "colocated/paged"])
 def test_soak_leaks_nothing(topology):
     """120 random requests (lengths, arrivals, aborts; fixed seed): all end; slots, queue,
