@@ -206,6 +206,40 @@ def test_paged_scoring_builds_for_hopper_and_pipelines():
         assert r["loads_in_loop"] == contiguous["loads_in_loop"], (name, r, contiguous)
 
 
+_LAUNCH_OPTIONS = {"num_warps", "num_stages", "launch_pdl", "PDL"}
+
+
+def test_paged_quant_launches_pass_only_kernel_arguments(device, monkeypatch):
+    """Every keyword a paged quantised scoring launch sends is one of its kernel's
+    arguments (or a launch option): the interpreter ignores unknown ones, a GPU build
+    refuses them (``PAGED_TILES`` once reached the int8 tensor-core logits kernel)."""
+    seen = []
+
+    class Checked:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                unknown = set(kw) - set(self.fn.arg_names) - _LAUNCH_OPTIONS
+                assert not unknown, (self.fn.__name__, unknown)
+                seen.append(self.fn.__name__)
+                return self.fn[grid](*args, **kw)
+            return launch
+
+    for name in ("_score_kernel", "_i8dot_score_kernel", "_i8dot_logits_kernel", "_softmax_finalize_kernel"):
+        monkeypatch.setattr(scoring, name, Checked(getattr(scoring, name)))
+    for case in range(len(QUANT_CASES)):
+        keys, reduce, _, _, _, _, _, k_top = QUANT_CASES[case]
+        q, pool, spool, table, kv_lens, kv_start = _paged_quant(case, device)
+        lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+        norm = kv_lens if reduce == "sum_softmax" else None
+        for carry in (None, C.new_carry(q.shape[0], pool.shape[1], device)):
+            scoring.score_topk_triton(q, pool, lo, hi, k_top, k_scale=spool, block_table=table, reduce=reduce,
+                                      kv_lens=norm, kv_start=kv_start, carry=carry)
+    assert {"_i8dot_score_kernel", "_i8dot_logits_kernel", "_score_kernel"} <= set(seen)
+
+
 _AOT_I8DOT = r'''
 import json
 from spade.kernels import scoring as S
