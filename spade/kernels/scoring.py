@@ -1014,7 +1014,8 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
                  scale: float, full_row: bool, hist: torch.Tensor | None, k_scale: torch.Tensor | None,
                  carry: tuple | None = None, paged: dict | None = None) -> None:
     """``sum_logits`` by GEMV: int8 / int4 keys on the int8 tensor cores (``paged``: pools
-    through a block table, ``_launch_scores``' kwargs), else the float GEMV tile (not paged)."""
+    through a block table, ``_launch_scores``' kwargs), else the float GEMV tile, which
+    ``_launch_scores`` never sends paged keys."""
     B, Hq, D = q.shape
     cargs, do_carry = _carry_args(carry, out)
     Hkv, L = k.shape[1], out.shape[-1]  # L logical (a pool's dimension 2 is its block size)
@@ -1036,8 +1037,6 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CARRY=do_carry,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"), **(paged or {}))
         return
-    if paged:
-        raise ValueError("the float GEMV tile reads no block table (_launch_scores sends paged keys elsewhere)")
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if k_scale is not None else out
     ks_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)

@@ -544,8 +544,6 @@ class AsyncSpadePolicy(Policy):
         if kv_lens is not None:
             kv = kv_lens.to(k_cache.device)
             src = k_new if k_new is not None else last_token_keys(k_cache, kv, bt)  # [B, H, D]
-            if k_new is not None:
-                st.keys_elsewhere = True
             if self.cfg.score_keys == "int4":
                 kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, block_table=bt)
             else:

@@ -83,3 +83,16 @@ async def staggered(engine, jobs, prefix="r"):
         return await final(engine, prompt, greedy(n), f"{prefix}{i}")
 
     return await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+
+
+def serve_staggered(engine, jobs):
+    """Run ``jobs`` (as ``staggered``) through ``engine``, then close it: (the outputs,
+    the engine's stats before the close)."""
+
+    async def main():
+        outs = await staggered(engine, jobs)
+        stats = engine.stats()
+        await engine.close()
+        return outs, stats
+
+    return run(main())

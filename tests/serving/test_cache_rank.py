@@ -16,7 +16,7 @@ from spade.runtime.protocol import CacheHooks
 from spade.transports import availability
 from tests.runtime.conftest import free_port
 
-from .conftest import final, greedy, make_config, random_prompts, run, staggered
+from .conftest import final, greedy, make_config, random_prompts, run, serve_staggered, staggered
 
 TOPOLOGIES = ("colocated", "local")
 def _multiprocess(transport: str) -> list[str]:
@@ -119,13 +119,7 @@ def test_join_while_a_selection_is_in_flight(topology):
     engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=2),
                                cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
 
-    async def main():
-        together = await staggered(engine, jobs)
-        stats = engine.stats()
-        await engine.close()
-        return together, stats
-
-    together, stats = run(main())
+    together, stats = serve_staggered(engine, jobs)
     assert stats["dropped_selections"] > 0 and stats["join_resyncs"] > 0
     assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
     for t, i in zip(together, _inline_alone(jobs)):
@@ -164,13 +158,7 @@ def test_a_lost_cache_rank_is_restarted_mid_serving(policy, extra):
     jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
     engine = spade.AsyncEngine(make_config(policy, "colocated", extra=extra), cache_hooks=CacheHooks(die_at_step=6))
 
-    async def main():
-        outs = await staggered(engine, jobs)
-        stats = engine.stats()
-        await engine.close()
-        return outs, stats
-
-    outs, stats = run(main())
+    outs, stats = serve_staggered(engine, jobs)
     assert stats["cache_peers_lost"] >= 1 and stats["cache_restarts"] >= 1
     assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
     for (_, _, n), o in zip(jobs, outs):
@@ -197,13 +185,7 @@ def test_a_cache_rank_that_fails_its_boot_is_noticed_at_once(monkeypatch):
     cfg = make_config("asyncspade", "colocated", extra=["runtime.peer_deadline_s=3600"])
     engine = spade.AsyncEngine(cfg, cache_hooks=CacheHooks(die_at_step=6))
 
-    async def main():
-        outs = await staggered(engine, jobs)
-        stats = engine.stats()
-        await engine.close()
-        return outs, stats
-
-    outs, stats = run(main())
+    outs, stats = serve_staggered(engine, jobs)
     assert len(calls) >= 2  # the failed boot, then a booted one
     assert stats["cache_peers_lost"] >= 2 and stats["cache_restarts"] >= 1
     assert stats["requests_finished"] == len(jobs)
@@ -270,13 +252,7 @@ def test_late_selections_between_joins_follow_on_late(on_late):
                                            extra=[f"runtime.on_late={on_late}"]),
                                cache_hooks=CacheHooks(delay_s=0.01, delay_from_step=2))
 
-    async def main():
-        outs = await staggered(engine, jobs)
-        stats = engine.stats()
-        await engine.close()
-        return outs, stats
-
-    outs, stats = run(main())
+    outs, stats = serve_staggered(engine, jobs)
     assert stats["late_packs"] > 0 and stats["join_resyncs"] > 0
     assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
     for (_, _, n), o in zip(jobs, outs):

@@ -11,9 +11,8 @@ import torch
 
 import spade
 from spade.errors import ArgumentError
-from spade.serving import SamplingParams
 
-from .conftest import collect, final, greedy, make_config, random_prompts, run, staggered
+from .conftest import collect, final, greedy, make_config, random_prompts, run, serve_staggered
 
 PAGED = ["model.block_size=4"]
 CASES = [("full", "inline"), ("streaming", "inline"), ("quest", "inline"), ("tova", "inline"), ("oracle", "inline"),
@@ -29,15 +28,7 @@ def jobs_for(seed: int, n: int = 6):
 
 
 def serve(cfg, jobs):
-    engine = spade.AsyncEngine(cfg)
-
-    async def main():
-        out = await staggered(engine, jobs)
-        stats = engine.stats()
-        await engine.close()
-        return out, stats
-
-    return run(main())
+    return serve_staggered(spade.AsyncEngine(cfg), jobs)
 
 
 @pytest.mark.parametrize("policy,topology", CASES)
