@@ -402,8 +402,7 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_L: tl.constexpr, REDUCE: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr,
                 UPCAST: tl.constexpr, IEEE: tl.constexpr, KINT8: tl.constexpr, LANE_STATS: tl.constexpr,
-                KINT4: tl.constexpr, CARRY: tl.constexpr, slots=None, stride_kb=0, PAGED: tl.constexpr = False,
-                BLOCK_SIZE: tl.constexpr = 1, stride_sb=0):
+                KINT4: tl.constexpr, CARRY: tl.constexpr, k_rows=None, ks_rows=None, PAGED: tl.constexpr = False):
     """One [BLOCK_L] tile of ``_score_kernel`` (see there); returns the carried
     (hist, m_run, s_run). LANE_STATS (sum_softmax): the online (max, sum-exp) is kept
     per element of the tile ([G_PAD, BLOCK_L], element-wise updates only) and reduced
@@ -418,9 +417,7 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
     g_mask = offs_g < G
     offs_l = l0 + tl.arange(0, BLOCK_L)
     valid = (offs_l >= lo) & (offs_l < hi)
-    if PAGED:  # the tile's physical slots, mapped through the table before the loop (paged_slots)
-        slots64 = slots.to(tl.int64)
-        k_rows = (slots64 // BLOCK_SIZE) * stride_kb + (slots64 % BLOCK_SIZE) * stride_kl
+    if PAGED:  # the tile's rows in the pools, mapped through the table before the loop (_tile_rows)
         kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                      mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     else:
@@ -442,9 +439,7 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         s = dot_t(q, kt, IEEE)
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
     if KINT8 or KINT4:
-        if PAGED:  # the scales' pool [num_blocks, HKV, BLOCK_SIZE], at the keys' slots
-            ks_rows = (slots64 // BLOCK_SIZE) * stride_sb + (slots64 % BLOCK_SIZE) * stride_sl
-        else:
+        if not PAGED:  # (PAGED: the scales' pool [num_blocks, HKV, BLOCK_SIZE], at the keys' slots)
             ks_rows = offs_l.to(tl.int64) * stride_sl
         ksv = tl.load(ks_base + ks_rows, mask=valid, other=0.0)  # [BLOCK_L] fp32
         s = s * ksv[None, :]
@@ -537,16 +532,15 @@ def _score_kernel(
     if PAGED:
         for r0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), PAGED_TILES * BLOCK_L):
             r0t = tl.minimum(r0, end)  # = r0, as a tensor (the interpreter's r0 is an int)
-            r1 = tl.minimum(r0t + PAGED_TILES * BLOCK_L, end)
-            offs = r0t + tl.arange(0, PAGED_TILES)[:, None] * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]
-            slots2d = paged_slots(tl.where((offs >= lo) & (offs < hi), offs, -1), bt_row, BLOCK_SIZE)
+            tiles, r1 = _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
             for l0 in range(loop_bound(r0t, INTERPRET), loop_bound(r1, INTERPRET), BLOCK_L):
-                slots = tile_of(slots2d, (l0 - r0t) // BLOCK_L, PAGED_TILES)
+                k_rows, ks_rows = _tile_rows(tiles, (l0 - r0t) // BLOCK_L, stride_kb, stride_kl, stride_sb,
+                                             stride_sl, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
                 hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
                                                  stride_kl, stride_kd, stride_sl, hist, m_run, s_run, thr,
                                                  cand_row, G, G_PAD, D, BLOCK_D, BLOCK_L, REDUCE, FULL_ROW, HIST,
-                                                 UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CARRY, slots, stride_kb,
-                                                 PAGED, BLOCK_SIZE, stride_sb)
+                                                 UPCAST, IEEE, KINT8, LANE_STATS, KINT4, CARRY, k_rows, ks_rows,
+                                                 PAGED)
     else:
         for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
             hist, m_run, s_run = _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale,
@@ -693,10 +687,12 @@ def _i8dot_score_kernel(
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
     KINT4: tl.constexpr, ASM4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
     BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
+    PAGED_TILES: tl.constexpr = 1,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys. PAGED: ``k_ptr`` / ``ks_ptr`` are pools read through the
-    block tables ``BT`` (``_key_rows``), as in ``_score_kernel``.
+    block tables ``BT``, PAGED_TILES tiles mapped at a time (``_paged_tiles``), as in
+    ``_score_kernel``.
 
     Converting every int8 key element to float runs at a quarter of the FMA rate on
     Hopper, which caps the float GEMV tile near 2x its byte floor. Here the group's
@@ -754,10 +750,21 @@ def _i8dot_score_kernel(
     k_base, ks_base, bt_row = _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh,
                                          stride_tb, PAGED)
     hist = tl.zeros([256], dtype=tl.int32)
-    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
-        hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
-                           stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                           FULL_ROW, HIST, KINT4, ASM4, CARRY, bt_row, stride_kb, stride_sb, PAGED, BLOCK_SIZE)
+    if PAGED:
+        for r0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), PAGED_TILES * BLOCK_L):
+            r0t = tl.minimum(r0, end)  # = r0, as a tensor (the interpreter's r0 is an int)
+            tiles, r1 = _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
+            for l0 in range(loop_bound(r0t, INTERPRET), loop_bound(r1, INTERPRET), BLOCK_L):
+                k_rows, s_rows = _tile_rows(tiles, (l0 - r0t) // BLOCK_L, stride_kb, stride_kl, stride_sb,
+                                            stride_sl, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
+                hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+                                   stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
+                                   FULL_ROW, HIST, KINT4, ASM4, CARRY, k_rows, s_rows, PAGED)
+    else:
+        for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+            hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
+                               stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
+                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -770,10 +777,10 @@ def _i8dot_logits_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr, INTERPRET: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
     PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
-    BLOCK_SIZE: tl.constexpr = 1,
+    BLOCK_SIZE: tl.constexpr = 1, PAGED_TILES: tl.constexpr = 1,
 ):
     """``sum_softmax`` stage 1 over int8 / int4 keys on the int8 tensor cores (PAGED: pools
-    read through the block tables ``BT``, ``_key_rows``): the G
+    read through the block tables ``BT``, ``_paged_tiles``): the G
     heads' logits of one chunk of one (b, KV head) row into ``out`` [B*HKV, G, L] (over
     ``[lo, hi)``) and the chunk's online (max, sum-exp) per head into ``stats``
     [B*HKV, G, N_CHUNKS, 2]: what ``_score_kernel`` writes in its stage-1 mode, for
@@ -824,31 +831,60 @@ def _i8dot_logits_kernel(
                                          stride_tb, PAGED)
     m_run = tl.full([GH], float("-inf"), tl.float32)
     s_run = tl.zeros([GH], dtype=tl.float32)
-    for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        valid = (offs_l >= lo) & (offs_l < hi)
-        k_rows, s_rows = _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl, PAGED,
-                                   BLOCK_SIZE)
-        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
-        if KINT4:
-            p = kt.to(tl.int8, bitcast=True)
-            acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, NCOL]
-            acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(kt, qm, out_dtype=tl.int32)
-        lg = tl.sum(tl.reshape(acc.to(tl.float32) * w[None, :], (BLOCK_L, GH, 4)), axis=2) - c_off[None, :]
-        lg = lg * tl.load(ks_base + s_rows, mask=valid, other=0.0)[:, None]
-        ptrs = out_ptr + (row64 * G + offs_g[None, :]) * L + offs_l[:, None]  # [BLOCK_L, GH]
-        tl.store(ptrs, lg, mask=valid[:, None] & g_ok[None, :])
-        sm = tl.where(valid[:, None], lg, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(sm, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[None, :]), axis=0)
-        m_run = m_new
+    if PAGED:
+        for r0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), PAGED_TILES * BLOCK_L):
+            r0t = tl.minimum(r0, end)  # = r0, as a tensor (the interpreter's r0 is an int)
+            tiles, r1 = _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
+            for l0 in range(loop_bound(r0t, INTERPRET), loop_bound(r1, INTERPRET), BLOCK_L):
+                k_rows, s_rows = _tile_rows(tiles, (l0 - r0t) // BLOCK_L, stride_kb, stride_kl, stride_sb,
+                                            stride_sl, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
+                m_run, s_run = _i8dot_logits_tile(
+                    qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, L, m_run, s_run, stride_kl,
+                    stride_kd, stride_sl, G, GH, D, BLOCK_D, BLOCK_L, KINT4, ASM4, k_rows, s_rows, PAGED)
+    else:
+        for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
+            m_run, s_run = _i8dot_logits_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, L,
+                                              m_run, s_run, stride_kl, stride_kd, stride_sl, G, GH, D, BLOCK_D,
+                                              BLOCK_L, KINT4, ASM4)
     st = stats_ptr + ((row64 * G + offs_g) * N_CHUNKS + chunk) * 2
     tl.store(st, m_run, mask=g_ok)
     tl.store(st + 1, s_run, mask=g_ok)
+
+
+@triton.jit
+def _i8dot_logits_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, L, m_run, s_run,
+                       stride_kl, stride_kd, stride_sl, G: tl.constexpr, GH: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
+                       k_rows=None, s_rows=None, PAGED: tl.constexpr = False):
+    """One [BLOCK_L] key tile of ``_i8dot_logits_kernel`` (PAGED: at ``k_rows`` / ``s_rows``,
+    ``_tile_rows``): stores the G heads' logits and returns the carried online (max,
+    sum-exp) per head."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, GH)
+    g_ok = offs_g < G
+    offs_l = l0 + tl.arange(0, BLOCK_L)
+    valid = (offs_l >= lo) & (offs_l < hi)
+    if not PAGED:
+        k_rows = offs_l.to(tl.int64) * stride_kl
+        s_rows = offs_l.to(tl.int64) * stride_sl
+    kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    if KINT4:
+        p = kt.to(tl.int8, bitcast=True)
+        acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, NCOL]
+        acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)
+    else:
+        acc = tl.dot(kt, qm, out_dtype=tl.int32)
+    lg = tl.sum(tl.reshape(acc.to(tl.float32) * w[None, :], (BLOCK_L, GH, 4)), axis=2) - c_off[None, :]
+    lg = lg * tl.load(ks_base + s_rows, mask=valid, other=0.0)[:, None]
+    ptrs = out_ptr + (row64 * G + offs_g[None, :]) * L + offs_l[:, None]  # [BLOCK_L, GH]
+    tl.store(ptrs, lg, mask=valid[:, None] & g_ok[None, :])
+    sm = tl.where(valid[:, None], lg, float("-inf"))
+    m_new = tl.maximum(m_run, tl.max(sm, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+    s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(sm - m_safe[None, :]), axis=0)
+    m_run = m_new
+    return m_run, s_run
 
 
 @triton.jit
@@ -912,7 +948,7 @@ def _high_nibbles(p, ASM: tl.constexpr):
 def _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh, stride_tb,
                PAGED: tl.constexpr):
     """The (b, h) row's key and scale bases and, under PAGED, its block table row (pools:
-    the block enters per key at ``_key_rows``, so the bases hold the head only)."""
+    the block enters per key at ``_tile_rows``, so the bases hold the head only)."""
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     if PAGED:
@@ -927,34 +963,58 @@ def _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_
 
 
 @triton.jit
-def _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl,
-              PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Row offsets (int64 [BLOCK_L]) of a tile's keys and of their scales: logical rows of
-    a contiguous copy, or under PAGED the slots the row's block table maps them to
-    (pools [num_blocks, HKV, BLOCK_SIZE, ...]; positions outside ``valid`` are never loaded)."""
-    if PAGED:
-        slots = paged_slots(tl.where(valid, offs_l, -1), bt_row, BLOCK_SIZE).to(tl.int64)
+def _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 PAGED_TILES: tl.constexpr):
+    """The block table read for the PAGED_TILES key tiles from logical position ``r0t``, and
+    where the group ends. Read once per group, so that the loop over the group's tiles
+    loads only keys and stays pipelined like the contiguous one (a table read per tile
+    left a single key buffer). Where BLOCK_SIZE divides BLOCK_L (both powers of two) it
+    holds each tile's block ids [PAGED_TILES, BLOCK_L // BLOCK_SIZE]; otherwise each
+    position's slot [PAGED_TILES, BLOCK_L] (``paged_slots``, ``-1`` outside ``[lo, hi)``).
+    ``_tile_rows`` reads one tile of it."""
+    r1 = tl.minimum(r0t + PAGED_TILES * BLOCK_L, end)
+    if BLOCK_L % BLOCK_SIZE == 0:
+        NB: tl.constexpr = BLOCK_L // BLOCK_SIZE
+        first = r0t + tl.arange(0, PAGED_TILES)[:, None] * BLOCK_L + tl.arange(0, NB)[None, :] * BLOCK_SIZE
+        ok = (first + BLOCK_SIZE > lo) & (first < hi)  # blocks meeting [lo, hi): the rest are never loaded
+        tiles = tl.load(bt_row + tl.where(ok, first, 0) // BLOCK_SIZE, mask=ok, other=0)
+    else:
+        offs = r0t + tl.arange(0, PAGED_TILES)[:, None] * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]
+        tiles = paged_slots(tl.where((offs >= lo) & (offs < hi), offs, -1), bt_row, BLOCK_SIZE)
+    return tiles, r1
+
+
+@triton.jit
+def _tile_rows(tiles, i, stride_kb, stride_kl, stride_sb, stride_sl, BLOCK_L: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, PAGED_TILES: tl.constexpr):
+    """Row offsets (int64 [BLOCK_L]) of the keys and of their scales in tile ``i`` of a
+    ``_paged_tiles`` group (pools [num_blocks, HKV, BLOCK_SIZE, ...]; a tile starts on a
+    block boundary when BLOCK_SIZE divides BLOCK_L)."""
+    if BLOCK_L % BLOCK_SIZE == 0:
+        NB: tl.constexpr = BLOCK_L // BLOCK_SIZE
+        blk = tile_of(tiles, i, PAGED_TILES).to(tl.int64)  # [NB]
+        blk = tl.reshape(tl.broadcast_to(blk[:, None], (NB, BLOCK_SIZE)), (BLOCK_L,))
+        off = tl.arange(0, BLOCK_L) % BLOCK_SIZE
+    else:
+        slots = tile_of(tiles, i, PAGED_TILES).to(tl.int64)
         blk = slots // BLOCK_SIZE
         off = slots % BLOCK_SIZE
-        k_rows = blk * stride_kb + off * stride_kl
-        s_rows = blk * stride_sb + off * stride_sl
-    else:
-        l64 = offs_l.to(tl.int64)
-        k_rows = l64 * stride_kl
-        s_rows = l64 * stride_sl
-    return k_rows, s_rows
+    return blk * stride_kb + off * stride_kl, blk * stride_sb + off * stride_sl
 
 
 @triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
                 stride_sl, hist, thr, cand_row, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                 FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
-                CARRY: tl.constexpr, bt_row=None, stride_kb=0, stride_sb=0, PAGED: tl.constexpr = False,
-                BLOCK_SIZE: tl.constexpr = 1):
+                CARRY: tl.constexpr, k_rows=None, s_rows=None, PAGED: tl.constexpr = False):
+    """One key tile of ``_i8dot_score_kernel``; PAGED: at ``k_rows`` / ``s_rows``
+    (``_tile_rows``), else at the logical rows."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
-    k_rows, s_rows = _key_rows(offs_l, valid, bt_row, stride_kb, stride_kl, stride_sb, stride_sl, PAGED, BLOCK_SIZE)
+    if not PAGED:
+        k_rows = offs_l.to(tl.int64) * stride_kl
+        s_rows = offs_l.to(tl.int64) * stride_sl
     kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
     if KINT4:
@@ -1002,6 +1062,14 @@ def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
+def _with_tiles(paged: dict | None, chunk: int, block_l: int) -> dict:
+    """A paged launch's kwargs plus ``PAGED_TILES``: the tiles of slots a program maps
+    through the table at a time, its whole chunk, at most ``PAGED_TILES_MAX``."""
+    if not paged:
+        return {}
+    return dict(paged, PAGED_TILES=min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, block_l))))
+
+
 def _carry_args(carry: tuple | None, out: torch.Tensor) -> tuple:
     """(carry, mask, NW) kernel arguments and the CARRY flag; placeholders (never read)
     without."""
@@ -1035,7 +1103,8 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
             HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CARRY=do_carry,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"), **(paged or {}))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"),
+            **_with_tiles(paged, chunk, BLOCK_L))
         return
     qs = (q.float().view(B, Hkv, Hq // Hkv, D).sum(2) * scale).reshape(rows, D).contiguous()  # [B*Hkv, D]
     ks_arg = k_scale if k_scale is not None else out
@@ -1077,10 +1146,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     cfg = _score_config(Dk, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
-    if paged:  # tiles of slots a program maps at a time: its whole chunk, at most PAGED_TILES_MAX
-        tiles = dict(paged, PAGED_TILES=min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, BLOCK_L))))
-    else:
-        tiles = {}
+    tiles = _with_tiles(paged, chunk, BLOCK_L)
     upcast, ieee = _dot_flags_qk(q, k)
     qr = _round_q(q, k)
     kint8 = k.dtype == torch.int8
@@ -1124,7 +1190,8 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
             HKV=Hkv, G=G, GH=max(4, triton.next_power_of_2(G)), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
             BLOCK_L=lcfg["BLOCK_L"], INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and GEMV_CONFIG.get("int4_asm", True),
-            num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"), **paged)
+            num_warps=lcfg["num_warps"], num_stages=lcfg["num_stages"], **pdl_kwargs(qr, "select"),
+            **_with_tiles(paged, chunk, lcfg["BLOCK_L"]))
     else:
         _score_kernel[grid](
             qr, k, ks_arg, logits, stats, out, norm_lo, norm_hi, out, out, 1,

@@ -240,10 +240,36 @@ def test_paged_quant_launches_pass_only_kernel_arguments(device, monkeypatch):
     assert {"_i8dot_score_kernel", "_i8dot_logits_kernel", "_score_kernel"} <= set(seen)
 
 
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
+def test_paged_quant_maps_the_table_in_groups_of_tiles(case, device, monkeypatch):
+    """The int8 tensor-core kernels map the table for groups of key tiles before the loop
+    that loads keys: with 32-key tiles (several per chunk), groups of 16, 2 and 1 tiles
+    (a chunk's last group partial) give the contiguous copy's scores bit for bit."""
+    keys, reduce, _, _, _, _, _, k_top = QUANT_CASES[case]
+    q, pool, spool, table, kv_lens, kv_start = _paged_quant(case, device)
+    kc = paged_to_contiguous(pool, table)
+    sc = paged_to_contiguous(spool[..., None], table)[..., 0]
+    monkeypatch.setitem(scoring.GEMV_CONFIG, "BLOCK_L", 32)
+    monkeypatch.setitem(scoring.SCORE_CONFIG, "BLOCK_L", 32)
+    for cfg in (scoring.GEMV_CONFIG, scoring.SCORE_CONFIG):
+        monkeypatch.setitem(cfg, "MIN_CHUNK", 96)  # three tiles per chunk
+    kw = dict(reduce=reduce, kv_start=kv_start)
+    want = scoring.group_scores_triton(q, kc, kv_lens, k_scale=sc, **kw)
+    for tiles in (16, 2, 1):
+        monkeypatch.setattr(scoring, "PAGED_TILES_MAX", tiles)
+        got = scoring.group_scores_triton(q, pool, kv_lens, k_scale=spool, block_table=table, **kw)
+        assert torch.equal(got, want), (tiles, (got - want).abs().nan_to_num().max())
+
+
 _AOT_I8DOT = r'''
 import json
 from spade.kernels import scoring as S
-from tests.kernels.aot import sm90_compile
+from tests.kernels.aot import loop_body, sm90_compile, smem_buffers
+
+def build(fn, args, cons, **kw):
+    t = sm90_compile(fn, args, cons, **kw).asm["ttgir"]
+    return dict(dots=t.count("tt.dot") + t.count("warp_group_dot"), pipelined="async_copy_global_to_local" in t,
+                loads_in_loop=loop_body(t, last=True).count("tt.load "), k_buffers=smem_buffers(t))
 
 L, Hkv, Dk = 32768, 8, 64  # int4: the packed row's 64 bytes
 p, f, i = ("ptr", "u8"), ("ptr", "fp32"), ("ptr", "i32")
@@ -252,27 +278,30 @@ for paged in (False, True):
     bs = 16 if paged else L
     common = dict(q_ptr=("ptr", "bf16"), k_ptr=p, ks_ptr=f, out_ptr=f, lo_ptr=i, hi_ptr=i,
                   stride_qb=32 * 128, stride_qh=128, stride_qd=1, stride_kb=Hkv * bs * Dk, stride_kh=bs * Dk,
-                  stride_kl=Dk, stride_kd=1, stride_sb=Hkv * bs, stride_sh=bs, stride_sl=1, L=L, CHUNK=1024,
+                  stride_kl=Dk, stride_kd=1, stride_sb=Hkv * bs, stride_sh=bs, stride_sl=1, L=L, CHUNK=2048,
                   scale=("fp32", 0.1))
     cons = dict(HKV=Hkv, D=Dk, BLOCK_D=Dk, INTERPRET=False, KINT4=True, ASM4=True)
     if paged:
         common["BT"] = i
-        cons.update(PAGED=True, BLOCK_SIZE=bs, stride_tb=2048)
-    logits = S._i8dot_logits_kernel
-    k = sm90_compile(logits, dict(common, stats_ptr=f, N_CHUNKS=32), dict(cons, G=4, GH=4, BLOCK_L=256))
-    out[f"logits_{paged}"] = k.asm["ttgir"].count("tt.dot") + k.asm["ttgir"].count("warp_group_dot")
-    k = sm90_compile(S._i8dot_score_kernel, dict(common, hist_ptr=i, carry_ptr=f, cand_ptr=i, NW=4),
-                     dict(cons, G=4, G_PAD=4, BLOCK_L=256, FULL_ROW=False, HIST=True, CARRY=True), num_warps=8)
-    out[f"score_{paged}"] = k.asm["ttgir"].count("tt.dot") + k.asm["ttgir"].count("warp_group_dot")
+        cons.update(PAGED=True, BLOCK_SIZE=bs, stride_tb=2048, PAGED_TILES=8)
+    out[f"logits_{paged}"] = build(S._i8dot_logits_kernel, dict(common, stats_ptr=f, N_CHUNKS=32),
+                                   dict(cons, G=4, GH=4, BLOCK_L=256))
+    out[f"score_{paged}"] = build(S._i8dot_score_kernel, dict(common, hist_ptr=i, carry_ptr=f, cand_ptr=i, NW=4),
+                                  dict(cons, G=4, G_PAD=4, BLOCK_L=256, FULL_ROW=False, HIST=True, CARRY=True),
+                                  num_warps=8)
 print(json.dumps(out))
 '''
 
 
-def test_paged_int8_dot_kernels_build_for_hopper():
+def test_paged_int8_dot_kernels_build_for_hopper_and_pipeline():
     """The int8 tensor-core scoring kernels compile for sm_90 with a block table (the
-    interpreter accepts code the compiler rejects), with the contiguous kernels' dots."""
+    interpreter accepts code the compiler rejects), with the contiguous kernels' dots and
+    key pipelining: as many key buffers, and no load but the keys' and scales' in the
+    innermost loop (mapping each tile through the table inside the loop left one buffer)."""
     from tests.kernels.aot import run_aot_script
 
     res = run_aot_script(_AOT_I8DOT)
     for name in ("logits", "score"):
-        assert res[f"{name}_True"] == res[f"{name}_False"] > 0, res
+        paged, contiguous = res[f"{name}_True"], res[f"{name}_False"]
+        assert contiguous["dots"] > 0 and contiguous["pipelined"], res
+        assert paged == contiguous, (name, paged, contiguous)
