@@ -320,6 +320,7 @@ for s in "${stages[@]}"; do
       fi
       if [[ $rows == *" quest "* ]]; then
         gpu=$([ "$NGPU" -ge 2 ] && [ -n "$t_full" ] && echo 1 || echo 0)
+        [ "$gpu" = 0 ] && [ -n "$t_full" ] && wait $t_full && t_full=""  # one GPU: one row at a time
         run trace_quest$TG 400 env CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.bench_serving $TS --device cuda:0 \
           --topology colocated --policies quest --out "$OUT/trace_quest$TG.json"
       fi
