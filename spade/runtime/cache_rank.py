@@ -26,7 +26,9 @@ Store: ``[B, Hkv, capacity, D]`` per layer in the KV dtype, or — ``colocated``
 with a static-cache backend — the inference rank's own cache tensors (read
 only; positions the cache rank reads were written before the events it waits
 on, and the inference rank only writes positions the cache rank does not read
-for the step it works on).
+for the step it works on), or none where the policy never reads keys back once
+prefilled (``takes_new_keys``, a fixed-length view, no values: ``lean``): its
+copies are then all the cache rank keeps of the keys.
 """
 
 from __future__ import annotations
@@ -325,7 +327,8 @@ class _Generation:
         n_layers = self.n_layers = spec.n_layers
         self.packs = P.packs_of(n_layers, s.pack_layers)
         rank.stats["generations"] += 1
-        self.kstore = self.vstore = self.no_v = None
+        self.kstore = self.vstore = self.no_v = self.kview = self.join_buf = None
+        self.lean = False  # no key store (below)
         self._renewed = False  # renew() ran: the next run() keeps the buffers
         self._carry0: dict[str, float] = {}  # the carry's counters at the epoch's start (renew)
         with rank._on():
@@ -341,7 +344,6 @@ class _Generation:
                 if rank.shared is None:
                     raise TransportError("cache rank: shared KV requested but this cache rank is not in-process")
             else:
-                self.kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
                 # Values only for the kv return mode (the cache rank gathers them): no policy
                 # that selects ahead reads values, so the other modes neither store nor ship
                 # them (half the store, half the boot traffic). Those policies get an empty
@@ -349,6 +351,18 @@ class _Generation:
                 self.vstore = ([torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
                                if s.return_mode == "kv" else None)
                 self.no_v = torch.empty(B, Hkv, 0, D, dtype=dt, device=dev)
+                # Keys the policy never reads back once prefilled (``Policy.takes_new_keys``:
+                # compressed scoring keys, e.g. asyncspade's int4 / int8 copies) with a
+                # fixed-length view and no values: no key store. Prompts go from their BOOT
+                # message into the prefill (a join's through one row-sized buffer,
+                # ``_join_keys``), each step's keys from its pack into ``observe``, and
+                # the policy sees a fixed-shape view of no memory (NaN if it were read).
+                self.lean = s.static_len > 0 and self.vstore is None and policy.takes_new_keys(state)
+                if self.lean:
+                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(
+                        B, Hkv, s.static_len, D)
+                else:
+                    self.kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the inline policy would see as the cache at length ``seq``."""
@@ -356,9 +370,20 @@ class _Generation:
         if s.shared_kv:  # a paged cache's pools are read through its table (``PolicyState.block_table``)
             self.state.block_table = self.rank.shared.tables.get(layer)
             return self.rank.shared.refs[layer]
+        if self.lean:
+            return self.kview, self.no_v
         n = s.static_len or seq
         return (self.kstore[layer][:, :, :n],
                 (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
+
+    def _join_keys(self, row_keys: torch.Tensor, S: int) -> torch.Tensor:
+        """Without a key store: a joining row's view [1, Hkv, static_len, D] holding its
+        prompt's keys ``row_keys`` [Hkv, T, D] at ``[S - T, S)`` (one buffer, reused; the
+        policy reads no position outside the row's ``[kv_start, S)``)."""
+        if self.join_buf is None:
+            self.join_buf = torch.zeros(1, self.Hkv, self.s.static_len, self.D, dtype=self.dt, device=self.dev)
+        self.join_buf[0, :, S - row_keys.shape[1]:S].copy_(row_keys)
+        return self.join_buf
 
     def renew(self, s: P.Setup, kv_lens: torch.Tensor, kv_start: torch.Tensor | None) -> None:
         """A new serving epoch on this generation's state and buffers (``CacheRank._generation``):
@@ -426,11 +451,14 @@ class _Generation:
                 await self._die()
             with rank._on():
                 q_tail = msg[0]
-                if not s.shared_kv:
-                    self.kstore[layer][:, :, :T].copy_(msg[1])
-                    if self.vstore is not None:
-                        self.vstore[layer][:, :, :T].copy_(msg[2])
-                k, v = self.view(layer, T)
+                if self.lean:  # no store: the prompt's keys as they came
+                    k, v = msg[1].to(self.dev), self.no_v
+                else:
+                    if not s.shared_kv:
+                        self.kstore[layer][:, :, :T].copy_(msg[1])
+                        if self.vstore is not None:
+                            self.vstore[layer][:, :, :T].copy_(msg[2])
+                    k, v = self.view(layer, T)
                 bt = self.state.block_table
                 if bt is not None:  # shared pools: the rows' first T positions, contiguous (a prefill's keys)
                     k = logical_keys(k, self.state, T)
@@ -470,12 +498,15 @@ class _Generation:
             for row, T in rows:
                 msg = await t.recv("boot")
                 with rank._on():
-                    if not s.shared_kv:  # the row's prompt keys (and values) into the store
-                        self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])
-                        if self.vstore is not None:
-                            self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
-                    k, v = self.view(layer, S)
-                    k, v = k[row:row + 1], v[row:row + 1]
+                    if self.lean:  # no store: the row's prompt keys alone
+                        k, v = self._join_keys(msg[1][0], S), self.no_v[:1]
+                    else:
+                        if not s.shared_kv:  # the row's prompt keys (and values) into the store
+                            self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])
+                            if self.vstore is not None:
+                                self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
+                        k, v = self.view(layer, S)
+                        k, v = k[row:row + 1], v[row:row + 1]
                     if state.block_table is not None:  # paged (shared): the row's [0, S), contiguous
                         from spade.kernels.paged import paged_range
 
@@ -533,11 +564,10 @@ class _Generation:
             self.kv_sel = self.kv_lens.clone()
             self.pos_buf = torch.zeros(1, dtype=torch.int64, device=self.dev)
         # Keys the policy never reads back (compressed scoring keys, no kv gathers) go
-        # straight from the received pack into observe: no append to the store. Only with
-        # a fixed-length view (static_len), so the policy's copy never needs a rebuild
-        # from the store (it raises if it would).
-        self.new_keys = (not s.shared_kv and s.static_len > 0 and self.vstore is None
-                         and self.policy.takes_new_keys(self.state))
+        # straight from the received pack into observe: no store (``lean``). Only with a
+        # fixed-length view (static_len), so the policy's copy never needs a rebuild from
+        # stored keys (it raises if it would).
+        self.new_keys = self.lean
         self.append_k = not s.shared_kv and not self.new_keys
 
     def _observe_pack(self, p: int, seq: int) -> None:

@@ -109,6 +109,56 @@ def test_joined_rows_match_alone_and_inline(topology):
         assert t.token_ids == a.token_ids == i
 
 
+@pytest.mark.parametrize("topology", ["local", "multiprocess/nccl"])
+def test_compressed_scoring_keys_need_no_key_store(topology, monkeypatch):
+    """asyncspade with int4 scoring keys on a cache rank of its own: the cache rank keeps
+    no exact-key store (a join's prompt keys go through one row-sized buffer into the
+    policy's copy; each step's keys from its pack), and joined rows still equal alone
+    and inline. Exact keys keep the store."""
+    from spade.runtime import cache_rank as CR
+
+    jobs = _jobs(6, seed=7)
+    topology, _, transport = topology.partition("/")
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):  # the in-process cache rank's generations (local)
+        gens.append(self)
+        return await real(self)
+
+    monkeypatch.setattr(CR._Generation, "run", recorded)
+    stores = {}
+    for policy in ("asyncspade_int4", "asyncspade"):
+        gens.clear()
+        engine = spade.AsyncEngine(make_config(policy, topology, extra=_multiprocess(transport) if transport else None))
+
+        async def main():
+            together = await staggered(engine, jobs)
+            stats = engine.stats()
+            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+            await engine.close()
+            return together, alone, stats
+
+        together, alone, stats = run(main())
+        assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
+        if gens:
+            stores[policy] = {(g.lean, g.kstore is not None, g.join_buf is not None) for g in gens}
+        want = _inline_alone(jobs) if policy == "asyncspade" else None
+        if policy == "asyncspade_int4":
+            engine = spade.AsyncEngine(make_config(policy, "inline"))
+
+            async def inline():
+                out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
+                await engine.close()
+                return out
+
+            want = run(inline())
+        for (_, _, n), t, a, i in zip(jobs, together, alone, want):
+            assert len(t.token_ids) == n
+            assert t.token_ids == a.token_ids == list(i)
+    if topology == "local":
+        assert stores == {"asyncspade_int4": {(True, False, True)}, "asyncspade": {(False, True, False)}}
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_join_while_a_selection_is_in_flight(topology):
     """A slow cache rank: when a request joins, the selections of the next step made from
@@ -147,16 +197,19 @@ def test_abort_mid_decode_frees_the_slot():
     assert after.token_ids == _inline_alone([(0, prompts[1], 12)])[0]
 
 
-@pytest.mark.parametrize("policy,extra", [("asyncspade", []), ("tova", []),
-                                          ("asyncspade_int4", ["model.block_size=4"])])
-def test_a_lost_cache_rank_is_restarted_mid_serving(policy, extra):
+@pytest.mark.parametrize("policy,topology,extra", [
+    ("asyncspade", "colocated", []), ("tova", "colocated", []),
+    ("asyncspade_int4", "colocated", ["model.block_size=4"]),
+    ("asyncspade_int4", "local", []),  # no key store: the new cache rank boots from the BOOT message alone
+])
+def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra):
     """The cache rank dies at step 6 of the first epoch: the running rows decode densely,
     a new cache rank boots from the current batch (every row; on a paged cache from the
     shared pools, read through the table into the contiguous keys a prefill takes), and
     every request completes. Tokens after the loss may differ from the alone runs (the new
     cache rank's query windows, or TOVA's held sets, restart), so only completion is asserted."""
     jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
-    engine = spade.AsyncEngine(make_config(policy, "colocated", extra=extra), cache_hooks=CacheHooks(die_at_step=6))
+    engine = spade.AsyncEngine(make_config(policy, topology, extra=extra), cache_hooks=CacheHooks(die_at_step=6))
 
     outs, stats = serve_staggered(engine, jobs)
     assert stats["cache_peers_lost"] >= 1 and stats["cache_restarts"] >= 1
