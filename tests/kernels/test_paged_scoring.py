@@ -97,11 +97,13 @@ QUANT_CASES = [  # (keys, reduce, (Hq, Hkv), lens, kv_start, D, block_size, k_to
 ]
 
 
-def _paged_quant(case, device):
+def _paged_quant(case, device, block_size=None):
     """A quantised copy (int8, or packed int4 with a smoothing fold) moved into a pool
     under a shuffled table, its scales into a pool of the same table: keys past a row's
-    length 0xFF (int8: 127), scales there and in unowned blocks NaN."""
+    length 0xFF (int8: 127), scales there and in unowned blocks NaN. ``block_size``
+    overrides the case's."""
     keys, reduce, (Hq, Hkv), lens, start, D, bs, k_top = QUANT_CASES[case]
+    bs = block_size or bs
     gen = torch.Generator().manual_seed(900 + case)
     B, L = len(lens), max(lens)
     q = torch.randn(B, Hq, D, generator=gen)
@@ -240,13 +242,15 @@ def test_paged_quant_launches_pass_only_kernel_arguments(device, monkeypatch):
     assert {"_i8dot_score_kernel", "_i8dot_logits_kernel", "_score_kernel"} <= set(seen)
 
 
-@pytest.mark.parametrize("case", [0, 1, 2, 3])
-def test_paged_quant_maps_the_table_in_groups_of_tiles(case, device, monkeypatch):
+@pytest.mark.parametrize("case,block_size", [(0, None), (1, None), (2, None), (3, None), (0, 64), (3, 64)])
+def test_paged_quant_maps_the_table_in_groups_of_tiles(case, block_size, device, monkeypatch):
     """The int8 tensor-core kernels map the table for groups of key tiles before the loop
     that loads keys: with 32-key tiles (several per chunk), groups of 16, 2 and 1 tiles
-    (a chunk's last group partial) give the contiguous copy's scores bit for bit."""
+    (a chunk's last group partial) give the contiguous copy's scores bit for bit, for
+    blocks that divide a tile (block ids: 8, 16, 32), do not (slots: 5) and span
+    several tiles (slots: 64)."""
     keys, reduce, _, _, _, _, _, k_top = QUANT_CASES[case]
-    q, pool, spool, table, kv_lens, kv_start = _paged_quant(case, device)
+    q, pool, spool, table, kv_lens, kv_start = _paged_quant(case, device, block_size)
     kc = paged_to_contiguous(pool, table)
     sc = paged_to_contiguous(spool[..., None], table)[..., 0]
     monkeypatch.setitem(scoring.GEMV_CONFIG, "BLOCK_L", 32)
