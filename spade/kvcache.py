@@ -16,6 +16,11 @@ Layout (``spade.kernels.paged``): each layer's K and V live in pools
   updated in place (``set_row``, ``clear_row``), so a CUDA graph captured with it
   keeps its pointer; ``sync()`` copies the host copy to the device in one transfer
   (call it between steps, before replay).
+* ``RowBlocks(num_blocks, block_size, max_rows, max_blocks, device)``: a pool and a
+  table with each row's logical block -> pool block map, blocks given on demand for
+  the positions a row owns (``map``, ``grow`` at a decode step's write position) and
+  taken back at once (``free``); every other position reads the null block. The fast
+  backend's paged cache and the cache rank's pool of scoring copies hold one each.
 * ``PagedKVCache``: per-layer pools, one pool of blocks and one table for all of
   them (the layers share block ids), with per-row block lists and lengths:
   ``reserve(row, n_tokens)``, ``release(row)``, ``write_prefill(row, k, v)``,
@@ -47,8 +52,8 @@ import torch
 from spade.errors import SpadeError
 from spade.kernels.paged import paged_to_contiguous, paged_write
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "OutOfBlocks", "BlockPool", "BlockTable", "PagedKVCache",
-           "blocks_for"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "NULL_BLOCK", "OutOfBlocks", "BlockPool", "BlockTable", "RowBlocks",
+           "PagedKVCache", "blocks_for"]
 
 DEFAULT_BLOCK_SIZE = 16
 NULL_BLOCK = 0
@@ -216,6 +221,78 @@ class BlockTable:
     def view(self, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the device buffer (a view: same storage)."""
         return self.tensor[:rows]
+
+
+class RowBlocks:
+    """Per-row block maps over one ``BlockPool`` and one ``BlockTable``: row ``b``'s logical
+    block ``j`` (positions ``[j * block_size, (j + 1) * block_size)``) is pool block
+    ``rows[b][j]`` when the row holds it, else the null block. Edits go to the host
+    table; ``sync()`` copies it to the device when one changed (between steps)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int, max_blocks: int,
+                 device: torch.device | str = "cpu"):
+        self.pool = BlockPool(num_blocks, block_size)
+        self.table = BlockTable(max_rows, max_blocks, device)
+        self.block_size = self.pool.block_size
+        self.rows: list[dict[int, int]] = [{} for _ in range(max_rows)]
+        self.dirty = False
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Logical positions a row can address (the table's width in tokens)."""
+        return self.table.max_blocks * self.block_size
+
+    def held(self, row: int) -> int:
+        """Blocks row ``row`` holds."""
+        return len(self.rows[row])
+
+    def map(self, row: int, lo: int, hi: int) -> None:
+        """Give row ``row`` blocks for its logical positions ``[lo, hi)`` (those it lacks; all
+        or none: ``OutOfBlocks`` takes nothing)."""
+        if hi <= lo:
+            return
+        if hi > self.capacity_tokens:
+            raise ValueError(f"row {row}: position {hi - 1} is past the table's {self.capacity_tokens} tokens")
+        bs, own = self.block_size, self.rows[row]
+        need = [j for j in range(lo // bs, blocks_for(hi, bs)) if j not in own]
+        if not need:
+            return
+        new = dict(zip(need, self.pool.allocate(len(need))))
+        own.update(new)
+        self.table.set_entries(row, new)
+        self.dirty = True
+
+    def grow(self, pos: int) -> None:
+        """A decode step writes position ``pos`` in every row: each row holding blocks gets
+        the block of ``pos`` when it enters a new one (all or none: ``OutOfBlocks``)."""
+        j = pos // self.block_size
+        if pos % self.block_size and all(not own or j in own for own in self.rows):
+            return
+        lack = [b for b, own in enumerate(self.rows) if own and j not in own]
+        if len(lack) > self.pool.num_free:
+            raise OutOfBlocks(len(lack), self.pool.num_free, self.pool.capacity)
+        for b in lack:
+            self.map(b, pos, pos + 1)
+
+    def free(self, row: int) -> None:
+        """Free every block of row ``row`` at once; its table row points at the null block."""
+        if not self.rows[row]:
+            return
+        blocks, self.rows[row] = list(self.rows[row].values()), {}
+        self.table.clear_row(row)
+        self.pool.free(blocks)
+        self.dirty = True
+
+    def free_all(self) -> None:
+        for row in range(len(self.rows)):
+            self.free(row)
+
+    def sync(self) -> torch.Tensor:
+        """The device table, copied from the host one first if a row changed."""
+        if self.dirty:
+            self.table.sync()
+            self.dirty = False
+        return self.table.tensor
 
 
 class PagedKVCache:

@@ -368,8 +368,9 @@ class FastModel(DecodeBackend):
 
         B, Hkv, L, D = self.max_batch, arch.n_kv_heads, self.max_seq_len, arch.head_dim
         self.block_size = None if block_size is None else int(block_size)
-        self.kv_pool = None  # spade.kvcache.BlockPool (paged)
-        self.table = None  # spade.kvcache.BlockTable (paged)
+        self.blocks = None  # spade.kvcache.RowBlocks (paged): the pool, the table, each row's blocks
+        self.kv_pool = None  # = blocks.pool
+        self.table = None  # = blocks.table
         if self.block_size is None:
             if kv_blocks is not None:
                 raise ConfigError(f"model.kv_blocks ({kv_blocks}) needs a paged cache: set model.block_size too")
@@ -377,18 +378,15 @@ class FastModel(DecodeBackend):
         else:  # paged (spade.kvcache): per layer a pool of blocks, one table for every layer
             if self.block_size < 1:
                 raise ConfigError(f"model.block_size must be >= 1 (tokens per KV block); got {block_size}")
-            from spade.kvcache import BlockPool, BlockTable, blocks_for
+            from spade.kvcache import RowBlocks, blocks_for
 
             max_blocks = blocks_for(L, self.block_size)
             nb = B * max_blocks + 1 if kv_blocks is None else int(kv_blocks)
             if nb < 2:
                 raise ConfigError(f"model.kv_blocks must be >= 2 (block 0 is the null block); got {kv_blocks}")
-            self.kv_pool = BlockPool(nb, self.block_size)
-            self.table = BlockTable(B, max_blocks, device)
+            self.blocks = RowBlocks(nb, self.block_size, B, max_blocks, device)
+            self.kv_pool, self.table = self.blocks.pool, self.blocks.table
             shape = (nb, Hkv, self.block_size, D)
-        # per row: logical block index -> pool block (paged only)
-        self._row_blocks: list[dict[int, int]] = [{} for _ in range(B)]
-        self._table_dirty = False
         # Zeroed, not empty: reference attention multiplies masked probabilities (0) by
         # values, and 0 * NaN garbage would poison the output.
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.n_layers)]
@@ -465,58 +463,40 @@ class FastModel(DecodeBackend):
 
     def kv_row_blocks(self, row: int) -> int:
         """Blocks row ``row`` holds (paged)."""
-        return len(self._row_blocks[row])
+        return 0 if self.blocks is None else self.blocks.held(row)
 
     def kv_map(self, row: int, lo: int, hi: int) -> None:
         """Paged: give row ``row`` blocks for its logical positions ``[lo, hi)`` (those it
         lacks; all or none: ``spade.kvcache.OutOfBlocks`` takes nothing). Positions of
         the row no block covers read and write the null block. The device table follows
         at the next step (or ``sync_table``)."""
-        if self.table is None or hi <= lo:
+        if self.blocks is None or hi <= lo:
             return
-        from spade.kvcache import blocks_for
-
-        bs = self.block_size
-        if hi > self.table.max_blocks * bs:
+        if hi > self.blocks.capacity_tokens:
             raise ConfigError(f"row {row}: position {hi - 1} is past the cache's {self.max_seq_len} tokens "
                               "(raise model.max_seq_len)")
-        own = self._row_blocks[row]
-        need = [j for j in range(lo // bs, blocks_for(hi, bs)) if j not in own]
-        if not need:
-            return
-        new = dict(zip(need, self.kv_pool.allocate(len(need))))
-        own.update(new)
-        self.table.set_entries(row, new)
-        self._table_dirty = True
+        self.blocks.map(row, lo, hi)
 
     def kv_free(self, row: int) -> None:
         """Paged: free every block of row ``row`` at once; its table row points at the null block."""
-        if self.table is None or not self._row_blocks[row]:
-            return
-        blocks = list(self._row_blocks[row].values())
-        self._row_blocks[row] = {}
-        self.table.clear_row(row)
-        self.kv_pool.free(blocks)
-        self._table_dirty = True
+        if self.blocks is not None:
+            self.blocks.free(row)
 
     def sync_table(self) -> None:
         """Copy the host block table to the device if a row changed (between steps)."""
-        if self._table_dirty:
-            self.table.sync()
-            self._table_dirty = False
+        if self.blocks is not None:
+            self.blocks.sync()
 
     def _grow_rows(self, pos: int) -> None:
         """Paged decode: every row holding blocks gets the block of position ``pos`` (the
         step's write) when it enters a new block."""
-        if pos % self.block_size and all(not own or pos // self.block_size in own for own in self._row_blocks):
-            return
-        j = pos // self.block_size
-        lack = [b for b, own in enumerate(self._row_blocks) if own and j not in own]
-        if lack and len(lack) > self.kv_pool.num_free:
-            raise ModelError(f"out of KV blocks: {len(lack)} rows need a block at position {pos}, "
-                             f"{self.kv_pool.num_free} free of {self.kv_pool.capacity} (raise model.kv_blocks)")
-        for b in lack:
-            self.kv_map(b, pos, pos + 1)
+        from spade.kvcache import OutOfBlocks
+
+        try:
+            self.blocks.grow(pos)
+        except OutOfBlocks as e:
+            raise ModelError(f"out of KV blocks: {e.requested} rows need a block at position {pos}, "
+                             f"{e.free} free of {e.num_blocks} (raise model.kv_blocks)") from None
 
     def _paged_store(self, li: int, rows: torch.Tensor | slice, k: torch.Tensor, v: torch.Tensor,
                      start: torch.Tensor | int) -> None:
@@ -1196,7 +1176,8 @@ class FastModel(DecodeBackend):
         self._graphs.clear()
         self.k_cache = []
         self.v_cache = []
-        self._row_blocks = [{} for _ in range(self.max_batch)]
+        if self.blocks is not None:
+            self.blocks.free_all()
         self._batch = 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

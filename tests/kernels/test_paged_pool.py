@@ -11,7 +11,7 @@ import torch
 
 from spade.errors import SpadeError
 from spade.kernels.paged import paged_to_contiguous, paged_write
-from spade.kvcache import NULL_BLOCK, BlockPool, BlockTable, OutOfBlocks, PagedKVCache, blocks_for
+from spade.kvcache import NULL_BLOCK, BlockPool, BlockTable, OutOfBlocks, PagedKVCache, RowBlocks, blocks_for
 
 
 def test_randomized_alloc_free_soak_never_hands_a_block_out_twice():
@@ -83,6 +83,34 @@ def test_bad_frees_and_arguments_raise_and_change_nothing():
             BlockPool(**bad)
     with pytest.raises(ValueError, match="n must be an integer >= 0"):
         pool.allocate(-1)
+
+
+def test_row_blocks_map_grow_free():
+    """Rows get blocks for the positions they own only (the rest read the null block), a
+    decode step's position grows every row holding blocks (all or none), and a free takes
+    every block back at once; the device table follows at ``sync``."""
+    rb = RowBlocks(num_blocks=8, block_size=4, max_rows=3, max_blocks=6)
+    rb.map(0, 5, 10)  # positions 5..9: blocks 1 and 2 of row 0
+    rb.map(2, 0, 3)
+    assert sorted(rb.rows[0]) == [1, 2] and rb.held(2) == 1 and rb.held(1) == 0
+    t = rb.sync()
+    assert t[0, 0] == NULL_BLOCK and t[0, 1] != NULL_BLOCK and t[0, 3] == NULL_BLOCK and (t[1] == NULL_BLOCK).all()
+    owned = {*rb.rows[0].values(), *rb.rows[2].values()}
+    assert len(owned) == 3 and NULL_BLOCK not in owned and rb.pool.num_free == 4
+    rb.grow(10)  # mid-block for neither: row 0 enters block 2 (held), row 2 enters block 2 (new); row 1 holds none
+    assert sorted(rb.rows[2]) == [0, 2] and sorted(rb.rows[0]) == [1, 2] and rb.held(1) == 0
+    rb.grow(11)  # inside held blocks: nothing
+    assert rb.pool.num_free == 3
+    rb.map(1, 0, 12)  # 3 blocks: the last free ones
+    with pytest.raises(OutOfBlocks):
+        rb.grow(12)  # rows 0, 1 and 2 all need block 3: none free, none taken
+    assert rb.pool.num_free == 0 and all(3 not in own for own in rb.rows)
+    with pytest.raises(ValueError, match="past the table"):
+        rb.map(0, 20, 25)
+    rb.free(1)
+    assert rb.held(1) == 0 and rb.pool.num_free == 3 and (rb.sync()[1] == NULL_BLOCK).all()
+    rb.free_all()
+    assert rb.pool.num_free == 7 and (rb.sync() == NULL_BLOCK).all()
 
 
 def test_block_table_updates_one_buffer_in_place():

@@ -73,7 +73,7 @@ def test_slot_rows_paged_equal_contiguous_and_free_blocks():
     outs = [m.prefill_row(0, p0, lambda *a: None) for m in (base, paged)]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     # row 0 owns [3, 13): blocks 0..3 of the table, none below its window... block 0 holds 3
-    assert sorted(paged._row_blocks[0]) == [0, 1, 2, 3] and paged.kv_row_blocks(1) == 0
+    assert sorted(paged.blocks.rows[0]) == [0, 1, 2, 3] and paged.kv_row_blocks(1) == 0
     tok = torch.stack([outs[0].argmax(-1)[0], torch.tensor(1), torch.tensor(1)])
     # row 1 joins in three pieces (4, 4, 1) decoding from cursor 13 + 2 = 15: prompt at [6, 15)
     sizes, end, off = [4, 4, 1], 15, 0
