@@ -28,7 +28,9 @@ only; positions the cache rank reads were written before the events it waits
 on, and the inference rank only writes positions the cache rank does not read
 for the step it works on), or none where the policy never reads keys back once
 prefilled (``takes_new_keys``, a fixed-length view, no values: ``lean``): its
-copies are then all the cache rank keeps of the keys.
+copies are then all the cache rank keeps of the keys (serving on a paged cache:
+pools of the inference rank's block count under a table of this rank's own,
+``copy_blocks``).
 """
 
 from __future__ import annotations
@@ -329,6 +331,7 @@ class _Generation:
         rank.stats["generations"] += 1
         self.kstore = self.vstore = self.no_v = self.kview = self.join_buf = None
         self.lean = False  # no key store (below)
+        self.copy_blocks = None  # serving on a paged cache without a key store: the scoring copies' blocks
         self._renewed = False  # renew() ran: the next run() keeps the buffers
         self._carry0: dict[str, float] = {}  # the carry's counters at the epoch's start (renew)
         with rank._on():
@@ -358,7 +361,19 @@ class _Generation:
                 # ``_join_keys``), each step's keys from its pack into ``observe``, and
                 # the policy sees a fixed-shape view of no memory (NaN if it were read).
                 self.lean = s.static_len > 0 and self.vstore is None and policy.takes_new_keys(state)
-                if self.lean:
+                if self.lean and s.serving and s.kv_blocks > 0:
+                    # Serving on a paged cache: the policy's copies are pools of the inference rank's
+                    # block count under a table of this rank's own (``RowBlocks``: a joining row gets
+                    # blocks for its prompt, every row one more as the cursor enters a block, a leaving
+                    # row frees them), so they take the KV pool's memory, not max_batch x max_seq_len.
+                    from spade.kvcache import RowBlocks, blocks_for
+
+                    self.copy_blocks = RowBlocks(s.kv_blocks, s.block_size, B, blocks_for(s.static_len, s.block_size),
+                                                 dev)
+                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(
+                        s.kv_blocks, Hkv, s.block_size, D)  # the shape of a pool (no memory)
+                    state.block_table = self.copy_blocks.table.tensor
+                elif self.lean:
                     self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(
                         B, Hkv, s.static_len, D)
                 else:
@@ -371,6 +386,8 @@ class _Generation:
             self.state.block_table = self.rank.shared.tables.get(layer)
             return self.rank.shared.refs[layer]
         if self.lean:
+            if self.copy_blocks is not None:
+                self.state.block_table = self.copy_blocks.table.tensor
             return self.kview, self.no_v
         n = s.static_len or seq
         return (self.kstore[layer][:, :, :n],
@@ -405,6 +422,9 @@ class _Generation:
             if state.idle is None:
                 state.idle = torch.ones(self.B, dtype=torch.bool, device=self.dev)
             state.idle.fill_(True)
+            if self.copy_blocks is not None:  # every row idle: every copy block free
+                self.copy_blocks.free_all()
+                self.copy_blocks.sync()
         self.plan = 1
         self._renewed = True
         # the threshold carry's counters run on: this epoch's account is what it adds (one read per epoch)
@@ -494,11 +514,22 @@ class _Generation:
             self._set_idle(idle)
             kv_lens = torch.full((1,), S, dtype=torch.int64, device=self.dev)
         state.seq_len = S
+        pool = self.copy_blocks
+        if pool is not None:  # the joining rows' blocks for their prompts' positions [S - T, S)
+            with rank._on():
+                self._free_idle_copies(idle)
+                for row, T in rows:
+                    pool.free(row)
+                    pool.map(row, S - T, S)
+                pool.sync()
         for layer in range(self.n_layers):
             for row, T in rows:
                 msg = await t.recv("boot")
                 with rank._on():
-                    if self.lean:  # no store: the row's prompt keys alone
+                    if pool is not None:  # into the pool copies through this rank's table
+                        k, v = self._join_keys(msg[1][0], S)[:, :, :S], self.no_v[:1]
+                        state.join_pool, state.block_table = (self.kview, pool.table.tensor), None
+                    elif self.lean:  # no store: the row's prompt keys alone
                         k, v = self._join_keys(msg[1][0], S), self.no_v[:1]
                     else:
                         if not s.shared_kv:  # the row's prompt keys (and values) into the store
@@ -518,6 +549,8 @@ class _Generation:
                         policy.prefill_rows(state, layer, [row], msg[0], k, v, kv_lens)
                     finally:
                         state.join_pool = None
+                        if pool is not None:
+                            state.block_table = pool.table.tensor
                 del msg
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
         self.gen = gen
@@ -536,7 +569,16 @@ class _Generation:
             else:
                 state.kv_start.copy_(kv_start.to(self.dev))
             self._set_idle(idle)
+            self._free_idle_copies(idle)
         self.rank.stats["leaves"] = self.rank.stats.get("leaves", 0) + 1
+
+    def _free_idle_copies(self, idle: torch.Tensor) -> None:
+        """The rows no request decodes in (JOIN / LEAVE's mask: a JOIN carries the leaves
+        since the last message too) give their scoring copies' blocks back."""
+        if self.copy_blocks is not None:
+            for row in torch.nonzero(idle.to(torch.bool)).flatten().tolist():
+                self.copy_blocks.free(row)
+            self.copy_blocks.sync()
 
     def _epoch(self) -> None:
         """The host state of one generation (a serving epoch: of each epoch on the same buffers)."""
@@ -675,6 +717,9 @@ class _Generation:
             if self.append_k:
                 self.pos_buf.fill_(seq - 1)
             torch.add(self.kv_lens, seq - self.T, out=self.kv_obs)
+            if self.copy_blocks is not None:  # the step's key (position seq - 1) lands in each row's copy
+                self.copy_blocks.grow(seq - 1)
+                self.copy_blocks.sync()
         q_in, parts, Hq, Hkv = self.q_in, self.parts, self.Hq, self.Hkv
         for p in range(len(self.packs)):
             tw = time.perf_counter()

@@ -202,6 +202,8 @@ class Setup:
     hooks: dict = field(default_factory=dict)
     first_step: int = 1  # the decode step of the first selection: >1 for a cache rank restarted mid-generation
     serving: bool = False  # a slot batch: no prompt at BOOT (every row idle), rows come by JOIN
+    kv_blocks: int = 0  # serving on a paged cache: the inference rank's pool of blocks (0: contiguous)
+    block_size: int = 0  # its tokens per block
 
     def to_tensor(self) -> torch.Tensor:
         return torch.frombuffer(bytearray(json.dumps(dataclasses.asdict(self)).encode()), dtype=torch.uint8)

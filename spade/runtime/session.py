@@ -235,8 +235,10 @@ class InferenceSession:
         self._T0, self._capacity, self._static_len, self._shared_kv = cursor, L, L, shared_kv
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q_dtype))
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
+        # a paged cache's pool size: a cache rank of its own keeps its scoring copies in as many blocks
+        pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
         await self._send_boot(cursor, 0, s.kv_lens0, None, first_step=1, hooks=self.rt.hooks.to_dict(),
-                              serving=True)
+                              serving=True, pool=pool)
         layout = self.policy.selection_layout()
         if layout is not None:
             K, n_sink, n_recent = layout
@@ -313,7 +315,7 @@ class InferenceSession:
         self.stats["join_wait_s"] += time.perf_counter() - t0
 
     async def _send_boot(self, T: int, W: int, kv_lens: torch.Tensor, layer_msg, *, first_step: int,
-                         hooks: dict, serving: bool = False) -> None:
+                         hooks: dict, serving: bool = False, pool: tuple[int, int] = (0, 0)) -> None:
         """BOOT at cache length ``T`` and, per layer, ``W`` queries and (unless the cache
         rank reads this rank's cache) the K/V of positions ``[0, T)``; ``layer_msg(layer)``
         gives (q_tail, k cache, v cache)."""
@@ -323,7 +325,8 @@ class InferenceSession:
                         capacity=self._capacity, static_len=self._static_len, dtype=self._dtypes[0],
                         q_dtype=self._dtypes[1], pack_layers=self.P, return_mode=self.rt.return_mode,
                         theta=self.rt.theta, q_tail=W, shared_kv=self._shared_kv,
-                        has_kv_start=kv_start is not None, hooks=hooks, first_step=first_step, serving=serving)
+                        has_kv_start=kv_start is not None, hooks=hooks, first_step=first_step, serving=serving,
+                        kv_blocks=pool[0], block_size=pool[1])
         msg = [P.cmd(P.BOOT, B, T), setup.to_tensor(), kv_lens]
         if kv_start is not None:
             msg.append(kv_start)

@@ -159,6 +159,69 @@ def test_compressed_scoring_keys_need_no_key_store(topology, monkeypatch):
         assert stores == {"asyncspade_int4": {(True, False, True)}, "asyncspade": {(False, True, False)}}
 
 
+@pytest.mark.parametrize("topology", ["local", "multiprocess/nccl"])
+def test_a_cache_rank_of_its_own_keeps_pool_copies_on_a_paged_cache(topology, monkeypatch):
+    """Serving on a paged cache, asyncspade int4 on a cache rank of its own: the scoring
+    copies are pools of the inference rank's block count (not max_batch x max_seq_len)
+    under the cache rank's own table, whose blocks follow the rows (a join's prompt, one
+    more as the cursor enters a block, all back at a leave), and joined rows equal alone
+    and inline."""
+    from spade.policies.asyncspade import AsyncSpadePolicy
+    from spade.runtime import cache_rank as CR
+
+    jobs = _jobs(6, seed=9, out_hi=20)
+    topology, _, transport = topology.partition("/")
+    paged = ["model.block_size=4", "model.kv_blocks=40"]  # 39 usable: a third under 3 rows x 96 positions
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):
+        gens.append(self)
+        return await real(self)
+
+    stray, real_join = [], CR._Generation._join
+
+    async def join(self, S, step, gen, rows, kv_start, idle):  # after a JOIN: the idle rows hold no copy blocks
+        await real_join(self, S, step, gen, rows, kv_start, idle)
+        stray.extend(r for r in range(self.B) if idle[r] and self.copy_blocks.held(r))
+
+    shapes, real_keys = [], AsyncSpadePolicy._paged_keys
+    monkeypatch.setattr(CR._Generation, "run", recorded)
+    monkeypatch.setattr(CR._Generation, "_join", join)
+    monkeypatch.setattr(AsyncSpadePolicy, "_paged_keys", lambda self, st, *a: shapes.append(tuple(st.kq.shape))
+                        or real_keys(self, st, *a))
+    engine = spade.AsyncEngine(make_config("asyncspade_int4", topology, extra=paged + (
+        _multiprocess(transport) if transport else [])))
+
+    async def main():
+        together = await staggered(engine, jobs)
+        stats = engine.stats()
+        # one at a time: each JOIN tells the cache rank of the rows that left since (its idle mask)
+        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+        held = [(sum(1 for own in g.copy_blocks.rows if own), g.copy_blocks.pool.num_used) for g in gens]
+        await engine.close()
+        return together, alone, stats, held
+
+    together, alone, stats, held = run(main())
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
+    assert stats["cache_peers_lost"] == 0  # (a copy pool out of blocks would have killed the cache rank)
+    if topology == "local":
+        assert gens and all(g.copy_blocks is not None and g.kstore is None for g in gens) and not stray
+        assert shapes and all(sh[0] == 40 and sh[2] == 4 for sh in shapes)  # [kv_blocks, Hkv, block_size, D/2]
+        _, p_last, n_last = jobs[-1]
+        # only the last request's row holds blocks: its window's, at most one partial block more
+        assert held[-1][0] == 1 and 0 < held[-1][1] <= -(-(len(p_last) + n_last) // 4) + 1, held
+    engine = spade.AsyncEngine(make_config("asyncspade_int4", "inline", extra=paged))
+
+    async def inline():
+        out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
+        await engine.close()
+        return out
+
+    for (_, _, n), t, a, i in zip(jobs, together, alone, run(inline())):
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids == list(i)
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_join_while_a_selection_is_in_flight(topology):
     """A slow cache rank: when a request joins, the selections of the next step made from
@@ -201,6 +264,7 @@ def test_abort_mid_decode_frees_the_slot():
     ("asyncspade", "colocated", []), ("tova", "colocated", []),
     ("asyncspade_int4", "colocated", ["model.block_size=4"]),
     ("asyncspade_int4", "local", []),  # no key store: the new cache rank boots from the BOOT message alone
+    ("asyncspade_int4", "local", ["model.block_size=4"]),  # pool copies until the loss, per-row copies after
 ])
 def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra):
     """The cache rank dies at step 6 of the first epoch: the running rows decode densely,

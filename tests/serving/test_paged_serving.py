@@ -33,9 +33,9 @@ def serve(cfg, jobs):
 
 @pytest.mark.parametrize("policy,topology", CASES)
 def test_paged_tokens_equal_contiguous(policy, topology, monkeypatch):
-    """asyncspade's int8 / int4 scoring copy is a pool in the cache's layout where the
-    selecting side reads the cache's pool (inline, colocated); `local`'s cache rank keeps
-    its own contiguous store and copy."""
+    """asyncspade's int8 / int4 scoring copy is a pool in the cache's layout: read through
+    the cache's own table where the selecting side reads the cache's pool (inline,
+    colocated), through a table of the cache rank's own with as many blocks (`local`)."""
     from spade.policies.asyncspade import AsyncSpadePolicy
 
     pool_calls = []
@@ -46,7 +46,7 @@ def test_paged_tokens_equal_contiguous(policy, topology, monkeypatch):
     base, _ = serve(make_config(policy, topology), jobs)
     assert not pool_calls  # a contiguous cache: a contiguous copy
     paged, stats = serve(make_config(policy, topology, extra=PAGED), jobs)
-    if policy.startswith("asyncspade_") and topology != "local":
+    if policy.startswith("asyncspade_"):
         assert pool_calls and all(shape[2] == 4 for shape in pool_calls)  # [num_blocks, Hkv, block_size 4, Dq]
     else:
         assert not pool_calls
