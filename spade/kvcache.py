@@ -296,11 +296,11 @@ class RowBlocks:
 
 
 class PagedKVCache:
-    """Per-layer K/V pools with one ``BlockPool`` and one ``BlockTable`` for all layers.
+    """Per-layer K/V pools with one ``RowBlocks`` (pool and table) for all layers.
 
-    Rows are batch slots ``0 .. max_rows - 1``; each holds a block list and a length
-    (tokens written). ``k_pools[l]``/``v_pools[l]``: [num_blocks, Hkv, block_size, D].
-    The table on the device changes only in ``sync_table()``."""
+    Rows are batch slots ``0 .. max_rows - 1``; each holds the blocks of a prefix of
+    positions and a length (tokens written). ``k_pools[l]``/``v_pools[l]``: [num_blocks,
+    Hkv, block_size, D]. The table on the device changes only in ``sync_table()``."""
 
     def __init__(self, n_layers: int, num_blocks: int, n_kv_heads: int, head_dim: int, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_rows: int, max_seq_len: int,
@@ -309,15 +309,19 @@ class PagedKVCache:
         _positive_int("n_kv_heads", n_kv_heads)
         _positive_int("head_dim", head_dim)
         _positive_int("max_seq_len", max_seq_len)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.rows = RowBlocks(num_blocks, block_size, max_rows, blocks_for(max_seq_len, block_size), device)
+        self.pool, self.table = self.rows.pool, self.rows.table
         self.block_size = block_size
         self.max_seq_len = max_seq_len
-        self.table = BlockTable(max_rows, blocks_for(max_seq_len, block_size), device)
         shape = (num_blocks, n_kv_heads, block_size, head_dim)
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.blocks: list[list[int]] = [[] for _ in range(max_rows)]
         self.lengths = [0] * max_rows
+
+    @property
+    def blocks(self) -> list[list[int]]:
+        """Each row's blocks in logical order."""
+        return [[own[j] for j in sorted(own)] for own in self.rows.rows]
 
     @property
     def n_layers(self) -> int:
@@ -329,23 +333,18 @@ class PagedKVCache:
         new blocks. Call ``sync_table()`` before the kernels read the table."""
         if n_tokens > self.max_seq_len:
             raise ValueError(f"row {row}: {n_tokens} tokens exceed max_seq_len={self.max_seq_len}")
-        need = blocks_for(n_tokens, self.block_size) - len(self.blocks[row])
-        if need <= 0:
-            return []
-        new = self.pool.allocate(need)
-        self.blocks[row] += new
-        self.table.set_row(row, self.blocks[row])
-        return new
+        own = self.rows.rows[row]
+        before = set(own)
+        self.rows.map(row, 0, n_tokens)
+        return [own[j] for j in sorted(own) if j not in before]
 
     def release(self, row: int) -> None:
         """Free every block of the row at once and point its table row at the null block."""
-        blocks, self.blocks[row] = self.blocks[row], []
         self.lengths[row] = 0
-        self.table.clear_row(row)
-        self.pool.free(blocks)
+        self.rows.free(row)
 
     def sync_table(self) -> torch.Tensor:
-        return self.table.sync()
+        return self.rows.sync()
 
     def write_prefill(self, row: int, k: torch.Tensor, v: torch.Tensor, *, start: int | None = None,
                       layer: int | None = None) -> None:
