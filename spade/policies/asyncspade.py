@@ -36,13 +36,17 @@ outlier channels).
 
 Paged KV cache (``state.block_table`` set, ``spade.policies.base.PolicyState``):
 ``select`` / ``observe`` get the layer's pool. Exact keys are scored in the pool
-through the table (radix top-K: the threshold carry is not paged); the int8 / int4 /
-channel copies are the policy's own contiguous memory, sized at ``prefill`` for the
-cache's logical capacity (``state.cache_len``: the prefill may see only the prompt),
-so decoding appends the newest key (read through the table) and never rebuilds the
-copy for length. Re-chosen channels rebuild it from the logical keys, gathered
-through the table (the first ``seq_len`` positions). ``rerank`` works as on a
-contiguous cache when the attention passes the table to ``Selection.reranked``.
+through the table (with the threshold carry, as on a contiguous cache). Rows that
+join a serving batch with ``state.join_pool`` (the pool and the table their copy
+follows: the cache's own, or a cache rank's ``RowBlocks``) keep an int8 / int4 copy
+as a pool too (``AsyncSpadeLayerState.paged``), written, appended and scored through
+that table. Otherwise the int8 / int4 / channel copies are the policy's own contiguous
+memory, sized at ``prefill`` for the cache's logical capacity (``state.cache_len``: the
+prefill may see only the prompt), so decoding appends the newest key (read through the
+table) and never rebuilds the copy for length; re-chosen channels rebuild it from the
+logical keys, gathered through the table (the first ``seq_len`` positions). ``rerank``
+works as on a contiguous cache when the attention passes the table to
+``Selection.reranked``.
 """
 
 from __future__ import annotations
