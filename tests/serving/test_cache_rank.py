@@ -310,20 +310,32 @@ def test_a_cache_rank_that_fails_its_boot_is_noticed_at_once(monkeypatch):
         assert o.finish_reason == "length" and len(o.token_ids) == n
 
 
-@pytest.mark.parametrize("topology", ["colocated", "multiprocess", "colocated/paged"])
-def test_soak_leaks_nothing(topology):
+@pytest.mark.parametrize("topology", ["colocated", "multiprocess", "colocated/paged", "local/paged/int4"])
+def test_soak_leaks_nothing(topology, monkeypatch):
     """120 random requests (lengths, arrivals, aborts; fixed seed): all end; slots, queue,
     the runtime loop's tasks and the cache process are gone or back afterwards; on a paged
     cache of fewer blocks than the rows hold (the cache rank reading the pools through the
-    shared table), every block too."""
+    shared table; `local` int4: its copies in a pool of as many blocks, never short of
+    one), every block too."""
+    from spade.runtime import cache_rank as CR
+
     g = torch.Generator().manual_seed(7)
     n = 120
     prompts = random_prompts(n, seed=8, lo=2, hi=24)
-    topology, _, paged = topology.partition("/")
+    topology, *opts = topology.split("/")
+    paged = "paged" in opts
     extra = _multiprocess("nccl") if topology == "multiprocess" else []
     if paged:
         extra += ["model.block_size=4", "model.kv_blocks=25"]  # 24 usable: 96 tokens for 4 rows of 80
-    engine = spade.AsyncEngine(make_config("asyncspade", topology, max_batch=4, max_seq_len=80, extra=extra))
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):
+        gens.append(self)
+        return await real(self)
+
+    monkeypatch.setattr(CR._Generation, "run", recorded)
+    policy = "asyncspade_int4" if "int4" in opts else "asyncspade"
+    engine = spade.AsyncEngine(make_config(policy, topology, max_batch=4, max_seq_len=80, extra=extra))
     free0 = engine.backend.kv_blocks_free()
 
     async def one(i):
@@ -357,6 +369,11 @@ def test_soak_leaks_nothing(topology):
         assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_reserved"] == 0 and stats["kv_blocks_free"] == free0
         assert stats["cache_leaves"] > 0
         engine.backend.kv_pool.check()
+    if topology == "local":  # the copies' pool: consistent, and no cache rank died short of a block
+        assert stats["cache_peers_lost"] == 0
+        assert gens and all(gen.copy_blocks is not None for gen in gens)
+        for gen in gens:
+            gen.copy_blocks.pool.check()
 
 
 @pytest.mark.parametrize("on_late", ["stale", "full"])
