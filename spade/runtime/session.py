@@ -97,6 +97,10 @@ class InferenceSession:
         self._owed_since: float | None = None
         self._abandon_task: asyncio.Task | None = None  # dropping a lost link
         self._restart_task: asyncio.Task | None = None  # opening its successor
+        # serving on a paged cache with a cache rank of its own: the pool size its copies take (a
+        # restarted one re-joins the busy rows); and the rows a request decodes in, as last told
+        self._serving_pool: tuple[int, int] | None = None
+        self._busy: list[bool] = []
         self._no_restart: str | None = None  # why a lost cache rank is not restarted
         self.ctx: AttentionContext | None = None
         self.prefill_time_s = 0.0
@@ -184,6 +188,7 @@ class InferenceSession:
         capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
         # what a restarted cache rank's boot needs (``_reboot``)
         self._T0, self._capacity, self._static_len, self._shared_kv = T, capacity, static_len, shared_kv
+        self._serving_pool = None  # (a static batch: a restarted cache rank boots from its cache)
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q0.dtype))
 
         def layer_msg(layer: int) -> list[torch.Tensor]:
@@ -237,6 +242,8 @@ class InferenceSession:
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
         # a paged cache's pool size: a cache rank of its own keeps its scoring copies in as many blocks
         pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
+        self._serving_pool = pool if pool[0] else None
+        self._busy = [False] * B
         await self._send_boot(cursor, 0, s.kv_lens0, None, first_step=1, hooks=self.rt.hooks.to_dict(),
                               serving=True, pool=pool)
         layout = self.policy.selection_layout()
@@ -255,6 +262,7 @@ class InferenceSession:
         of their leave): LEAVE with the whole vector and the idle mask (``busy``: the rows
         a request decodes in), before the next step. Nothing is sent
         while the cache rank is lost (its successor boots with the vector)."""
+        self._busy = list(busy)
         if self.peer_gone is not None:
             return
         step = self.step_state.index + 1
@@ -276,6 +284,7 @@ class InferenceSession:
         then wait for that step's selections made after it (a sync point at joins only;
         with the cache rank lost nothing is sent: its successor boots from this rank's
         cache)."""
+        self._busy = list(busy)
         if self.peer_gone is not None or not joins:
             return
         step = self.step_state.index + 1
@@ -549,13 +558,22 @@ class InferenceSession:
                 k, v = paged_to_contiguous(k, bt)[:, :, :T], paged_to_contiguous(v, bt)[:, :, :T]
             return [s.q_buf[p][j].unsqueeze(2).contiguous(), k, v]
 
-        await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks)
+        rejoin = self._serving_pool is not None  # serving on a paged cache, a cache rank of its own
+        if rejoin:  # an epoch of idle rows, then the busy rows join again (their copies in pools)
+            await self._send_boot(T, 0, kv_lens, None, first_step=step, hooks=hooks, serving=True,
+                                  pool=self._serving_pool)
+        else:
+            await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks)
         if self.peer_gone is not None:  # lost again while booting (recorded by _on_peer_failure)
             return
-        if T + 1 > self.rt.theta:  # its first selections are owed
+        if T + 1 > self.rt.theta and not rejoin:  # its first selections are owed
             self._owed_since = time.monotonic()
         self._end_seen = asyncio.Event()
         self._recv_task = asyncio.get_running_loop().create_task(self._receiver())
+        if rejoin:
+            await self.join_rows(T, self._rejoins(T), self._busy)
+            if self.peer_gone is not None:
+                return
         self.stats["restarts"] += 1
         lost = next((e for e in reversed(self.events) if e["event"] == "peer_lost"), None)
         ev = self._event("peer_restored", restart=self.stats["restarts"],
@@ -564,6 +582,28 @@ class InferenceSession:
             ev["degraded_s"] = round(ev["t_s"] - lost["t_s"], 6)
         log.warning("cache rank restarted and booted at decode step %d (cache length %d); sparse from here",
                     step, T)
+
+    def _rejoins(self, T: int) -> dict[int, tuple[int, list[tuple]]]:
+        """``join_rows``' joins for a restarted cache rank: every busy row with its window
+        ``[kv_start, T)`` as the prompt (keys read through the table, no values) and the
+        last step's query as its query window (which refills as steps come)."""
+        from spade.kernels.paged import paged_range
+
+        s, be = self.sel, self.be
+        starts = self.ctx.kv_start.tolist() if self.ctx.kv_start is not None else [0] * self._B
+        table = be.block_table
+        joins = {}
+        for r, busy in enumerate(self._busy):
+            if not busy:
+                continue
+            lo = int(starts[r])
+            layers = []
+            for layer in range(self.spec.n_layers):
+                p, j = s.where[layer]
+                k = paged_range(s.kv_refs[layer][0], table[r], lo, T)
+                layers.append((s.q_buf[p][j][r:r + 1].unsqueeze(2).contiguous(), k, None))
+            joins[r] = (T - lo, layers)
+        return joins
 
     async def _cache_error(self) -> str | None:
         try:

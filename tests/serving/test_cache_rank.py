@@ -264,14 +264,25 @@ def test_abort_mid_decode_frees_the_slot():
     ("asyncspade", "colocated", []), ("tova", "colocated", []),
     ("asyncspade_int4", "colocated", ["model.block_size=4"]),
     ("asyncspade_int4", "local", []),  # no key store: the new cache rank boots from the BOOT message alone
-    ("asyncspade_int4", "local", ["model.block_size=4"]),  # pool copies until the loss, per-row copies after
+    ("asyncspade_int4", "local", ["model.block_size=4"]),  # pool copies, before the loss and after
 ])
-def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra):
+def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra, monkeypatch):
     """The cache rank dies at step 6 of the first epoch: the running rows decode densely,
     a new cache rank boots from the current batch (every row; on a paged cache from the
-    shared pools, read through the table into the contiguous keys a prefill takes), and
-    every request completes. Tokens after the loss may differ from the alone runs (the new
-    cache rank's query windows, or TOVA's held sets, restart), so only completion is asserted."""
+    shared pools, read through the table into the contiguous keys a prefill takes; a cache
+    rank of its own on a paged cache: an epoch of idle rows that the busy rows join again,
+    their windows as prompts, so its copies are pools too), and every request completes.
+    Tokens after the loss may differ from the alone runs (the new cache rank's query
+    windows, or TOVA's held sets, restart), so only completion is asserted."""
+    from spade.runtime import cache_rank as CR
+
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):
+        gens.append(self)
+        return await real(self)
+
+    monkeypatch.setattr(CR._Generation, "run", recorded)
     jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
     engine = spade.AsyncEngine(make_config(policy, topology, extra=extra), cache_hooks=CacheHooks(die_at_step=6))
 
@@ -280,6 +291,9 @@ def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra):
     assert stats["requests_finished"] == len(jobs) and stats["slots_used"] == 0
     for (_, _, n), o in zip(jobs, outs):
         assert o.finish_reason == "length" and len(o.token_ids) == n
+    if topology == "local" and extra:  # the lost one and its successor: pool copies, rows by JOIN
+        assert len(gens) >= 2 and all(g.copy_blocks is not None and g.s.serving for g in gens)
+        assert gens[1].gen >= 1 and stats["sparse_steps"] > 0
 
 
 @pytest.mark.timeout(90)
