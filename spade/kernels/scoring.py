@@ -417,12 +417,10 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
     g_mask = offs_g < G
     offs_l = l0 + tl.arange(0, BLOCK_L)
     valid = (offs_l >= lo) & (offs_l < hi)
-    if PAGED:  # the tile's rows in the pools, mapped through the table before the loop (_tile_rows)
-        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
-    else:
-        kt = tl.load(k_base + offs_l[:, None].to(tl.int64) * stride_kl + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
+    if not PAGED:  # (PAGED: the tile's rows in the pools, mapped before the loop: _tile_rows)
+        k_rows, ks_rows = _logical_rows(offs_l, stride_kl, stride_sl)
+    kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     if KINT4:
         kb = kt.to(tl.int8, bitcast=True).to(tl.int32)  # lo + 8 + 16 * hi
         k_lo = ((kb & 15) - 8).to(q.dtype)  # channels [0, D) of the head; padding bytes 0 -> -8, q is 0 there
@@ -439,8 +437,6 @@ def _score_tile(q, q2, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, scale
         s = dot_t(q, kt, IEEE)
     s = s * scale  # [G_PAD, BLOCK_L] fp32 logits
     if KINT8 or KINT4:
-        if not PAGED:  # (PAGED: the scales' pool [num_blocks, HKV, BLOCK_SIZE], at the keys' slots)
-            ks_rows = offs_l.to(tl.int64) * stride_sl
         ksv = tl.load(ks_base + ks_rows, mask=valid, other=0.0)  # [BLOCK_L] fp32
         s = s * ksv[None, :]
     if REDUCE == 2:
@@ -865,8 +861,7 @@ def _i8dot_logits_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, l
     offs_l = l0 + tl.arange(0, BLOCK_L)
     valid = (offs_l >= lo) & (offs_l < hi)
     if not PAGED:
-        k_rows = offs_l.to(tl.int64) * stride_kl
-        s_rows = offs_l.to(tl.int64) * stride_sl
+        k_rows, s_rows = _logical_rows(offs_l, stride_kl, stride_sl)
     kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D]
     if KINT4:
@@ -985,6 +980,13 @@ def _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl
 
 
 @triton.jit
+def _logical_rows(offs_l, stride_kl, stride_sl):
+    """Row offsets (int64) of a contiguous copy's keys and scales at logical positions ``offs_l``."""
+    l64 = offs_l.to(tl.int64)
+    return l64 * stride_kl, l64 * stride_sl
+
+
+@triton.jit
 def _tile_rows(tiles, i, stride_kb, stride_kl, stride_sb, stride_sl, BLOCK_L: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, PAGED_TILES: tl.constexpr):
     """Row offsets (int64 [BLOCK_L]) of the keys and of their scales in tile ``i`` of a
@@ -1013,8 +1015,7 @@ def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, 
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
     if not PAGED:
-        k_rows = offs_l.to(tl.int64) * stride_kl
-        s_rows = offs_l.to(tl.int64) * stride_sl
+        k_rows, s_rows = _logical_rows(offs_l, stride_kl, stride_sl)
     kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                  mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
     if KINT4:

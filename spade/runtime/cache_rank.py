@@ -361,6 +361,7 @@ class _Generation:
                 # ``_join_keys``), each step's keys from its pack into ``observe``, and
                 # the policy sees a fixed-shape view of no memory (NaN if it were read).
                 self.lean = s.static_len > 0 and self.vstore is None and policy.takes_new_keys(state)
+                view_shape = (B, Hkv, s.static_len, D)
                 if self.lean and s.serving and s.kv_blocks > 0:
                     # Serving on a paged cache: the policy's copies are pools of the inference rank's
                     # block count under a table of this rank's own (``RowBlocks``: a joining row gets
@@ -370,12 +371,10 @@ class _Generation:
 
                     self.copy_blocks = RowBlocks(s.kv_blocks, s.block_size, B, blocks_for(s.static_len, s.block_size),
                                                  dev)
-                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(
-                        s.kv_blocks, Hkv, s.block_size, D)  # the shape of a pool (no memory)
                     state.block_table = self.copy_blocks.table.tensor
-                elif self.lean:
-                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(
-                        B, Hkv, s.static_len, D)
+                    view_shape = (s.kv_blocks, Hkv, s.block_size, D)  # a pool's
+                if self.lean:
+                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(view_shape)
                 else:
                     self.kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
 
@@ -526,11 +525,10 @@ class _Generation:
             for row, T in rows:
                 msg = await t.recv("boot")
                 with rank._on():
-                    if pool is not None:  # into the pool copies through this rank's table
+                    if self.lean:  # no store: the row's prompt keys alone, its [0, S)
                         k, v = self._join_keys(msg[1][0], S)[:, :, :S], self.no_v[:1]
-                        state.join_pool, state.block_table = (self.kview, pool.table.tensor), None
-                    elif self.lean:  # no store: the row's prompt keys alone
-                        k, v = self._join_keys(msg[1][0], S), self.no_v[:1]
+                        if pool is not None:  # into the pool copies through this rank's table
+                            state.join_pool, state.block_table = (self.kview, pool.table.tensor), None
                     else:
                         if not s.shared_kv:  # the row's prompt keys (and values) into the store
                             self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])

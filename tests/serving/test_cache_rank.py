@@ -56,13 +56,13 @@ def _own_tasks(loop) -> list[str]:
 _INLINE: dict[str, list[list[int]]] = {}
 
 
-def _inline_alone(jobs, **kw) -> list[list[int]]:
+def _inline_alone(jobs, policy: str = "asyncspade", **kw) -> list[list[int]]:
     """Greedy tokens of each job alone through an inline engine (the reference). A pure
-    function of its arguments: computed once per session for each (jobs, kw), as the
-    topologies of one test share their jobs."""
-    key = repr((jobs, sorted(kw.items())))
+    function of its arguments: computed once per session for each (jobs, policy, kw), as
+    the topologies of one test share their jobs."""
+    key = repr((jobs, policy, sorted(kw.items())))
     if key not in _INLINE:
-        engine = spade.AsyncEngine(make_config("asyncspade", "inline", **kw))
+        engine = spade.AsyncEngine(make_config(policy, "inline", **kw))
 
         async def main():
             out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
@@ -71,6 +71,33 @@ def _inline_alone(jobs, **kw) -> list[list[int]]:
 
         _INLINE[key] = run(main())
     return [list(t) for t in _INLINE[key]]
+
+
+def _together_then_alone(engine, jobs):
+    """``jobs`` joining at their steps, then each alone through the same engine, which is
+    closed after: (together, alone, the stats after the joined run)."""
+    async def main():
+        together = await staggered(engine, jobs)
+        stats = engine.stats()
+        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+        await engine.close()
+        return together, alone, stats
+
+    return run(main())
+
+
+def _generations(monkeypatch) -> list:
+    """The in-process cache ranks' generations (``local``, ``colocated``), as they start."""
+    from spade.runtime import cache_rank as CR
+
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):
+        gens.append(self)
+        return await real(self)
+
+    monkeypatch.setattr(CR._Generation, "run", recorded)
+    return gens
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES + ("multiprocess/nccl", "multiprocess/ucx", "multiprocess/nixl"))
@@ -115,46 +142,20 @@ def test_compressed_scoring_keys_need_no_key_store(topology, monkeypatch):
     no exact-key store (a join's prompt keys go through one row-sized buffer into the
     policy's copy; each step's keys from its pack), and joined rows still equal alone
     and inline. Exact keys keep the store."""
-    from spade.runtime import cache_rank as CR
-
     jobs = _jobs(6, seed=7)
     topology, _, transport = topology.partition("/")
-    gens, real = [], CR._Generation.run
-
-    async def recorded(self):  # the in-process cache rank's generations (local)
-        gens.append(self)
-        return await real(self)
-
-    monkeypatch.setattr(CR._Generation, "run", recorded)
+    gens = _generations(monkeypatch)
     stores = {}
     for policy in ("asyncspade_int4", "asyncspade"):
         gens.clear()
         engine = spade.AsyncEngine(make_config(policy, topology, extra=_multiprocess(transport) if transport else None))
-
-        async def main():
-            together = await staggered(engine, jobs)
-            stats = engine.stats()
-            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-            await engine.close()
-            return together, alone, stats
-
-        together, alone, stats = run(main())
+        together, alone, stats = _together_then_alone(engine, jobs)
         assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
         if gens:
             stores[policy] = {(g.lean, g.kstore is not None, g.join_buf is not None) for g in gens}
-        want = _inline_alone(jobs) if policy == "asyncspade" else None
-        if policy == "asyncspade_int4":
-            engine = spade.AsyncEngine(make_config(policy, "inline"))
-
-            async def inline():
-                out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
-                await engine.close()
-                return out
-
-            want = run(inline())
-        for (_, _, n), t, a, i in zip(jobs, together, alone, want):
+        for (_, _, n), t, a, i in zip(jobs, together, alone, _inline_alone(jobs, policy)):
             assert len(t.token_ids) == n
-            assert t.token_ids == a.token_ids == list(i)
+            assert t.token_ids == a.token_ids == i
     if topology == "local":
         assert stores == {"asyncspade_int4": {(True, False, True)}, "asyncspade": {(False, True, False)}}
 
@@ -172,12 +173,7 @@ def test_a_cache_rank_of_its_own_keeps_pool_copies_on_a_paged_cache(topology, mo
     jobs = _jobs(6, seed=9, out_hi=20)
     topology, _, transport = topology.partition("/")
     paged = ["model.block_size=4", "model.kv_blocks=40"]  # 39 usable: a third under 3 rows x 96 positions
-    gens, real = [], CR._Generation.run
-
-    async def recorded(self):
-        gens.append(self)
-        return await real(self)
-
+    gens = _generations(monkeypatch)
     stray, real_join = [], CR._Generation._join
 
     async def join(self, S, step, gen, rows, kv_start, idle):  # after a JOIN: the idle rows hold no copy blocks
@@ -185,41 +181,25 @@ def test_a_cache_rank_of_its_own_keeps_pool_copies_on_a_paged_cache(topology, mo
         stray.extend(r for r in range(self.B) if idle[r] and self.copy_blocks.held(r))
 
     shapes, real_keys = [], AsyncSpadePolicy._paged_keys
-    monkeypatch.setattr(CR._Generation, "run", recorded)
     monkeypatch.setattr(CR._Generation, "_join", join)
     monkeypatch.setattr(AsyncSpadePolicy, "_paged_keys", lambda self, st, *a: shapes.append(tuple(st.kq.shape))
                         or real_keys(self, st, *a))
     engine = spade.AsyncEngine(make_config("asyncspade_int4", topology, extra=paged + (
         _multiprocess(transport) if transport else [])))
-
-    async def main():
-        together = await staggered(engine, jobs)
-        stats = engine.stats()
-        # one at a time: each JOIN tells the cache rank of the rows that left since (its idle mask)
-        alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-        held = [(sum(1 for own in g.copy_blocks.rows if own), g.copy_blocks.pool.num_used) for g in gens]
-        await engine.close()
-        return together, alone, stats, held
-
-    together, alone, stats, held = run(main())
+    # alone one at a time after the joined run: each JOIN tells the cache rank of the rows that left since
+    together, alone, stats = _together_then_alone(engine, jobs)
     assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
     assert stats["cache_peers_lost"] == 0  # (a copy pool out of blocks would have killed the cache rank)
     if topology == "local":
         assert gens and all(g.copy_blocks is not None and g.kstore is None for g in gens) and not stray
         assert shapes and all(sh[0] == 40 and sh[2] == 4 for sh in shapes)  # [kv_blocks, Hkv, block_size, D/2]
+        held = [(sum(1 for own in g.copy_blocks.rows if own), g.copy_blocks.pool.num_used) for g in gens]
         _, p_last, n_last = jobs[-1]
         # only the last request's row holds blocks: its window's, at most one partial block more
         assert held[-1][0] == 1 and 0 < held[-1][1] <= -(-(len(p_last) + n_last) // 4) + 1, held
-    engine = spade.AsyncEngine(make_config("asyncspade_int4", "inline", extra=paged))
-
-    async def inline():
-        out = [(await final(engine, p, greedy(n), f"i{i}")).token_ids for i, (_, p, n) in enumerate(jobs)]
-        await engine.close()
-        return out
-
-    for (_, _, n), t, a, i in zip(jobs, together, alone, run(inline())):
+    for (_, _, n), t, a, i in zip(jobs, together, alone, _inline_alone(jobs, "asyncspade_int4", extra=paged)):
         assert len(t.token_ids) == n
-        assert t.token_ids == a.token_ids == list(i)
+        assert t.token_ids == a.token_ids == i
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -274,15 +254,7 @@ def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra, mon
     their windows as prompts, so its copies are pools too), and every request completes.
     Tokens after the loss may differ from the alone runs (the new cache rank's query
     windows, or TOVA's held sets, restart), so only completion is asserted."""
-    from spade.runtime import cache_rank as CR
-
-    gens, real = [], CR._Generation.run
-
-    async def recorded(self):
-        gens.append(self)
-        return await real(self)
-
-    monkeypatch.setattr(CR._Generation, "run", recorded)
+    gens = _generations(monkeypatch)
     jobs = _jobs(5, seed=3, lo=18, hi=28, last_arrival=12, out_hi=20)
     engine = spade.AsyncEngine(make_config(policy, topology, extra=extra), cache_hooks=CacheHooks(die_at_step=6))
 
@@ -331,8 +303,6 @@ def test_soak_leaks_nothing(topology, monkeypatch):
     cache of fewer blocks than the rows hold (the cache rank reading the pools through the
     shared table; `local` int4: its copies in a pool of as many blocks, never short of
     one), every block too."""
-    from spade.runtime import cache_rank as CR
-
     g = torch.Generator().manual_seed(7)
     n = 120
     prompts = random_prompts(n, seed=8, lo=2, hi=24)
@@ -341,13 +311,7 @@ def test_soak_leaks_nothing(topology, monkeypatch):
     extra = _multiprocess("nccl") if topology == "multiprocess" else []
     if paged:
         extra += ["model.block_size=4", "model.kv_blocks=25"]  # 24 usable: 96 tokens for 4 rows of 80
-    gens, real = [], CR._Generation.run
-
-    async def recorded(self):
-        gens.append(self)
-        return await real(self)
-
-    monkeypatch.setattr(CR._Generation, "run", recorded)
+    gens = _generations(monkeypatch)
     policy = "asyncspade_int4" if "int4" in opts else "asyncspade"
     engine = spade.AsyncEngine(make_config(policy, topology, max_batch=4, max_seq_len=80, extra=extra))
     free0 = engine.backend.kv_blocks_free()
@@ -516,16 +480,7 @@ def test_tova_and_streaming_on_a_cache_rank_match_alone_and_inline(policy, topol
     extra = list(extra) + (_multiprocess(transport) if transport else [])
 
     def serve(topo: str, more: list[str]):
-        engine = spade.AsyncEngine(make_config(policy, topo, extra=more))
-
-        async def main():
-            together = await staggered(engine, jobs)
-            stats = engine.stats()
-            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-            await engine.close()
-            return together, alone, stats
-
-        return run(main())
+        return _together_then_alone(spade.AsyncEngine(make_config(policy, topo, extra=more)), jobs)
 
     together, alone, stats = serve(topology, extra)
     _, inline, _ = serve("inline", [])
