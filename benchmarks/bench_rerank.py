@@ -19,6 +19,11 @@ each (``benchmarks.kernels.Timer.graph``):
   the floor of any re-rank;
 * ``attend_M``: the attention over sinks + all M candidates + recent (no re-rank: the
   other way to use m K_mid candidates, at m times the attention's bytes);
+* with ``--block-size N`` (a paged cache of N-token blocks under a shuffled table, the
+  same keys): ``rerank / select paged`` and ``select+attend paged`` (the kernels
+  mapping each candidate through the table), and ``rerank / select gathered`` (the
+  candidates' keys copied out through the table first, then the contiguous kernel: what
+  paging costs without the table in the kernel);
 * with ``--sweep``, rows ``rerank / select[KEY=value ...]``: the select under other
   ``kernels.rerank.RERANK_CONFIG`` settings (fused or split, tiles, warps, programs per
   SM), each checked like the default before it is timed.
@@ -34,6 +39,7 @@ against ``kernels.rerank.rerank_select_ref`` (sum of true scores) before it is t
     python -m benchmarks.bench_rerank                       # B in {8, 16}, L=32k, K=2k, m in {2, 4}
     python -m benchmarks.bench_rerank --shapes 8x32768,32x16384 --budget 2048 --rerank 2,4,8
     python -m benchmarks.bench_rerank --shapes 1x32768,8x32768,32x16384 --rerank 2 --sweep
+    python -m benchmarks.bench_rerank --shapes 8x32768,16x16384 --rerank 2,4 --block-size 16
     python -m benchmarks.bench_rerank --tiny                # CPU interpreter: checks the script
 """
 
@@ -95,6 +101,52 @@ def _sweep_grid(tiny: bool) -> list[dict]:
     return grid
 
 
+def _paged_rows(rec, run, q, k, v, cand, kv_lens, kept, k_mid, scale, shape, block_size, rr_bytes, att_k_bytes,
+                bw, n_sink, n_recent) -> None:
+    """The paged rows (``--block-size``): the same keys in a shuffled pool; each kept set
+    must equal the contiguous kernel's before it is timed."""
+    from spade.kernels import attention, rerank
+    from spade.kernels.paged import scatter_to_pool
+
+    gen = torch.Generator().manual_seed(1)
+    kp, table = scatter_to_pool(k, block_size, gen)
+    vp, _ = scatter_to_pool(v, block_size, torch.Generator().manual_seed(1))  # the same table
+    shape = dict(shape, block_size=block_size)
+    want = rerank.rerank_select_triton(q, k, cand, k_mid, scale=scale)
+    got = torch.empty_like(kept)
+    rerank.rerank_select_triton(q, kp, cand, k_mid, scale=scale, out=got, block_table=table)
+    if not torch.equal(got, want):
+        rec.skip("rerank", "select paged", shape, "kept set differs from the contiguous kernel's")
+        return
+    B, H, M = cand.shape
+    bs = block_size
+    pos = cand.long().clamp(min=0)
+    slots = torch.where(cand >= 0, torch.arange(M, dtype=torch.int32, device=cand.device), -1)
+    heads = torch.arange(H, device=k.device).view(1, H, 1)
+    rows = torch.empty(B, H, M, k.shape[-1], dtype=k.dtype, device=k.device)
+    slot_kept = torch.empty_like(kept)
+
+    def gathered():  # the candidates' keys copied out through the table, then the contiguous kernel
+        blk = torch.gather(table.long(), 1, (pos // bs).view(B, H * M)).view(B, H, M)
+        rows.copy_(kp[blk, heads, pos % bs])
+        rerank.rerank_select_triton(q, rows, slots, k_mid, scale=scale, out=slot_kept)
+        return torch.where(slot_kept >= 0, torch.gather(cand, 2, slot_kept.clamp(min=0).long()), -1)
+
+    if not torch.equal(gathered().to(torch.int32), want):
+        rec.skip("rerank", "select gathered", shape, "kept set differs from the contiguous kernel's")
+        return
+
+    def attend_paged():
+        rerank.rerank_select_triton(q, kp, cand, k_mid, scale=scale, out=got, block_table=table)
+        return attention.sparse_decode_attention_triton(q, kp, vp, kv_lens, got, n_sink=n_sink, n_recent=n_recent,
+                                                        scale=scale, block_table=table)
+
+    rec.add("rerank", "select paged", shape, lambda: run(lambda: rerank.rerank_select_triton(
+        q, kp, cand, k_mid, scale=scale, out=got, block_table=table)), rr_bytes, bw)
+    rec.add("rerank", "select+attend paged", shape, lambda: run(attend_paged), rr_bytes + att_k_bytes, bw)
+    rec.add("rerank", "select gathered", shape, lambda: run(gathered), rr_bytes, bw)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8x32768,16x32768", help="BxL pairs, comma-separated")
@@ -103,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time the select under other RERANK_CONFIG settings")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="also time the paged kernels over a pool of this block size (0: contiguous only)")
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
     ap.add_argument("--out", default="results/bench_rerank.json")
     args = ap.parse_args(argv)
@@ -175,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             rec.add("rerank", "torch+attend", shape, lambda: timer(torch_ref), rr_bytes + att_k_bytes, bw)
             rec.add("attend_K", "triton", shape, lambda: run(lambda: attend(kept)), att_k_bytes, bw)
             rec.add("attend_M", "triton", shape, lambda: run(lambda: attend(cand)), att_m_bytes, bw)
+            if args.block_size > 0:
+                _paged_rows(rec, run, q, k, v, cand, kv_lens, kept, k_mid, scale, shape, args.block_size,
+                            rr_bytes, att_k_bytes, bw, n_sink, n_recent)
             for over in _sweep_grid(args.tiny) if args.sweep else []:
                 name = "select[" + " ".join(f"{key}={int(v) if isinstance(v, bool) else v}"
                                             for key, v in over.items()) + "]"

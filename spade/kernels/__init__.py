@@ -232,31 +232,36 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
               kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
-def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None):
+def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None, block_table=None):
     """Re-rank candidates with the true query: the ``keep`` best of ``cand`` [B, Hkv, M]
     (positions into ``k`` [B, Hkv, L, D], ``-1`` = empty) by the group score of ``q``
     [B, Hq, D] over the candidates (``reduce``; ``sum_softmax`` normalises each head over
     the valid candidates), as int32 [B, Hkv, keep] in candidate order, ``-1`` padding;
     ties go to the lower candidate slot. Two launches on the GPU (one where fused), no host sync
-    (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write."""
+    (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write.
+    ``block_table`` [B, max_blocks]: ``k`` is a paged pool [num_blocks, Hkv, block_size, D]
+    and ``cand`` holds logical positions, mapped through the table in the kernel."""
     from spade.kernels import rerank
 
     if use_triton(q):
-        return rerank.rerank_select_triton(q, k, cand, keep, scale=scale, reduce=reduce, out=out)
-    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce)
+        return rerank.rerank_select_triton(q, k, cand, keep, scale=scale, reduce=reduce, out=out,
+                                           block_table=block_table)
+    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce, block_table=block_table)
     return kept if out is None else out.copy_(kept)
 
 
 def rerank_decode_attention(q, k, v, kv_lens, cand, keep, *, n_sink=0, n_recent=0, scale=None,
-                            reduce="sum_softmax", kv_start=None, return_lse=False, stats=None, count_call=True):
+                            reduce="sum_softmax", kv_start=None, return_lse=False, stats=None, count_call=True,
+                            block_table=None):
     """Two-stage decode attention: ``rerank_select`` keeps the ``keep`` best of the
     candidates ``cand`` by the true query ``q``, then ``sparse_decode_attention`` attends
     the sinks, the kept tokens and the recent window (the same arguments as there). The
     candidates must be disjoint from the sinks and the recent window (a ``Selection``'s
-    middle is)."""
-    kept = rerank_select(q, k, cand, keep, scale=scale, reduce=reduce)
+    middle is). ``block_table``: ``k`` and ``v`` are paged pools."""
+    kept = rerank_select(q, k, cand, keep, scale=scale, reduce=reduce, block_table=block_table)
     return sparse_decode_attention(q, k, v, kv_lens, kept, n_sink=n_sink, n_recent=n_recent, scale=scale,
-                                   kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call)
+                                   kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call,
+                                   block_table=block_table)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, loop_bound, online_softmax_rows
+from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import _f32_key, _pick_digit
 from spade.kernels.scoring import _reduce_ref
@@ -80,12 +81,18 @@ of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select 
 split gives one chunk per row; True: always, one program per row; False: never)."""
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str) -> tuple[int, ...]:
+def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str,
+           block_table: torch.Tensor | None = None) -> tuple[int, ...]:
     if q.dim() != 3 or k.dim() != 4:
-        raise ValueError(f"q must be [B, Hq, D] and k [B, Hkv, L, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(f"q must be [B, Hq, D] and k [B, Hkv, L, D] (or a pool [num_blocks, Hkv, block_size, D] "
+                         f"with block_table=), got {tuple(q.shape)} and {tuple(k.shape)}")
     B, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim, or Hq % Hkv != 0)")
+    if block_table is not None:
+        check_block_table(block_table, B, k.device)
+    if (block_table is None and k.shape[0] != B) or k.shape[3] != D or Hq % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (batch, head dim, or Hq % Hkv != 0)"
+                         + ("; a paged cache's pool [num_blocks, Hkv, block_size, D] needs block_table="
+                            if block_table is None and k.shape[0] != B else ""))
     Hkv = k.shape[1]
     if cand.dim() != 3 or cand.shape[:2] != (B, Hkv):
         raise ValueError(f"candidates must be [B, Hkv, M] = [{B}, {Hkv}, M], got {tuple(cand.shape)}")
@@ -101,12 +108,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
 
 
 def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, scale: float | None = None,
-                      reduce: str = "sum_softmax") -> torch.Tensor:
+                      reduce: str = "sum_softmax", block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Group scores of the candidates: [B, Hkv, M] float32, ``-inf`` at ``-1`` slots.
 
     ``q`` [B, Hq, D], ``k`` [B, Hkv, L, D], ``cand`` [B, Hkv, M] int (positions into k's
-    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce)
+    L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates.
+    ``block_table`` [B, max_blocks]: ``k`` is a paged pool (``spade.kernels.paged``) and
+    ``cand`` holds logical positions."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce, block_table)
+    if block_table is not None:
+        k = paged_to_contiguous(k, block_table)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     valid = cand >= 0  # [B, Hkv, M]
@@ -118,15 +129,16 @@ def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, s
 
 
 def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
-                      scale: float | None = None, reduce: str = "sum_softmax") -> torch.Tensor:
+                      scale: float | None = None, reduce: str = "sum_softmax",
+                      block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The ``keep`` best candidates by the true query ``q``: int32 [B, Hkv, keep], in
     candidate-slot order, ``-1`` padding (fewer than ``keep`` valid candidates); ties
-    broken by the lower slot. See the module docstring."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
+    broken by the lower slot. ``block_table``: ``k`` is a paged pool. See the module docstring."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table)
     out = torch.full((B, Hkv, keep), -1, dtype=torch.int32, device=q.device)
     if keep == 0 or M == 0:
         return out
-    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce)
+    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce, block_table=block_table)
     valid = cand >= 0
     order = torch.sort(-s, dim=-1, stable=True).indices  # best first, ties by slot ([B, Hkv, M])
     rank = torch.empty_like(order)
@@ -147,16 +159,19 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
+def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm,
+                 stride_cb, stride_ch, stride_cm, stride_tb,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
     """The logits of candidates ``[split * CHUNK, +CHUNK)`` of row ``pid`` (b * Hkv + h).
     sum_softmax: the G heads' logits to LOGITS [rows, G, M] and the chunk's per-head
     (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
-    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots)."""
+    group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots).
+    PAGED: K is a pool [num_blocks, Hkv, BLOCK_SIZE, D] (``stride_kb`` its block
+    stride) and each candidate's logical position is mapped through row b's block
+    table BT (``paged_slots``) in the tile that gathers its key."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
@@ -169,7 +184,11 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NS
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    if PAGED:
+        k_base = K + h.to(tl.int64) * stride_kh
+        bt_row = BT + b.to(tl.int64) * stride_tb
+    else:
+        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     lg_base = LOGITS + row64 * G * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
@@ -181,8 +200,12 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, split, Hkv, M, CHUNK, NS
         offs_m = m0 + tl.arange(0, BLOCK_M)
         cand = tl.load(c_base + offs_m * stride_cm, mask=offs_m < end, other=-1)
         valid = cand >= 0
-        pos = tl.where(valid, cand, 0).to(tl.int64)
-        kt = tl.load(k_base + pos[:, None] * stride_kl + offs_d[None, :] * stride_kd,
+        if PAGED:
+            slot = tl.where(valid, paged_slots(cand, bt_row, BLOCK_SIZE), 0).to(tl.int64)
+            row_off = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kl
+        else:
+            row_off = tl.where(valid, cand, 0).to(tl.int64) * stride_kl
+        kt = tl.load(k_base + row_off[:, None] + offs_d[None, :] * stride_kd,
                      mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -345,17 +368,19 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, scale,
+def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, BT, Hkv, M, CHUNK, NSPLIT, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_cb, stride_ch, stride_cm,
+                         stride_cb, stride_ch, stride_cm, stride_tb,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr):
     """Grid (B * Hkv, NSPLIT): ``_score_chunk`` of one chunk of one (b, KV head)."""
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
                  scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
+                 stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE,
+                 PAGED, BLOCK_SIZE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -374,20 +399,22 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, scale,
+def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, BT, Hkv, M, KEEP, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                         stride_cb, stride_ch, stride_cm, stride_tb, stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr):
     """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
     selects (one launch; the logits go through its own L1/L2 between the two)."""
     pid = tl.program_id(0)
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, pid, 0, Hkv, M, M, 1, scale,
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, 0, Hkv, M, M, 1, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_cb, stride_ch, stride_cm, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE, INTERPRET)
+                 stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE,
+                 PAGED, BLOCK_SIZE, INTERPRET)
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
@@ -440,11 +467,14 @@ def _unroll_g(G: int, block: int, warps: int) -> bool:
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                          scale: float | None = None, reduce: str = "sum_softmax",
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``rerank_select_ref`` (two launches, or one fused; same result up to the
     products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
-    [B, Hkv, keep] buffer to write (returned); else a new one."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce)
+    [B, Hkv, keep] buffer to write (returned); else a new one. ``block_table``
+    [B, max_blocks] int32: ``k`` is a paged pool [num_blocks, Hkv, block_size, D] and the
+    scoring maps each candidate through the table where it gathers the key (no copy of
+    the candidates' keys)."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table)
     dev = q.device
     if out is None:
         out = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
@@ -469,23 +499,26 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     interp = _interpret()
     ieee = k.dtype == torch.float32 and not interp
     scale = D ** -0.5 if scale is None else float(scale)
+    paged = block_table is not None
+    bt = block_table if paged else cand  # (unread when not paged)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-               cand.stride(0), cand.stride(1), cand.stride(2))
+               cand.stride(0), cand.stride(1), cand.stride(2), bt.stride(0) if paged else 0)
     o_strides = (out.stride(0), out.stride(1), out.stride(2))
+    page = dict(PAGED=paged, BLOCK_SIZE=k.shape[2] if paged else 1)
     if cfg["FUSED"]:
         _rerank_fused_kernel[(rows,)](
-            q, k, cand, out, logits, scores, part, Hkv, M, keep, scale, *strides, *o_strides,
+            q, k, cand, out, logits, scores, part, bt, Hkv, M, keep, scale, *strides, *o_strides,
             G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
             ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
-            UPCAST=interp, IEEE=ieee, INTERPRET=interp,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp, **page,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
-        q, k, cand, logits, scores, part, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
+        q, k, cand, logits, scores, part, bt, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
         G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
-        INTERPRET=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+        INTERPRET=interp, **page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
-        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:], *o_strides,
+        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:10], *o_strides,
         G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
         UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))

@@ -145,24 +145,19 @@ class Selection:
         itself when it is one already. ``out``: int32 [B, Hkv, keep] buffer for the indices.
 
         ``block_table`` [B, max_blocks] int32: ``k_cache`` is a paged cache's pool
-        [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``). The re-rank kernel is not
-        paged: the candidates' keys are gathered through the table first ([B, Hkv, M, D], one
-        device gather, no host sync) and re-ranked there, which keeps the same tokens as on
-        a contiguous cache (the same scores, ties to the same lower candidate slot)."""
+        [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); the re-rank kernel maps
+        the candidates' logical positions through it where it reads their keys."""
         if self.keep <= 0:
             return self
         from spade import kernels
 
         B = self.indices.shape[0]
-        if block_table is not None:
-            kept = _rerank_paged(q, k_cache, block_table, self.indices, self.keep, scale, self.keep_reduce, out)
-        elif k_cache.dim() != 4 or k_cache.shape[0] != B:
+        if block_table is None and (k_cache.dim() != 4 or k_cache.shape[0] != B):
             raise ValueError(
                 f"Selection.reranked: k_cache {tuple(k_cache.shape)} is not the [B={B}, Hkv, L, D] cache of this "
                 "selection; a paged cache's pool [num_blocks, Hkv, block_size, D] needs block_table=")
-        else:
-            kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale,
-                                         reduce=self.keep_reduce, out=out)
+        kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale, reduce=self.keep_reduce,
+                                     out=out, block_table=block_table)
         return Selection(indices=kept, n_sink=self.n_sink, n_recent=self.n_recent, kv_start=self.kv_start)
 
     def _bounds(self, kv_lens: torch.Tensor):
@@ -200,24 +195,6 @@ class Selection:
         return mask
 
 
-def _rerank_paged(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, cand: torch.Tensor, keep: int,
-                  scale: float | None, reduce: str, out: torch.Tensor | None) -> torch.Tensor:
-    """``kernels.rerank_select`` of the candidates ``cand`` [B, Hkv, M] (logical positions,
-    ``-1`` empty) whose keys live in ``pool`` under ``block_table``: their keys gathered
-    into [B, Hkv, M, D], re-ranked by candidate slot, mapped back to positions."""
-    from spade import kernels
-
-    B, H, M = cand.shape
-    bs = pool.shape[2]
-    pos = cand.to(device=pool.device, dtype=torch.int64).clamp(min=0)  # [B, Hkv, M]
-    blk = torch.gather(block_table.to(pool.device).long(), 1, (pos // bs).view(B, H * M)).view(B, H, M)
-    heads = torch.arange(H, device=pool.device).view(1, H, 1)
-    keys = pool[blk, heads, pos % bs]  # [B, Hkv, M, D]
-    slot_ar = torch.arange(M, dtype=torch.int32, device=cand.device)
-    slots = torch.where(cand >= 0, slot_ar, torch.full_like(cand, -1))  # the candidates' own slots
-    kept = kernels.rerank_select(q, keys, slots, keep, scale=scale, reduce=reduce)  # [B, Hkv, keep] slots
-    idx = torch.where(kept >= 0, torch.gather(cand, 2, kept.clamp(min=0).long()), torch.full_like(kept, -1))
-    return idx.to(torch.int32) if out is None else out.copy_(idx)
 
 
 @dataclass

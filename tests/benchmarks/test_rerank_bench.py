@@ -28,6 +28,17 @@ def test_tiny_run(tmp_path):
     assert doc["budget"] == 16 and doc["copy_bw_gbs"] > 0
 
 
+def test_tiny_paged(tmp_path):
+    """``--block-size`` adds the paged rows, each kept set equal to the contiguous kernel's."""
+    out = tmp_path / "rr.json"
+    assert bench_rerank.main(["--tiny", "--block-size", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    paged = [r for r in rows if r.get("block_size") == 8]
+    assert [r["impl"] for r in paged] == ["select paged", "select+attend paged", "select gathered"]
+    for r in paged:
+        assert "error" not in r and r["ms"] > 0 and r["floor_ms"] > 0
+
+
 def test_tiny_sweep(tmp_path):
     """``--sweep`` adds a checked, timed select row per RERANK_CONFIG setting (here the
     split and the fused launch, the latter selecting in tiles) and leaves the config as

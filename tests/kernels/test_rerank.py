@@ -238,6 +238,97 @@ def test_rerank_decode_attention_attends_the_kept_set(device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _paged(k, block_size, lens, seed):
+    """(pool, table) of ``k`` under a random, non-monotone table over a shared pool;
+    every slot no row owns is NaN (a key read through a wrong block shows)."""
+    from spade.kernels.paged import scatter_to_pool
+
+    pool, table = scatter_to_pool(k.cpu(), block_size, torch.Generator().manual_seed(seed), lens=lens)
+    return pool.to(k.device), table.to(k.device)
+
+
+def _cand_within(lens, Hkv, M, seed):
+    """Candidates [B, Hkv, M] below each row's length (the slots a row owns), -1 holes."""
+    g = torch.Generator().manual_seed(seed)
+    cand = torch.full((len(lens), Hkv, M), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for h in range(Hkv):
+            pick = torch.randperm(n, generator=g)[:M]
+            cand[b, h, :len(pick)] = pick.to(torch.int32)
+    cand[0, 0, 1] = -1
+    return cand
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("B,Hq,Hkv,reduce,path", [
+    (1, 4, 4, "sum_softmax", {}),                                   # B=1, MHA
+    (3, 4, 2, "sum_logits", dict(BLOCK_M=16, MIN_CHUNK=16, FUSE=False)),  # GQA, split chunks
+    (2, 6, 1, "sum_softmax", dict(FUSE=True)),                       # MQA, a group of 6, fused
+    (2, 4, 2, "max_logits", dict(SELECT_MAX=16, SELECT_BLOCK=16)),   # tiled select
+])
+def test_paged_pool_gives_the_contiguous_selection(device, block_size, B, Hq, Hkv, reduce, path, monkeypatch):
+    """Keys in a shared pool under a random table: the kernel maps each candidate's
+    logical position through the table and keeps exactly what it keeps on the
+    contiguous cache (the same keys, the same products), for blocks of 1 to past a row."""
+    for key, val in path.items():
+        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
+    D, L, M = 16, 53, 29
+    lens = [53, 41, 19][:B]
+    q, k, _ = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=block_size + B)
+    cand = _cand_within(lens, Hkv, M, seed=block_size).to(device)
+    pool, table = _paged(k, block_size, lens, seed=block_size * 7 + B)
+    for keep in (1, 11, M + 2):
+        want = R.rerank_select_triton(q, k, cand, keep, reduce=reduce)
+        got = R.rerank_select_triton(q, pool, cand, keep, reduce=reduce, block_table=table)
+        assert torch.equal(got.cpu(), want.cpu())
+        ref = R.rerank_select_ref(q, pool, cand, keep, reduce=reduce, block_table=table)
+        assert torch.equal(ref.cpu(), R.rerank_select_ref(q, k, cand, keep, reduce=reduce).cpu())
+        _check_stable(got, ref, q, k, cand, keep, reduce)
+
+
+def test_paged_table_is_read(device):
+    """A wrong table (two of row 0's entries swapped) changes what is kept: the kernel
+    reads keys through the table it is given, not by position."""
+    q, k, _ = _inputs(1, 4, 2, 16, 64, 8, device=device, seed=5)
+    cand = _cand_within([64], 2, 24, seed=5).to(device)
+    pool, table = _paged(k, 8, [64], seed=9)
+    right = R.rerank_select_triton(q, pool, cand, 6, block_table=table)
+    swapped = table.clone()
+    swapped[0, [0, 1, 2, 3]] = table[0, [3, 2, 1, 0]]
+    wrong = R.rerank_select_triton(q, pool, cand, 6, block_table=swapped)
+    assert torch.equal(wrong.cpu(), R.rerank_select_ref(q, pool, cand, 6, block_table=swapped).cpu())
+    assert not torch.equal(wrong.cpu(), right.cpu())
+
+
+def test_paged_inputs_are_checked(device):
+    q, k, cand = _inputs(2, 4, 2, 16, 32, 8, device=device)
+    pool, table = _paged(k, 8, [32, 32], seed=1)
+    with pytest.raises(ValueError, match="block_table must be an int32"):
+        R.rerank_select_triton(q, pool, cand, 3, block_table=table.long())
+    with pytest.raises(ValueError, match="needs block_table="):
+        R.rerank_select_triton(q, pool[:3], cand, 3)
+
+
+def test_paged_rerank_decode_attention(device):
+    """Two-stage attention over paged K/V equals it over the contiguous cache."""
+    B, Hq, Hkv, D, L = 2, 4, 2, 16, 45
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, Hq, D, generator=g).to(device)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(device)
+    v = torch.randn(B, Hkv, L, D, generator=g).to(device)
+    kv_lens = torch.tensor([45, 33], device=device)
+    cand = torch.full((B, Hkv, 12), -1, dtype=torch.int32)
+    for b, n in enumerate((45, 33)):
+        for h in range(Hkv):
+            cand[b, h] = (torch.randperm(n - 5, generator=g)[:12] + 2).to(torch.int32)
+    cand = cand.to(device)
+    kp, table = _paged(k, 4, [45, 33], seed=2)
+    vp, _ = _paged(v, 4, [45, 33], seed=2)  # the same seed: the same table
+    want = kernels.rerank_decode_attention(q, k, v, kv_lens, cand, 5, n_sink=2, n_recent=3)
+    got = kernels.rerank_decode_attention(q, kp, vp, kv_lens, cand, 5, n_sink=2, n_recent=3, block_table=table)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
                          ids=["default", "fused", "split", "tiled"])
@@ -252,3 +343,54 @@ def test_half_keys_on_gpu(dtype, M, over, monkeypatch):
     want = R.rerank_select_ref(q, k, cand, keep)
     got = R.rerank_select_triton(q, k, cand, keep)
     _check_stable(got, want, q.float(), k.float(), cand, keep, "sum_softmax")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False)], ids=["default", "fused", "split"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_half_keys_on_gpu(block_size, over, monkeypatch):
+    """The Qwen3-8B head layout in bf16, M = 2 K_mid: the pool gives the contiguous cache's kept sets."""
+    for key, val in over.items():
+        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
+    q, k, cand = _inputs(4, 32, 8, 128, 4096, 3960, dtype=torch.bfloat16, device="cuda")
+    pool, table = _paged(k, block_size, [4096] * 4, seed=block_size)
+    want = R.rerank_select_triton(q, k, cand, 1980)
+    assert torch.equal(R.rerank_select_triton(q, pool, cand, 1980, block_table=table), want)
+
+
+_AOT_RERANK = r'''
+import json
+from spade.kernels import rerank as R
+from tests.kernels.aot import loop_body, sm90_compile
+
+Hkv, D, M = 8, 128, 3960
+p, f, i = ("ptr", "bf16"), ("ptr", "fp32"), ("ptr", "i32")
+out = {}
+for paged in (False, True):
+    bs = 16 if paged else 1
+    common = dict(Q=p, K=p, CAND=i, LOGITS=f, SCORES=f, PART=f, BT=i, Hkv=Hkv, M=M, scale=("fp32", 0.1),
+                  stride_qb=32 * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * (bs if paged else 4096) * D,
+                  stride_kh=(bs if paged else 4096) * D, stride_kl=D, stride_kd=1, stride_cb=Hkv * M,
+                  stride_ch=M, stride_cm=1, stride_tb=2048 if paged else 0)
+    cons = dict(G=4, G_PAD=16, D=D, BLOCK_D=D, BLOCK_M=64, REDUCE=2, UPCAST=False, IEEE=False, PAGED=paged,
+                BLOCK_SIZE=bs, INTERPRET=False, PDL=False)
+    k = sm90_compile(R._rerank_score_kernel, dict(common, CHUNK=512, NSPLIT=8), cons)
+    fused = sm90_compile(R._rerank_fused_kernel, dict(common, OUT=i, KEEP=1980, stride_ob=Hkv * 1980,
+                                                     stride_oh=1980, stride_ok=1),
+                         dict(cons, BLOCK=4096, ONE_TILE=True, UNROLL_G=True), num_warps=16)
+    copies = [loop_body(x.asm["ttgir"]).count("async_copy_global_to_local") for x in (k, fused)]
+    out[str(paged)] = dict(copies=copies, smem=[k.metadata.shared, fused.metadata.shared])
+print(json.dumps(out))
+'''
+
+
+def test_paged_rerank_builds_for_hopper():
+    """The re-rank's scoring and fused kernels compile for sm_90 with the table, and the
+    candidates' tile loop stays a pipeline of async copies: the table's entries one
+    more stage between the candidate ids and the keys (a few hundred bytes of shared memory)."""
+    from tests.kernels.aot import run_aot_script
+
+    res = run_aot_script(_AOT_RERANK)
+    paged, flat = res["True"], res["False"]
+    assert flat["copies"][0] >= 2 and paged["copies"] == [c + 1 for c in flat["copies"]], res
+    assert all(p - f <= 1024 for p, f in zip(paged["smem"], flat["smem"])), res
