@@ -678,8 +678,9 @@ class _Generation:
                 idx[j, :, :, :w].copy_(sel.indices)
             if sel is not None:
                 if s.return_mode == "kv":
-                    k, v = self.view(l0 + j, seq)
-                    kk, vv = kernels.gather_kv(k, v, idx[j])
+                    k, v = self.view(l0 + j, seq)  # (a shared paged cache's pools: its table is the state's)
+                    kk, vv = kernels.gather_kv(k, v, idx[j],
+                                               block_table=self.state.block_table if s.shared_kv else None)
                     o["k"][j].copy_(kk)
                     o["v"][j].copy_(vv)
 

@@ -256,7 +256,7 @@ class AsyncAttentionContext(AttentionContext):
         kv_start = sel.kv_start if sel.kv_start is not None else self.kv_start
         out_b, lse_b = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, s.no_idx, n_sink=sel.n_sink,
                                                        n_recent=sel.n_recent, scale=scale, kv_start=kv_start,
-                                                       return_lse=True, stats=stats)
+                                                       return_lse=True, stats=stats, block_table=self.block_table)
         out, _ = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b)
         s.after(layer, q, k_cache, v_cache, kv_lens)
         return out

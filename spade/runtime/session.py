@@ -49,9 +49,6 @@ class InferenceSession:
         self.be = rt.backend
         self.policy = rt.policy
         self.paged = bool(getattr(self.be, "paged", False))  # a paged KV cache (FastModel, model.block_size)
-        if rt.return_mode == "kv" and self.paged:
-            raise ConfigError("runtime.return_mode 'kv' gathers the selected K/V from a contiguous cache; with a paged "
-                              "KV cache (model.block_size) use runtime.return_mode: indices or delta")
         spec = self.be.spec
         self.spec = spec
         self.P = rt.pack_layers

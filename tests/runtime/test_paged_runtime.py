@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spade.errors import ConfigError
 from spade.models.fast import FastModel
 from spade.models.presets import preset_config
 from spade.policies import build_policy
@@ -84,9 +83,20 @@ def test_async_paged_equals_contiguous_inline(model, pmodel, prompt, topology, e
     assert got == want and tr.stats["sparse_steps"] > 0
 
 
-def test_kv_return_mode_is_refused_on_a_paged_cache(pmodel, prompt):
-    with pytest.raises(ConfigError, match="return_mode 'kv'.*paged"):
-        tokens(pmodel, prompt, "runtime.topology=colocated", "runtime.return_mode=kv")
+@pytest.mark.parametrize("topology", ["colocated", "local", "multiprocess"])
+def test_kv_return_mode_on_a_paged_cache(model, pmodel, prompt, topology):
+    """The ``kv`` return mode: the cache rank gathers the selected K/V (colocated: from the
+    inference rank's pools through its table; local / multiprocess: from its own store,
+    filled through the table) and the inference rank merges them with the sinks and
+    recent window it attends in its pools: the contiguous cache's tokens (fp32)."""
+    over = [f"runtime.topology={topology}", "runtime.pack_layers=2", "runtime.return_mode=kv"]
+    if topology == "multiprocess":  # (gloo on a CPU)
+        over.append("runtime.transport.name=nccl")
+    port = [f"runtime.transport.master_port={free_port()}"] if topology == "multiprocess" else []
+    want, _ = tokens(model, prompt, *over, *port)
+    port = [f"runtime.transport.master_port={free_port()}"] if topology == "multiprocess" else []
+    got, tr = tokens(pmodel, prompt, *over, *port)
+    assert got == want and tr.stats["sparse_steps"] > 0
 
 
 # ----------------------------------------------------------------------------- GPU
