@@ -218,7 +218,8 @@ def test_empty_rows_and_out_buffer(device):
 
 def test_rerank_decode_attention_attends_the_kept_set(device):
     """The two-stage attention equals plain sparse attention over the reference's kept
-    indices (sinks and recent window disjoint from the candidates, as a Selection's)."""
+    indices (sinks and recent window disjoint from the candidates, as a Selection's), on
+    a contiguous cache and on paged K/V."""
     B, Hq, Hkv, D, L = 2, 4, 2, 16, 45
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, Hq, D, generator=g).to(device)
@@ -235,6 +236,12 @@ def test_rerank_decode_attention_attends_the_kept_set(device):
     kept = R.rerank_select_ref(q, k, cand, 5)
     want = kernels.sparse_decode_attention(q, k, v, kv_lens, kept, n_sink=n_sink, n_recent=n_recent)
     got = kernels.rerank_decode_attention(q, k, v, kv_lens, cand, 5, n_sink=n_sink, n_recent=n_recent)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the same over paged K/V (one shuffled table for both pools: the same seed)
+    kp, table = _paged(k, 4, [45, 33], seed=2)
+    vp, _ = _paged(v, 4, [45, 33], seed=2)
+    got = kernels.rerank_decode_attention(q, kp, vp, kv_lens, cand, 5, n_sink=n_sink, n_recent=n_recent,
+                                          block_table=table)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -307,26 +314,6 @@ def test_paged_inputs_are_checked(device):
         R.rerank_select_triton(q, pool, cand, 3, block_table=table.long())
     with pytest.raises(ValueError, match="needs block_table="):
         R.rerank_select_triton(q, pool[:3], cand, 3)
-
-
-def test_paged_rerank_decode_attention(device):
-    """Two-stage attention over paged K/V equals it over the contiguous cache."""
-    B, Hq, Hkv, D, L = 2, 4, 2, 16, 45
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(B, Hq, D, generator=g).to(device)
-    k = torch.randn(B, Hkv, L, D, generator=g).to(device)
-    v = torch.randn(B, Hkv, L, D, generator=g).to(device)
-    kv_lens = torch.tensor([45, 33], device=device)
-    cand = torch.full((B, Hkv, 12), -1, dtype=torch.int32)
-    for b, n in enumerate((45, 33)):
-        for h in range(Hkv):
-            cand[b, h] = (torch.randperm(n - 5, generator=g)[:12] + 2).to(torch.int32)
-    cand = cand.to(device)
-    kp, table = _paged(k, 4, [45, 33], seed=2)
-    vp, _ = _paged(v, 4, [45, 33], seed=2)  # the same seed: the same table
-    want = kernels.rerank_decode_attention(q, k, v, kv_lens, cand, 5, n_sink=2, n_recent=3)
-    got = kernels.rerank_decode_attention(q, kp, vp, kv_lens, cand, 5, n_sink=2, n_recent=3, block_table=table)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
