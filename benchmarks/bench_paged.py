@@ -14,7 +14,10 @@ each ``--block-sizes``. Rows:
   group's logits, radix top-K): the cache side's selection from exact keys;
 * ``int4``: ``score_topk`` over asyncspade's packed int4 scoring copy (its pool shares
   the K pool's table), the served default: ``sum_softmax`` per head, the threshold-carry
-  top-K (a carry per layout, in its steady state: the same query every call).
+  top-K (a carry per layout, in its steady state: the same query every call);
+* ``quest``: ``quest_select`` (page scores + the row select, pages of ``--page-size``,
+  ``K // page_size`` pages) over the per-row page bounds [B, Hkv, P, D] against pool bounds
+  in the blocks [num_blocks, Hkv, ceil(block_size / page_size), D] read through the table.
 
 Each row reports the median time (CUDA events, L2 flushed before every call by a
 512 MiB memset, which also hides the host's launch), the K/V bytes it must read, the
@@ -45,7 +48,7 @@ from benchmarks.args import int_list
 from benchmarks.bench_attention import Timer, hbm_bandwidth, random_middle
 
 TARGET_RATIO = 1.05
-KINDS = ("sparse", "dense", "gather", "score", "int4")
+KINDS = ("sparse", "dense", "gather", "score", "int4", "quest")
 
 
 def parse_args(argv):
@@ -59,7 +62,8 @@ def parse_args(argv):
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--block-sizes", type=int_list(1), default=[16, 32, 64], help="tokens per block, comma-separated")
-    ap.add_argument("--kinds", default="sparse,dense,gather,score,int4", help="rows to run, comma-separated")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="rows to run, comma-separated")
+    ap.add_argument("--page-size", type=int, default=16, help="Quest's page size (the quest row)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     ap.add_argument("--seed", type=int, default=0)
@@ -67,9 +71,9 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help="JSON path")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.B, a.L, a.K, a.hkv, a.g, a.d, a.sink, a.recent, a.iters = 2, 77, 16, 2, 2, 16, 2, 4, 1
+        a.B, a.L, a.K, a.hkv, a.g, a.d, a.sink, a.recent, a.iters, a.page_size = 2, 77, 16, 2, 2, 16, 2, 4, 1, 4
         a.block_sizes = [8]
-    for f in ("B", "L", "K", "hkv", "g", "d", "iters"):
+    for f in ("B", "L", "K", "hkv", "g", "d", "iters", "page_size"):
         if getattr(a, f) < 1:
             ap.error(f"--{f} must be >= 1, got {getattr(a, f)}")
     if a.K + a.sink + a.recent > a.L:
@@ -96,7 +100,8 @@ def run(argv: list[str] | None = None) -> dict:
     B, Hkv, L, D, K = a.B, a.hkv, a.L, a.d, a.K
     esz = torch.empty((), dtype=dtype).element_size()
     res: dict = {"shape": dict(B=B, Hkv=Hkv, Hq=Hkv * a.g, L=L, K=K, D=D, sink=a.sink, recent=a.recent,
-                               dtype=str(dtype).replace("torch.", ""), block_sizes=a.block_sizes),
+                               page_size=a.page_size, dtype=str(dtype).replace("torch.", ""),
+                               block_sizes=a.block_sizes),
                  "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "graph": a.graph,
                  "target_ratio": TARGET_RATIO, "rows": []}
     copy_bw = hbm_bandwidth(timer, 2**30 if cuda else 2**20, device=dev.type)
@@ -112,9 +117,12 @@ def run(argv: list[str] | None = None) -> dict:
     hi = torch.full((B,), L - a.recent, dtype=torch.int32, device=dev)
     nbytes = {"sparse": 2 * B * Hkv * n_tok * D * esz, "dense": 2 * B * Hkv * L * D * esz,
               "gather": 2 * B * Hkv * K * D * esz, "score": B * Hkv * (L - a.sink - a.recent) * D * esz,
-              "int4": B * Hkv * L * (D // 2 + 4)}  # the normaliser spans the row: every key and scale
+              "int4": B * Hkv * L * (D // 2 + 4),  # the normaliser spans the row: every key and scale
+              "quest": 2 * B * Hkv * -(-L // a.page_size) * D * esz}  # both bounds of every page
+    n_pages_sel = max(1, K // a.page_size)
 
-    def calls(k, v, kq, ks, table):
+    def calls(k, v, kq, ks, table, bounds):
+        """``bounds``: Quest's (kmin, kmax), per-row or pool bounds (with ``table``)."""
         paged = {} if table is None else {"block_table": table}
         from spade.kernels.carry import new_carry
 
@@ -125,7 +133,11 @@ def run(argv: list[str] | None = None) -> dict:
                 "gather": lambda: torch.cat(kernels.gather_kv(k, v, mid, **paged), dim=-1),
                 "score": lambda: kernels.score_topk(q, k, lo, hi, K, **paged).sort(-1).values,
                 "int4": lambda: kernels.score_topk(q, kq, lo, hi, K, reduce="sum_softmax", kv_lens=kv_lens,
-                                                   k_scale=ks, carry=carry, **paged).sort(-1).values}
+                                                   k_scale=ks, carry=carry, **paged).sort(-1).values,
+                "quest": lambda: kernels.quest_select(q, *bounds, kv_lens, n_pages_sel, a.page_size,
+                                                      **({} if table is None else {"block_table": table,
+                                                                                   "block_size": k.shape[2]})
+                                                      ).sort(-1).values}
 
     def row(kind: str, layout: str, bs: int | None, ms: float, err: float | None) -> dict:
         floor_ms = nbytes[kind] / copy_bw * 1e3
@@ -141,9 +153,10 @@ def run(argv: list[str] | None = None) -> dict:
     k = torch.randn(B, Hkv, L, D, generator=g, device=dev).to(dtype)
     v = torch.randn(B, Hkv, L, D, generator=g, device=dev).to(dtype)
     kq, ks = kernels.quantize_keys_int4(k)
+    bounds = kernels.quest_build(k, kv_lens, a.page_size)
     ref: dict = {}
     base: dict = {}
-    for kind, fn in calls(k, v, kq, ks, None).items():
+    for kind, fn in calls(k, v, kq, ks, None, bounds).items():
         if kind in a.kinds:
             ref[kind] = fn().float()
             base[kind] = row(kind, "contiguous", None, time_fn(fn), None)["us"]
@@ -156,7 +169,10 @@ def run(argv: list[str] | None = None) -> dict:
         kq_pool, table_q = scatter_to_pool(kq, bs, torch.Generator().manual_seed(a.seed + bs), poison=0)
         ks_pool, table_s = scatter_to_pool(ks[..., None], bs, torch.Generator().manual_seed(a.seed + bs), poison=0.0)
         assert torch.equal(table, table_q) and torch.equal(table, table_s)
-        for kind, fn in calls(k_pool, v_pool, kq_pool, ks_pool[..., 0], table).items():
+        spb = -(-bs // a.page_size)
+        pool_bounds = tuple(torch.zeros(k_pool.shape[0], Hkv, spb, D, dtype=dtype, device=dev) for _ in range(2))
+        kernels.quest_write_pool(*pool_bounds, *bounds, table, kv_lens, a.page_size, bs)
+        for kind, fn in calls(k_pool, v_pool, kq_pool, ks_pool[..., 0], table, pool_bounds).items():
             if kind not in a.kinds:
                 continue
             out = fn().float()
@@ -164,7 +180,7 @@ def run(argv: list[str] | None = None) -> dict:
             err = float((out - ref[kind]).norm() / ref[kind].norm().clamp_min(1e-12))
             r = row(kind, "paged", bs, time_fn(fn), err)
             res["ratios_paged_vs_contiguous"][f"{kind}/bs={bs}"] = r["us"] / base[kind]
-        del k_pool, v_pool, kq_pool, ks_pool
+        del k_pool, v_pool, kq_pool, ks_pool, pool_bounds
         if cuda:
             torch.cuda.empty_cache()
     ratios = res["ratios_paged_vs_contiguous"]

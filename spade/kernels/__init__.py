@@ -53,6 +53,7 @@ __all__ = [
     "quest_update",
     "quest_page_scores",
     "quest_select",
+    "quest_write_pool",
     "gather_kv",
     "sparse_decode_attention",
     "rerank_select",
@@ -166,14 +167,26 @@ def quest_build(k, kv_lens, page_size, *, kv_start=None, block_table=None):
     return fn(k, kv_lens, page_size, kv_start=kv_start, **paged)
 
 
-def quest_update(kmin, kmax, k_new, pos, page_size, *, kv_start=None):
+def quest_update(kmin, kmax, k_new, pos, page_size, *, kv_start=None, block_table=None, block_size=None):
     """In place: fold ``k_new`` [B, Hkv, D] written at cache positions ``pos`` [B] into
     the page bounds, page ``(pos - kv_start) // page_size`` of each row (relative pages,
-    as ``quest_build``; a page's first token resets them)."""
+    as ``quest_build``; a page's first token resets them). ``block_table`` [B, max_blocks]
+    and ``block_size``: the bounds live in a paged cache's blocks (pool bounds,
+    ``spade.kernels.quest``): [num_blocks, Hkv, ceil(block_size / page_size), D]."""
     from spade.kernels import quest
 
     fn = quest.quest_update_triton if use_triton(k_new) else quest.quest_update_ref
-    return fn(kmin, kmax, k_new, pos, page_size, kv_start=kv_start)
+    paged = {} if block_table is None else {"block_table": block_table, "block_size": block_size}
+    return fn(kmin, kmax, k_new, pos, page_size, kv_start=kv_start, **paged)
+
+
+def quest_write_pool(kmin, kmax, new_min, new_max, block_table, kv_lens, page_size, block_size, *, kv_start=None):
+    """Write joining rows' page bounds [n, Hkv, P', D] (``quest_build`` of their prompts)
+    into pool bounds through their tables [n, max_blocks]: each row's own pages only."""
+    from spade.kernels import quest
+
+    return quest.quest_write_pool(kmin, kmax, new_min, new_max, block_table, kv_lens, page_size, block_size,
+                                  kv_start=kv_start)
 
 
 def quest_page_scores(q, kmin, kmax, n_pages, *, scale=None, reduce="sum_logits", page_start=None):
@@ -187,16 +200,18 @@ def quest_page_scores(q, kmin, kmax, n_pages, *, scale=None, reduce="sum_logits"
 
 
 def quest_select(q, kmin, kmax, kv_lens, n_pages_sel, page_size, *, scale=None, reduce="sum_logits",
-                 kv_start=None):
+                 kv_start=None, block_table=None, block_size=None):
     """Quest selection as token indices [B, Hkv, n_pages_sel * page_size] int32:
     the last (partial) page always, plus the ``n_pages_sel - 1`` best other pages of
     the row's ``ceil((kv_lens - kv_start) / page_size)`` (pages relative to kv_start,
-    as ``quest_build``); positions outside ``[kv_start, kv_lens)`` are ``-1``."""
+    as ``quest_build``); positions outside ``[kv_start, kv_lens)`` are ``-1``.
+    ``block_table`` / ``block_size``: pool bounds (as ``quest_update``)."""
     from spade.kernels import quest
 
     fn = quest.quest_select_triton if use_triton(q) else quest.quest_select_ref
+    paged = {} if block_table is None else {"block_table": block_table, "block_size": block_size}
     return fn(q, kmin, kmax, kv_lens, n_pages_sel, page_size, scale=scale, reduce=reduce,
-              kv_start=kv_start)
+              kv_start=kv_start, **paged)
 
 
 def gather_kv(k, v, indices, block_table=None):

@@ -28,6 +28,16 @@ positions ``[kv_start[b] + p·S, kv_start[b] + (p+1)·S)`` (S = page_size; no
 partial, and its page grouping, bounds, scores and selection are the same wherever
 its window starts (left padding, a serving join at any cursor). ``P = ceil(L / S)``
 pages always suffice.
+
+On a paged KV cache the bounds may live in the pool's blocks instead (*pool bounds*,
+``block_table=`` / ``block_size=``): ``kmin`` / ``kmax`` [num_blocks, Hkv, ceil(bs / S), D]
+(bs = the cache's block size), page ``p`` of row ``b`` stored in the block that holds
+its first position ``s = kv_start[b] + p·S``, at sub-slot ``(s % bs) // S``. Two page
+starts of one row are S apart, so they never share a (block, sub-slot); a row's
+bounds take memory only in the blocks its KV holds (a serving batch sizes nothing by
+its logical capacity), and a block handed to another request is overwritten by that
+request's join (``quest_write_pool``) or reset by its page's first token
+(``quest_update``). Token indices stay logical.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ __all__ = [
     "quest_page_scores_triton",
     "quest_select_ref",
     "quest_select_triton",
+    "quest_write_pool",
+    "quest_pool_to_logical",
 ]
 
 _QUEST_REDUCES = ("sum_logits", "max_logits")
@@ -84,6 +96,85 @@ def _check_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tu
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     return B, Hq, Hkv, P, D
+
+
+def _check_pool_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                       page_size: int, block_size: int | None) -> tuple[int, int, int, int, int]:
+    """Validate pool bounds [num_blocks, Hkv, ceil(block_size / page_size), D] read through
+    ``block_table`` [B, max_blocks]; return (B, Hq, Hkv, P, D) with P the pages of the
+    table's logical capacity."""
+    if block_size is None or block_size <= 0:
+        raise ValueError(f"pool bounds need the KV cache's block_size (> 0); got {block_size}")
+    if kmin.shape != kmax.shape or kmin.dim() != 4:
+        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must both be "
+                         "[num_blocks, Hkv, ceil(block_size / page_size), D]")
+    if kmin.dtype != kmax.dtype or kmin.stride() != kmax.stride():
+        raise ValueError("kmin and kmax must have the same dtype and strides")
+    spb = triton.cdiv(block_size, page_size)
+    if kmin.shape[2] != spb:
+        raise ValueError(f"pool bounds hold ceil(block_size / page_size) = {spb} pages per block "
+                         f"(block_size={block_size}, page_size={page_size}); got {kmin.shape[2]}")
+    B = q.shape[0] if q is not None else block_table.shape[0]
+    check_block_table(block_table, B, kmin.device)
+    _, Hkv, _, D = kmin.shape
+    Hq = Hkv if q is None else q.shape[1]
+    if q is not None and (q.dim() != 3 or q.shape[2] != D):
+        raise ValueError(f"q {tuple(q.shape)} does not match bounds {tuple(kmin.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    return B, Hq, Hkv, triton.cdiv(block_table.shape[1] * block_size, page_size), D
+
+
+def _pool_slots(block_table: torch.Tensor, kv_start: torch.Tensor | None, pages: torch.Tensor, page_size: int,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, sub-slot) int64 of each row's relative pages ``pages`` [B, n] in pool bounds:
+    page ``p`` lives in the block of its first position ``kv_start + p·S`` (pages past the
+    table read its last entry)."""
+    B, nb = block_table.shape
+    start = torch.zeros(B, dtype=torch.int64, device=block_table.device) if kv_start is None else \
+        kv_start.to(block_table.device).long()
+    pos0 = start[:, None] + pages.long() * page_size  # [B, n]
+    blk = torch.gather(block_table.long(), 1, (pos0 // block_size).clamp(0, max(nb - 1, 0)))
+    return blk, (pos0 % block_size) // page_size
+
+
+def quest_pool_to_logical(kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                          block_size: int, *, kv_start: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool bounds read out as logical bounds [B, Hkv, P, D] (a copy; references and tests):
+    page ``p`` of row ``b`` from its slot, whatever the slot holds (pages a row does not
+    have yet read their slot's stale or null-block values, as the kernels would not)."""
+    B, _, Hkv, P, D = _check_pool_bounds(None, kmin, kmax, block_table, page_size, block_size)
+    pages = torch.arange(P, device=block_table.device).expand(B, P)
+    blk, sub = _pool_slots(block_table, kv_start, pages, page_size, block_size)
+    pick = lambda x: x[blk, :, sub].permute(0, 2, 1, 3)  # [B, P, Hkv, D] -> [B, Hkv, P, D]
+    return pick(kmin), pick(kmax)
+
+
+def quest_write_pool(kmin: torch.Tensor, kmax: torch.Tensor, new_min: torch.Tensor, new_max: torch.Tensor,
+                     block_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, block_size: int, *,
+                     kv_start: torch.Tensor | None = None) -> None:
+    """Write rows' logical bounds ``new_min`` / ``new_max`` [n, Hkv, P', D] (``quest_build`` of
+    their prompts) into pool bounds through their tables ``block_table`` [n, max_blocks]: each
+    row's pages ``[0, ceil((kv_lens - kv_start) / S))``, nothing else (a serving join; the
+    other rows' pages are untouched). One gather and one scatter, no host synchronisation."""
+    _check_page_size(page_size)
+    n, _, Hkv, P, D = _check_pool_bounds(None, kmin, kmax, block_table, page_size, block_size)
+    if new_min.shape != new_max.shape or new_min.dim() != 4 or new_min.shape[0] != n \
+            or new_min.shape[1] != Hkv or new_min.shape[3] != D:
+        raise ValueError(f"new bounds {tuple(new_min.shape)} must be [{n}, {Hkv}, P, {D}]")
+    Pn = min(P, new_min.shape[2])
+    kv_lens = _check_rows(kv_lens, n, "kv_lens", kmin.device)
+    start, n_pages, _ = _select_plan(kv_lens, kv_start, page_size)
+    # a page the row does not have is sent to its page 0 with page 0's value (a duplicate
+    # index writing the same value: deterministic); a row with no page rewrites page 0's slot as it is
+    p = torch.arange(Pn, device=kmin.device)[None, :]
+    p = torch.where(p < n_pages[:, None], p, 0)  # [n, Pn]
+    blk, sub = _pool_slots(block_table, start, p, page_size, block_size)
+    has = (n_pages > 0)[:, None, None, None]
+    for pool, new in ((kmin, new_min), (kmax, new_max)):
+        vals = torch.gather(new, 2, p[:, None, :, None].expand(n, Hkv, Pn, D)).permute(0, 2, 1, 3)  # [n, Pn, Hkv, D]
+        pool[blk, :, sub] = torch.where(has, vals.to(pool.dtype), pool[blk, :, sub])
 
 
 def _round_q(q: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
@@ -130,26 +221,31 @@ def quest_build_ref(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *,
 
 
 def quest_update_ref(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                     page_size: int, *, kv_start: torch.Tensor | None = None) -> None:
+                     page_size: int, *, kv_start: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None, block_size: int | None = None) -> None:
     """Reference ``quest_update`` (in place): the key written at cache position ``pos``
     [B] goes to the row's page ``(pos - kv_start) // page_size`` (relative pages); a
-    page's first token resets its bounds, later ones fold in by element-wise min / max."""
+    page's first token resets its bounds, later ones fold in by element-wise min / max.
+    ``block_table``: pool bounds (module doc), the page's slot read through the table."""
     _check_page_size(page_size)
-    B = kmin.shape[0]
     pos = pos.to(kmin.device).long()
-    if kv_start is not None:
-        pos = pos - kv_start.to(kmin.device).long()
-    P = kmin.shape[2]
-    page = pos // page_size  # [B]
-    ok = ((pos >= 0) & (page < P))[:, None, None]  # as the kernel: other positions are ignored
-    page = page.clamp(0, max(P - 1, 0))
-    first = (pos % page_size == 0)[:, None, None]  # [B, 1, 1]
-    rows = torch.arange(B, device=kmin.device)
+    rel = pos - (0 if kv_start is None else kv_start.to(kmin.device).long())
+    page = rel // page_size  # [B]
+    first = (rel % page_size == 0)[:, None, None]  # [B, 1, 1]
     kn = k_new.to(kmin.dtype)  # [B, Hkv, D]
-    cur_min = kmin[rows, :, page]  # [B, Hkv, D]
-    cur_max = kmax[rows, :, page]
-    kmin[rows, :, page] = torch.where(ok, torch.where(first, kn, torch.minimum(cur_min, kn)), cur_min)
-    kmax[rows, :, page] = torch.where(ok, torch.where(first, kn, torch.maximum(cur_max, kn)), cur_max)
+    if block_table is not None:
+        B, _, _, _, _ = _check_pool_bounds(None, kmin, kmax, block_table, page_size, block_size)
+        cap = block_table.shape[1] * block_size
+        ok = ((rel >= 0) & (pos - rel % page_size < cap))[:, None, None]
+        blk, sub = _pool_slots(block_table, kv_start, page.clamp(min=0)[:, None], page_size, block_size)
+        at = (blk[:, 0], slice(None), sub[:, 0])
+    else:
+        B, P = kmin.shape[0], kmin.shape[2]
+        ok = ((rel >= 0) & (page < P))[:, None, None]  # as the kernel: other positions are ignored
+        at = (torch.arange(B, device=kmin.device), slice(None), page.clamp(0, max(P - 1, 0)))
+    cur_min, cur_max = kmin[at], kmax[at]  # [B, Hkv, D]
+    kmin[at] = torch.where(ok, torch.where(first, kn, torch.minimum(cur_min, kn)), cur_min)
+    kmax[at] = torch.where(ok, torch.where(first, kn, torch.maximum(cur_max, kn)), cur_max)
 
 
 def _page_range_mask(page_start: torch.Tensor | None, n_pages: torch.Tensor, P: int) -> torch.Tensor:
@@ -199,14 +295,19 @@ def _pages_to_tokens(pages: torch.Tensor, start: torch.Tensor, kv: torch.Tensor,
 
 def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
                      n_pages_sel: int, page_size: int, *, scale: float | None = None, reduce: str = "sum_logits",
-                     kv_start: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_start: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                     block_size: int | None = None) -> torch.Tensor:
     """Reference ``quest_select``: int32 [B, Hkv, n_pages_sel * page_size], the last page
     first, then the best ``n_pages_sel - 1`` other pages by ``torch.topk``; page ``p``
-    expands to the positions ``kv_start + p·S + j`` below ``kv_lens`` (-1 elsewhere)."""
+    expands to the positions ``kv_start + p·S + j`` below ``kv_lens`` (-1 elsewhere).
+    ``block_table``: pool bounds (module doc), read out as logical bounds first."""
     _check_reduce(reduce)
     _check_page_size(page_size)
     if n_pages_sel < 1:
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
+    if block_table is not None:
+        _check_pool_bounds(q, kmin, kmax, block_table, page_size, block_size)
+        kmin, kmax = quest_pool_to_logical(kmin, kmax, block_table, page_size, block_size, kv_start=kv_start)
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     start, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
     scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce)
@@ -290,26 +391,37 @@ def _quest_update_kernel(
     stride_nb, stride_nh, stride_nd,
     P, page_size,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_START: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr = 1,
 ):
     """Fold ``k_new[b, h]`` into the bounds of the page holding ``pos[b]``, relative to
-    ``start[b]`` with HAS_START."""
+    ``start[b]`` with HAS_START. PAGED: pool bounds (module doc), the page's slot in the
+    block of its first position, read from the table ``BT``; ``P`` is then the table's
+    capacity in tokens."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
     b = row // HKV
     h = row % HKV
     pos = tl.load(pos_ptr + b).to(tl.int64)
+    rel = pos
     if HAS_START:
-        pos = pos - tl.load(start_ptr + b).to(tl.int64)
-    page = pos // page_size
-    first = (pos % page_size) == 0
-    ok = (pos >= 0) & (page < P)
+        rel = pos - tl.load(start_ptr + b).to(tl.int64)
+    page = rel // page_size
+    first = (rel % page_size) == 0
     offs_d = tl.arange(0, BLOCK_D)
+    if PAGED:
+        pos0 = pos - rel % page_size  # the page's first position
+        ok = (rel >= 0) & (pos0 < P)
+        blk = tl.load(BT + b.to(tl.int64) * stride_tb + tl.where(ok, pos0, 0) // BLOCK_SIZE, mask=ok, other=0)
+        off = blk.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh \
+            + ((pos0 % BLOCK_SIZE) // page_size) * stride_mp + offs_d * stride_md
+    else:
+        ok = (rel >= 0) & (page < P)
+        off = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + page * stride_mp + offs_d * stride_md
     dmask = (offs_d < D) & ok
     kn = tl.load(knew_ptr + b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh + offs_d * stride_nd,
                  mask=dmask, other=0.0).to(kmin_ptr.dtype.element_ty)
-    off = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh + page * stride_mp + offs_d * stride_md
     cur_min = tl.load(kmin_ptr + off, mask=dmask, other=0.0)
     cur_max = tl.load(kmax_ptr + off, mask=dmask, other=0.0)
     tl.store(kmin_ptr + off, tl.where(first, kn, tl.minimum(cur_min, kn)), mask=dmask)
@@ -319,12 +431,21 @@ def _quest_update_kernel(
 @triton.jit
 def _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale, offs_d,
                       g_mask, d_mask, stride_mp, stride_md, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
-                      UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                      UPCAST: tl.constexpr, IEEE: tl.constexpr, bt_row=None, start=0, page_size=1,
+                      stride_mb=0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1):
     """Bounds of the BLOCK_P pages from ``p0``: ``q⁺·kmax + q⁻·kmin`` as two
-    [G_PAD, D] x [D, BLOCK_P] dots, then the group reduction; stored at ``orow``."""
+    [G_PAD, D] x [D, BLOCK_P] dots, then the group reduction; stored at ``orow``.
+    PAGED: each page's bounds at its slot of pool bounds (module doc), the block of
+    its first position ``start + p·page_size`` read from ``bt_row``."""
     offs_p = p0 + tl.arange(0, BLOCK_P)
     valid = (offs_p >= lo) & (offs_p < hi) & (offs_p < P)
-    moff = mbase + offs_p[:, None].to(tl.int64) * stride_mp + offs_d[None, :] * stride_md
+    if PAGED:
+        pos0 = start + offs_p * page_size
+        blk = tl.load(bt_row + tl.where(valid, pos0, 0) // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        prow = blk * stride_mb + ((pos0 % BLOCK_SIZE) // page_size).to(tl.int64) * stride_mp  # [BLOCK_P]
+    else:
+        prow = offs_p.to(tl.int64) * stride_mp
+    moff = mbase + prow[:, None] + offs_d[None, :] * stride_md
     mmask = valid[:, None] & d_mask[None, :]
     # out-of-range pages may hold +-inf (empty pages): load zeros there instead (0 * inf = NaN)
     kmx = tl.load(kmax_ptr + moff, mask=mmask, other=0.0)  # [BLOCK_P, BLOCK_D]
@@ -356,6 +477,7 @@ def _quest_scores_kernel(
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, REDUCE: tl.constexpr, HAS_LO: tl.constexpr, FROM_LENS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+    BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
 ):
     """Page bounds of CHUNK pages (whole BLOCK_P tiles) of one (b, KV head) row.
 
@@ -366,7 +488,8 @@ def _quest_scores_kernel(
     and the page range is derived here (``quest_select``'s plan), and program
     (b, h=0, chunk 0) also writes the top-K candidate range of row ``b`` into
     ``plan_ptr`` ([2, B]: first page, end of the pages before the last one), so
-    the selection needs no separate plan launch."""
+    the selection needs no separate plan launch. PAGED (FROM_LENS only): pool bounds
+    (module doc) read through the block table ``BT``."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -385,6 +508,7 @@ def _quest_scores_kernel(
             lo = tl.load(lo_ptr + b).to(tl.int32)
         else:
             lo = 0
+        start = 0
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
@@ -399,13 +523,19 @@ def _quest_scores_kernel(
     if UPCAST:
         q_pos = q_pos.to(tl.float32)
         q_neg = q_neg.to(tl.float32)
-    mbase = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    if PAGED:
+        mbase = h.to(tl.int64) * stride_mh
+        bt_row = BT + b.to(tl.int64) * stride_tb
+    else:
+        mbase = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+        bt_row = BT
     orow = row.to(tl.int64) * P
     p_start = pblk * CHUNK
     p_end = tl.minimum(p_start + CHUNK, P)
     for p0 in range(loop_bound(p_start, INTERPRET), loop_bound(p_end, INTERPRET), BLOCK_P):
         _quest_score_tile(q_pos, q_neg, kmin_ptr, kmax_ptr, out_ptr, mbase, orow, p0, lo, hi, P, scale,
-                          offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE)
+                          offs_d, g_mask, d_mask, stride_mp, stride_md, BLOCK_P, REDUCE, UPCAST, IEEE,
+                          bt_row, start, page_size, stride_mb, PAGED, BLOCK_SIZE)
 
 
 @triton.jit
@@ -586,15 +716,23 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
 
 
 def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                        page_size: int, *, kv_start: torch.Tensor | None = None) -> None:
+                        page_size: int, *, kv_start: torch.Tensor | None = None,
+                        block_table: torch.Tensor | None = None, block_size: int | None = None) -> None:
     """Triton ``quest_update`` (in place; as ``quest_update_ref``, pages relative to
-    ``kv_start``; positions outside the bounds' pages are ignored)."""
+    ``kv_start``; positions outside the bounds' pages are ignored). ``block_table``:
+    pool bounds (module doc)."""
     _check_page_size(page_size)
-    B, H, P, D = kmin.shape
+    paged = {}
+    if block_table is not None:
+        B, _, H, _, D = _check_pool_bounds(None, kmin, kmax, block_table, page_size, block_size)
+        P = block_table.shape[1] * block_size  # the kernel's bound: the table's capacity in tokens
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=block_size)
+    else:
+        B, H, P, D = kmin.shape
+        if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
+            raise ValueError("kmin and kmax must have the same shape and strides")
     if k_new.shape != (B, H, D):
         raise ValueError(f"k_new must be [{B}, {H}, {D}], got {tuple(k_new.shape)}")
-    if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
-        raise ValueError("kmin and kmax must have the same shape and strides")
     pos = _check_rows(pos, B, "pos", kmin.device)
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", kmin.device)
@@ -605,7 +743,7 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         k_new.stride(0), k_new.stride(1), k_new.stride(2), P, page_size,
         HKV=H, D=D, BLOCK_D=triton.next_power_of_2(D), HAS_START=kv_start is not None, num_warps=1,
-        **pdl_kwargs(kmin, "select"))
+        **pdl_kwargs(kmin, "select"), **paged)
 
 
 QUEST_CONFIG: dict = {}
@@ -642,11 +780,19 @@ def _scores_config(P: int, rows: int, BLOCK_D: int, device: torch.device) -> dic
     return dict(BLOCK_P=bp, CHUNK=tiles * bp, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
 
 
-def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None, page_size=1) -> None:
+def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None, page_size=1,
+                        block_table=None, block_size=None) -> None:
     """Launch the page-score kernel. ``hi``/``lo`` are page bounds [B] (``lo`` may be
     None), or with ``plan`` given token lengths / starts from which the kernel
-    derives the page range and writes the selection plan (see the kernel)."""
-    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    derives the page range and writes the selection plan (see the kernel).
+    ``block_table`` (with ``plan`` only): pool bounds (module doc)."""
+    paged = {}
+    if block_table is not None:
+        B, Hq, Hkv, P, D = _check_pool_bounds(q, kmin, kmax, block_table, page_size, block_size)
+        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=block_size)
+        assert plan is not None, "pool bounds are scored from token lengths (plan=)"
+    else:
+        B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     if kmax.stride() != kmin.stride():
         raise ValueError("kmin and kmax must have the same strides")
     G = Hq // Hkv
@@ -663,7 +809,7 @@ def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=BLOCK_D, BLOCK_P=cfg["BLOCK_P"],
         REDUCE=0 if reduce == "sum_logits" else 1, HAS_LO=lo is not None, FROM_LENS=plan is not None,
         UPCAST=upcast, IEEE=ieee, INTERPRET=_interpret(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_kwargs(qr, "select"))
+        num_stages=cfg["num_stages"], **pdl_kwargs(qr, "select"), **paged)
 
 
 def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
@@ -685,7 +831,8 @@ def quest_page_scores_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
 def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv_lens: torch.Tensor,
                         n_pages_sel: int, page_size: int, *, scale: float | None = None,
                         reduce: str = "sum_logits", kv_start: torch.Tensor | None = None,
-                        impl: str = "rowselect") -> torch.Tensor:
+                        impl: str = "rowselect", block_table: torch.Tensor | None = None,
+                        block_size: int | None = None) -> torch.Tensor:
     """Triton ``quest_select``: page scores, exact top-(n_pages_sel - 1) of the pages
     before the last one, then expansion to token indices (last page first).
 
@@ -713,6 +860,9 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     fewer launches (``radix``: the plan inside the score kernel; ``rowselect``:
     two in all) and timing from a CUDA graph, which the benchmark reports next to
     the eager time. (The plan-launch path, ``radix_plan``, is removed: docs/tried.md.)
+
+    ``block_table`` / ``block_size``: pool bounds (module doc); only the page-score
+    kernel reads them, through the table, and P is the table's capacity in pages.
     """
     _check_reduce(reduce)
     _check_page_size(page_size)
@@ -720,7 +870,12 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         raise ValueError(f"n_pages_sel must be >= 1, got {n_pages_sel}")
     if impl not in ("radix", "rowselect"):
         raise ValueError(f"impl must be 'radix' or 'rowselect', got {impl!r}")
-    B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
+    paged = {}
+    if block_table is not None:
+        B, Hq, Hkv, P, D = _check_pool_bounds(q, kmin, kmax, block_table, page_size, block_size)
+        paged = dict(block_table=block_table, block_size=block_size)
+    else:
+        B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     n_out = n_pages_sel * page_size
     out = torch.empty(B, Hkv, n_out, dtype=torch.int32, device=kmin.device)
     if B * Hkv == 0:
@@ -735,7 +890,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         if n_pages_sel > 1:
             cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # written, not needed here
             _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
-                                page_size=page_size)
+                                page_size=page_size, **paged)
         cfg = _row_select_config(P, kmin.device)
         pages = torch.empty(B * Hkv, max(1, n_pages_sel - 1), dtype=torch.int32, device=kmin.device)  # scratch
         _quest_row_select_kernel[(B * Hkv,)](
@@ -747,7 +902,7 @@ def quest_select_triton(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         scores = torch.empty(B, Hkv, P, dtype=torch.float32, device=kmin.device)
         cand = torch.empty(2, B, dtype=torch.int32, device=kmin.device)  # page_lo, cand_hi
         _launch_page_scores(q, kmin, kmax, scores, kv_lens, kv_start, scale=scale, reduce=reduce, plan=cand,
-                            page_size=page_size)
+                            page_size=page_size, **paged)
         page_lo, cand_hi = cand.unbind(0)
         sel = radix_topk.topk_from_scores_triton(scores, page_lo, cand_hi, n_pages_sel - 1)
     else:

@@ -13,9 +13,14 @@ the cache's logical capacity L, ``state.cache_len`` when set; the key dtype), bu
 key at every ``observe``. ``select`` at step t therefore sees the bounds of
 tokens up to t-1; token t lies in the last page, which is always kept.
 
-Paged KV cache (``state.block_table``): the bounds stay a per-row logical array; the
-newest key is read through the table (``last_token_keys``), and a cache never
-prefilled is bounded through it (``quest_build(block_table=)``).
+Paged KV cache (``state.block_table``): the newest key is read through the table
+(``last_token_keys``), and a cache never prefilled is bounded through it
+(``quest_build(block_table=)``). Rows that join a serving batch on a paged cache
+(``prefill_rows`` with ``state.join_pool``) keep their bounds in the pool's blocks
+(``QuestLayerState.paged``, *pool bounds* in ``spade.kernels.quest``): page ``p`` in the
+block of its first position, so the bounds take memory only where the rows' KV
+does, and the batch's logical capacity sizes none of them. A static batch's
+prefill keeps the per-row logical array.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class QuestPolicyConfig(ConfigSection):
 class QuestLayerState:
     kmin: torch.Tensor  # [B, Hkv, P, D] element-wise min of each page's keys (+inf: empty)
     kmax: torch.Tensor  # [B, Hkv, P, D] element-wise max of each page's keys (-inf: empty)
+    paged: bool = False
+    """The bounds are pool bounds [num_blocks, Hkv, ceil(block_size / page_size), D] in the
+    paged cache's blocks, read and written through ``state.block_table``."""
 
 
 class QuestPolicy(Policy):
@@ -104,6 +112,8 @@ class QuestPolicy(Policy):
         (a dynamic cache, e.g. the HF path): new pages start empty (+inf / -inf), and the
         capacity doubles (``exact``: exactly ``L``'s pages, as built for a capacity).
         Host-side shapes only."""
+        if st.paged:  # pool bounds follow the cache's blocks
+            return st
         need = -(-L // self.cfg.page_size)
         have = st.kmin.shape[2]
         if need > have:
@@ -120,10 +130,28 @@ class QuestPolicy(Policy):
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
         """The joining rows' page bounds built from their prompts (pages counted from each
-        row's own ``kv_start``, as alone from 0), copied into the batch's bounds."""
+        row's own ``kv_start``, as alone from 0), copied into the batch's bounds: with
+        ``state.join_pool`` (a paged cache) into pool bounds through the rows' tables,
+        else into the rows of the per-row array."""
         sub = self.row_state(state, rows, k_cache.device)
-        new = self._build(sub, layer, k_cache, kv_lens)
         st = state.layers[layer]
+        pool = state.join_pool
+        if pool is not None and (st is None or st.paged):
+            sub.cache_len = None  # the rows' own pages only: nothing at the logical capacity
+            new = self._build(sub, layer, k_cache, kv_lens)
+            k_pool, table = pool
+            bs = k_pool.shape[2]
+            shape = (k_pool.shape[0], new.kmin.shape[1], -(-bs // self.cfg.page_size), new.kmin.shape[3])
+            if st is None or tuple(st.kmin.shape) != shape or st.kmin.dtype != new.kmin.dtype \
+                    or st.kmin.device != new.kmin.device:
+                st = QuestLayerState(kmin=new.kmin.new_full(shape, float("inf")),
+                                     kmax=new.kmax.new_full(shape, float("-inf")), paged=True)
+                state.layers[layer] = st
+            idx = device_index(rows, table.device)
+            kernels.quest_write_pool(st.kmin, st.kmax, new.kmin, new.kmax, table.index_select(0, idx), kv_lens,
+                                     self.cfg.page_size, bs, kv_start=sub.kv_start)
+            return
+        new = self._build(sub, layer, k_cache, kv_lens)
         B = state.batch_size
         if st is None or st.kmin.shape[0] != B or st.kmin.shape[2:] != new.kmin.shape[2:] \
                 or st.kmin.device != new.kmin.device:
@@ -148,7 +176,7 @@ class QuestPolicy(Policy):
         st = self._fit(st, cache_dims(k_cache, state)[2])
         idx = kernels.quest_select(q, st.kmin, st.kmax, kv_lens, self.n_pages_sel, cfg.page_size,
                                    scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
-                                   kv_start=state.kv_start)
+                                   kv_start=state.kv_start, **self._pool_args(st, state, k_cache))
         return Selection(indices=idx, n_sink=0, n_recent=0, kv_start=state.kv_start)
 
     def observe(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
@@ -160,4 +188,14 @@ class QuestPolicy(Policy):
         self._fit(st, cache_dims(k_cache, state)[2])
         pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]; its page: (pos - kv_start) // S
         kernels.quest_update(st.kmin, st.kmax, last_token_keys(k_cache, kv_lens, state.block_table), pos,
-                             self.cfg.page_size, kv_start=state.kv_start)
+                             self.cfg.page_size, kv_start=state.kv_start, **self._pool_args(st, state, k_cache))
+
+    @staticmethod
+    def _pool_args(st: QuestLayerState, state: PolicyState, k_cache: torch.Tensor) -> dict:
+        """The table pool bounds are read through (the cache's own), or nothing."""
+        if not st.paged:
+            return {}
+        if state.block_table is None or k_cache.dim() != 4:
+            raise ValueError("quest's bounds live in a paged cache's blocks: select / observe need the cache's pool "
+                             "and state.block_table")
+        return {"block_table": state.block_table, "block_size": k_cache.shape[2]}

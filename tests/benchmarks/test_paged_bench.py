@@ -31,10 +31,11 @@ def test_smoke_rows(kernels, tmp_path, monkeypatch, capsys):
             assert r["bytes"] == sh["B"] * sh["Hkv"] * sh["L"] * (sh["D"] // 2 + 4)
         else:
             per = {"sparse": 2 * (sh["sink"] + sh["K"] + sh["recent"]), "dense": 2 * sh["L"], "gather": 2 * sh["K"],
-                   "score": sh["L"] - sh["sink"] - sh["recent"]}[r["kind"]]  # K and V rows; keys only for score
+                   "score": sh["L"] - sh["sink"] - sh["recent"],  # K and V rows; keys only for score
+                   "quest": 2 * -(-sh["L"] // sh["page_size"])}[r["kind"]]  # both bounds of every page
             assert r["bytes"] == sh["B"] * sh["Hkv"] * per * sh["D"] * esz
         assert r["us"] > 0 and r["x_floor"] == pytest.approx(r["us"] / r["floor_us"])
-        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] in ("gather", "score", "int4")):
+        if r["layout"] == "paged" and (kernels == "triton" or r["kind"] in ("gather", "score", "int4", "quest")):
             assert r["rel_err_vs_contiguous"] == 0.0  # same arithmetic, only the addresses differ
         elif r["layout"] == "paged":  # the torch reference zeroes unattended rows first: fp32 rounding
             assert r["rel_err_vs_contiguous"] < 1e-6

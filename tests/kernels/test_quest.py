@@ -435,21 +435,27 @@ from spade.kernels import quest as Q
 
 P, HKV, G, D = 2048, 8, 4, 128
 out = {}
-for from_lens in (True, False):
+for from_lens, paged in ((True, False), (False, False), (True, True)):
     sig = dict(q_ptr="*bf16", kmin_ptr="*bf16", kmax_ptr="*bf16", out_ptr="*fp32", lo_ptr="*i32", hi_ptr="*i32",
                plan_ptr="*i32", stride_qb="i32", stride_qh="i32", stride_qd="constexpr", stride_mb="i32",
                stride_mh="i32", stride_mp="i32", stride_md="constexpr", P="i32", B="i32", CHUNK="i32",
-               page_size="i32", scale="fp32")
+               page_size="i32", scale="fp32", BT="*i32" if paged else "constexpr",
+               stride_tb="i32" if paged else "constexpr")
     cons = dict(stride_qd=1, stride_md=1, HKV=HKV, G=G, G_PAD=16, D=D, BLOCK_D=D, BLOCK_P=64, REDUCE=0,
-                HAS_LO=True, FROM_LENS=from_lens, UPCAST=False, IEEE=False, INTERPRET=False, PDL=from_lens)
+                HAS_LO=True, FROM_LENS=from_lens, UPCAST=False, IEEE=False, INTERPRET=False, PDL=from_lens,
+                PAGED=paged, BLOCK_SIZE=16 if paged else 1)
+    if not paged:
+        cons.update(BT=None, stride_tb=0)
     for n in cons:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(Q._quest_scores_kernel.arg_names)
-             if sig[n].startswith("*") or n in ("stride_qb", "stride_mb", "stride_mh", "stride_mp", "P", "CHUNK")}
+             if sig[n].startswith("*") or n in ("stride_qb", "stride_mb", "stride_mh", "stride_mp", "P", "CHUNK",
+                                                "stride_tb")}
     k = triton.compile(ASTSource(Q._quest_scores_kernel, sig, cons, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=3))
     ttgir = k.asm["ttgir"]
-    out[str(from_lens)] = dict(pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared)
+    out[str(from_lens) + ("_paged" if paged else "")] = dict(
+        pipelined="async_copy_global_to_local" in ttgir, shared=k.metadata.shared)
 for has_start in (True, False):
     sig = dict(scores_ptr="*fp32", out_ptr="*i32", pages_ptr="*i32", start_ptr="*i32", kv_ptr="*i32", P="i32",
                page_size="i32",
@@ -505,10 +511,11 @@ def test_build_update_expand_kernels_build_for_hopper():
 
 def test_scores_kernel_builds_for_hopper():
     """The page-score kernel compiles for sm_90 and its metadata loads are
-    software-pipelined across the tiles a program loops over (cp.async); the
-    row-select kernel compiles with the GPU tile sizes."""
+    software-pipelined across the tiles a program loops over (cp.async), also
+    reading pool bounds through a block table; the row-select kernel compiles with
+    the GPU tile sizes."""
     res = run_aot_script(_AOT_SCRIPT)
-    assert {"True", "False", "rowselect_True", "rowselect_False"} <= set(res)
+    assert {"True", "False", "True_paged", "rowselect_True", "rowselect_False"} <= set(res)
     for name, r in res.items():
         assert r["pipelined"], (name, r)
         assert r["shared"] < 227 * 1024 // 2, (name, r)

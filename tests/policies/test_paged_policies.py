@@ -118,9 +118,10 @@ def _attend(pol, sel, q, k, v, kv_lens, kv_start, block_table=None):
                                            block_table=block_table), sel
 
 
-def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False, rope=None, seed=0):
-    """Prefill (``prefill``, ``prefill_rows`` of every row, or none) then decode on both
-    caches; returns the number of sparse selections compared."""
+def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False, rope=None, seed=0, keep=None):
+    """Prefill (``prefill``, ``prefill_rows`` of every row, the same with ``state.join_pool``
+    set: ``"pool"``, or none) then decode on both caches; returns the number of sparse
+    selections compared (``keep``: a list the paged side's final state is appended to)."""
     B, Hq, Hkv, T, steps, kv_start = shape
     D = 16
     k_all, v_all, q_all, kc, vc, kp, vp, table, L = _setup(B, Hq, Hkv, T, steps, kv_start, bs, D=D, seed=seed)
@@ -141,9 +142,11 @@ def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False,
         if prefill == "prefill":
             pol_c.prefill(st_c, layer, q, kc, vc, kv_lens)
             pol_p.prefill(st_p, layer, q, kc[:, :, :T], vc[:, :, :T], kv_lens)
-        elif prefill == "rows":  # a serving join of every row, on the paged side
+        elif prefill in ("rows", "pool"):  # a serving join of every row, on the paged side
             pol_c.prefill(st_c, layer, q, kc, vc, kv_lens)
+            st_p.join_pool = (kp, table) if prefill == "pool" else None  # state kept in the pool's layout
             pol_p.prefill_rows(st_p, layer, list(range(B)), q, kc[:, :, :T], vc[:, :, :T], kv_lens)
+            st_p.join_pool = None
     st_p.block_table = table
     sparse = 0
     for step in range(steps):
@@ -171,6 +174,8 @@ def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False,
             torch.testing.assert_close(out_p, out_c, rtol=1e-5, atol=1e-5, msg=what)
             pol_c.observe(st_c, layer, q, kc, kv_lens)
             pol_p.observe(st_p, layer, q, kp, kv_lens)
+    if keep is not None:
+        keep.append(st_p)
     return sparse
 
 
@@ -200,6 +205,25 @@ def test_paged_policy_prefill_rows(case):
     cache's capacity (``cache_len``) as ``prefill`` of the whole cache does."""
     name, cfg = POLICY_CASES[case]
     run_both(name, cfg, SHAPES["B3-GQA-padded"], 16, prefill="rows", seed=4)
+
+
+@pytest.mark.parametrize("kernels_impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["quest", "asyncspade-int4"])
+def test_paged_policy_join_into_the_pool(case, kernels_impl, monkeypatch):
+    """A serving join on a paged cache (``state.join_pool``): Quest's page bounds and
+    asyncspade's int4 copy are written into the pool's blocks (sized by the pool, not by
+    the capacity) and every decode step selects what the contiguous cache does."""
+    if kernels_impl == "triton" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("drives the kernels on CPU tensors (interpreter)")
+    monkeypatch.setenv("SPADE_KERNELS", kernels_impl)
+    name, cfg = POLICY_CASES[case]
+    kept = []
+    assert run_both(name, cfg, SHAPES["B3-GQA-padded"], 4, prefill="pool", seed=8, keep=kept) > 0
+    n_blocks = 3 * -(-(29 + 7 + 5) // 4) + 3  # scatter_to_pool's pool: the rows' blocks, 2 spare, 1 poisoned
+    layers = kept[0].layers
+    assert layers and all(st.paged for st in layers)
+    held = [st.kmin if name == "quest" else st.kq for st in layers]
+    assert all(t.shape[0] == n_blocks and t.shape[2] == (1 if name == "quest" else 4) for t in held)
 
 
 @pytest.mark.parametrize("case", ["quest", "tova", "asyncspade-int4", "asyncspade-int4-channels"])

@@ -35,21 +35,30 @@ def serve(cfg, jobs):
 def test_paged_tokens_equal_contiguous(policy, topology, monkeypatch):
     """asyncspade's int8 / int4 scoring copy is a pool in the cache's layout: read through
     the cache's own table where the selecting side reads the cache's pool (inline,
-    colocated), through a table of the cache rank's own with as many blocks (`local`)."""
+    colocated), through a table of the cache rank's own with as many blocks (`local`).
+    Quest's page bounds are written into the pool's blocks at every join."""
+    from spade import kernels
     from spade.policies.asyncspade import AsyncSpadePolicy
 
-    pool_calls = []
+    pool_calls, bound_writes = [], []
     real = AsyncSpadePolicy._paged_keys
     monkeypatch.setattr(AsyncSpadePolicy, "_paged_keys", lambda self, st, *a: pool_calls.append(
         tuple(st.kq.shape)) or real(self, st, *a))
+    write = kernels.quest_write_pool
+    monkeypatch.setattr(kernels, "quest_write_pool", lambda kmin, *a, **k: bound_writes.append(
+        tuple(kmin.shape)) or write(kmin, *a, **k))
     jobs = jobs_for(3)
     base, _ = serve(make_config(policy, topology), jobs)
-    assert not pool_calls  # a contiguous cache: a contiguous copy
+    assert not pool_calls and not bound_writes  # a contiguous cache: a contiguous copy, per-row bounds
     paged, stats = serve(make_config(policy, topology, extra=PAGED), jobs)
     if policy.startswith("asyncspade_"):
         assert pool_calls and all(shape[2] == 4 for shape in pool_calls)  # [num_blocks, Hkv, block_size 4, Dq]
     else:
         assert not pool_calls
+    if policy == "quest":  # every join's bounds into [num_blocks, Hkv, ceil(4 / page_size), D]
+        assert len(bound_writes) >= len(jobs) and all(shape[2] == 1 for shape in bound_writes)
+    else:
+        assert not bound_writes
     assert stats["joins_into_running"] >= 2 and stats["requests_finished"] == len(jobs)
     if policy != "full":
         assert stats["sparse_steps"] > 0
