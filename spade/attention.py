@@ -31,7 +31,7 @@ class Selector(Protocol):
               kv_lens: torch.Tensor) -> None: ...
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_lens: torch.Tensor) -> None: ...
+                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None: ...
 
 
 class InlineSelector:
@@ -51,8 +51,12 @@ class InlineSelector:
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         self.policy.observe(self.state, layer, q, k_cache, kv_lens)
 
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
-        self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
+        self.state.join_pool = pool
+        try:
+            self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
+        finally:
+            self.state.join_pool = None
 
 
 class ThresholdSelector(InlineSelector):
@@ -86,7 +90,7 @@ class FixedSelector:
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         pass
 
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
         pass
 
 
@@ -128,9 +132,15 @@ class AttentionContext:
         self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_lens: torch.Tensor) -> None:
-        """``q``: [B, Hq, T, D] prompt queries (post-RoPE); cache holds the prompt."""
-        self.selector.prefill(layer, q, k_cache, v_cache, kv_lens)
+                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``q``: [B, Hq, T, D] prompt queries (post-RoPE); cache holds the prompt. ``pool``: a
+        paged cache's (key pool, block table) the prompt was written into: the selector hands
+        it to the policy's ``prefill`` as ``state.join_pool`` (state the policy keeps in the
+        pool's layout is written there; a cache rank's at its boot)."""
+        if pool is None:
+            self.selector.prefill(layer, q, k_cache, v_cache, kv_lens)
+        else:
+            self.selector.prefill(layer, q, k_cache, v_cache, kv_lens, pool=pool)
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class _PrefillRecorder:
     def begin_step(self, seq_len: int) -> None:
         self.seq_len = seq_len
 
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens) -> None:
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None) -> None:
         self.calls.append((layer, q, k_cache, v_cache, kv_lens))
 
 

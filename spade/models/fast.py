@@ -829,10 +829,10 @@ class FastModel(DecodeBackend):
             return self.k_cache[li][:B, :, :T], self.v_cache[li][:B, :, :T]
 
         def report(li: int, q_all: torch.Tensor) -> None:
-            if self.paged:  # into the pool, then the policy sees the prompt's keys (contiguous)
+            if self.paged:  # into the pool, then the policy sees the prompt's keys (contiguous) and the pool
                 kc, vc = tmp.pop(li)
                 self._paged_store(li, slice(0, B), kc, vc, 0)
-                ctx.prefill(li, q_all, kc, vc, kv_lens)
+                ctx.prefill(li, q_all, kc, vc, kv_lens, pool=(self.k_cache[li], self.table.tensor[:B]))
                 return
             ctx.prefill(li, q_all, self.k_cache[li][:B], self.v_cache[li][:B], kv_lens)
 

@@ -51,6 +51,8 @@ works as on a contiguous cache when the attention passes the table to
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -719,8 +721,23 @@ class AsyncSpadePolicy(Policy):
             st.keys_elsewhere = st.paged = False
             if self.channels is not None:
                 self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device), prefill=True)
-            # sized for the cache's capacity (state.cache_len), not the view: k_cache may be the prompt alone
-            self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)
+            pool = state.join_pool if self.channels is None else None
+            if pool is None:
+                # sized for the cache's capacity (state.cache_len), not the view: k_cache may be the prompt alone
+                self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)
+                return
+            # a paged cache (a static batch's prompt in its pool): the prompt's copy, then into the pool
+            cap, state.cache_len = state.cache_len, None
+            try:
+                self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)
+            finally:
+                state.cache_len = cap
+            if st.ks is not None:  # int8 / int4: a pool in the cache's layout (exact keys: no copy of the pool's)
+                new = copy.copy(st)
+                new.k_smooth = None  # (int4's smoothing stays the layer's own, as the prompt fitted it)
+                st.kq = st.ks = None
+                B = k_cache.shape[0]
+                self._copy_rows(st, new, torch.arange(B, device=new.kq.device), B, pool, state.seq_len)
 
     def takes_new_keys(self, state: PolicyState) -> bool:
         # compressed scoring keys: observe quantises the step's key, select scores the copy;

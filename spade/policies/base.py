@@ -230,11 +230,13 @@ class PolicyState:
     """The cache's logical capacity in tokens (per row), when it is not ``k_cache``'s
     dimension 2 (a paged cache; a prefill handed only the prompt); None: that dimension."""
     join_pool: tuple[torch.Tensor, torch.Tensor] | None = None
-    """While ``prefill_rows`` runs on a paged cache: (the layer's key pool [num_blocks,
-    Hkv, block_size, D], the block table [B, max_blocks] with the joining rows' blocks
-    mapped), for state a policy keeps in the pool's layout (asyncspade's int8 / int4
-    scoring copy, ``AsyncSpadeLayerState.paged``). The keys ``prefill_rows`` gets still
-    come contiguous and ``block_table`` is None then; None elsewhere."""
+    """While ``prefill_rows`` (a serving join) or ``prefill`` (a static batch's prompt,
+    inline or at a colocated cache rank's boot) runs on a paged cache: (the layer's key
+    pool [num_blocks, Hkv, block_size, D], the block table [B, max_blocks] with the rows'
+    blocks mapped), for state a policy keeps in the pool's layout (asyncspade's int8 /
+    int4 scoring copy, ``AsyncSpadeLayerState.paged``; Quest's page bounds,
+    ``QuestLayerState.paged``). The keys the prefill gets still come contiguous and
+    ``block_table`` is None then; None elsewhere."""
     idle: torch.Tensor | None = None
     """Serving: [B] bool on the device, True for a row no request decodes in (whose
     selections nobody reads): per-row work may skip it (the predictor's solve). Updated

@@ -19,8 +19,8 @@ Paged KV cache (``state.block_table``): the newest key is read through the table
 (``prefill_rows`` with ``state.join_pool``) keep their bounds in the pool's blocks
 (``QuestLayerState.paged``, *pool bounds* in ``spade.kernels.quest``): page ``p`` in the
 block of its first position, so the bounds take memory only where the rows' KV
-does, and the batch's logical capacity sizes none of them. A static batch's
-prefill keeps the per-row logical array.
+does, and the batch's logical capacity sizes none of them. A static batch's prefill on
+a paged cache (``prefill`` with ``state.join_pool``) writes pool bounds too.
 """
 
 from __future__ import annotations
@@ -125,6 +125,11 @@ class QuestPolicy(Policy):
 
     def prefill(self, state: PolicyState, layer: int, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
+        """The prompt's page bounds: pool bounds with ``state.join_pool`` (a paged cache),
+        else per-row bounds sized for the cache's capacity."""
+        if state.join_pool is not None:
+            self._into_pool(state, layer, list(range(k_cache.shape[0])), k_cache, kv_lens)
+            return
         self._build(state, layer, k_cache, kv_lens)
 
     def prefill_rows(self, state: PolicyState, layer: int, rows: list[int], q: torch.Tensor,
@@ -133,24 +138,11 @@ class QuestPolicy(Policy):
         row's own ``kv_start``, as alone from 0), copied into the batch's bounds: with
         ``state.join_pool`` (a paged cache) into pool bounds through the rows' tables,
         else into the rows of the per-row array."""
-        sub = self.row_state(state, rows, k_cache.device)
         st = state.layers[layer]
-        pool = state.join_pool
-        if pool is not None and (st is None or st.paged):
-            sub.cache_len = None  # the rows' own pages only: nothing at the logical capacity
-            new = self._build(sub, layer, k_cache, kv_lens)
-            k_pool, table = pool
-            bs = k_pool.shape[2]
-            shape = (k_pool.shape[0], new.kmin.shape[1], -(-bs // self.cfg.page_size), new.kmin.shape[3])
-            if st is None or tuple(st.kmin.shape) != shape or st.kmin.dtype != new.kmin.dtype \
-                    or st.kmin.device != new.kmin.device:
-                st = QuestLayerState(kmin=new.kmin.new_full(shape, float("inf")),
-                                     kmax=new.kmax.new_full(shape, float("-inf")), paged=True)
-                state.layers[layer] = st
-            idx = device_index(rows, table.device)
-            kernels.quest_write_pool(st.kmin, st.kmax, new.kmin, new.kmax, table.index_select(0, idx), kv_lens,
-                                     self.cfg.page_size, bs, kv_start=sub.kv_start)
+        if state.join_pool is not None and (st is None or st.paged):
+            self._into_pool(state, layer, rows, k_cache, kv_lens)
             return
+        sub = self.row_state(state, rows, k_cache.device)
         new = self._build(sub, layer, k_cache, kv_lens)
         B = state.batch_size
         if st is None or st.kmin.shape[0] != B or st.kmin.shape[2:] != new.kmin.shape[2:] \
@@ -162,6 +154,28 @@ class QuestPolicy(Policy):
         idx = device_index(rows, st.kmin.device)
         st.kmin.index_copy_(0, idx, new.kmin)
         st.kmax.index_copy_(0, idx, new.kmax)
+
+    def _into_pool(self, state: PolicyState, layer: int, rows: list[int], k_cache: torch.Tensor,
+                   kv_lens: torch.Tensor) -> None:
+        """The rows' page bounds built from their contiguous keys, written into pool bounds
+        [num_blocks, Hkv, ceil(block_size / page_size), D] through their rows of
+        ``state.join_pool``'s table (made on first use; a row's pages in blocks it does not hold are
+        never read, so nothing is cleared)."""
+        k_pool, table = state.join_pool
+        sub = self.row_state(state, rows, k_cache.device)
+        sub.cache_len = None  # the rows' own pages only: nothing at the logical capacity
+        new = self._build(sub, layer, k_cache, kv_lens)
+        bs = k_pool.shape[2]
+        shape = (k_pool.shape[0], new.kmin.shape[1], -(-bs // self.cfg.page_size), new.kmin.shape[3])
+        st = state.layers[layer]
+        if st is None or not st.paged or tuple(st.kmin.shape) != shape \
+                or st.kmin.dtype != new.kmin.dtype or st.kmin.device != new.kmin.device:
+            st = QuestLayerState(kmin=new.kmin.new_full(shape, float("inf")),
+                                 kmax=new.kmax.new_full(shape, float("-inf")), paged=True)
+            state.layers[layer] = st
+        idx = device_index(rows, table.device)
+        kernels.quest_write_pool(st.kmin, st.kmax, new.kmin, new.kmax, table.index_select(0, idx), kv_lens,
+                                 self.cfg.page_size, bs, kv_start=sub.kv_start)
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:

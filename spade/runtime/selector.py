@@ -108,7 +108,7 @@ class AsyncSelector:
             self.shared.refs[layer] = (k_cache, v_cache)
             self.shared.tables[layer] = bt
 
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
         if not self.q_buf:
             self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
             self.kv_lens0 = kv_lens.clone()
@@ -116,9 +116,10 @@ class AsyncSelector:
             q = q[:, :, q.shape[2] - self.q_rows:].contiguous()
         self.boot[layer] = (q, k_cache, v_cache)
         self.kv_refs[layer] = (k_cache, v_cache)
-        if self.shared is not None:  # (a paged cache reports the prompt's keys contiguous)
+        if self.shared is not None:  # (a paged cache reports the prompt's keys contiguous, and its pool)
             self.shared.refs[layer] = (k_cache, v_cache)
             self.shared.tables[layer] = None
+            self.shared.boot_pools[layer] = pool
 
     # ------------------------------------------------------------------ runtime side
     def graph_key(self) -> tuple:

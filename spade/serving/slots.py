@@ -66,7 +66,7 @@ class SlotSelector:
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         self.policy.observe(self.state, layer, q, k_cache, kv_lens)
 
-    def prefill(self, layer, q, k_cache, v_cache, kv_lens):
+    def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
         raise RuntimeError("a slot batch prefills rows through SlotBatch.join, not a batch prefill")
 
 

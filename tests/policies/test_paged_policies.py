@@ -119,8 +119,8 @@ def _attend(pol, sel, q, k, v, kv_lens, kv_start, block_table=None):
 
 
 def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False, rope=None, seed=0, keep=None):
-    """Prefill (``prefill``, ``prefill_rows`` of every row, the same with ``state.join_pool``
-    set: ``"pool"``, or none) then decode on both caches; returns the number of sparse
+    """Prefill (``prefill``, ``prefill_rows`` of every row, each with ``state.join_pool`` set:
+    ``"prefill_pool"``, ``"pool"``, or none) then decode on both caches; returns the number of sparse
     selections compared (``keep``: a list the paged side's final state is appended to)."""
     B, Hq, Hkv, T, steps, kv_start = shape
     D = 16
@@ -139,9 +139,11 @@ def run_both(name, cfg, shape, bs, *, prefill="prefill", table_at_prefill=False,
     kv_lens = torch.full((B,), T, dtype=torch.int32)
     for layer in range(n_layers):
         q = q_all[:, :, :T]
-        if prefill == "prefill":
+        if prefill in ("prefill", "prefill_pool"):  # prefill_pool: a static batch's prompt in a paged cache
             pol_c.prefill(st_c, layer, q, kc, vc, kv_lens)
+            st_p.join_pool = (kp, table) if prefill == "prefill_pool" else None
             pol_p.prefill(st_p, layer, q, kc[:, :, :T], vc[:, :, :T], kv_lens)
+            st_p.join_pool = None
         elif prefill in ("rows", "pool"):  # a serving join of every row, on the paged side
             pol_c.prefill(st_c, layer, q, kc, vc, kv_lens)
             st_p.join_pool = (kp, table) if prefill == "pool" else None  # state kept in the pool's layout
@@ -207,18 +209,23 @@ def test_paged_policy_prefill_rows(case):
     run_both(name, cfg, SHAPES["B3-GQA-padded"], 16, prefill="rows", seed=4)
 
 
+@pytest.mark.parametrize("how", ["pool", "prefill_pool"])
 @pytest.mark.parametrize("kernels_impl", ["torch", "triton"])
-@pytest.mark.parametrize("case", ["quest", "asyncspade-int4"])
-def test_paged_policy_join_into_the_pool(case, kernels_impl, monkeypatch):
-    """A serving join on a paged cache (``state.join_pool``): Quest's page bounds and
-    asyncspade's int4 copy are written into the pool's blocks (sized by the pool, not by
-    the capacity) and every decode step selects what the contiguous cache does."""
+@pytest.mark.parametrize("case", ["quest", "asyncspade-int4", "asyncspade-int8"])
+def test_paged_policy_join_into_the_pool(case, kernels_impl, how, monkeypatch):
+    """A serving join (``prefill_rows``) or a static batch's prefill on a paged cache, with
+    ``state.join_pool``: Quest's page bounds and asyncspade's int8 / int4 copy are written
+    into the pool's blocks (sized by the pool, not by the capacity) and every decode step
+    selects what the contiguous cache does."""
+    if kernels_impl == "triton" and case != "quest" and (case, how) != ("asyncspade-int4", "prefill_pool"):
+        pytest.skip("(the interpreter's ~25 s per asyncspade case: the pool-copy kernels are tested in "
+                    "tests/kernels; one case here)")
     if kernels_impl == "triton" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("drives the kernels on CPU tensors (interpreter)")
     monkeypatch.setenv("SPADE_KERNELS", kernels_impl)
     name, cfg = POLICY_CASES[case]
     kept = []
-    assert run_both(name, cfg, SHAPES["B3-GQA-padded"], 4, prefill="pool", seed=8, keep=kept) > 0
+    assert run_both(name, cfg, SHAPES["B3-GQA-padded"], 4, prefill=how, seed=8, keep=kept) > 0
     n_blocks = 3 * -(-(29 + 7 + 5) // 4) + 3  # scatter_to_pool's pool: the rows' blocks, 2 spare, 1 poisoned
     layers = kept[0].layers
     assert layers and all(st.paged for st in layers)

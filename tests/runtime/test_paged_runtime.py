@@ -99,6 +99,40 @@ def test_kv_return_mode_on_a_paged_cache(model, pmodel, prompt, topology):
     assert got == want and tr.stats["sparse_steps"] > 0
 
 
+@pytest.mark.parametrize("topology,over", [
+    ("inline", ["policy.score_keys=int4"]), ("colocated", ["policy.score_keys=int4"]),
+    ("colocated", ["policy.score_keys=int8"]), ("inline", ["policy.name=quest", "policy.page_size=4"])])
+def test_static_batch_state_in_the_pool(model, pmodel, prompt, topology, over, monkeypatch):
+    """A static batch on a paged cache: the prefill hands the policy the pool the prompt went
+    into (inline, and the `colocated` cache rank's boot), so asyncspade's int8 / int4 copy and
+    Quest's page bounds are pools of the cache's blocks, not rows at the logical capacity;
+    the tokens are the contiguous cache's."""
+    from spade import kernels
+    from spade.policies.asyncspade import AsyncSpadePolicy
+
+    seen = []
+    copy_rows = AsyncSpadePolicy._copy_rows
+
+    def spy_copy(st, new, idx, B, join_pool=None, S=0):
+        copy_rows(st, new, idx, B, join_pool, S)
+        seen.append((join_pool is not None, tuple(st.kq.shape)))
+
+    monkeypatch.setattr(AsyncSpadePolicy, "_copy_rows", staticmethod(spy_copy))
+    write = kernels.quest_write_pool
+    monkeypatch.setattr(kernels, "quest_write_pool", lambda kmin, *a, **k: seen.append(
+        (True, tuple(kmin.shape))) or write(kmin, *a, **k))
+    extra = [f"runtime.topology={topology}"] + (["runtime.pack_layers=2"] if topology != "inline" else [])
+    want, _ = tokens(model, prompt, *over, *extra)
+    assert not seen  # a contiguous cache: per-row state
+    got, tr = tokens(pmodel, prompt, *over, *extra)
+    assert got == want
+    n_blocks = pmodel.k_cache[0].shape[0]
+    assert seen and all(pooled and shape[0] == n_blocks for pooled, shape in seen)
+    assert len(seen) == pmodel.spec.n_layers  # one prefill: every layer's state into the pool once
+    if tr is not None:
+        assert tr.stats["sparse_steps"] > 0
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.fixture
 def _triton(monkeypatch):

@@ -249,8 +249,8 @@ def test_abort_mid_decode_frees_the_slot():
 def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra, monkeypatch):
     """The cache rank dies at step 6 of the first epoch: the running rows decode densely,
     a new cache rank boots from the current batch (every row; on a paged cache from the
-    shared pools, read through the table into the contiguous keys a prefill takes; a cache
-    rank of its own on a paged cache: an epoch of idle rows that the busy rows join again,
+    shared pools, read through the table into the contiguous keys a prefill takes, its int4
+    copies pools of the cache's blocks; a cache rank of its own on a paged cache: an epoch of idle rows that the busy rows join again,
     their windows as prompts, so its copies are pools too), and every request completes.
     Tokens after the loss may differ from the alone runs (the new cache rank's query
     windows, or TOVA's held sets, restart), so only completion is asserted."""
@@ -266,6 +266,10 @@ def test_a_lost_cache_rank_is_restarted_mid_serving(policy, topology, extra, mon
     if topology == "local" and extra:  # the lost one and its successor: pool copies, rows by JOIN
         assert len(gens) >= 2 and all(g.copy_blocks is not None and g.s.serving for g in gens)
         assert gens[1].gen >= 1 and stats["sparse_steps"] > 0
+    if topology == "colocated" and extra:  # the successor booted from the shared pools: its copies are pools too
+        assert len(gens) >= 2
+        copies = [st for st in gens[-1].state.layers if st is not None and st.kq is not None]
+        assert copies and all(st.paged and st.kq.shape[2] == 4 for st in copies)  # [kv_blocks, Hkv, 4, D/2]
 
 
 @pytest.mark.timeout(90)
