@@ -511,9 +511,9 @@ def test_build_update_expand_kernels_build_for_hopper():
 
 def test_scores_kernel_builds_for_hopper():
     """The page-score kernel compiles for sm_90 and its metadata loads are
-    software-pipelined across the tiles a program loops over (cp.async), also
-    reading pool bounds through a block table; the row-select kernel compiles with
-    the GPU tile sizes."""
+    software-pipelined across the tiles a program loops over (cp.async), also when
+    it reads pool bounds through a block table (the table entries one more stage of
+    the pipeline); the row-select kernel compiles with the GPU tile sizes."""
     res = run_aot_script(_AOT_SCRIPT)
     assert {"True", "False", "True_paged", "rowselect_True", "rowselect_False"} <= set(res)
     for name, r in res.items():
