@@ -31,7 +31,8 @@ class Selector(Protocol):
               kv_lens: torch.Tensor) -> None: ...
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None: ...
+                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> None: ...
 
 
 class InlineSelector:
@@ -52,7 +53,7 @@ class InlineSelector:
         self.policy.observe(self.state, layer, q, k_cache, kv_lens)
 
     def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
-        self.state.join_pool = pool
+        self.state.join_pool = None if pool is None else (pool[0], pool[2])
         try:
             self.policy.prefill(self.state, layer, q, k_cache, v_cache, kv_lens)
         finally:
@@ -132,11 +133,13 @@ class AttentionContext:
         self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """``q``: [B, Hq, T, D] prompt queries (post-RoPE); cache holds the prompt. ``pool``: a
-        paged cache's (key pool, block table) the prompt was written into: the selector hands
-        it to the policy's ``prefill`` as ``state.join_pool`` (state the policy keeps in the
-        pool's layout is written there; a cache rank's at its boot)."""
+        paged cache's (key pool, value pool, block table) the prompt was written into: an
+        inline selector hands (key pool, table) to the policy's ``prefill`` as
+        ``state.join_pool`` (state the policy keeps in the pool's layout is written there); a
+        cache rank's selector keeps the pools, not the prompt's contiguous copies, for the
+        boot (``spade.runtime.selector``)."""
         if pool is None:
             self.selector.prefill(layer, q, k_cache, v_cache, kv_lens)
         else:

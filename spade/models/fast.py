@@ -832,7 +832,7 @@ class FastModel(DecodeBackend):
             if self.paged:  # into the pool, then the policy sees the prompt's keys (contiguous) and the pool
                 kc, vc = tmp.pop(li)
                 self._paged_store(li, slice(0, B), kc, vc, 0)
-                ctx.prefill(li, q_all, kc, vc, kv_lens, pool=(self.k_cache[li], self.table.tensor[:B]))
+                ctx.prefill(li, q_all, kc, vc, kv_lens, pool=(self.k_cache[li], self.v_cache[li], self.table.tensor[:B]))
                 return
             ctx.prefill(li, q_all, self.k_cache[li][:B], self.v_cache[li][:B], kv_lens)
 

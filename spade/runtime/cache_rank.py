@@ -73,10 +73,6 @@ class SharedKV:
         #: the layer's pools), or None (contiguous refs: the prompt's keys at boot, or a
         #: contiguous cache)
         self.tables: dict[int, torch.Tensor | None] = {}
-        #: layer -> (the layer's key pool, the block table) a paged cache wrote a static batch's
-        #: prompt into, while the refs are that prompt's contiguous keys (the boot); state the
-        #: policy keeps in the pool's layout is written there (``PolicyState.join_pool``)
-        self.boot_pools: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
 # ----------------------------------------------------------------------------- delta encoding
@@ -489,8 +485,6 @@ class _Generation:
                     v = k.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])  # (policies that select ahead read none)
                     self.state.block_table = None
                     self.state.join_pool = (pool, bt)  # state kept in the pools' layout goes there
-                elif s.shared_kv:  # a static batch's prompt, contiguous, and the pool it went into (paged)
-                    self.state.join_pool = self.rank.shared.boot_pools.get(layer)
                 try:
                     self.policy.prefill(self.state, layer, q_tail, k, v, self.kv_lens)
                 finally:

@@ -67,6 +67,9 @@ class AsyncSelector:
         self.seq_len = 0
         self.kv_start: torch.Tensor | None = None
         self.boot: dict[int, tuple] = {}
+        #: a paged cache's table when ``boot`` holds the pools the prompt went into (its K/V are read
+        #: through it at the boot, one layer at a time), else None: ``boot`` holds the prompt's K/V
+        self.boot_table: torch.Tensor | None = None
         self.kv_refs: dict[int, tuple] = {}  # layer -> this rank's (k, v) cache: a restarted cache rank boots from it
         self.q_buf: list[torch.Tensor] = []  # per pack [n, B, Hq, D] (views of pack_buf when fused)
         self.k_buf: list[torch.Tensor] = []  # per pack [n, B, Hkv, D]
@@ -109,17 +112,23 @@ class AsyncSelector:
             self.shared.tables[layer] = bt
 
     def prefill(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
+        """A static batch's prompt, layer by layer, for the cache rank's boot: the queries,
+        and the K/V (``pool``: a paged cache's (key pool, value pool, table), kept instead of
+        the prompt's contiguous K/V, which would double the cache until the boot)."""
         if not self.q_buf:
             self.allocate(q.shape[0], q.shape[1], k_cache.shape[1], q.shape[3], q.dtype, k_cache.dtype, q.device)
             self.kv_lens0 = kv_lens.clone()
         if self.q_rows and q.shape[2] > self.q_rows:  # a copy: a view would keep the whole [B, Hq, T, D] alive
             q = q[:, :, q.shape[2] - self.q_rows:].contiguous()
+        table = None
+        if pool is not None:  # a paged cache: keep its pools, not the prompt's contiguous copies (a second KV)
+            k_cache, v_cache, table = pool
+        self.boot_table = table
         self.boot[layer] = (q, k_cache, v_cache)
         self.kv_refs[layer] = (k_cache, v_cache)
-        if self.shared is not None:  # (a paged cache reports the prompt's keys contiguous, and its pool)
+        if self.shared is not None:  # a colocated cache rank reads them (through the table, if any)
             self.shared.refs[layer] = (k_cache, v_cache)
-            self.shared.tables[layer] = None
-            self.shared.boot_pools[layer] = pool
+            self.shared.tables[layer] = table
 
     # ------------------------------------------------------------------ runtime side
     def graph_key(self) -> tuple:

@@ -170,7 +170,7 @@ class InferenceSession:
         T = be.seq_len
         q0, k0, _ = s.boot[0]
         B, Hq, _, D = q0.shape
-        # a growing cache (HF) has exactly T; a paged one reports the prompt's keys (T) but holds max_seq_len
+        # a growing cache (HF) has exactly T; a paged one reports its pools (read through s.boot_table)
         static_len = int(be.max_seq_len) if self.paged else (k0.shape[2] if k0.shape[2] > T else 0)
         # colocated + static cache: the cache rank reads our cache, only queries travel;
         # otherwise (growing caches included) it keeps its own store
@@ -188,12 +188,19 @@ class InferenceSession:
         self._serving_pool = None  # (a static batch: a restarted cache rank boots from its cache)
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q0.dtype))
 
+        boot_table = s.boot_table
+
         def layer_msg(layer: int) -> list[torch.Tensor]:
             q, k, v = s.boot[layer]
+            if boot_table is not None and not shared_kv:  # the pools' rows as [B, Hkv, T, D], one layer at a time
+                from spade.kernels.paged import paged_to_contiguous
+
+                k, v = paged_to_contiguous(k, boot_table)[:, :, :T], paged_to_contiguous(v, boot_table)[:, :, :T]
             return [q[:, :, q.shape[2] - W:].contiguous(), k, v]
 
         await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict())
         s.boot.clear()
+        s.boot_table = None
         # selection buffers up front (CUDA graphs capture their addresses)
         layout = self.policy.selection_layout()
         if layout is not None:

@@ -133,6 +133,29 @@ def test_static_batch_state_in_the_pool(model, pmodel, prompt, topology, over, m
         assert tr.stats["sparse_steps"] > 0
 
 
+@pytest.mark.parametrize("topology", ["colocated", "local"])
+def test_boot_keeps_the_pools_not_a_second_cache(model, pmodel, prompt, topology, monkeypatch):
+    """A static batch's prefill on a paged cache: what the cache rank's boot waits for is the
+    pools and the table (its K/V read through them one layer at a time), not each layer's
+    prompt K/V in contiguous copies, which would hold a second cache until the boot."""
+    from spade.runtime.selector import AsyncSelector
+
+    kept = []
+    real = AsyncSelector.prefill
+
+    def spy(self, layer, q, k_cache, v_cache, kv_lens, pool=None):
+        real(self, layer, q, k_cache, v_cache, kv_lens, pool=pool)
+        kept.append((self.boot[layer][1], self.boot[layer][2], self.boot_table))
+
+    monkeypatch.setattr(AsyncSelector, "prefill", spy)
+    over = [f"runtime.topology={topology}", "runtime.pack_layers=2", "policy.score_keys=int4"]
+    want, _ = tokens(model, prompt, *over)
+    got, tr = tokens(pmodel, prompt, *over)
+    assert got == want and tr.stats["sparse_steps"] > 0
+    paged = kept[-pmodel.spec.n_layers:]
+    assert all(k is pmodel.k_cache[i] and v is pmodel.v_cache[i] and t is not None for i, (k, v, t) in enumerate(paged))
+
+
 # ----------------------------------------------------------------------------- GPU
 @pytest.fixture
 def _triton(monkeypatch):
