@@ -133,7 +133,8 @@ class AttentionContext:
         self.selector.begin_step(seq_len, self.kv_start)
 
     def prefill(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> None:
         """``q``: [B, Hq, T, D] prompt queries (post-RoPE); cache holds the prompt. ``pool``: a
         paged cache's (key pool, value pool, block table) the prompt was written into: an
         inline selector hands (key pool, table) to the policy's ``prefill`` as

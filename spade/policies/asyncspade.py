@@ -52,7 +52,6 @@ works as on a contiguous cache when the attention passes the table to
 from __future__ import annotations
 
 import copy
-
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -732,7 +731,7 @@ class AsyncSpadePolicy(Policy):
                 self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)
             finally:
                 state.cache_len = cap
-            if st.ks is not None:  # int8 / int4: a pool in the cache's layout (exact keys: no copy of the pool's)
+            if st.ks is not None:  # (int8 / int4 copies carry scales: a pool in the cache's layout)
                 new = copy.copy(st)
                 new.k_smooth = None  # (int4's smoothing stays the layer's own, as the prompt fitted it)
                 st.kq = st.ks = None
