@@ -362,11 +362,12 @@ class _Generation:
                 # the policy sees a fixed-shape view of no memory (NaN if it were read).
                 self.lean = s.static_len > 0 and self.vstore is None and policy.takes_new_keys(state)
                 view_shape = (B, Hkv, s.static_len, D)
-                if self.lean and s.serving and s.kv_blocks > 0:
-                    # Serving on a paged cache: the policy's copies are pools of the inference rank's
-                    # block count under a table of this rank's own (``RowBlocks``: a joining row gets
-                    # blocks for its prompt, every row one more as the cursor enters a block, a leaving
-                    # row frees them), so they take the KV pool's memory, not max_batch x max_seq_len.
+                if self.lean and s.kv_blocks > 0:
+                    # A paged cache: the policy's copies are pools of the inference rank's block count
+                    # under a table of this rank's own (``RowBlocks``: a static batch's rows get blocks for
+                    # their prompts at the boot, a joining row for its prompt, every row one more as the
+                    # cursor enters a block, a leaving row frees them), so they take the KV pool's
+                    # memory, not max_batch x max_seq_len.
                     from spade.kvcache import RowBlocks, blocks_for
 
                     self.copy_blocks = RowBlocks(s.kv_blocks, s.block_size, B, blocks_for(s.static_len, s.block_size),
@@ -464,6 +465,13 @@ class _Generation:
     async def _boot(self) -> None:
         """The prompt's K/V (unless shared) and last queries, layer by layer, into ``policy.prefill``."""
         t, s, T, rank = self.t, self.s, self.T, self.rank
+        blocks = self.copy_blocks
+        if blocks is not None:  # a static batch on a paged cache: every row's prompt positions [0, T)
+            with rank._on():
+                blocks.free_all()
+                for row in range(self.B):
+                    blocks.map(row, 0, T)
+                blocks.sync()
         for layer in range(self.n_layers):
             msg = await t.recv("boot")
             if self.hooks.die_at_boot_layer == layer:
@@ -472,6 +480,8 @@ class _Generation:
                 q_tail = msg[0]
                 if self.lean:  # no store: the prompt's keys as they came
                     k, v = msg[1].to(self.dev), self.no_v
+                    if blocks is not None:  # the copies into pools through this rank's table
+                        self.state.join_pool, self.state.block_table = (self.kview, blocks.table.tensor), None
                 else:
                     if not s.shared_kv:
                         self.kstore[layer][:, :, :T].copy_(msg[1])
@@ -489,6 +499,8 @@ class _Generation:
                     self.policy.prefill(self.state, layer, q_tail, k, v, self.kv_lens)
                 finally:
                     self.state.join_pool = None
+                    if blocks is not None:
+                        self.state.block_table = blocks.table.tensor
             del msg, q_tail
             await t.send("boot_ack", [torch.tensor([layer], dtype=torch.int64)])
 

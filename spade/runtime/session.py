@@ -97,6 +97,7 @@ class InferenceSession:
         # serving on a paged cache with a cache rank of its own: the pool size its copies take (a
         # restarted one re-joins the busy rows); and the rows a request decodes in, as last told
         self._serving_pool: tuple[int, int] | None = None
+        self._static_pool: tuple[int, int] = (0, 0)  # the same for a static batch's cache rank (its boot)
         self._busy: list[bool] = []
         self._no_restart: str | None = None  # why a lost cache rank is not restarted
         self.ctx: AttentionContext | None = None
@@ -198,7 +199,10 @@ class InferenceSession:
                 k, v = paged_to_contiguous(k, boot_table)[:, :, :T], paged_to_contiguous(v, boot_table)[:, :, :T]
             return [q[:, :, q.shape[2] - W:].contiguous(), k, v]
 
-        await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict())
+        # a paged cache and a cache rank of its own: the pool size its copies take (as in serving)
+        pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
+        self._static_pool = pool
+        await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict(), pool=pool)
         s.boot.clear()
         s.boot_table = None
         # selection buffers up front (CUDA graphs capture their addresses)
@@ -247,6 +251,7 @@ class InferenceSession:
         # a paged cache's pool size: a cache rank of its own keeps its scoring copies in as many blocks
         pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
         self._serving_pool = pool if pool[0] else None
+        self._static_pool = (0, 0)
         self._busy = [False] * B
         await self._send_boot(cursor, 0, s.kv_lens0, None, first_step=1, hooks=self.rt.hooks.to_dict(),
                               serving=True, pool=pool)
@@ -567,7 +572,7 @@ class InferenceSession:
             await self._send_boot(T, 0, kv_lens, None, first_step=step, hooks=hooks, serving=True,
                                   pool=self._serving_pool)
         else:
-            await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks)
+            await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks, pool=self._static_pool)
         if self.peer_gone is not None:  # lost again while booting (recorded by _on_peer_failure)
             return
         if T + 1 > self.rt.theta and not rejoin:  # its first selections are owed

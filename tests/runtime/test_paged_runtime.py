@@ -73,7 +73,8 @@ def test_full_attention_paged_equals_contiguous(model, pmodel, prompt):
 
 @pytest.mark.parametrize("topology,extra", [
     ("colocated", []), ("colocated", ["policy.score_keys=int4"]), ("colocated", ["runtime.return_mode=delta"]),
-    ("local", []), ("multiprocess", ["runtime.transport.name=nccl"])])
+    ("local", []), ("multiprocess", ["runtime.transport.name=nccl"]),
+    ("multiprocess", ["runtime.transport.name=nccl", "policy.score_keys=int4"])])  # int4 pool copies of its own
 def test_async_paged_equals_contiguous_inline(model, pmodel, prompt, topology, extra):
     over = [f"runtime.topology={topology}", "runtime.pack_layers=2", *extra]
     if topology == "multiprocess":
@@ -101,12 +102,14 @@ def test_kv_return_mode_on_a_paged_cache(model, pmodel, prompt, topology):
 
 @pytest.mark.parametrize("topology,over", [
     ("inline", ["policy.score_keys=int4"]), ("colocated", ["policy.score_keys=int4"]),
-    ("colocated", ["policy.score_keys=int8"]), ("inline", ["policy.name=quest", "policy.page_size=4"])])
+    ("colocated", ["policy.score_keys=int8"]), ("local", ["policy.score_keys=int4"]),
+    ("inline", ["policy.name=quest", "policy.page_size=4"])])
 def test_static_batch_state_in_the_pool(model, pmodel, prompt, topology, over, monkeypatch):
     """A static batch on a paged cache: the prefill hands the policy the pool the prompt went
-    into (inline, and the `colocated` cache rank's boot), so asyncspade's int8 / int4 copy and
-    Quest's page bounds are pools of the cache's blocks, not rows at the logical capacity;
-    the tokens are the contiguous cache's."""
+    into (inline, and the `colocated` cache rank's boot), or a cache rank of its own (`local`)
+    maps its rows' prompts into a pool of as many blocks under a table of its own, so
+    asyncspade's int8 / int4 copy and Quest's page bounds are pools of the cache's block
+    count, not rows at the logical capacity; the tokens are the contiguous cache's."""
     from spade import kernels
     from spade.policies.asyncspade import AsyncSpadePolicy
 
@@ -154,6 +157,35 @@ def test_boot_keeps_the_pools_not_a_second_cache(model, pmodel, prompt, topology
     assert got == want and tr.stats["sparse_steps"] > 0
     paged = kept[-pmodel.spec.n_layers:]
     assert all(k is pmodel.k_cache[i] and v is pmodel.v_cache[i] and t is not None for i, (k, v, t) in enumerate(paged))
+
+
+def test_a_static_batch_cache_rank_of_its_own_restarted_on_a_paged_cache(pmodel, prompt, monkeypatch):
+    """`local`, int4, a static batch on a paged cache: the cache rank dies at step 6; its
+    successor boots from the pools at the current cursor, into pool copies of its own again
+    (every row's positions mapped), and the generation completes, sparse after the restore."""
+    from spade.runtime import cache_rank as CR
+    from spade.runtime.protocol import CacheHooks
+
+    gens, real = [], CR._Generation.run
+
+    async def recorded(self):
+        gens.append(self)
+        return await real(self)
+
+    monkeypatch.setattr(CR._Generation, "run", recorded)
+    cfg = make("runtime.topology=local", "runtime.pack_layers=2", "policy.score_keys=int4",
+               "runtime.peer_deadline_s=1.5", "runtime.late_timeout_s=1")
+    rt = AsyncRuntime(cfg, pmodel, build_policy(cfg.policy, pmodel.spec), hooks=CacheHooks(die_at_step=6))
+    try:
+        tr = rt.generate(*prompt, max_new_tokens=NEW, sample_fn=greedy)
+    finally:
+        rt.close()
+    assert all(len(r) == NEW for r in tr.tokens)
+    assert [e["event"] for e in tr.stats["events"]] == ["peer_lost", "peer_restored"]
+    assert len(gens) == 2 and all(g.copy_blocks is not None for g in gens)
+    copies = [st for st in gens[-1].state.layers if st is not None and st.kq is not None]
+    assert copies and all(st.paged and st.kq.shape[0] == pmodel.k_cache[0].shape[0] for st in copies)
+    assert all(gens[-1].copy_blocks.held(b) > 0 for b in range(B))
 
 
 # ----------------------------------------------------------------------------- GPU
