@@ -220,12 +220,16 @@ class InferenceSession:
         ``max_batch`` rows, all idle) at the shared cursor ``cursor``; requests come by
         ``join_rows``. ``ctx`` (whose selector is this session's) attends every step."""
         be, s, spec = self.be, self.sel, self.spec
-        if self.rt.return_mode != "indices":
+        if self.rt.return_mode == "kv":
             raise ConfigError(f"runtime.return_mode {self.rt.return_mode!r}: serving a slot batch through a cache "
-                              "rank takes runtime.return_mode: indices")
+                              "rank takes runtime.return_mode: indices or delta")
         link = self.link
         alive = self._attach()
         self.ctx = ctx
+        if self.rt.return_mode == "delta":  # a new epoch's cache rank encodes against empty slots
+            for idx in s.idx:
+                if idx is not None:
+                    idx.fill_(-1)
         B = int(be.max_batch)
         k0 = be.k_cache[0]
         Hkv, L, D = k0.shape[1], (int(be.max_seq_len) if self.paged else k0.shape[2]), k0.shape[3]
@@ -640,9 +644,12 @@ class InferenceSession:
                     self._end_seen.set()
                     return
                 p = meta[0][P.META_PACK]
-                if meta[0][P.META_GEN] < self.gen:  # made before a join from the rows' old content
+                stale = meta[0][P.META_GEN] < self.gen  # made before a join from the rows' old content
+                if stale and self.rt.return_mode != "delta":
                     self.stats["dropped_selections"] += 1
                     continue
+                # (delta: every message is applied in order, a stale one too: the cache rank encodes the
+                # next against it; it does not count as the re-selection a join waits for)
                 if self._land_stream is not None and self.rt.return_mode != "delta":
                     # Copy into the fixed buffers right away, on the landing stream: the
                     # buffers' last readers (pack p of the step before) finished before the
@@ -662,7 +669,8 @@ class InferenceSession:
                     if self.rt.return_mode != "delta":  # newest wins; delta messages build on each other
                         self.pending[p].clear()
                     self.pending[p].append((meta, msg, ev))
-                self.arrived[p] = max(self.arrived[p], meta[0][P.META_STEP])
+                if not stale:
+                    self.arrived[p] = max(self.arrived[p], meta[0][P.META_STEP])
                 self.ever[p] = True
                 self.stats["sel_messages"] += 1
                 self._wake.set()

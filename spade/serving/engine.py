@@ -62,10 +62,11 @@ def check_served(config: SpadeConfig) -> None:
             f"{', '.join(SERVED_TOPOLOGIES)}")
     cache_rank = (rt.topology != "inline" and not POLICIES.get(pc.name).needs_current_query
                   and getattr(pc, "budget", None) is not None)
-    if cache_rank and rt.return_mode != "indices":
+    if cache_rank and rt.return_mode == "kv":
         raise ConfigError(
             f"runtime.return_mode {rt.return_mode!r}: spade.AsyncEngine serves a cache rank's selections as index "
-            "lists only (the kv and delta modes do not follow rows joining yet); set runtime.return_mode: indices")
+            "lists or their deltas (the kv mode's gathered K/V do not follow rows joining yet); set "
+            "runtime.return_mode: indices (or delta)")
     if pc.name == "asyncspade" and pc.score_channels:
         raise ConfigError(
             f"policy.score_channels ({pc.score_channels}) keeps a channel choice shared by all rows, which a "
@@ -127,7 +128,7 @@ class AsyncEngine:
 
     Supported: ``runtime.topology`` ``inline`` (every policy); ``colocated``, ``local`` and
     ``multiprocess`` with the policies that select a step ahead (``asyncspade``, ``tova``,
-    ``streaming``) on a cache rank that follows the rows (``return_mode: indices``;
+    ``streaming``) on a cache rank that follows the rows (``return_mode: indices`` or ``delta``;
     ``spade.serving.async_slots``; a policy's ``prefill_rows`` resets a joining row) and with
     the policies those topologies run on the inference rank (``full``, ``quest``,
     ``oracle``); the fast backend (``model.backend``

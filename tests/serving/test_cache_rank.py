@@ -100,6 +100,38 @@ def _generations(monkeypatch) -> list:
     return gens
 
 
+@pytest.mark.parametrize("topology", ["colocated", "local", "multiprocess", "local/paged"])
+def test_delta_return_mode_follows_joins(topology):
+    """``runtime.return_mode: delta`` in serving: the cache rank sends each layer's changed
+    slots against what the inference rank holds; selections made before a join are applied
+    all the same (the next delta builds on them) and the join waits for the re-selection.
+    Each request's greedy tokens equal the `indices` mode's and the request's alone."""
+    jobs = _jobs(6, seed=9)
+    topology, _, opt = topology.partition("/")
+    extra = ["model.block_size=4"] if opt == "paged" else []
+    tokens, dropped = {}, {}
+    for mode in ("indices", "delta"):
+        engine = spade.AsyncEngine(make_config("asyncspade", topology, extra=extra + [f"runtime.return_mode={mode}"]
+                                               + (_multiprocess("nccl") if topology == "multiprocess" else [])))
+
+        async def main():
+            together = await staggered(engine, jobs)
+            stats = engine.stats()
+            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
+            await engine.close()
+            return together, alone, stats
+
+        together, alone, stats = run(main())
+        assert stats["requests_finished"] == len(jobs) and stats["cache_peers_lost"] == 0
+        assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
+        for (_, _, n), t, a in zip(jobs, together, alone):
+            assert len(t.token_ids) == n and t.token_ids == a.token_ids
+        tokens[mode] = [t.token_ids for t in together]
+        dropped[mode] = stats["dropped_selections"]
+    assert tokens["delta"] == tokens["indices"]
+    assert dropped["delta"] == 0  # (delta applies the selections indices drops)
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES + ("multiprocess/nccl", "multiprocess/ucx", "multiprocess/nixl"))
 def test_joined_rows_match_alone_and_inline(topology):
     """Requests of different prompt lengths and max_tokens join a running batch at random
