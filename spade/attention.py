@@ -141,10 +141,7 @@ class AttentionContext:
         ``state.join_pool`` (state the policy keeps in the pool's layout is written there); a
         cache rank's selector keeps the pools, not the prompt's contiguous copies, for the
         boot (``spade.runtime.selector``)."""
-        if pool is None:
-            self.selector.prefill(layer, q, k_cache, v_cache, kv_lens)
-        else:
-            self.selector.prefill(layer, q, k_cache, v_cache, kv_lens, pool=pool)
+        self.selector.prefill(layer, q, k_cache, v_cache, kv_lens, pool=pool)
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> torch.Tensor:

@@ -289,7 +289,8 @@ def test_prefill_sets_context_and_metadata():
     ids, mask = left_padded([5, 2, 5], m.vocab_size, torch.Generator().manual_seed(13))
     ctx = full_ctx(m, 3)
     seen = []
-    ctx.selector.prefill = lambda layer, q, kc, vc, kv_lens: seen.append((layer, tuple(q.shape), kv_lens.tolist()))
+    ctx.selector.prefill = lambda layer, q, kc, vc, kv_lens, pool=None: seen.append(
+        (layer, tuple(q.shape), kv_lens.tolist()))
     m.prefill(ids, mask, ctx)
     assert ctx.kv_start.tolist() == [0, 3, 0] and ctx.seq_len == 5
     assert seen == [(i, (3, 4, 5, 32), [5, 5, 5]) for i in range(3)]

@@ -113,15 +113,7 @@ def test_delta_return_mode_follows_joins(topology):
     for mode in ("indices", "delta"):
         engine = spade.AsyncEngine(make_config("asyncspade", topology, extra=extra + [f"runtime.return_mode={mode}"]
                                                + (_multiprocess("nccl") if topology == "multiprocess" else [])))
-
-        async def main():
-            together = await staggered(engine, jobs)
-            stats = engine.stats()
-            alone = [await final(engine, p, greedy(n), f"a{i}") for i, (_, p, n) in enumerate(jobs)]
-            await engine.close()
-            return together, alone, stats
-
-        together, alone, stats = run(main())
+        together, alone, stats = _together_then_alone(engine, jobs)
         assert stats["requests_finished"] == len(jobs) and stats["cache_peers_lost"] == 0
         assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
         for (_, _, n), t, a in zip(jobs, together, alone):
