@@ -51,6 +51,7 @@ import torch
 from spade import kernels
 from spade.envs import env
 from spade.errors import PeerGone, TransportError
+from spade.kernels.paged import paged_range, paged_write
 from spade.policies.base import Policy
 from spade.policies.common import logical_keys, shared_derived
 from spade.runtime import protocol as P
@@ -331,7 +332,7 @@ class _Generation:
         rank.stats["generations"] += 1
         self.kstore = self.vstore = self.no_v = self.kview = self.join_buf = None
         self.lean = False  # no key store (below)
-        self.copy_blocks = None  # serving on a paged cache without a key store: the scoring copies' blocks
+        self.copy_blocks = None  # a paged cache, a rank of its own: the blocks of its store or scoring copies
         self._renewed = False  # renew() ran: the next run() keeps the buffers
         self._carry0: dict[str, float] = {}  # the carry's counters at the epoch's start (renew)
         with rank._on():
@@ -351,7 +352,11 @@ class _Generation:
                 # that selects ahead reads values, so the other modes neither store nor ship
                 # them (half the store, half the boot traffic). Those policies get an empty
                 # [B, Hkv, 0, D] value tensor: reading it would fail loudly.
-                self.vstore = ([torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                # A paged inference cache: the store (keys, and values for kv) is pools of its block
+                # count under a table of this rank's own (``RowBlocks``, below), not rows at the capacity.
+                paged = s.kv_blocks > 0 and s.static_len > 0
+                store = (s.kv_blocks, Hkv, s.block_size, D) if paged else (B, Hkv, s.capacity, D)
+                self.vstore = ([torch.zeros(store, dtype=dt, device=dev) for _ in range(n_layers)]
                                if s.return_mode == "kv" else None)
                 self.no_v = torch.empty(B, Hkv, 0, D, dtype=dt, device=dev)
                 # Keys the policy never reads back once prefilled (``Policy.takes_new_keys``:
@@ -361,23 +366,22 @@ class _Generation:
                 # ``_join_keys``), each step's keys from its pack into ``observe``, and
                 # the policy sees a fixed-shape view of no memory (NaN if it were read).
                 self.lean = s.static_len > 0 and self.vstore is None and policy.takes_new_keys(state)
-                view_shape = (B, Hkv, s.static_len, D)
-                if self.lean and s.kv_blocks > 0:
-                    # A paged cache: the policy's copies are pools of the inference rank's block count
-                    # under a table of this rank's own (``RowBlocks``: a static batch's rows get blocks for
-                    # their prompts at the boot, a joining row for its prompt, every row one more as the
-                    # cursor enters a block, a leaving row frees them), so they take the KV pool's
-                    # memory, not max_batch x max_seq_len.
+                if paged:
+                    # A paged cache: the store, or the policy's copies without one, are pools of the
+                    # inference rank's block count under a table of this rank's own (``RowBlocks``: a
+                    # static batch's rows get blocks for their prompts at the boot, a joining row for
+                    # its prompt, every row one more as the cursor enters a block, a leaving row frees
+                    # them), so they take the KV pool's memory, not max_batch x max_seq_len.
                     from spade.kvcache import RowBlocks, blocks_for
 
                     self.copy_blocks = RowBlocks(s.kv_blocks, s.block_size, B, blocks_for(s.static_len, s.block_size),
                                                  dev)
                     state.block_table = self.copy_blocks.table.tensor
-                    view_shape = (s.kv_blocks, Hkv, s.block_size, D)  # a pool's
                 if self.lean:
-                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(view_shape)
+                    view = store if paged else (B, Hkv, s.static_len, D)
+                    self.kview = torch.full((1, 1, 1, 1), float("nan"), dtype=dt, device=dev).expand(view)
                 else:
-                    self.kstore = [torch.zeros(B, Hkv, s.capacity, D, dtype=dt, device=dev) for _ in range(n_layers)]
+                    self.kstore = [torch.zeros(store, dtype=dt, device=dev) for _ in range(n_layers)]
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the inline policy would see as the cache at length ``seq``."""
@@ -385,10 +389,12 @@ class _Generation:
         if s.shared_kv:  # a paged cache's pools are read through its table (``PolicyState.block_table``)
             self.state.block_table = self.rank.shared.tables.get(layer)
             return self.rank.shared.refs[layer]
+        if self.copy_blocks is not None:  # pools (a store, or a lean view) read through this rank's table
+            self.state.block_table = self.copy_blocks.table.tensor
         if self.lean:
-            if self.copy_blocks is not None:
-                self.state.block_table = self.copy_blocks.table.tensor
             return self.kview, self.no_v
+        if self.copy_blocks is not None:
+            return self.kstore[layer], (self.vstore[layer] if self.vstore is not None else self.no_v)
         n = s.static_len or seq
         return (self.kstore[layer][:, :, :n],
                 (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
@@ -483,7 +489,11 @@ class _Generation:
                     if blocks is not None:  # the copies into pools through this rank's table
                         self.state.join_pool, self.state.block_table = (self.kview, blocks.table.tensor), None
                 else:
-                    if not s.shared_kv:
+                    if blocks is not None:  # into this rank's pools through its table
+                        paged_write(self.kstore[layer], blocks.table.tensor, msg[1].to(self.dev), 0)
+                        if self.vstore is not None:
+                            paged_write(self.vstore[layer], blocks.table.tensor, msg[2].to(self.dev), 0)
+                    elif not s.shared_kv:
                         self.kstore[layer][:, :, :T].copy_(msg[1])
                         if self.vstore is not None:
                             self.vstore[layer][:, :, :T].copy_(msg[2])
@@ -547,16 +557,20 @@ class _Generation:
                         if pool is not None:  # into the pool copies through this rank's table
                             state.join_pool, state.block_table = (self.kview, pool.table.tensor), None
                     else:
-                        if not s.shared_kv:  # the row's prompt keys (and values) into the store
+                        if pool is not None:  # the row's prompt keys (and values) into this rank's pools
+                            table = pool.table.tensor[row:row + 1]
+                            paged_write(self.kstore[layer], table, msg[1][:1].to(self.dev), S - T)
+                            if self.vstore is not None:
+                                paged_write(self.vstore[layer], table, msg[2][:1].to(self.dev), S - T)
+                        elif not s.shared_kv:  # the row's prompt keys (and values) into the store
                             self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])
                             if self.vstore is not None:
                                 self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
                         k, v = self.view(layer, S)
-                        k, v = k[row:row + 1], v[row:row + 1]
-                    if state.block_table is not None:  # paged (shared): the row's [0, S), contiguous
-                        from spade.kernels.paged import paged_range
-
-                        k_pool = self.rank.shared.refs[layer][0]
+                        if state.block_table is None:
+                            k, v = k[row:row + 1], v[row:row + 1]
+                    if state.block_table is not None:  # pools (shared, or this rank's): the row's [0, S), contiguous
+                        k_pool = k
                         k = paged_range(k_pool, state.block_table[row], 0, S)
                         v = k.new_empty(1, k.shape[1], 0, k.shape[3])  # (policies that select ahead read no values)
                         state.join_pool, state.block_table = (k_pool, state.block_table), None
@@ -633,7 +647,12 @@ class _Generation:
         state.seq_len = seq
         qb = self.parts[p]  # (q, k, v) views of the pack's input buffers
         for j, layer in enumerate(range(l0, l1)):
-            if self.append_k:  # append the step's k, v at the device-side position
+            if self.append_k and self.copy_blocks is not None:  # pools: through this rank's table
+                table = self.copy_blocks.table.tensor
+                paged_write(self.kstore[layer], table, qb[1][j].unsqueeze(2), self.pos_buf)
+                if self.vstore is not None:
+                    paged_write(self.vstore[layer], table, qb[2][j].unsqueeze(2), self.pos_buf)
+            elif self.append_k:  # append the step's k, v at the device-side position
                 self.kstore[layer].index_copy_(2, self.pos_buf, qb[1][j].unsqueeze(2))
                 if self.vstore is not None:
                     self.vstore[layer].index_copy_(2, self.pos_buf, qb[2][j].unsqueeze(2))
@@ -696,8 +715,7 @@ class _Generation:
             if sel is not None:
                 if s.return_mode == "kv":
                     k, v = self.view(l0 + j, seq)  # (a shared paged cache's pools: its table is the state's)
-                    kk, vv = kernels.gather_kv(k, v, idx[j],
-                                               block_table=self.state.block_table if s.shared_kv else None)
+                    kk, vv = kernels.gather_kv(k, v, idx[j], block_table=self.state.block_table)
                     o["k"][j].copy_(kk)
                     o["v"][j].copy_(vv)
 

@@ -2,8 +2,9 @@
 
 ``AsyncSelector`` copies each layer's (q, k_new, v_new) into the pack buffers the
 cache rank receives, and hands back what the cache rank selected one step ahead
-(plus sinks and the recent window); ``AsyncAttentionContext`` attends the ``kv``
-return mode. ``theta_eff`` and ``is_async_policy`` decide when and whether the
+(plus sinks and the recent window), and in the ``kv`` return mode attends the K/V the
+cache rank gathered (``attend_gathered``, for ``AsyncAttentionContext`` and serving's
+``AsyncSlotContext``). ``theta_eff`` and ``is_async_policy`` decide when and whether the
 cache rank selects at all.
 """
 
@@ -182,6 +183,31 @@ class AsyncSelector:
             self._set_buffers(layer, views[j], n_sink, n_recent, B, K, device, kv_start,
                               None if ks is None else ks[j], None if vs is None else vs[j])
 
+    def gathered(self, layer: int, sel: Selection | None) -> bool:
+        """Whether ``layer`` attends its selection's middle tokens from the K/V the cache
+        rank gathered (the ``kv`` return mode, a sparse step with a middle; streaming's
+        sinks and window alone are all local)."""
+        return self.return_mode == "kv" and sel is not None and self.idx[layer].shape[-1] > 0
+
+    def attend_gathered(self, layer: int, q, k_cache, v_cache, kv_lens, sel: Selection, *, scale: float, kv_start,
+                        stats, block_table=None) -> torch.Tensor:
+        """The ``kv`` return mode's attention: the middle tokens from the gathered K/V the
+        cache rank sent (re-ranked first by the true query when they are candidates)
+        merged exactly, by log-sum-exp, with the sinks and recent window of the local
+        cache (``block_table``: its pools' table)."""
+        idx = self.idx[layer]  # [B, Hkv, K]
+        slots = torch.where(idx >= 0, self.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
+        if sel.keep > 0:  # two-stage: the candidates' K/V travelled; the true query keeps the best
+            slots = kernels.rerank_select(q, self.k_sel[layer], slots, sel.keep, scale=scale, reduce=sel.keep_reduce)
+        # the two launches add their tokens to ``stats``; one counts the call
+        out_a, lse_a = kernels.sparse_decode_attention(q, self.k_sel[layer], self.v_sel[layer], self.g_lens, slots,
+                                                       scale=scale, return_lse=True, stats=stats, count_call=False)
+        out_b, lse_b = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, self.no_idx, n_sink=sel.n_sink,
+                                                       n_recent=sel.n_recent, scale=scale, kv_start=kv_start,
+                                                       return_lse=True, stats=stats, block_table=block_table)
+        out, _ = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b)
+        return out
+
     def pack_intact(self, p: int, allow_none: bool = False) -> bool:
         """Whether every layer of pack ``p`` still hands out its slot of the pack's tensor
         (``allow_none``: or has no buffer yet); a layer re-made alone (``ensure_buffers``)
@@ -250,23 +276,12 @@ class AsyncAttentionContext(AttentionContext):
 
     def attend(self, layer, q, k_cache, v_cache, kv_lens):
         s = self.selector
-        if s.return_mode != "kv":
-            return super().attend(layer, q, k_cache, v_cache, kv_lens)
         sel = s.selection(layer, q, k_cache, kv_lens)
-        if sel is None or s.idx[layer].shape[-1] == 0:  # dense, or no middle (streaming): all local
+        if not s.gathered(layer, sel):
             return super().attend(layer, q, k_cache, v_cache, kv_lens)
-        idx = s.idx[layer]  # [B, Hkv, K]
-        slots = torch.where(idx >= 0, s.slot_ar, torch.full_like(idx, -1))  # gathered buffer positions
-        scale = self.spec.softmax_scale
-        if sel.keep > 0:  # two-stage: the candidates' K/V travelled; the true query keeps the best
-            slots = kernels.rerank_select(q, s.k_sel[layer], slots, sel.keep, scale=scale, reduce=sel.keep_reduce)
-        stats = self.layer_stats(layer, q, k_cache)  # the two launches add their tokens; one counts the call
-        out_a, lse_a = kernels.sparse_decode_attention(q, s.k_sel[layer], s.v_sel[layer], s.g_lens, slots,
-                                                       scale=scale, return_lse=True, stats=stats, count_call=False)
         kv_start = sel.kv_start if sel.kv_start is not None else self.kv_start
-        out_b, lse_b = kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, s.no_idx, n_sink=sel.n_sink,
-                                                       n_recent=sel.n_recent, scale=scale, kv_start=kv_start,
-                                                       return_lse=True, stats=stats, block_table=self.block_table)
-        out, _ = kernels.merge_attention_states(out_a, lse_a, out_b, lse_b)
+        out = s.attend_gathered(layer, q, k_cache, v_cache, kv_lens, sel, scale=self.spec.softmax_scale,
+                                kv_start=kv_start, stats=self.layer_stats(layer, q, k_cache),
+                                block_table=self.block_table)
         s.after(layer, q, k_cache, v_cache, kv_lens)
         return out

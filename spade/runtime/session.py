@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from spade.attention import AttentionContext, ThresholdSelector
-from spade.errors import ConfigError, PeerTimeout, TransportError
+from spade.errors import PeerTimeout, TransportError
 from spade.runtime import protocol as P
 from spade.runtime.base import GenerationTrace, _sync, sample_and_report
 from spade.runtime.cache_rank import delta_apply
@@ -220,9 +220,6 @@ class InferenceSession:
         ``max_batch`` rows, all idle) at the shared cursor ``cursor``; requests come by
         ``join_rows``. ``ctx`` (whose selector is this session's) attends every step."""
         be, s, spec = self.be, self.sel, self.spec
-        if self.rt.return_mode == "kv":
-            raise ConfigError(f"runtime.return_mode {self.rt.return_mode!r}: serving a slot batch through a cache "
-                              "rank takes runtime.return_mode: indices or delta")
         link = self.link
         alive = self._attach()
         self.ctx = ctx
@@ -598,7 +595,8 @@ class InferenceSession:
 
     def _rejoins(self, T: int) -> dict[int, tuple[int, list[tuple]]]:
         """``join_rows``' joins for a restarted cache rank: every busy row with its window
-        ``[kv_start, T)`` as the prompt (keys read through the table, no values) and the
+        ``[kv_start, T)`` as the prompt (keys read through the table; values too in the kv
+        return mode, where the cache rank gathers them) and the
         last step's query as its query window (which refills as steps come)."""
         from spade.kernels.paged import paged_range
 
@@ -614,7 +612,8 @@ class InferenceSession:
             for layer in range(self.spec.n_layers):
                 p, j = s.where[layer]
                 k = paged_range(s.kv_refs[layer][0], table[r], lo, T)
-                layers.append((s.q_buf[p][j][r:r + 1].unsqueeze(2).contiguous(), k, None))
+                v = paged_range(s.kv_refs[layer][1], table[r], lo, T) if self.rt.return_mode == "kv" else None
+                layers.append((s.q_buf[p][j][r:r + 1].unsqueeze(2).contiguous(), k, v))
             joins[r] = (T - lo, layers)
         return joins
 

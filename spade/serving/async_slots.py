@@ -45,10 +45,20 @@ _SESSION_COUNTS = ("restarts", "peers_lost", "dropped_selections", "join_wait_s"
 
 class AsyncSlotContext(SlotContext):
     """``SlotContext`` over the session's ``AsyncSelector`` (its key says whether the
-    step's selections are the cache rank's or none)."""
+    step's selections are the cache rank's or none); in the ``kv`` return mode a sparse
+    row's middle tokens come from the K/V the cache rank gathered
+    (``AsyncSelector.attend_gathered``)."""
 
     def graph_key(self) -> tuple:
         return (self.mode, self.rows) + tuple(self.selector.graph_key())
+
+    def _sparse(self, layer, q, k_cache, v_cache, kv_lens, sel, stats):
+        s = self.selector  # the kv return mode: the middle tokens from the K/V the cache rank gathered
+        if not s.gathered(layer, sel):
+            return super()._sparse(layer, q, k_cache, v_cache, kv_lens, sel, stats)
+        return s.attend_gathered(layer, q, k_cache, v_cache, kv_lens, sel, scale=self.spec.softmax_scale,
+                                 kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats,
+                                 block_table=self.block_table)
 
 
 class AsyncSlotBatch(SlotBatch):
@@ -133,11 +143,13 @@ class AsyncSlotBatch(SlotBatch):
     def _row_report(self, row: int, S: int, T: int):
         """Record what the cache rank needs of the joining row (sent with the next step):
         per layer the prompt's last W queries and, unless the cache rank reads this rank's
-        cache, the row's keys at ``[S - T, S)``. Called after the join's last piece only,
+        cache, the row's keys at ``[S - T, S)`` (and values in the kv return mode, where the
+        cache rank gathers them). Called after the join's last piece only,
         so a chunked join sends what an unchunked one does, once."""
         rows = self.policy.rows
         W = min(T, rows) if rows else T
         shared = self.sess is not None and self.sess._shared_kv
+        values = self.rt.return_mode == "kv"
         rec = self._recording = []
 
         def report(layer, q, k_row, v_row):  # q: the prompt's newest queries [1, Hq, <= T, D]
@@ -145,7 +157,7 @@ class AsyncSlotBatch(SlotBatch):
             if shared:
                 rec.append((q_tail, None, None))
             else:
-                rec.append((q_tail, k_row[:, :, S - T:S].clone(), None))
+                rec.append((q_tail, k_row[:, :, S - T:S].clone(), v_row[:, :, S - T:S].clone() if values else None))
 
         return report
 

@@ -52,21 +52,12 @@ SERVED_TOPOLOGIES = ("inline", "colocated", "local", "multiprocess")
 def check_served(config: SpadeConfig) -> None:
     """Refuse, before the model loads, what ``AsyncEngine`` cannot serve, with a
     ``ConfigError`` naming the field, its value and the fix."""
-    from spade.policies import POLICIES
-
     rt, pc = config.runtime, config.policy
     if rt.topology not in SERVED_TOPOLOGIES:
         raise ConfigError(
             f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does not "
             f"follow requests joining and leaving the batch there); use runtime.topology: "
             f"{', '.join(SERVED_TOPOLOGIES)}")
-    cache_rank = (rt.topology != "inline" and not POLICIES.get(pc.name).needs_current_query
-                  and getattr(pc, "budget", None) is not None)
-    if cache_rank and rt.return_mode == "kv":
-        raise ConfigError(
-            f"runtime.return_mode {rt.return_mode!r}: spade.AsyncEngine serves a cache rank's selections as index "
-            "lists or their deltas (the kv mode's gathered K/V do not follow rows joining yet); set "
-            "runtime.return_mode: indices (or delta)")
     if pc.name == "asyncspade" and pc.score_channels:
         raise ConfigError(
             f"policy.score_channels ({pc.score_channels}) keeps a channel choice shared by all rows, which a "
@@ -128,7 +119,7 @@ class AsyncEngine:
 
     Supported: ``runtime.topology`` ``inline`` (every policy); ``colocated``, ``local`` and
     ``multiprocess`` with the policies that select a step ahead (``asyncspade``, ``tova``,
-    ``streaming``) on a cache rank that follows the rows (``return_mode: indices`` or ``delta``;
+    ``streaming``) on a cache rank that follows the rows (every ``return_mode``;
     ``spade.serving.async_slots``; a policy's ``prefill_rows`` resets a joining row) and with
     the policies those topologies run on the inference rank (``full``, ``quest``,
     ``oracle``); the fast backend (``model.backend``

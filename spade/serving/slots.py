@@ -98,17 +98,13 @@ class SlotContext(AttentionContext):
 
     def _attend(self, layer, q, k_cache, v_cache, kv_lens):
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
-        if sel is not None and sel.keep > 0:
-            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
         if sel is None:
             return kernels.sparse_decode_attention(q, k_cache, v_cache, kv_lens, None, scale=scale,
                                                    kv_start=self.kv_start, stats=stats, block_table=bt)
-        out = kernels.sparse_decode_attention(
-            q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent, scale=scale,
-            kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start, stats=stats, block_table=bt)
+        out = self._sparse(layer, q, k_cache, v_cache, kv_lens, sel, stats)
         if self.mode == "mixed":  # rows still under their own threshold attend densely
             # the sparse rows' dense windows shrink to their newest token: the dense pass
             # reads only the dense rows' caches
@@ -117,6 +113,16 @@ class SlotContext(AttentionContext):
                                                     kv_start=start, block_table=bt)
             out = torch.where(self.dense_rows[:, None, None], dense, out)
         return out
+
+    def _sparse(self, layer, q, k_cache, v_cache, kv_lens, sel, stats):
+        """The selection's attention over the local cache (re-ranked first by the true query
+        when its indices are candidates)."""
+        if sel.keep > 0:
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
+        return kernels.sparse_decode_attention(
+            q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent,
+            scale=self.spec.softmax_scale, kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start,
+            stats=stats, block_table=self.block_table)
 
     def graph_key(self) -> tuple:
         return super().graph_key() + (self.mode, self.rows)

@@ -100,17 +100,29 @@ def _generations(monkeypatch) -> list:
     return gens
 
 
-@pytest.mark.parametrize("topology", ["colocated", "local", "multiprocess", "local/paged"])
-def test_delta_return_mode_follows_joins(topology):
-    """``runtime.return_mode: delta`` in serving: the cache rank sends each layer's changed
-    slots against what the inference rank holds; selections made before a join are applied
-    all the same (the next delta builds on them) and the join waits for the re-selection.
-    Each request's greedy tokens equal the `indices` mode's and the request's alone."""
+@pytest.mark.parametrize("topology", ["colocated", "local", "multiprocess", "local/paged", "multiprocess/paged"])
+def test_return_modes_follow_joins(topology, monkeypatch):
+    """Every ``runtime.return_mode`` in serving. ``delta``: the cache rank sends each layer's
+    changed slots against what the inference rank holds; selections made before a join are
+    applied all the same (the next delta builds on them) and the join waits for the
+    re-selection. ``kv``: the cache rank gathers the selected K/V (colocated: from the
+    inference rank's cache; else from a store of its own that joins fill, in pools of the
+    cache's block count on a paged cache) and a sparse row attends them merged with its
+    local sinks and window. Each request's greedy tokens equal the `indices` mode's and the
+    request's alone."""
+    from spade.runtime.selector import AsyncSelector
+
     jobs = _jobs(6, seed=9)
     topology, _, opt = topology.partition("/")
-    extra = ["model.block_size=4"] if opt == "paged" else []
-    tokens, dropped = {}, {}
-    for mode in ("indices", "delta"):
+    extra = ["model.block_size=4", "model.kv_blocks=40"] if opt == "paged" else []
+    gathered, real = [], AsyncSelector.attend_gathered
+    monkeypatch.setattr(AsyncSelector, "attend_gathered", lambda self, *a, **k: gathered.append(1) or real(
+        self, *a, **k))
+    gens = _generations(monkeypatch)
+    tokens, dropped, stores = {}, {}, {}
+    for mode in ("indices", "delta", "kv"):
+        gathered.clear()
+        gens.clear()
         engine = spade.AsyncEngine(make_config("asyncspade", topology, extra=extra + [f"runtime.return_mode={mode}"]
                                                + (_multiprocess("nccl") if topology == "multiprocess" else [])))
         together, alone, stats = _together_then_alone(engine, jobs)
@@ -118,10 +130,16 @@ def test_delta_return_mode_follows_joins(topology):
         assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["join_resyncs"] > 0
         for (_, _, n), t, a in zip(jobs, together, alone):
             assert len(t.token_ids) == n and t.token_ids == a.token_ids
+        assert bool(gathered) == (mode == "kv")  # the gathered K/V are what a kv-mode row attends
         tokens[mode] = [t.token_ids for t in together]
         dropped[mode] = stats["dropped_selections"]
-    assert tokens["delta"] == tokens["indices"]
+        stores[mode] = {(tuple(g.kstore[0].shape), None if g.vstore is None else tuple(g.vstore[0].shape))
+                        for g in gens if g.kstore is not None}
+    assert tokens["delta"] == tokens["indices"] == tokens["kv"]
     assert dropped["delta"] == 0  # (delta applies the selections indices drops)
+    if topology == "local":  # a store of its own: values only for kv; pools on a paged cache
+        shape = (40, 2, 4, 32) if opt == "paged" else (3, 2, 96, 32)  # [kv_blocks, Hkv, block, D] / [B, Hkv, L, D]
+        assert stores == {"indices": {(shape, None)}, "delta": {(shape, None)}, "kv": {(shape, shape)}}, stores
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES + ("multiprocess/nccl", "multiprocess/ucx", "multiprocess/nixl"))
@@ -222,6 +240,26 @@ def test_a_cache_rank_of_its_own_keeps_pool_copies_on_a_paged_cache(topology, mo
         # only the last request's row holds blocks: its window's, at most one partial block more
         assert held[-1][0] == 1 and 0 < held[-1][1] <= -(-(len(p_last) + n_last) // 4) + 1, held
     for (_, _, n), t, a, i in zip(jobs, together, alone, _inline_alone(jobs, "asyncspade_int4", extra=paged)):
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids == i
+
+
+@pytest.mark.parametrize("policy", ["asyncspade", "tova"])
+def test_a_cache_rank_of_its_own_keeps_its_key_store_in_pools(policy, monkeypatch):
+    """Policies that read exact keys (asyncspade with exact scoring keys, TOVA) on a cache
+    rank of its own, serving on a paged cache: the rank's key store is pools of the
+    inference rank's block count under a table of its own (a join writes its prompt, each
+    step its key, through it), not max_batch x max_seq_len, and joined rows equal alone and
+    inline."""
+    jobs = _jobs(6, seed=9, out_hi=20)
+    paged = ["model.block_size=4", "model.kv_blocks=40"]
+    gens = _generations(monkeypatch)
+    engine = spade.AsyncEngine(make_config(policy, "local", extra=paged))
+    together, alone, stats = _together_then_alone(engine, jobs)
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["cache_peers_lost"] == 0
+    assert gens and all(g.copy_blocks is not None and g.vstore is None for g in gens)
+    assert {tuple(x.shape) for g in gens for x in g.kstore} == {(40, 2, 4, 32)}  # [kv_blocks, Hkv, block, D]
+    for (_, _, n), t, a, i in zip(jobs, together, alone, _inline_alone(jobs, policy, extra=paged)):
         assert len(t.token_ids) == n
         assert t.token_ids == a.token_ids == i
 

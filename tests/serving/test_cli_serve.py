@@ -28,12 +28,12 @@ def test_import_spade_needs_no_server_packages():
 def test_engine_refusal_is_one_line(capsys):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    # an AsyncEngine refuses what it cannot serve (a cache rank's kv return mode) before loading anything
+    # an AsyncEngine refuses what it cannot serve (a channel choice shared by all rows) before loading anything
     rc = main(["serve", "--port", "0", "--set", "model.name=tiny", "--set", "model.device=cpu",
-               "--set", "runtime.topology=local", "--set", "runtime.return_mode=kv"])
+               "--set", "runtime.topology=local", "--set", "policy.score_channels=16"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "runtime.return_mode" in err and "Traceback" not in err
+    assert "policy.score_channels" in err and "Traceback" not in err
 
 
 def test_port_in_use_is_one_line(capsys):

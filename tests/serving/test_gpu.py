@@ -21,8 +21,8 @@ def _triton(_torch_kernels, monkeypatch):
     monkeypatch.delenv("SPADE_KERNELS", raising=False)
 
 
-def _cfg(policy: str, topology: str = "inline"):
-    return make_config(policy, topology, max_batch=4, extra=["model.device=cuda:0", "model.dtype=float32"])
+def _cfg(policy: str, topology: str = "inline", extra: tuple[str, ...] = ()):
+    return make_config(policy, topology, max_batch=4, extra=["model.device=cuda:0", "model.dtype=float32", *extra])
 
 
 async def _staggered(engine, prompts, ns):
@@ -56,12 +56,18 @@ def _together_then_alone(engine, prompts, ns):
     return run(main())
 
 
-@pytest.mark.parametrize("policy,topology", [("full", "inline"), ("asyncspade", "inline"), ("quest", "inline"),
-                                             ("asyncspade", "colocated"), ("asyncspade", "local"),
-                                             ("tova", "colocated")])
-def test_joined_requests_match_alone_on_gpu(policy, topology):
+_PAGED = ("model.block_size=16",)
+_KV = ("runtime.return_mode=kv",)
+
+
+@pytest.mark.parametrize("policy,topology,extra", [
+    ("full", "inline", ()), ("asyncspade", "inline", ()), ("quest", "inline", ()), ("asyncspade", "colocated", ()),
+    ("asyncspade", "local", ()), ("tova", "colocated", ()),
+    # the kv return mode (gathered K/V, CUDA graphs on both ranks); a cache rank's own store in pools
+    ("asyncspade", "colocated", _KV + _PAGED), ("asyncspade", "local", _KV + _PAGED), ("tova", "local", _PAGED)])
+def test_joined_requests_match_alone_on_gpu(policy, topology, extra):
     """(``local`` puts the cache rank on a second GPU when there is one.)"""
-    engine = spade.AsyncEngine(_cfg(policy, topology))
+    engine = spade.AsyncEngine(_cfg(policy, topology, extra))
     prompts = random_prompts(6, seed=4)
     ns = [8 + 3 * i for i in range(6)]
 
