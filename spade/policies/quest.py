@@ -128,7 +128,7 @@ class QuestPolicy(Policy):
         """The prompt's page bounds: pool bounds with ``state.join_pool`` (a paged cache),
         else per-row bounds sized for the cache's capacity."""
         if state.join_pool is not None:
-            self._into_pool(state, layer, list(range(k_cache.shape[0])), k_cache, kv_lens)
+            self._into_pool(state, layer, list(range(k_cache.shape[0])), k_cache, kv_lens, state.join_pool)
             return
         self._build(state, layer, k_cache, kv_lens)
 
@@ -140,7 +140,7 @@ class QuestPolicy(Policy):
         else into the rows of the per-row array."""
         st = state.layers[layer]
         if state.join_pool is not None and (st is None or st.paged):
-            self._into_pool(state, layer, rows, k_cache, kv_lens)
+            self._into_pool(state, layer, rows, k_cache, kv_lens, state.join_pool)
             return
         sub = self.row_state(state, rows, k_cache.device)
         new = self._build(sub, layer, k_cache, kv_lens)
@@ -156,15 +156,16 @@ class QuestPolicy(Policy):
         st.kmax.index_copy_(0, idx, new.kmax)
 
     def _into_pool(self, state: PolicyState, layer: int, rows: list[int], k_cache: torch.Tensor,
-                   kv_lens: torch.Tensor) -> None:
-        """The rows' page bounds built from their contiguous keys, written into pool bounds
-        [num_blocks, Hkv, ceil(block_size / page_size), D] through their rows of
-        ``state.join_pool``'s table (made on first use; a row's pages in blocks it does not hold are
-        never read, so nothing is cleared)."""
-        k_pool, table = state.join_pool
+                   kv_lens: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor]) -> QuestLayerState:
+        """The rows' page bounds built from their keys (contiguous, or ``k_cache`` is
+        ``pool``'s key pool itself: every row, read through its table), written into pool
+        bounds [num_blocks, Hkv, ceil(block_size / page_size), D] through the rows of
+        ``pool`` = (key pool, table) (made on first use; a row's pages in blocks it does not
+        hold are never read, so nothing is cleared)."""
+        k_pool, table = pool
         sub = self.row_state(state, rows, k_cache.device)
         sub.cache_len = None  # the rows' own pages only: nothing at the logical capacity
-        new = self._build(sub, layer, k_cache, kv_lens)
+        new = self._build(sub, layer, k_cache, kv_lens, table if k_cache is k_pool else None)
         bs = k_pool.shape[2]
         shape = (k_pool.shape[0], new.kmin.shape[1], -(-bs // self.cfg.page_size), new.kmin.shape[3])
         st = state.layers[layer]
@@ -176,6 +177,15 @@ class QuestPolicy(Policy):
         idx = device_index(rows, table.device)
         kernels.quest_write_pool(st.kmin, st.kmax, new.kmin, new.kmax, table.index_select(0, idx), kv_lens,
                                  self.cfg.page_size, bs, kv_start=sub.kv_start)
+        return st
+
+    def _first(self, state: PolicyState, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor) -> QuestLayerState:
+        """No prefill was reported: bound the cache as it is now (once); on a paged cache
+        (``state.block_table``) into pool bounds, as a prefill with the pool would."""
+        bt = state.block_table
+        if bt is None:
+            return self._build(state, layer, k_cache, kv_lens)
+        return self._into_pool(state, layer, list(range(bt.shape[0])), k_cache, kv_lens, (k_cache, bt))
 
     def select(self, state: PolicyState, layer: int, q: torch.Tensor | None, k_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> Selection | None:
@@ -186,7 +196,7 @@ class QuestPolicy(Policy):
             raise ValueError("quest needs the current query (needs_current_query=True)")
         st = state.layers[layer]
         if st is None:  # no prefill was reported: bound the cache as it is now (once)
-            st = self._build(state, layer, k_cache, kv_lens, state.block_table)
+            st = self._first(state, layer, k_cache, kv_lens)
         st = self._fit(st, cache_dims(k_cache, state)[2])
         idx = kernels.quest_select(q, st.kmin, st.kmax, kv_lens, self.n_pages_sel, cfg.page_size,
                                    scale=self.spec.softmax_scale, reduce=cfg.group_reduce,
@@ -197,7 +207,7 @@ class QuestPolicy(Policy):
                 kv_lens: torch.Tensor) -> None:
         st = state.layers[layer]
         if st is None:  # the bounds are built from the whole cache at first use
-            self._build(state, layer, k_cache, kv_lens, state.block_table)
+            self._first(state, layer, k_cache, kv_lens)
             return
         self._fit(st, cache_dims(k_cache, state)[2])
         pos = kv_lens.to(device=k_cache.device, dtype=torch.int64) - 1  # [B]; its page: (pos - kv_start) // S

@@ -195,10 +195,14 @@ def test_paged_policy_matches_contiguous(case, shape, bs):
                                   "asyncspade-channels"])
 def test_paged_policy_without_prefill(case):
     """No prefill reported: what a policy builds at its first decode call (Quest's page
-    bounds through the table, asyncspade's scoring copy and channels from the logical
-    keys) matches the contiguous cache's."""
+    bounds read through the table into pool bounds, asyncspade's scoring copy and channels
+    from the logical keys) matches the contiguous cache's."""
     name, cfg = POLICY_CASES[case]
-    run_both(name, cfg, SHAPES["B3-GQA-padded"], 4, prefill="none", seed=3)
+    kept = []
+    run_both(name, cfg, SHAPES["B3-GQA-padded"], 4, prefill="none", seed=3, keep=kept)
+    if name == "quest":  # the pool's blocks, one page slot each (pages of 4 in blocks of 4)
+        n_blocks = 3 * -(-(29 + 7 + 5) // 4) + 3
+        assert all(st.paged and st.kmin.shape[0] == n_blocks and st.kmin.shape[2] == 1 for st in kept[0].layers)
 
 
 @pytest.mark.parametrize("case", ["quest", "tova", "asyncspade-int8", "asyncspade-int4", "asyncspade-exact"])
