@@ -142,6 +142,30 @@ def test_return_modes_follow_joins(topology, monkeypatch):
         assert stores == {"indices": {(shape, None)}, "delta": {(shape, None)}, "kv": {(shape, shape)}}, stores
 
 
+def test_kv_return_mode_reranks_the_gathered_candidates(monkeypatch):
+    """``policy.rerank`` with the kv return mode in serving (a cache rank of its own, a
+    paged cache): the candidates' K/V travel and the true query keeps the best of them
+    (``kernels.rerank_select`` on the gathered keys); tokens equal the `indices` mode's
+    re-rank over the cache and each request's alone."""
+    from spade import kernels
+
+    jobs = _jobs(5, seed=11)
+    reranked, real = [], kernels.rerank_select
+    monkeypatch.setattr(kernels, "rerank_select", lambda *a, **k: reranked.append(1) or real(*a, **k))
+    tokens = {}
+    for mode in ("indices", "kv"):
+        reranked.clear()
+        engine = spade.AsyncEngine(make_config("asyncspade", "local", extra=[
+            "model.block_size=4", "policy.rerank=2", f"runtime.return_mode={mode}"]))
+        together, alone, stats = _together_then_alone(engine, jobs)
+        assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
+        assert reranked  # (kv: every sparse row attends the gathered K/V, so each re-rank read them)
+        for (_, _, n), t, a in zip(jobs, together, alone):
+            assert len(t.token_ids) == n and t.token_ids == a.token_ids
+        tokens[mode] = [t.token_ids for t in together]
+    assert tokens["kv"] == tokens["indices"]
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES + ("multiprocess/nccl", "multiprocess/ucx", "multiprocess/nixl"))
 def test_joined_rows_match_alone_and_inline(topology):
     """Requests of different prompt lengths and max_tokens join a running batch at random
