@@ -238,13 +238,13 @@ def fake_prompt(model, ctx, B: int, L: int, W: int, seed: int = 0) -> torch.Tens
     g = torch.Generator(device=model.device).manual_seed(seed + 1)
     for layer in range(a.n_layers):
         q = torch.randn(B, a.n_q_heads, W, a.head_dim, device=model.device, generator=g).to(model.dtype)
-        if model.paged:  # the prompt's keys as a prefill reports them: contiguous
+        if model.paged:  # as the model's paged prefill reports it: the prompt's keys contiguous, and the pools
             from spade.kernels.paged import paged_to_contiguous
 
             bt = model.block_table
             k, v = paged_to_contiguous(model.k_cache[layer], bt)[:, :, :L], \
                 paged_to_contiguous(model.v_cache[layer], bt)[:, :, :L]
-            ctx.prefill(layer, q, k, v, model.kv_lens)
+            ctx.prefill(layer, q, k, v, model.kv_lens, pool=(model.k_cache[layer], model.v_cache[layer], bt))
             del k, v
             continue
         ctx.prefill(layer, q, model.k_cache[layer][:B], model.v_cache[layer][:B], model.kv_lens)
