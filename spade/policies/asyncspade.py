@@ -498,7 +498,7 @@ class AsyncSpadePolicy(Policy):
         the prompt sizes it for the whole cache and decoding never rebuilds it for length.
         """
         if st.paged and not prefill:
-            return self._paged_keys(st, k_cache, kv_lens, k_new, state, rebuild)
+            return self._paged_keys(st, k_cache, kv_lens, k_new, state, rebuild, fit, lens)
         B, H, L, D, bt = self._dims(k_cache, state, prefill)
         mode = self.cfg.score_keys
         int4 = mode == "int4"
@@ -534,22 +534,42 @@ class AsyncSpadePolicy(Policy):
         return st.kq[:, :, :L], None if st.ks is None else st.ks[:, :, :L]
 
     def _paged_keys(self, st: AsyncSpadeLayerState, k_cache: torch.Tensor, kv_lens: torch.Tensor | None,
-                    k_new: torch.Tensor | None, state: PolicyState | None, rebuild: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    k_new: torch.Tensor | None, state: PolicyState | None, rebuild: bool,
+                    fit: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                    lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``scoring_keys`` of a pool copy (``st.paged``): with ``kv_lens`` the newest key of
-        each row quantised into its slot through ``state.block_table`` (the cache's table), then
-        the pools themselves, which the scoring kernels read through that table. A pool copy
-        has no capacity to outgrow and its smoothing was fitted at the rows' joins; what would
-        rebuild it is refused."""
+        each row (its channels ``st.chans`` when set) quantised into its slot through
+        ``state.block_table`` (the cache's table), then the pools themselves, which the
+        scoring kernels read through that table. A pool copy has no capacity to outgrow;
+        ``rebuild`` (channels re-chosen: a static batch's ``score_channels``) requantises the
+        rows' keys ``[kv_start, lens)`` (default: ``fit``'s lengths; int4 refits its smoothing
+        on ``fit``) into the same pools through the table."""
         bt = None if state is None else state.block_table
-        if bt is None or rebuild:
-            raise RuntimeError(
-                "asyncspade: the scoring copy is in the paged cache's layout (rows joined a paged serving batch) "
-                + ("and cannot be rebuilt" if rebuild else "but this call has no block table (state.block_table)"))
-        if kv_lens is not None:
+        if bt is None:
+            raise RuntimeError("asyncspade: the scoring copy is in the paged cache's layout but this call has no "
+                               "block table (state.block_table)")
+        int4 = self.cfg.score_keys == "int4"
+        if rebuild:
+            if st.keys_elsewhere:
+                raise RuntimeError("asyncspade: the paged scoring copy needs a rebuild from the exact keys, but "
+                                   "observe took the step's keys as k_new, so the cache may lack the decoded ones")
+            fit = fit if fit is not None else (kv_lens, None)
+            ksub = self._sub_keys(k_cache, state, bt, st.chans, lens if lens is not None else fit[0])
+            if int4:
+                self._refit_smoothing(st, ksub, fit)
+                q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)
+            else:
+                q8, s8 = kernels.quantize_keys(ksub)
+            paged_write(st.kq, bt, q8, 0)  # positions outside a row's window were zeroed; unowned: the null block
+            paged_write(st.ks[..., None], bt, s8[..., None], 0)
+        elif kv_lens is not None:
             kv = kv_lens.to(k_cache.device)
             src = k_new if k_new is not None else last_token_keys(k_cache, kv, bt)  # [B, H, D]
-            if self.cfg.score_keys == "int4":
+            if k_new is not None:
+                st.keys_elsewhere = True
+            if st.chans is not None:  # the copy's channels [B, H, r]
+                src = gather_channels(src, st.chans)
+            if int4:
                 kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, block_table=bt)
             else:
                 kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1, block_table=bt)
@@ -720,7 +740,7 @@ class AsyncSpadePolicy(Policy):
             st.keys_elsewhere = st.paged = False
             if self.channels is not None:
                 self.choose_channels(state, st, k_cache, kv_lens.to(k_cache.device), prefill=True)
-            pool = state.join_pool if self.channels is None else None
+            pool = state.join_pool
             if pool is None:
                 # sized for the cache's capacity (state.cache_len), not the view: k_cache may be the prompt alone
                 self.scoring_keys(st, k_cache, fit=(kv_lens, state.kv_start), state=state, prefill=True)

@@ -52,6 +52,8 @@ POLICY_CASES = {  # id -> (policy name, config)
                                                score_channels=8, channel_refresh=1.1)),  # re-chosen mid-decode
     "asyncspade-int4-channels": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                                     score_keys="int4", score_channels=8)),
+    "asyncspade-int8-channels": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
+                                                    score_keys="int8", score_channels=8, channel_refresh=1.1)),
     "asyncspade-rerank": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                              rerank=2)),
     "asyncspade-K-ge-context": ("asyncspade", dict(budget=256, sink_tokens=SINK, recent_tokens=RECENT)),
@@ -215,12 +217,16 @@ def test_paged_policy_prefill_rows(case):
 
 @pytest.mark.parametrize("how", ["pool", "prefill_pool"])
 @pytest.mark.parametrize("kernels_impl", ["torch", "triton"])
-@pytest.mark.parametrize("case", ["quest", "asyncspade-int4", "asyncspade-int8"])
+@pytest.mark.parametrize("case", ["quest", "asyncspade-int4", "asyncspade-int8", "asyncspade-int4-channels",
+                                  "asyncspade-int8-channels"])
 def test_paged_policy_join_into_the_pool(case, kernels_impl, how, monkeypatch):
     """A serving join (``prefill_rows``) or a static batch's prefill on a paged cache, with
-    ``state.join_pool``: Quest's page bounds and asyncspade's int8 / int4 copy are written
-    into the pool's blocks (sized by the pool, not by the capacity) and every decode step
-    selects what the contiguous cache does."""
+    ``state.join_pool``: Quest's page bounds and asyncspade's int8 / int4 copy (of a channel
+    subset too, re-chosen mid-decode and requantised into the pool: a static batch's
+    ``score_channels``) are written into the pool's blocks (sized by the pool, not by the
+    capacity) and every decode step selects what the contiguous cache does."""
+    if "channels" in case and how == "pool":
+        pytest.skip("(a channel choice is the batch's: serving refuses score_channels)")
     if kernels_impl == "triton" and case != "quest" and (case, how) != ("asyncspade-int4", "prefill_pool"):
         pytest.skip("(the interpreter's ~25 s per asyncspade case: the pool-copy kernels are tested in "
                     "tests/kernels; one case here)")
@@ -235,6 +241,8 @@ def test_paged_policy_join_into_the_pool(case, kernels_impl, how, monkeypatch):
     assert layers and all(st.paged for st in layers)
     held = [st.kmin if name == "quest" else st.kq for st in layers]
     assert all(t.shape[0] == n_blocks and t.shape[2] == (1 if name == "quest" else 4) for t in held)
+    if "channels" in case:  # 8 of 16 channels: int8 bytes, or int4's packed half of them
+        assert all(t.shape[3] == (4 if "int4" in case else 8) for t in held)
 
 
 @pytest.mark.parametrize("case", ["quest", "tova", "asyncspade-int4", "asyncspade-int4-channels"])
