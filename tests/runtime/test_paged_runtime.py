@@ -105,6 +105,7 @@ def test_kv_return_mode_on_a_paged_cache(model, pmodel, prompt, topology):
     ("colocated", ["policy.score_keys=int8"]), ("local", ["policy.score_keys=int4"]),
     # a channel subset, re-chosen as the cache grows: requantised into the pool through the table
     ("inline", ["policy.score_keys=int8", "policy.score_channels=16", "policy.channel_refresh=1.05"]),
+    ("local", ["policy.score_keys=int4", "policy.score_channels=16", "policy.channel_refresh=1.05"]),
     ("inline", ["policy.name=quest", "policy.page_size=4"])])
 def test_static_batch_state_in_the_pool(model, pmodel, prompt, topology, over, monkeypatch):
     """A static batch on a paged cache: the prefill hands the policy the pool the prompt went
