@@ -199,7 +199,10 @@ def _triton(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [[], ["runtime.topology=colocated", "runtime.pack_layers=2"],
-                                  ["runtime.topology=colocated", "runtime.pack_layers=2", "policy.refresh_every=4"]])
+                                  ["runtime.topology=colocated", "runtime.pack_layers=2", "policy.refresh_every=4"],
+                                  # a channel subset in the pools, re-chosen (requantised through the table)
+                                  ["policy.score_keys=int8", "policy.score_channels=16", "policy.channel_refresh=1.05"],
+                                  ["runtime.topology=local", "runtime.return_mode=kv"]])
 def test_gpu_paged_equals_contiguous_with_graphs(_triton, prompt, over):
     """bf16, Triton kernels, CUDA graphs: the paged model's tokens are the contiguous
     model's (the paged kernels compute the same tiles in the same order)."""
