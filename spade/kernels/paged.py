@@ -77,15 +77,19 @@ def check_pool(pool: torch.Tensor, name: str = "pool") -> None:
         raise ValueError(f"{name} must be [num_blocks, Hkv, block_size, D]; got {tuple(pool.shape)}")
 
 
-def paged_to_contiguous(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def paged_to_contiguous(pool: torch.Tensor, block_table: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """The logical cache [B, Hkv, max_blocks * block_size, D] of ``pool``
     [num_blocks, Hkv, block_size, D] seen through ``block_table`` [B, max_blocks]
-    (a copy; unused table entries copy whatever their block holds)."""
+    (a copy; unused table entries copy whatever their block holds). ``n``: only the first
+    ``n`` positions, [B, Hkv, n, D], gathered from the blocks that hold them."""
     check_pool(pool)
-    B, nb = block_table.shape
     _, Hkv, bs, D = pool.shape
+    if n is not None:
+        block_table = block_table[:, :-(-int(n) // bs)]
+    B, nb = block_table.shape
     x = pool[block_table.to(pool.device).long().reshape(-1)]  # [B * nb, Hkv, bs, D]
-    return x.view(B, nb, Hkv, bs, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, nb * bs, D)
+    x = x.view(B, nb, Hkv, bs, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, nb * bs, D)
+    return x if n is None else x[:, :, :n]
 
 
 def paged_gather(pool: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -557,9 +557,7 @@ class AsyncSpadePolicy(Policy):
             ksub = self._sub_keys(k_cache, state, bt, st.chans, lens if lens is not None else fit[0])
             if int4:
                 self._refit_smoothing(st, ksub, fit)
-                q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)
-            else:
-                q8, s8 = kernels.quantize_keys(ksub)
+            q8, s8 = self._quantize(st, ksub)
             paged_write(st.kq, bt, q8, 0)  # positions outside a row's window were zeroed; unowned: the null block
             paged_write(st.ks[..., None], bt, s8[..., None], 0)
         elif kv_lens is not None:
@@ -631,6 +629,17 @@ class AsyncSpadePolicy(Policy):
                 sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
         st.k_smooth = sm
 
+    def _quantize(self, st: AsyncSpadeLayerState, ksub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scoring copy's values of keys ``ksub`` [B, H, L, r]: int4 ([B, H, L, r/2] uint8
+        under ``st.k_smooth``) or int8 ([B, H, L, r]) with their scales [B, H, L] fp32, or
+        (exact channels) the subset itself in the cache dtype, no scales."""
+        mode = self.cfg.score_keys
+        if mode == "int4":
+            return kernels.quantize_keys_int4(ksub, st.k_smooth)
+        if mode == "int8":
+            return kernels.quantize_keys(ksub)
+        return ksub, None
+
     def _rebuild_copy(self, st: AsyncSpadeLayerState, ksub: torch.Tensor, dt: torch.dtype, Dq: int,
                       same: bool, cap: int | None = None) -> None:
         """The scoring copy of the whole view ``ksub`` [B, H, L, r], for a cache of ``cap``
@@ -640,13 +649,7 @@ class AsyncSpadePolicy(Policy):
         new buffers): no row is that long yet, each is appended before it is scored."""
         B, H, L, _ = ksub.shape
         cap = L if cap is None else max(int(cap), L)
-        mode = self.cfg.score_keys
-        if mode == "int4":
-            q8, s8 = kernels.quantize_keys_int4(ksub, st.k_smooth)  # [B, H, L, r/2] uint8, [B, H, L]
-        elif mode == "int8":
-            q8, s8 = kernels.quantize_keys(ksub)  # [B, H, L, r] int8, [B, H, L] fp32
-        else:
-            q8, s8 = ksub, None  # exact channels: the subset in the cache dtype
+        q8, s8 = self._quantize(st, ksub)
         kq = st.kq
         if same and kq.shape[2] >= cap:  # rebuild in place (new channels, same shapes)
             st.kq[:, :, :L].copy_(q8)

@@ -223,9 +223,7 @@ def logical_keys(k_cache: torch.Tensor, state: PolicyState | None, n: int | None
         return k_cache if n is None else k_cache[:, :, :n]
     from spade.kernels.paged import paged_to_contiguous
 
-    bs = k_cache.shape[2]
-    L = bt.shape[1] * bs if n is None else int(n)
-    return paged_to_contiguous(k_cache, bt[:, :-(-L // bs)].contiguous())[:, :, :L]
+    return paged_to_contiguous(k_cache, bt, n)
 
 
 def last_token_keys(k_cache: torch.Tensor, kv_lens: torch.Tensor,

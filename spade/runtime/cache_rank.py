@@ -399,6 +399,22 @@ class _Generation:
         return (self.kstore[layer][:, :, :n],
                 (self.vstore[layer][:, :, :n] if self.vstore is not None else self.no_v))
 
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor | None, start: int | torch.Tensor,
+               rows: slice = slice(None)) -> None:
+        """Keys ``k`` [n, Hkv, T, D] (and values ``v``) of rows ``rows`` into the store at
+        positions ``start .. start + T`` (``start`` a host int, or a device tensor [1]: one
+        position, graph-safe): through this rank's table on a paged cache, else in place."""
+        for store, x in ((self.kstore, k), (self.vstore, v)):
+            if x is None:
+                continue
+            dst = store[layer]
+            if self.copy_blocks is not None:
+                paged_write(dst, self.copy_blocks.table.tensor[rows], x.to(self.dev), start)
+            elif isinstance(start, torch.Tensor):
+                dst[rows].index_copy_(2, start, x)
+            else:
+                dst[rows, :, start:start + x.shape[2]].copy_(x)
+
     def _join_keys(self, row_keys: torch.Tensor, S: int) -> torch.Tensor:
         """Without a key store: a joining row's view [1, Hkv, static_len, D] holding its
         prompt's keys ``row_keys`` [Hkv, T, D] at ``[S - T, S)`` (one buffer, reused; the
@@ -489,14 +505,8 @@ class _Generation:
                     if blocks is not None:  # the copies into pools through this rank's table
                         self.state.join_pool, self.state.block_table = (self.kview, blocks.table.tensor), None
                 else:
-                    if blocks is not None:  # into this rank's pools through its table
-                        paged_write(self.kstore[layer], blocks.table.tensor, msg[1].to(self.dev), 0)
-                        if self.vstore is not None:
-                            paged_write(self.vstore[layer], blocks.table.tensor, msg[2].to(self.dev), 0)
-                    elif not s.shared_kv:
-                        self.kstore[layer][:, :, :T].copy_(msg[1])
-                        if self.vstore is not None:
-                            self.vstore[layer][:, :, :T].copy_(msg[2])
+                    if not s.shared_kv:
+                        self._store(layer, msg[1], msg[2] if self.vstore is not None else None, 0)
                     k, v = self.view(layer, T)
                 bt = self.state.block_table
                 if bt is not None:  # shared pools: the rows' first T positions, contiguous (a prefill's keys)
@@ -557,15 +567,9 @@ class _Generation:
                         if pool is not None:  # into the pool copies through this rank's table
                             state.join_pool, state.block_table = (self.kview, pool.table.tensor), None
                     else:
-                        if pool is not None:  # the row's prompt keys (and values) into this rank's pools
-                            table = pool.table.tensor[row:row + 1]
-                            paged_write(self.kstore[layer], table, msg[1][:1].to(self.dev), S - T)
-                            if self.vstore is not None:
-                                paged_write(self.vstore[layer], table, msg[2][:1].to(self.dev), S - T)
-                        elif not s.shared_kv:  # the row's prompt keys (and values) into the store
-                            self.kstore[layer][row, :, S - T:S].copy_(msg[1][0])
-                            if self.vstore is not None:
-                                self.vstore[layer][row, :, S - T:S].copy_(msg[2][0])
+                        if not s.shared_kv:  # the row's prompt keys (and values) into the store
+                            self._store(layer, msg[1][:1], msg[2][:1] if self.vstore is not None else None, S - T,
+                                        slice(row, row + 1))
                         k, v = self.view(layer, S)
                         if state.block_table is None:
                             k, v = k[row:row + 1], v[row:row + 1]
@@ -647,15 +651,9 @@ class _Generation:
         state.seq_len = seq
         qb = self.parts[p]  # (q, k, v) views of the pack's input buffers
         for j, layer in enumerate(range(l0, l1)):
-            if self.append_k and self.copy_blocks is not None:  # pools: through this rank's table
-                table = self.copy_blocks.table.tensor
-                paged_write(self.kstore[layer], table, qb[1][j].unsqueeze(2), self.pos_buf)
-                if self.vstore is not None:
-                    paged_write(self.vstore[layer], table, qb[2][j].unsqueeze(2), self.pos_buf)
-            elif self.append_k:  # append the step's k, v at the device-side position
-                self.kstore[layer].index_copy_(2, self.pos_buf, qb[1][j].unsqueeze(2))
-                if self.vstore is not None:
-                    self.vstore[layer].index_copy_(2, self.pos_buf, qb[2][j].unsqueeze(2))
+            if self.append_k:  # append the step's k, v at the device-side position
+                self._store(layer, qb[1][j].unsqueeze(2), qb[2][j].unsqueeze(2) if self.vstore is not None else None,
+                            self.pos_buf)
             k, _ = self.view(layer, seq)
             if self.new_keys:
                 policy.observe(state, layer, qb[0][j], k, self.kv_obs, k_new=qb[1][j])

@@ -96,8 +96,8 @@ class InferenceSession:
         self._restart_task: asyncio.Task | None = None  # opening its successor
         # serving on a paged cache with a cache rank of its own: the pool size its copies take (a
         # restarted one re-joins the busy rows); and the rows a request decodes in, as last told
-        self._serving_pool: tuple[int, int] | None = None
-        self._static_pool: tuple[int, int] = (0, 0)  # the same for a static batch's cache rank (its boot)
+        self._pool: tuple[int, int] = (0, 0)  # (num_blocks, block_size) the BOOT carries, or (0, 0)
+        self._serving = False  # the cache rank follows a slot batch (a restarted one re-joins its busy rows)
         self._busy: list[bool] = []
         self._no_restart: str | None = None  # why a lost cache rank is not restarted
         self.ctx: AttentionContext | None = None
@@ -186,7 +186,6 @@ class InferenceSession:
         capacity = static_len if static_len else T + max(1, max_new_tokens) + 1
         # what a restarted cache rank's boot needs (``_reboot``)
         self._T0, self._capacity, self._static_len, self._shared_kv = T, capacity, static_len, shared_kv
-        self._serving_pool = None  # (a static batch: a restarted cache rank boots from its cache)
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q0.dtype))
 
         boot_table = s.boot_table
@@ -196,13 +195,13 @@ class InferenceSession:
             if boot_table is not None and not shared_kv:  # the pools' rows as [B, Hkv, T, D], one layer at a time
                 from spade.kernels.paged import paged_to_contiguous
 
-                k, v = paged_to_contiguous(k, boot_table)[:, :, :T], paged_to_contiguous(v, boot_table)[:, :, :T]
+                k, v = paged_to_contiguous(k, boot_table, T), paged_to_contiguous(v, boot_table, T)
             return [q[:, :, q.shape[2] - W:].contiguous(), k, v]
 
-        # a paged cache and a cache rank of its own: the pool size its copies take (as in serving)
-        pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
-        self._static_pool = pool
-        await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict(), pool=pool)
+        self._pool = self._pool_size(shared_kv)
+        self._serving = False  # (a restarted cache rank boots from this rank's cache)
+        await self._send_boot(T, W, s.kv_lens0, layer_msg, first_step=1, hooks=self.rt.hooks.to_dict(),
+                              pool=self._pool)
         s.boot.clear()
         s.boot_table = None
         # selection buffers up front (CUDA graphs capture their addresses)
@@ -214,6 +213,20 @@ class InferenceSession:
                                       be.device, kv_dtype=k0.dtype, D=D, kv_start=self.ctx.kv_start)
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
 
+    def _pool_size(self, shared_kv: bool) -> tuple[int, int]:
+        """(num_blocks, block_size) of a paged cache when the cache rank keeps a store or copies
+        of its own (they take as many blocks, under its own table), else (0, 0)."""
+        be = self.be
+        return (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
+
+    def _clear_delta(self) -> None:
+        """The delta return mode: every layer's held indices back to empty slots (what a new
+        cache rank's deltas are encoded against)."""
+        if self.rt.return_mode == "delta":
+            for idx in self.sel.idx:
+                if idx is not None:
+                    idx.fill_(-1)
+
     # ------------------------------------------------------------------ serving (spade.serving)
     async def begin_serving(self, ctx: AttentionContext, cursor: int) -> None:
         """Serving: boot the cache rank for a slot batch (every one of the backend's
@@ -223,10 +236,7 @@ class InferenceSession:
         link = self.link
         alive = self._attach()
         self.ctx = ctx
-        if self.rt.return_mode == "delta":  # a new epoch's cache rank encodes against empty slots
-            for idx in s.idx:
-                if idx is not None:
-                    idx.fill_(-1)
+        self._clear_delta()  # a new epoch's cache rank encodes against empty slots
         B = int(be.max_batch)
         k0 = be.k_cache[0]
         Hkv, L, D = k0.shape[1], (int(be.max_seq_len) if self.paged else k0.shape[2]), k0.shape[3]
@@ -249,13 +259,11 @@ class InferenceSession:
         self._T0, self._capacity, self._static_len, self._shared_kv = cursor, L, L, shared_kv
         self._dtypes = (P.dtype_name(k0.dtype), P.dtype_name(q_dtype))
         self._kv_dtype, self._B, self._D = k0.dtype, B, D
-        # a paged cache's pool size: a cache rank of its own keeps its scoring copies in as many blocks
-        pool = (be.kv_pool.num_blocks, be.block_size) if self.paged and not shared_kv else (0, 0)
-        self._serving_pool = pool if pool[0] else None
-        self._static_pool = (0, 0)
+        self._pool = self._pool_size(shared_kv)
+        self._serving = True
         self._busy = [False] * B
         await self._send_boot(cursor, 0, s.kv_lens0, None, first_step=1, hooks=self.rt.hooks.to_dict(),
-                              serving=True, pool=pool)
+                              serving=True, pool=self._pool)
         layout = self.policy.selection_layout()
         if layout is not None:
             K, n_sink, n_recent = layout
@@ -545,10 +553,7 @@ class InferenceSession:
             if self.paged:
                 link.shared.tables.update(dict.fromkeys(s.kv_refs, be.block_table))
             s.shared = link.shared
-        if self.rt.return_mode == "delta":  # the new cache rank's deltas build on empty slots
-            for idx in s.idx:
-                if idx is not None:
-                    idx.fill_(-1)
+        self._clear_delta()  # the new cache rank's deltas build on empty slots
         T = be.seq_len
         kv_lens = s.kv_lens0 + (T - self._T0)
         # a test hook's fault happens once: the new cache rank keeps only faults still ahead
@@ -565,15 +570,14 @@ class InferenceSession:
                 from spade.kernels.paged import paged_to_contiguous
 
                 bt = be.block_table
-                k, v = paged_to_contiguous(k, bt)[:, :, :T], paged_to_contiguous(v, bt)[:, :, :T]
+                k, v = paged_to_contiguous(k, bt, T), paged_to_contiguous(v, bt, T)
             return [s.q_buf[p][j].unsqueeze(2).contiguous(), k, v]
 
-        rejoin = self._serving_pool is not None  # serving on a paged cache, a cache rank of its own
+        rejoin = self._serving and self._pool[0] > 0  # serving on a paged cache, a cache rank of its own
         if rejoin:  # an epoch of idle rows, then the busy rows join again (their copies in pools)
-            await self._send_boot(T, 0, kv_lens, None, first_step=step, hooks=hooks, serving=True,
-                                  pool=self._serving_pool)
+            await self._send_boot(T, 0, kv_lens, None, first_step=step, hooks=hooks, serving=True, pool=self._pool)
         else:
-            await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks, pool=self._static_pool)
+            await self._send_boot(T, 1, kv_lens, layer_msg, first_step=step, hooks=hooks, pool=self._pool)
         if self.peer_gone is not None:  # lost again while booting (recorded by _on_peer_failure)
             return
         if T + 1 > self.rt.theta and not rejoin:  # its first selections are owed

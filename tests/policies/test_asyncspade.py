@@ -602,7 +602,7 @@ def test_int8_through_the_async_runtime_matches_inline(backend, keys, monkeypatc
     index_copy = torch.Tensor.index_copy_
 
     def spy(self, *a, **k):
-        if sys._getframe(1).f_code.co_name == "_observe_pack":  # the cache rank's store, not the model's cache
+        if sys._getframe(1).f_code.co_name == "_store":  # the cache rank's store appends, not the model's cache
             appends.append(tuple(self.shape))
         return index_copy(self, *a, **k)
 
