@@ -242,8 +242,7 @@ def fake_prompt(model, ctx, B: int, L: int, W: int, seed: int = 0) -> torch.Tens
             from spade.kernels.paged import paged_to_contiguous
 
             bt = model.block_table
-            k, v = paged_to_contiguous(model.k_cache[layer], bt)[:, :, :L], \
-                paged_to_contiguous(model.v_cache[layer], bt)[:, :, :L]
+            k, v = paged_to_contiguous(model.k_cache[layer], bt, L), paged_to_contiguous(model.v_cache[layer], bt, L)
             ctx.prefill(layer, q, k, v, model.kv_lens, pool=(model.k_cache[layer], model.v_cache[layer], bt))
             del k, v
             continue
