@@ -788,7 +788,8 @@ class AsyncSpadePolicy(Policy):
             self.scoring_keys(st, k_cache, kv_lens, k_new=k_new, fit=(kv_lens, state.kv_start), state=state)
 
     def predict_layers(self, state: PolicyState, layers: range, kv_lens: torch.Tensor | None = None) -> None:
-        """Predict the next query of every layer in ``layers`` (consecutive) with one
+        """Predict the next query of every layer in ``layers`` (consecutive) that selects at
+        this step (with ``refresh_every`` N > 1, those of this step's turn: N apart) with one
         predictor launch instead of one per layer — what a cache rank does for a pack
         before selecting its layers (the solves are tiny and latency-bound, so a
         launch per layer costs its whole latency each time). ``select`` then uses
@@ -800,6 +801,12 @@ class AsyncSpadePolicy(Policy):
             return
         if not any(self.refreshes(state, i) for i in layers):
             return  # a reuse step of every layer of the run: nothing to predict
+        phase = self.refresh_phase(state)
+        if phase >= 0:  # refresh_every N > 1, the layers taking turns: only this step's, N apart
+            n_every = self.cfg.refresh_every
+            layers = range(layers[0] + (phase - layers[0]) % n_every, layers[-1] + 1, n_every)
+            if len(layers) < 2:
+                return  # one layer of the run selects: its select predicts it alone
         if not kernels.use_triton(state.layers[layers[0]].window):
             return  # the torch solve may round differently in a bigger batch; the kernel's programs cannot
         sts = [state.layers[i] for i in layers]
@@ -808,7 +815,7 @@ class AsyncSpadePolicy(Policy):
         if base is None or n < 2 or any(
                 st is None or st.all_windows is not base or self.n_valid(state, i) != n for i, st in zip(layers, sts)):
             return  # windows of their own (rebuilt for another batch) or uneven history: per layer
-        w = base[layers[0]:layers[-1] + 1]  # [P, B, Hq, R, D], contiguous
+        w = base[layers[0]:layers[-1] + 1:layers.step]  # [P, B, Hq, R, D] (contiguous at step 1)
         P, B, H, R, D = w.shape
         q = kernels.ridge_predict(w.reshape(P * B * H, R, D), n, mode=self.cfg.predictor,
                                   eps=self.cfg.ridge_eps, skip=state.idle, per=H).view(P, B, H, D)
@@ -844,7 +851,7 @@ class AsyncSpadePolicy(Policy):
         if base.shape[1:] != (B, Hkv, D) or H % Hkv:
             return None
         out = torch.empty(P, B, H, D, dtype=dt, device=q.device)
-        torch.mul(q.view(P, B, Hkv, H // Hkv, D), base[layers[0]:layers[-1] + 1, :, :, None, :],
+        torch.mul(q.view(P, B, Hkv, H // Hkv, D), base[layers[0]:layers[-1] + 1:layers.step, :, :, None, :],
                   out=out.view(P, B, Hkv, H // Hkv, D))
         return out
 

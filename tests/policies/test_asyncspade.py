@@ -714,41 +714,59 @@ def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, d
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
-def test_predict_layers_with_the_layers_taking_turns(monkeypatch):
-    """``refresh_every=2``: at a step where only some layers of a run refresh (their turn),
-    ``predict_layers`` still predicts the run in one launch; the refreshing layers select
-    what per-layer prediction selects, the others return their last selection, and no
-    prediction made ahead is left over for a later step."""
+@pytest.mark.parametrize("score_keys,dtype", [("exact", torch.float32), ("int4", torch.bfloat16)])
+def test_predict_layers_with_the_layers_taking_turns(score_keys, dtype, monkeypatch):
+    """``refresh_every=2`` over a run of 5 layers: at a step where only some layers refresh
+    (their turn, 2 apart), ``predict_layers`` predicts those layers only, in one launch (a
+    step with one such layer leaves it to its select); the refreshing layers select what
+    per-layer prediction selects (int4: the run's queries folded with the strided layers'
+    smoothing), the others return their last selection, and no prediction made ahead is
+    left over for a later step."""
+    from spade import kernels
+
     monkeypatch.setenv("SPADE_KERNELS", "triton")
-    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=12, n_layers=3)
+    sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=12, n_layers=5, dtype=dtype)
     pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4, predictor="assembled",
-                      group_reduce="sum_logits", rope_aware=False, refresh_every=2)
+                      group_reduce="sum_logits", rope_aware=False, refresh_every=2, score_keys=score_keys)
+    solves = []
+    ridge = kernels.ridge_predict
+    monkeypatch.setattr(kernels, "ridge_predict", lambda w, *a, **k: solves.append(w.shape[0]) or ridge(w, *a, **k))
     ks, vs, kv = sim.fresh_cache()
     states = []
     for _ in range(2):
         st = pol.new_state(2, "cpu")
         st.seq_len = 20
-        for layer in range(3):
+        for layer in range(5):
             pol.prefill(st, layer, sim.q_all[layer, :, :, :20], ks[layer], vs[layer], kv)
         states.append(st)
     held = {}
-    for seq in (21, 22):
+    turns = {21: [0, 1, 2, 3, 4], 22: [1, 3], 23: [0, 2, 4]}
+    for seq in (21, 22, 23):
         kvs = kv + (seq - 20)
         for st in states:
             st.seq_len = seq
-        pol.predict_layers(states[0], range(0, 3), kvs)
-        for layer in range(3):
-            fresh = pol.refreshes(states[0], layer)
+        solves.clear()
+        for run in (range(0, 3), range(3, 5)):  # two packs, as a cache rank runs them
+            pol.predict_layers(states[0], run, kvs)
+        fresh = [i for i in range(5) if pol.refreshes(states[0], i)]
+        assert fresh == turns[seq]
+        ahead = [i for i in range(5) if states[0].layers[i].q_pred is not None]
+        # a run's refreshing layers in one launch when there are two or more of them
+        want = [i for run in (range(0, 3), range(3, 5)) if len(f := [j for j in run if j in fresh]) >= 2 for i in f]
+        assert ahead == want
+        assert all((states[0].layers[i].q_scored is not None) == (score_keys == "int4") for i in ahead)
+        assert solves == [len([j for j in run if j in fresh]) * 2 * 4
+                          for run in (range(0, 3), range(3, 5)) if len([j for j in run if j in fresh]) >= 2]
+        for layer in range(5):
             a = pol.select(states[0], layer, None, ks[layer], kvs)
             b = pol.select(states[1], layer, None, ks[layer], kvs)
             assert torch.equal(a.indices, b.indices)
-            if not fresh:
+            if layer not in fresh:
                 assert a is held[layer]
             held[layer] = a
             assert states[0].layers[layer].q_pred is None
-        assert [pol.refreshes(states[0], i) for i in range(3)] == {21: [True] * 3, 22: [False, True, False]}[seq]
         for st in states:
-            for layer in range(3):
+            for layer in range(5):
                 pol.observe(st, layer, sim.q_all[layer, :, :, seq - 1], ks[layer], kvs)
 
 
