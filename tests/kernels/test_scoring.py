@@ -357,6 +357,44 @@ def test_score_topk_dispatch(monkeypatch, device):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("keys", ["exact", "int4", "paged"])
+def test_score_topk_ref_reads_no_position_past_the_rows(reduce, keys, monkeypatch):
+    """The torch reference (the CPU's selection kernel) scores the keys up to the rows'
+    furthest bound only (the candidates' ``hi``, or ``kv_lens`` for the ``sum_softmax``
+    normaliser; whole blocks through a table), not the cache's whole length, and selects
+    exactly what the whole length gives (every K case, int4 copies with their scales)."""
+    from spade.kernels import quant
+    from spade.kernels.paged import scatter_to_pool
+
+    B, Hq, Hkv, D, L = 3, 4, 2, 16, 96
+    q, k, kv_lens, kv_start = _inputs(B, Hq, Hkv, L, D, torch.float32, "cpu", seed=21)
+    kv_lens = torch.tensor([37, 29, 40])
+    lo, hi = _bounds(kv_lens, kv_start, 1, 2)
+    norm_lens = kv_lens if reduce == "sum_softmax" else None
+    ks, table = None, None
+    if keys == "int4":
+        k, ks = quant.quantize_keys_int4_ref(torch.nan_to_num(k))
+    elif keys == "paged":
+        k, table = scatter_to_pool(torch.nan_to_num(k), 8, torch.Generator().manual_seed(3), lens=kv_lens)
+    reads = []
+    logits = scoring._group_logits_ref
+    monkeypatch.setattr(scoring, "_group_logits_ref", lambda q, k, *a: reads.append(k.shape[2]) or logits(q, k, *a))
+    cut = scoring._cut_keys
+    for case in K_CASES:
+        k_top = _k_top(case, int(hi.max()))
+        kw = dict(reduce=reduce, kv_lens=norm_lens, kv_start=kv_start, k_scale=ks, block_table=table)
+        reads.clear()
+        got = scoring.score_topk_ref(q, k, lo, hi, k_top, **kw)
+        end = int((kv_lens if norm_lens is not None else hi).max())
+        assert reads == [end if table is None else -(-end // 8) * 8]
+        monkeypatch.setattr(scoring, "_cut_keys", lambda k, ks, bt, end, L: (k, ks, bt, L))
+        want = scoring.score_topk_ref(q, k, lo, hi, k_top, **kw)
+        monkeypatch.setattr(scoring, "_cut_keys", cut)
+        assert reads[-1] == (L if table is None else table.shape[1] * 8)  # (the whole length, uncut)
+        assert torch.equal(got, want)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(B=st.integers(1, 2), Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 3]), L=st.integers(1, 70),
        D=st.sampled_from([8, 16, 32]), reduce=st.sampled_from(REDUCES), sink=st.integers(0, 4),
