@@ -339,6 +339,43 @@ def test_select(reduce, heads, dtype, B, L, D, page_size, device):
                 assert set(got[got >= 0].tolist()) == want
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_select_ref_reads_no_page_past_the_rows(paged, monkeypatch):
+    """The torch reference (the CPU's Quest select) scores the pages up to the rows' last
+    only (bounds sized for the cache's whole length: here 3x the longest row), and selects
+    exactly what scoring every page gives, for every number of pages selected."""
+    B, Hq, Hkv, D, L, S = 3, 4, 2, 16, 90, 4
+    q, k, _, kv_start = _inputs(B, Hq, Hkv, L, D, torch.float32, "cpu", seed=31)
+    kv_lens = torch.tensor([29, 17, 30])
+    k = torch.nan_to_num(k)
+    if paged:
+        kv_start = torch.zeros_like(kv_start)  # (pool pages start at the rows' block boundaries)
+    kmin, kmax = quest.quest_build_ref(k, kv_lens, S, kv_start=kv_start)  # [B, Hkv, 23, D]
+    kw = dict(reduce="sum_logits", kv_start=kv_start)
+    if paged:  # pool bounds: one page per block (block_size = page_size), the rows' blocks shuffled
+        nb = kmin.shape[2]
+        perm = torch.randperm(B * nb, generator=torch.Generator().manual_seed(1))
+        table = perm.view(B, nb).to(torch.int32)
+        kmin, kmax = [torch.empty(B * nb, Hkv, 1, D).index_copy_(0, perm, x.transpose(1, 2).reshape(B * nb, Hkv, 1, D))
+                      for x in (kmin, kmax)]
+        kw.update(block_table=table, block_size=S)
+    reads = []
+    scores = quest.quest_page_scores_ref
+    monkeypatch.setattr(quest, "quest_page_scores_ref", lambda q, lo, hi, *a, **k: reads.append(lo.shape[2])
+                        or scores(q, lo, hi, *a, **k))
+    cut = quest._cut_pages
+    want_pages = int(((kv_lens - kv_start + S - 1) // S).max())
+    for n_sel in (1, 3, 6, 100):
+        reads.clear()
+        got = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, S, **kw)
+        assert reads == [want_pages]
+        monkeypatch.setattr(quest, "_cut_pages", lambda lo, hi, n: (lo, hi))
+        want = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, S, **kw)
+        monkeypatch.setattr(quest, "_cut_pages", cut)
+        assert reads[-1] > want_pages
+        assert torch.equal(got, want)
+
+
 def test_select_dispatch_and_empty_row(monkeypatch, device):
     """Through the public entry point (forced Triton), with an empty row (kv_lens == kv_start)."""
     monkeypatch.setenv("SPADE_KERNELS", "triton")
