@@ -125,10 +125,15 @@ def ridge_predict_ref(window: torch.Tensor, n_valid: int, *, mode: str = "assemb
 def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "assembled",
                         eps: float = 1e-2) -> torch.Tensor:
     """The same function as ``ridge_predict_ref`` in a few batched torch ops (the
-    CPU path): the Gram matrix of the regressors is built once, and every window
-    size's system is its trailing principal block, embedded in an identity of the
-    full size so that all of them go through one batched ``torch.linalg.solve``
-    (the identity part solves to exact zeros). float32 with float64 solves."""
+    CPU path), with the kernel's one factorisation for every window size: the Gram
+    matrix ``A = X Xᵀ + λI`` of the regressors is built once; every window size's
+    system is a trailing principal block of it, which the reversed matrix ``J A J``
+    turns into a leading one, and the leading blocks of its Cholesky factor ``L``
+    (``J A J = L Lᵀ``) are the factors of its leading blocks. So one Cholesky and one
+    forward substitution ``L u = J b`` (whose first ``w`` entries serve size ``w``)
+    leave one triangular solve per size, ``L_wᵀ z = u[:w]``, all of them in one
+    batched call (each embedded in an identity of the full size, which solves to
+    exact zeros). float32 with float64 factorisation and solves."""
     _check(window, n_valid, mode, eps)
     n = int(n_valid)
     R = window.shape[1]
@@ -138,16 +143,20 @@ def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "asse
     m = n - 1
     X, y, xs = x[:, :m], x[:, -1], x[:, 1:]  # regressors, target, shifted window: [N, m, D], [N, D], [N, m, D]
     lam = (eps * (x * x).sum(-1).mean(-1)).clamp_min(_LAMBDA_FLOOR).double()  # [N]
-    G = (X @ X.transpose(1, 2)).double()  # [N, m, m]
-    bv = (X @ y[:, :, None])[..., 0].double()  # [N, m]
-    sizes = torch.arange(1, m + 1, device=x.device) if mode == "assembled" else torch.tensor([m], device=x.device)
-    idx = torch.arange(m, device=x.device)
-    inside = idx[None, :] >= (m - sizes)[:, None]  # [S, m]: trailing block of each size
-    blk = inside[:, :, None] & inside[:, None, :]  # [S, m, m]
     eye = torch.eye(m, dtype=torch.float64, device=x.device)
-    A = torch.where(blk[None], G[:, None] + lam[:, None, None, None] * eye, eye)  # [N, S, m, m]
-    rhs = torch.where(inside[None], bv[:, None], torch.zeros((), dtype=torch.float64, device=x.device))
-    a = torch.linalg.solve(A, rhs).float()  # [N, S, m], zero outside each block
+    A = (X @ X.transpose(1, 2)).double() + lam[:, None, None] * eye  # [N, m, m]
+    bv = (X @ y[:, :, None])[..., 0].double()  # [N, m]
+    # J A J = L Lᵀ ([N, m, m]); _ex: no raise on a row of garbage (a skipped serving row), whose
+    # NaN stays in its own prediction, which ``skip`` replaces
+    low = torch.linalg.cholesky_ex(A.flip(-1, -2)).L
+    u = torch.linalg.solve_triangular(low, bv.flip(-1)[..., None], upper=False)  # [N, m, 1]
+    sizes = torch.arange(1, m + 1, device=x.device) if mode == "assembled" else torch.tensor([m], device=x.device)
+    lead = torch.arange(m, device=x.device)[None, :] < sizes[:, None]  # [S, m]: leading block of each size
+    T = torch.where((lead[:, :, None] & lead[:, None, :])[None], low.transpose(1, 2)[:, None], eye)  # [N, S, m, m]
+    rhs = torch.where(lead[None, :, :, None], u[:, None], torch.zeros((), dtype=torch.float64, device=x.device))
+    z = torch.linalg.solve_triangular(T, rhs, upper=True)[..., 0]  # [N, S, m], zero outside each block
+    a = z.flip(-1).float()  # back to the window's order: each size's weights on its trailing block
+    inside = lead.flip(-1)  # [S, m]: trailing block of each size
     if mode == "ridge":
         w = a
     else:  # softmax over each size's own entries only

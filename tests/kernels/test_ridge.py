@@ -160,7 +160,7 @@ def test_zero_window_and_dispatch(device, monkeypatch):
     from spade import kernels
 
     zeros = torch.zeros(2, 5, 16, device=device)
-    for fn in (Rg.ridge_predict_ref, Rg.ridge_predict_triton):
+    for fn in (Rg.ridge_predict_ref, Rg.ridge_predict_triton, Rg.ridge_predict_torch):
         for mode in MODES:
             assert torch.equal(fn(zeros, 5, mode=mode), torch.zeros(2, 16, device=device))
     window = torch.randn(2, 7, 16, device=device)
