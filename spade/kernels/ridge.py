@@ -129,11 +129,11 @@ def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "asse
     matrix ``A = X Xᵀ + λI`` of the regressors is built once; every window size's
     system is a trailing principal block of it, which the reversed matrix ``J A J``
     turns into a leading one, and the leading blocks of its Cholesky factor ``L``
-    (``J A J = L Lᵀ``) are the factors of its leading blocks. So one Cholesky and one
-    forward substitution ``L u = J b`` (whose first ``w`` entries serve size ``w``)
-    leave one triangular solve per size, ``L_wᵀ z = u[:w]``, all of them in one
-    batched call (each embedded in an identity of the full size, which solves to
-    exact zeros). float32 with float64 factorisation and solves."""
+    (``J A J = L Lᵀ``) are the factors of its leading blocks. So one Cholesky, one
+    triangular inverse and ``u = L⁻¹ J b`` (whose first ``w`` entries serve size
+    ``w``) leave size ``w``'s weights as ``L_w^{-T} u[:w]``, the leading block of
+    ``L^{-T}`` applied to them: one running sum over the columns of ``L^{-T} diag(u)``
+    gives every size at once. float32 with float64 factorisation and solves."""
     _check(window, n_valid, mode, eps)
     n = int(n_valid)
     R = window.shape[1]
@@ -149,12 +149,14 @@ def ridge_predict_torch(window: torch.Tensor, n_valid: int, *, mode: str = "asse
     # J A J = L Lᵀ ([N, m, m]); _ex: no raise on a row of garbage (a skipped serving row), whose
     # NaN stays in its own prediction, which ``skip`` replaces
     low = torch.linalg.cholesky_ex(A.flip(-1, -2)).L
-    u = torch.linalg.solve_triangular(low, bv.flip(-1)[..., None], upper=False)  # [N, m, 1]
+    # the leading block of L^{-T} is L_w^{-T}, so size w's weights are z_w = (L^{-T} u)_w summed over
+    # the first w columns only: a running sum over the columns gives every size at once
+    linv = torch.linalg.solve_triangular(low, eye.expand_as(low), upper=False)  # [N, m, m]: L^{-1}
+    u = (linv @ bv.flip(-1)[..., None])[..., 0]  # [N, m]: L u = J b
+    part = (linv.transpose(1, 2) * u[:, None, :]).cumsum(-1).transpose(1, 2)  # [N, w - 1, i]: Σ_{j < w}
     sizes = torch.arange(1, m + 1, device=x.device) if mode == "assembled" else torch.tensor([m], device=x.device)
     lead = torch.arange(m, device=x.device)[None, :] < sizes[:, None]  # [S, m]: leading block of each size
-    T = torch.where((lead[:, :, None] & lead[:, None, :])[None], low.transpose(1, 2)[:, None], eye)  # [N, S, m, m]
-    rhs = torch.where(lead[None, :, :, None], u[:, None], torch.zeros((), dtype=torch.float64, device=x.device))
-    z = torch.linalg.solve_triangular(T, rhs, upper=True)[..., 0]  # [N, S, m], zero outside each block
+    z = part[:, sizes - 1].masked_fill(~lead[None], 0.0)  # [N, S, m], zero outside each block
     a = z.flip(-1).float()  # back to the window's order: each size's weights on its trailing block
     inside = lead.flip(-1)  # [S, m]: trailing block of each size
     if mode == "ridge":
