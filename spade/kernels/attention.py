@@ -72,7 +72,7 @@ import triton.language as tl
 
 from spade.envs import env, triton_interpret
 from spade.kernels.common import loop_bound, plan_share
-from spade.kernels.paged import check_block_table, check_pool, paged_slots, paged_to_contiguous
+from spade.kernels.paged import check_block_table, check_pool, cut_logical, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -172,14 +172,7 @@ def sparse_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     B, Hq, Hkv, L, D = _check_inputs(q, k, v, kv_lens, indices, kv_start, block_table)
     _check_stats(stats, q.device)
     if k.device.type == "cpu" and B > 0:  # (the CPU's serving path: read no position past the longest row)
-        bs = 1 if block_table is None else k.shape[2]
-        n = -(-max(1, int(kv_lens.max())) // bs)  # positions (contiguous) or blocks (paged) that can be attended
-        if n * bs < L:
-            if block_table is None:
-                k, v = k[:, :, :n], v[:, :, :n]
-            else:
-                block_table = block_table[:, :n]
-            L = n * bs
+        L, block_table, k, v = cut_logical(int(kv_lens.max()), L, block_table, k.shape[2], k, v)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     mask = attended_mask(L, kv_lens.to(q.device), indices, Hkv, n_sink=n_sink, n_recent=n_recent,

@@ -77,6 +77,22 @@ def check_pool(pool: torch.Tensor, name: str = "pool") -> None:
         raise ValueError(f"{name} must be [num_blocks, Hkv, block_size, D]; got {tuple(pool.shape)}")
 
 
+def cut_logical(end: int, L: int, block_table: torch.Tensor | None, block_size: int,
+                *xs: torch.Tensor | None) -> tuple:
+    """A reference's view of a cache of ``L`` logical positions cut to its first ``end``
+    (at least one), for when no position past them can reach its result: contiguous
+    tensors ``xs`` [B, H, L, ...] sliced along dim 2 (None stays None), or, through a
+    ``block_table``, the table cut to the blocks of ``block_size`` that hold them (``xs``,
+    pools, untouched). Returns ``(L', block_table', *xs')``."""
+    bs = 1 if block_table is None else int(block_size)
+    n = -(-max(1, int(end)) // bs)  # positions (contiguous) or blocks (paged)
+    if n * bs >= L:
+        return (L, block_table, *xs)
+    if block_table is not None:
+        return (n * bs, block_table[:, :n], *xs)
+    return (n, None, *(None if x is None else x[:, :, :n] for x in xs))
+
+
 def paged_to_contiguous(pool: torch.Tensor, block_table: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """The logical cache [B, Hkv, max_blocks * block_size, D] of ``pool``
     [num_blocks, Hkv, block_size, D] seen through ``block_table`` [B, max_blocks]

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from spade.kernels import radix_topk
 from spade.kernels.common import _check_rows, _interpret, _sm_count, loop_bound
-from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous
+from spade.kernels.paged import check_block_table, cut_logical, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.scoring import _default_scale
 
@@ -272,13 +272,6 @@ def quest_page_scores_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     return torch.where(valid[:, None, :], s, torch.tensor(float("-inf"), device=s.device)).float()
 
 
-def _cut_pages(kmin: torch.Tensor, kmax: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bounds [B, Hkv, P, D] cut to their first ``n`` pages (at least one): what a
-    reference needs when no row has a page past them."""
-    n = max(1, n)
-    return (kmin, kmax) if n >= kmin.shape[2] else (kmin[:, :, :n], kmax[:, :, :n])
-
-
 def _select_plan(kv_lens: torch.Tensor, kv_start: torch.Tensor | None, page_size: int):
     """Per row (relative pages): its start, number of pages ``ceil((kv - start) / S)``
     and last page (the one holding kv_lens-1; -1 when the row is empty)."""
@@ -318,7 +311,7 @@ def quest_select_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kv
     B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
     start, n_pages, last = _select_plan(kv_lens.to(kmin.device), kv_start, page_size)
     if kmin.device.type == "cpu" and B > 0:  # (the CPU's select: no page past the rows' last)
-        kmin, kmax = _cut_pages(kmin, kmax, int(n_pages.max()))
+        P, _, kmin, kmax = cut_logical(int(n_pages.max()), P, None, 1, kmin, kmax)
     scores = quest_page_scores_ref(q, kmin, kmax, n_pages, scale=scale, reduce=reduce)
     # candidates: [0, last) -- every valid page but the last (empty when last = -1)
     zero = torch.zeros_like(last)

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
-from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous, tile_of
+from spade.kernels.paged import check_block_table, cut_logical, paged_slots, paged_to_contiguous, tile_of
 from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
@@ -266,20 +266,6 @@ def _logical_keys(k: torch.Tensor, block_table: torch.Tensor | None, lo: torch.T
     return kl, k_scale
 
 
-def _cut_keys(k: torch.Tensor, k_scale: torch.Tensor | None, block_table: torch.Tensor | None, end: int,
-              L: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
-    """Keys (and scales) cut to the first ``end`` logical positions, whole blocks for a
-    pool read through ``block_table`` (then the table is cut): what a reference needs when
-    no position at or past ``end`` can reach its result. Returns them with the new ``L``."""
-    bs = 1 if block_table is None else k.shape[2]
-    n = -(-max(1, end) // bs)  # positions (contiguous) or blocks (paged)
-    if n * bs >= L:
-        return k, k_scale, block_table, L
-    if block_table is not None:
-        return k, k_scale, block_table[:, :n], n * bs
-    return k[:, :, :n], None if k_scale is None else k_scale[:, :, :n], None, n
-
-
 def _reduce_ref(logits: torch.Tensor, norm: torch.Tensor, out: torch.Tensor, reduce: str) -> torch.Tensor:
     """Group-reduce ``logits`` [B, Hkv, G, L]; ``norm`` [B, L] or [B, Hkv, L] is the softmax
     support, ``out`` (same shapes) the positions kept (others ``-inf``). Returns [B, Hkv, L]
@@ -359,9 +345,10 @@ def score_topk_ref(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: torch
     if kv_start is not None:
         kv_start = _check_rows(kv_start, B, "kv_start", k.device)
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
+    top = torch.maximum(hi, n_hi)
     if k.device.type == "cpu" and B > 0:  # (the CPU's select: read no position past the rows' ranges)
-        k, k_scale, block_table, L = _cut_keys(k, k_scale, block_table, int(torch.maximum(hi, n_hi).max()), L)
-    k, k_scale = _logical_keys(k, block_table, torch.minimum(lo, n_lo), torch.maximum(hi, n_hi), k_scale)
+        L, block_table, k, k_scale = cut_logical(int(top.max()), L, block_table, k.shape[2], k, k_scale)
+    k, k_scale = _logical_keys(k, block_table, torch.minimum(lo, n_lo), top, k_scale)
     logits = _group_logits_ref(q, k, _default_scale(scale, D), k_scale)
     all_pos = torch.ones(B, L, dtype=torch.bool, device=k.device)
     scores = _reduce_ref(logits, _range_mask(n_lo, n_hi, L), all_pos, reduce)

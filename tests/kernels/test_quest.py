@@ -363,15 +363,15 @@ def test_select_ref_reads_no_page_past_the_rows(paged, monkeypatch):
     scores = quest.quest_page_scores_ref
     monkeypatch.setattr(quest, "quest_page_scores_ref", lambda q, lo, hi, *a, **k: reads.append(lo.shape[2])
                         or scores(q, lo, hi, *a, **k))
-    cut = quest._cut_pages
+    cut = quest.cut_logical
     want_pages = int(((kv_lens - kv_start + S - 1) // S).max())
     for n_sel in (1, 3, 6, 100):
         reads.clear()
         got = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, S, **kw)
         assert reads == [want_pages]
-        monkeypatch.setattr(quest, "_cut_pages", lambda lo, hi, n: (lo, hi))
+        monkeypatch.setattr(quest, "cut_logical", lambda end, L, bt, bs, *xs: (L, bt, *xs))
         want = quest.quest_select_ref(q, kmin, kmax, kv_lens, n_sel, S, **kw)
-        monkeypatch.setattr(quest, "_cut_pages", cut)
+        monkeypatch.setattr(quest, "cut_logical", cut)
         assert reads[-1] > want_pages
         assert torch.equal(got, want)
 

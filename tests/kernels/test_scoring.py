@@ -380,7 +380,7 @@ def test_score_topk_ref_reads_no_position_past_the_rows(reduce, keys, monkeypatc
     reads = []
     logits = scoring._group_logits_ref
     monkeypatch.setattr(scoring, "_group_logits_ref", lambda q, k, *a: reads.append(k.shape[2]) or logits(q, k, *a))
-    cut = scoring._cut_keys
+    cut = scoring.cut_logical
     for case in K_CASES:
         k_top = _k_top(case, int(hi.max()))
         kw = dict(reduce=reduce, kv_lens=norm_lens, kv_start=kv_start, k_scale=ks, block_table=table)
@@ -388,9 +388,9 @@ def test_score_topk_ref_reads_no_position_past_the_rows(reduce, keys, monkeypatc
         got = scoring.score_topk_ref(q, k, lo, hi, k_top, **kw)
         end = int((kv_lens if norm_lens is not None else hi).max())
         assert reads == [end if table is None else -(-end // 8) * 8]
-        monkeypatch.setattr(scoring, "_cut_keys", lambda k, ks, bt, end, L: (k, ks, bt, L))
+        monkeypatch.setattr(scoring, "cut_logical", lambda end, L, bt, bs, *xs: (L, bt, *xs))
         want = scoring.score_topk_ref(q, k, lo, hi, k_top, **kw)
-        monkeypatch.setattr(scoring, "_cut_keys", cut)
+        monkeypatch.setattr(scoring, "cut_logical", cut)
         assert reads[-1] == (L if table is None else table.shape[1] * 8)  # (the whole length, uncut)
         assert torch.equal(got, want)
 
