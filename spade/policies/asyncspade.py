@@ -140,17 +140,8 @@ def gather_channels(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx)
 
 
-TAIL_NEVER = (1 << 31) - 1
-"""A ``tail_pos`` entry that never leaves the recent window (a sink or padding position);
-int32, as the indices the tail slots are written into."""
-
-
-def _fits(buf: torch.Tensor | None, shape: tuple, device: torch.device) -> bool:
-    """Whether ``buf`` can hold a selection of ``shape``: a contiguous int32 tensor of that
-    shape on ``device``."""
-    return buf is not None and tuple(buf.shape) == tuple(shape) and buf.dtype == torch.int32 \
-        and buf.device == device and buf.is_contiguous()
-
+TAIL_NEVER = 1 << 62
+"""A ``tail_pos`` entry that never leaves the recent window (a sink or padding position)."""
 
 REFRESH_CARRY_MARGIN = 2.0
 """With ``refresh_every > 1`` the threshold-carry top-K's next threshold aims at this many
@@ -280,11 +271,8 @@ class AsyncSpadeLayerState:
     ``K - n_tail`` slots, then the tail slots (``_n_tail``)."""
     scan_buf: torch.Tensor | None = None
     """``refresh_every > 1``: int32 [B, Hkv, K - n_tail], the scan's output at a refresh."""
-    tail_none: torch.Tensor | None = None
-    """``refresh_every > 1``: int32 ``-1`` (0-dim), what a tail slot holds until its token leaves
-    the recent window."""
     tail_pos: torch.Tensor | None = None
-    """``refresh_every > 1``: int32 [B, n_tail], the positions the tail slots take once they
+    """``refresh_every > 1``: int64 [B, n_tail], the positions the tail slots take once they
     leave the recent window: ``base - R + j`` (``base``: the cache lengths of the layer's last
     refresh, R the recent window), or ``TAIL_NEVER`` for one among the sinks or left padding."""
     index: int = -1
@@ -996,18 +984,16 @@ class AsyncSpadePolicy(Policy):
                kv_lens: torch.Tensor, out: torch.Tensor | None = None) -> Selection | None:
         """``out``: see ``Policy.select_takes_out`` (``topk_selection``'s)."""
         cfg = self.cfg
-        st = state.layers[layer]
         if is_dense(state, cfg.budget, self.name):
-            if st is not None:  # its buffer may be an output row, which a dense step fills with -1
-                st.last_sel = None
             return None
+        st = state.layers[layer]
         if not self.refreshes(state, layer):  # refresh_every > 1, between this layer's refreshes
             if st is None:
                 return None
             st.q_pred, st.q_scored, st.q_scored_smooth = None, None, None
             n_tail = self._n_tail()
             if n_tail and st.last_sel is not None and st.last_sel.indices is st.keep:
-                self._write_tail(state, st, kv_lens, st.keep[:, :, st.keep.shape[2] - n_tail:])
+                self._write_tail(st, kv_lens, st.keep[:, :, st.keep.shape[2] - n_tail:])
             return st.last_sel
         pre = None  # the query as scored, made ahead with the run's prediction (predict_layers)
         if st is not None and st.q_scored is not None:
@@ -1045,20 +1031,14 @@ class AsyncSpadePolicy(Policy):
             if state.refresh_anchor is None:
                 state.refresh_anchor = state.seq_len
             if st.keep is None or tuple(st.keep.shape) != shape or st.keep.device != k_cache.device:
-                # a cache rank's output row (select_takes_out), when it fits, becomes the layer's
-                # buffer: the refreshes and the tail slots write the selection where it is sent
-                # from, with no copy per layer and step; adopted only here, where the buffer is
-                # made, so every captured graph of the layer writes the one buffer
-                st.keep = out if _fits(out, shape, k_cache.device) else \
-                    torch.empty(shape, dtype=torch.int32, device=k_cache.device)
+                st.keep = torch.empty(shape, dtype=torch.int32, device=k_cache.device)
             out = st.keep
             if n_tail:  # the scan fills all but the tail slots (see _n_tail)
                 if st.scan_buf is None or tuple(st.scan_buf.shape) != shape[:2] + (shape[2] - n_tail,) \
                         or st.scan_buf.device != k_cache.device:
                     st.scan_buf = torch.empty(shape[:2] + (shape[2] - n_tail,), dtype=torch.int32,
                                               device=k_cache.device)
-                    st.tail_pos = torch.empty(shape[0], n_tail, dtype=torch.int32, device=k_cache.device)
-                    st.tail_none = torch.full((), -1, dtype=torch.int32, device=k_cache.device)
+                    st.tail_pos = torch.empty(shape[0], n_tail, dtype=torch.int64, device=k_cache.device)
                 out = st.scan_buf
         # rerank m > 1: m * K_mid candidates in the middle (sinks and recent window as ever)
         n_cand = cfg.sink_tokens + cfg.recent_tokens + cfg.rerank * self.k_mid - n_tail
@@ -1073,7 +1053,7 @@ class AsyncSpadePolicy(Policy):
             with after_selects(k_cache.device):
                 st.keep[:, :, :shape[2] - n_tail].copy_(sel.indices)
                 self._set_tail(state, st, kv_lens)
-                self._write_tail(state, st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
+                self._write_tail(st, kv_lens, st.keep[:, :, shape[2] - n_tail:])
             sel = Selection(indices=st.keep, n_sink=sel.n_sink, n_recent=sel.n_recent, kv_start=sel.kv_start)
         rr = self.rerank_keep()
         if rr is not None:
@@ -1097,24 +1077,16 @@ class AsyncSpadePolicy(Policy):
     def _set_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor) -> None:
         """At a refresh: ``st.tail_pos`` from its cache lengths (device-side, in place)."""
         t = st.tail_pos
-        n = t.shape[1]
-        pos = self._window_start(state, kv_lens, t.device) + torch.arange(n, device=t.device)  # [B, n]
+        R, n = self.cfg.recent_tokens, t.shape[1]
+        pos = (kv_lens.to(device=t.device, dtype=torch.int64) - R)[:, None] + torch.arange(n, device=t.device)
         first = self.cfg.sink_tokens if state.kv_start is None else \
             (state.kv_start.to(t.device).long() + self.cfg.sink_tokens)[:, None]
         t.copy_(pos.masked_fill_(pos < first, TAIL_NEVER))
 
-    def _window_start(self, state: PolicyState, kv_lens: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """[B, 1] int64 ``kv_lens - R``, the first position of each row's recent window: once
-        per step and device for every layer (``state.memo``)."""
-        return derived(state.memo, ("window start", device), (kv_lens,),
-                       lambda: (kv_lens.to(device=device, dtype=torch.int64) - self.cfg.recent_tokens)[:, None])
-
-    def _write_tail(self, state: PolicyState, st: AsyncSpadeLayerState, kv_lens: torch.Tensor,
-                    dst: torch.Tensor) -> None:
-        """Into ``dst`` [B, Hkv, n_tail] (int32): each of ``st.tail_pos`` once it has left the
-        recent window (below ``kv_lens - R``), else ``-1``: a compare and a select per layer
-        and step, the select writing ``dst`` in place."""
+    def _write_tail(self, st: AsyncSpadeLayerState, kv_lens: torch.Tensor, dst: torch.Tensor) -> None:
+        """Into ``dst`` [B, Hkv, n_tail]: each of ``st.tail_pos`` once it has left the recent
+        window (below ``kv_lens - R``), else ``-1``: a compare and a select per step."""
         B, H, n = dst.shape
         t = st.tail_pos
-        gone = t < self._window_start(state, kv_lens, t.device)  # [B, n]
-        torch.where(gone[:, None, :].expand(B, H, n), t[:, None, :], st.tail_none, out=dst)
+        gone = t < (kv_lens.to(device=t.device, dtype=torch.int64) - self.cfg.recent_tokens)[:, None]
+        dst.copy_(torch.where(gone, t, -1)[:, None, :].expand(B, H, n))

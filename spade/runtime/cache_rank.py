@@ -670,12 +670,6 @@ class _Generation:
         policy.predict_layers(state, range(l0, l1), self.kv_sel)  # e.g. asyncspade: the pack's predictions in one launch
         # the output rows of the last call of this pack: a policy that takes them writes
         # its indices there directly (select_takes_out); a fresh buffer below gets copies
-        if policy.select_takes_out and p not in out:
-            # the buffers at the selections' width before the first select, so that a policy
-            # keeping a buffer per layer (asyncspade's refresh_every) makes it the output row
-            layout = policy.selection_layout()
-            if layout is not None and layout[0] > 0:
-                self._out_buffers(p, layout[0])
         rows = out[p]["rows"] if p in out and policy.select_takes_out else None
         # layer j's top-K select beside layer j+1's scoring (kernels.select_overlap; joined
         # on exit, before anything below reads the indices); grids sized for the rows in use
@@ -697,9 +691,16 @@ class _Generation:
     def _fill_out(self, p: int, seq: int, sels: list, K: int) -> None:
         """Pack ``p``'s output buffers (made or remade for width ``K``): the indices, -1 padded,
         and in the kv return mode the gathered K/V."""
-        l0 = self.packs[p][0]
-        s = self.s
-        o = self._out_buffers(p, K)
+        l0, l1 = self.packs[p]
+        s, dev, dt, B, Hkv, D = self.s, self.dev, self.dt, self.B, self.Hkv, self.D
+        o = self.out.get(p)
+        n = l1 - l0
+        if o is None or o["idx"].shape[-1] != K:
+            o = self.out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
+            o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
+            if s.return_mode == "kv":
+                o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
+                o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
         idx = o["idx"]
         for j, sel in enumerate(sels):
             if sel is None:
@@ -715,19 +716,6 @@ class _Generation:
                     kk, vv = kernels.gather_kv(k, v, idx[j], block_table=self.state.block_table)
                     o["k"][j].copy_(kk)
                     o["v"][j].copy_(vv)
-
-    def _out_buffers(self, p: int, K: int) -> dict:
-        """Pack ``p``'s output buffers for width ``K``: made, or remade for another width."""
-        o = self.out.get(p)
-        if o is None or o["idx"].shape[-1] != K:
-            l0, l1 = self.packs[p]
-            dev, dt, B, Hkv, D, n = self.dev, self.dt, self.B, self.Hkv, self.D, l1 - l0
-            o = self.out[p] = {"idx": torch.empty(n, B, Hkv, K, dtype=torch.int32, device=dev)}
-            o["rows"] = list(o["idx"].unbind(0))  # fixed view objects: `sel.indices is rows[j]`
-            if self.s.return_mode == "kv":
-                o["k"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
-                o["v"] = torch.empty(n, B, Hkv, K, D, dtype=dt, device=dev)
-        return o
 
     async def _select_and_send(self, p: int, step: int, seq: int) -> None:
         hooks, rank = self.hooks, self.rank

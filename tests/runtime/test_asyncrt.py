@@ -292,32 +292,6 @@ def test_refresh_every_matches_inline_tokens(model, prompt, inline_tokens, topol
     assert tr.stats["sel_messages"] >= sparse_steps * len(packs_of(model.spec.n_layers, pack))
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_selections_are_made_in_the_output_rows(model, prompt, n, monkeypatch):
-    """The cache rank makes a pack's output buffers before its first select, and asyncspade
-    selects into them: every step's scan (``refresh_every`` 1), or the layer's buffer that the
-    refreshes and the tail slots write (``refresh_every`` 3), is the row that is sent, so no
-    selection is copied (``_fill_out`` sees each one in its row); the tokens stay the inline
-    ones with the same setting."""
-    from spade.runtime import cache_rank
-
-    real = cache_rank._Generation._fill_out
-    seen = []
-
-    def spy(self, p, seq, sels, K):
-        rows = self.out[p]["rows"] if p in self.out else ()
-        seen.extend(j < len(rows) and sel.indices is rows[j] for j, sel in enumerate(sels) if sel is not None)
-        return real(self, p, seq, sels, K)
-
-    monkeypatch.setattr(cache_rank._Generation, "_fill_out", spy)
-    cfg = config(f"policy.refresh_every={n}", "runtime.topology=colocated", "runtime.pack_layers=2")
-    want = InlineRuntime(cfg, model, build_policy(cfg.policy, model.spec)).generate(
-        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
-    tr = generate_cfg(cfg, model, prompt)
-    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
-    assert len(seen) >= tr.stats["sparse_steps"] * model.spec.n_layers and all(seen)
-
-
 def test_hf_backend_growing_cache(prompt):
     """transformers' DynamicCache grows by concatenation: the cache rank keeps its
     own store and shows the policy the same cache length the inline run sees."""
