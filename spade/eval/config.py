@@ -81,6 +81,12 @@ class SelectionEvalConfig(_Budgets):
     query's top ``m * K_mid`` middle tokens are the candidates and the true query keeps
     the best ``K_mid`` of them (group reduction over the candidates), rows
     ``asyncspade[<predictor>,...,rerank=m]``."""
+    rerank_keys: list[Literal["exact", "int8", "int4"]] = Field(default_factory=lambda: ["exact"])
+    """The keys the re-rank (``reranks`` m > 1) scores its candidates on: ``exact`` (the
+    cache, what ``policy.rerank`` does), or the int8 / int4 copy the cache rank scores on
+    (``policy.score_keys``: per-token scales, int4 with the prompt-fitted per-channel
+    smoothing), as a candidate scan reading a quarter / half of the exact key bytes would;
+    rows ``...,rerank=m,keys=int4]`` beside the exact ones."""
     score_channels: list[PosInt] = Field(default_factory=lambda: [1])
     """asyncspade's ``score_channels`` as divisors of the head dim: ``n`` scores r = d/n
     channels per KV head (1: all of them), chosen as the policy chooses them (the window's

@@ -378,6 +378,7 @@ class _LayerReplay:
         self.reduces = list(cfg.group_reduces)
         self.ref_reduce = self.reduces[0]
         self.common = dict(sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
+        self._rerank_caches: dict[str, torch.Tensor] = {}
         self.ref: dict[str, Ranked] = {}
         self._kmass_cs: torch.Tensor | None = None  # prefix sums of the keys' pair norms (channel choice)
 
@@ -462,11 +463,36 @@ class _LayerReplay:
                 cand = pred.idx[..., :width]
                 slot = torch.arange(cand.shape[-1], device=self.dev)[None, None, :]
                 cand = torch.where(slot < (m * kt)[:, None, None], cand, torch.full_like(cand, -1))
-                rs = rerank_scores_ref(self.q_t, self.kc, cand, scale=self.spec.softmax_scale, reduce=red)
-                order = torch.sort(-rs, dim=-1, stable=True).indices  # best first; -1 slots (-inf) last
-                rk = Ranked.from_order(cand.gather(-1, order), self.T)
-                self.acc.add((label, policy, red, "recall"), self.layer, rk.recall(self.probs, self.fmass, kt))
-                self.acc.add((label, policy, red, "overlap"), self.layer, rk.overlap(self.ref[red], kt))
+                for keys in self.cfg.rerank_keys:
+                    rs = rerank_scores_ref(self.q_t, self.rerank_cache(keys), cand, scale=self.spec.softmax_scale,
+                                           reduce=red)
+                    order = torch.sort(-rs, dim=-1, stable=True).indices  # best first; -1 slots (-inf) last
+                    rk = Ranked.from_order(cand.gather(-1, order), self.T)
+                    pol = policy if keys == "exact" else f"{policy[:-1]},keys={keys}]"
+                    self.acc.add((label, pol, red, "recall"), self.layer, rk.recall(self.probs, self.fmass, kt))
+                    self.acc.add((label, pol, red, "overlap"), self.layer, rk.overlap(self.ref[red], kt))
+
+    def rerank_cache(self, keys: str) -> torch.Tensor:
+        """[B, Hkv, T, D] keys the re-rank scores its candidates on: the cache (``exact``), or
+        its int8 / int4 copy dequantised, as the policy's scoring copy holds it (per-token
+        scales; int4 with the per-channel smoothing fitted on each row's prompt
+        ``[0, kv_pre)``, then kept for the later keys). Made once per layer and kind."""
+        if keys == "exact":
+            return self.kc
+        got = self._rerank_caches.get(keys)
+        if got is None:
+            from spade.kernels import quant
+
+            k = self.kc.contiguous()
+            if keys == "int8":
+                kq, ks = quant.quantize_keys_ref(k)
+                got = kq.float() * ks[..., None]
+            else:
+                smooth = quant.fit_smoothing(k, self.kv_pre)
+                kq, ks = quant.quantize_keys_int4_ref(k, smooth)
+                got = quant.unpack_int4(kq).float() * ks[..., None] * smooth[:, :, None, :]
+            got = self._rerank_caches[keys] = got.to(k.dtype)
+        return got
 
     def channel_mask(self, win: torch.Tensor, r: int) -> torch.Tensor:
         """[B, Hq, D] 0/1: the r channels asyncspade's ``score_channels`` scores at each

@@ -261,6 +261,43 @@ def test_rerank_rows_measure_the_policys_reranked_selection(rng):
     assert rows["asyncspade[last,rerank=3]"]["overlap"] > rows["asyncspade[last]"]["overlap"]
 
 
+def test_rerank_keys_score_the_candidates_on_the_policys_copy(rng):
+    """``rerank_keys``: rows per key kind beside the exact re-rank, each scoring the same
+    candidates on the copy the policy keeps with ``score_keys`` of that kind (int4: each row's
+    smoothing fitted on its prompt), which the replay's dequantised cache equals."""
+    from spade.eval.selection import _LayerReplay, positions_for
+    from spade.kernels.quant import unpack_int4
+
+    qs, ks = _random_capture(rng, layers=1, hq=6, hkv=2)
+    spec = _spec(6, 2, 16, layers=1)
+    cfg = _cfg(budgets=[24], context_fractions=[], baselines=["oracle"], predictors=["last"], rope_aware=[False],
+               group_reduces=["sum_logits"], reranks=[3], rerank_keys=["exact", "int8", "int4"],
+               shift_ablation=False, distances=[1])
+    acc = Acc(1)
+    evaluate_captured(cfg, spec, qs, ks, acc)
+    rows = {r["policy"]: r for r in summarize(acc)}
+    names = ["asyncspade[last,rerank=3]", "asyncspade[last,rerank=3,keys=int8]", "asyncspade[last,rerank=3,keys=int4]"]
+    assert all(0 < rows[n]["recall"] <= 1 + 1e-6 for n in names)
+    q, k = qs[0], ks[0]
+    ts = positions_for(cfg, q.shape[1])
+    B, R = len(ts), cfg.window + 1
+    rep = _LayerReplay(cfg, spec, q, k, ts, 0, Acc(1))
+    kc = k[None].expand(B, *k.shape)
+    for kind in ("int8", "int4"):
+        pol = AsyncSpadePolicy(AsyncSpadePolicyConfig(budget=24, sink_tokens=2, recent_tokens=4, predictor="last",
+                                                      window=cfg.window, group_reduce="sum_logits", score_keys=kind,
+                                                      rope_aware=False), spec)
+        st = _state(int(ts.max()), B)
+        pol.prefill(st, 0, torch.stack([q[:, t - R:t] for t in ts.tolist()]), kc, kc, ts.to(torch.int32))
+        lay = st.layers[0]
+        vals = unpack_int4(lay.kq).float() * lay.k_smooth[:, :, None, :] if kind == "int4" else lay.kq.float()
+        got = vals * lay.ks[..., None]
+        want = rep.rerank_cache(kind).float()
+        assert not torch.equal(want, kc.float())  # a copy, not the exact keys
+        for b, t in enumerate(ts.tolist()):
+            assert torch.allclose(got[b, :, :t], want[b, :, :t], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_channel_ranking_matches_asyncspade_select_with_score_channels(rope, rng):
     """The replay's ``r = d/n`` rows (the query masked to the channels the policy picks
