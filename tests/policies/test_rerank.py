@@ -94,3 +94,49 @@ def test_rerank_validates():
 
     with pytest.raises(ValidationError, match="rerank"):
         AsyncSpadePolicyConfig(rerank=0)
+
+
+def test_key_copy_follows_a_growing_cache():
+    """``spade.attention.KeyCopy`` under a cache that is concatenated each step (the HF
+    backend's): the prompt written at prefill, each step's key appended, the copy grown
+    with its content kept; it always equals ``quantize_keys`` of the cache, and
+    ``AttentionContext.attend`` re-ranks on it (the int8 copy's kept set)."""
+    from spade.attention import AttentionContext, FixedSelector, KeyCopy
+    from spade.policies.base import AttentionSpec, Selection
+
+    g = torch.Generator().manual_seed(3)
+    B, H, D, T = 2, 2, 16, 5
+    copy = KeyCopy()
+    cache = torch.randn(B, H, T, D, generator=g)
+    copy.write(0, cache, cache, 0)
+    for L in range(T + 1, T + 12):
+        cache = torch.cat([cache, torch.randn(B, H, 1, D, generator=g)], dim=2)
+        copy.append(0, cache, torch.full((B,), L), None)
+        kq, ks = copy.keys(0)
+        want_q, want_s = kernels.quantize_keys(cache)
+        assert kq.shape == want_q.shape and torch.equal(kq, want_q) and torch.equal(ks, want_s)
+    assert copy.kq[0].shape[2] == 20  # 5 -> 10 -> 20: doubled, not grown per step
+
+    class Int8Rerank(FixedSelector):
+        rerank_keys = "int8"
+
+    spec = AttentionSpec(n_layers=1, n_q_heads=4, n_kv_heads=H, head_dim=D)
+    cand = (1 + torch.randperm(T - 2, generator=g)).to(torch.int32).expand(B, H, T - 2).contiguous()
+    sel = Selection(indices=cand, n_sink=1, n_recent=1, keep=2)  # candidates: the prompt's middle
+    ctx = AttentionContext(spec, Int8Rerank(sel))
+    assert ctx.key_copy is not None
+    ctx.begin_step(T)
+    ctx.prefill(0, torch.randn(B, 4, T, D, generator=g), cache[:, :, :T], cache[:, :, :T], torch.full((B,), T))
+    seen = []
+    real = kernels.rerank_select
+    kernels.rerank_select = lambda q, k, c, keep, **kw: seen.append(k.dtype) or real(q, k, c, keep, **kw)
+    try:
+        for L in range(T + 1, cache.shape[2] + 1):
+            ctx.begin_step(L)
+            q = torch.randn(B, 4, D, generator=g)
+            ctx.attend(0, q, cache[:, :, :L], cache[:, :, :L], torch.full((B,), L))
+    finally:
+        kernels.rerank_select = real
+    assert seen == [torch.int8] * (cache.shape[2] - T)
+    kq, ks = ctx.key_copy.keys(0)
+    assert torch.equal(kq, kernels.quantize_keys(cache)[0])
