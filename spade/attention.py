@@ -103,7 +103,7 @@ class KeyCopy:
     cache's block table), ``k ≈ kq * ks`` (``kernels.quantize_keys``).
 
     It follows every write of the keys the attention context sees: a batch's prompt
-    (``AttentionContext.prefill``), a serving row's prompt (``write_row``) and each decode
+    (``AttentionContext.prefill``), a serving row's prompt (``write_row_keys``) and each decode
     step's key (``append``, device-side at slot ``kv_lens - 1``: graph-safe). The re-rank
     reads only candidates, which are middle tokens written before the step, so the copy
     is never read where it is stale."""
