@@ -12,9 +12,6 @@ each (``benchmarks.kernels.Timer.graph``):
   per (row, KV head); or the two fused) + the suite's indexed attention over sinks +
   kept + recent: what the inference rank runs per layer;
 * ``rerank / select``: the select alone;
-* ``rerank / select int8`` and ``select+attend int8``: the candidates scored on an int8
-  copy of the keys (``kernels.quantize_keys``, one scale per key row: half the key bytes;
-  ``deficit_exact`` is the kept set's shortfall of true score against the exact keys');
 * ``rerank / torch+attend`` (timed eagerly, launches included): candidates' scores with torch ops (gather, einsum,
   softmax) + ``torch.topk`` + gather of the positions + the same attention: the
   reference;
@@ -232,27 +229,6 @@ def main(argv: list[str] | None = None) -> int:
             rec.add("rerank", "torch+attend", shape, lambda: timer(torch_ref), rr_bytes + att_k_bytes, bw)
             rec.add("attend_K", "triton", shape, lambda: run(lambda: attend(kept)), att_k_bytes, bw)
             rec.add("attend_M", "triton", shape, lambda: run(lambda: attend(cand)), att_m_bytes, bw)
-            # the candidates scored on an int8 copy of the keys (per-row scales): checked
-            # against the reference on the dequantised keys; ``deficit_exact``: what the
-            # copy's rounding costs against the exact keys' kept set
-            kq, ks = kernels.quantize_keys(k)
-            kept8 = torch.empty_like(kept)
-            rerank.rerank_select_triton(q, kq, cand, k_mid, scale=scale, out=kept8, k_scale=ks)
-            deficit8 = _deficit(q, kq.float() * ks[..., None], cand, kept8, k_mid)
-            if deficit8 > 1e-3:
-                rec.skip("rerank", "select int8", shape, f"wrong selection (deficit {deficit8:.2e})")
-            else:
-                rr8_bytes = B * hkv * (M * (d + 4 + 4) + k_mid * 4) + q.numel() * elt
-
-                def two_stage8():
-                    rerank.rerank_select_triton(q, kq, cand, k_mid, scale=scale, out=kept8, k_scale=ks)
-                    return attend(kept8)
-
-                rec.add("rerank", "select int8", shape, lambda: run(lambda: rerank.rerank_select_triton(
-                    q, kq, cand, k_mid, scale=scale, out=kept8, k_scale=ks)), rr8_bytes, bw, deficit=deficit8,
-                    deficit_exact=_deficit(q, k, cand, kept8, k_mid))
-                rec.add("rerank", "select+attend int8", shape, lambda: run(two_stage8), rr8_bytes + att_k_bytes, bw)
-            del kq, ks
             if args.block_size > 0:
                 _paged_rows(rec, run, q, k, v, cand, kv_lens, kept, k_mid, scale, shape, args.block_size,
                             rr_bytes, att_k_bytes, bw, n_sink, n_recent)

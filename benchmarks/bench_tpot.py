@@ -199,8 +199,6 @@ def policy_overrides(name: str, K: int, a) -> list[str]:
         out.append(f"policy.refresh_every={a.cur_refresh}")
     if getattr(a, "cur_rerank", 1) != 1:
         out.append(f"policy.rerank={a.cur_rerank}")
-        if getattr(a, "cur_rerank_keys", "exact") != "exact":
-            out.append(f"policy.rerank_keys={a.cur_rerank_keys}")
     if getattr(a, "cur_channels", 0):
         out.append(f"policy.score_channels={a.cur_channels}")
     return out
@@ -869,9 +867,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="policy.rerank values m of the asyncspade rows (comma-separated; m > 1: the cache rank "
                          "selects m*K_mid candidates and the inference rank re-ranks them with the true query; "
                          "rows named .../m=<m>)")
-    ap.add_argument("--rerank-keys", default="exact",
-                    help="policy.rerank_keys values of the rows with --rerank m > 1 (comma-separated: exact, int8; "
-                         "int8 adds rows suffixed /rk=int8: the re-rank scores the inference rank's int8 key copy)")
     ap.add_argument("--score-channels", default="0",
                     help="policy.score_channels values of the asyncspade rows (comma-separated; r of the head "
                          "dim's channels in the scoring copy, 0: all; r > 0 adds rows named .../c=<r>)")
@@ -925,11 +920,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.rerank = _int_list(ap, "--rerank", a.rerank, 1, 16, "policy.rerank", 1)
     a.score_channels = _int_list(ap, "--score-channels", a.score_channels, 0, 1 << 16,
                                  "policy.score_channels; 0: all", 0)
-    a.rerank_keys = [x.strip() for x in a.rerank_keys.split(",") if x.strip()] or ["exact"]
-    bad = sorted(set(a.rerank_keys) - {"exact", "int8"})
-    if bad:
-        ap.error(f"--rerank-keys {','.join(bad)}: policy.rerank_keys is exact or int8")
-    a.cur_refresh, a.cur_rerank, a.cur_rerank_keys = 1, 1, "exact"
+    a.cur_refresh, a.cur_rerank = 1, 1
     a.cur_channels = 0
     return a
 
@@ -988,46 +979,38 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
                 a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
-        for rr, ch, n, sk, rk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys,
-                                                   a.rerank_keys):
-            if (rr == 1 and ch == 0 and n == 1 and sk == "exact") or (rr == 1 and rk != "exact"):
-                continue  # the plain asyncspade/inline row above; rerank_keys only with a re-rank
+        for rr, ch, n, sk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys):
+            if rr == 1 and ch == 0 and n == 1 and sk == "exact":
+                continue  # the plain asyncspade/inline row above
 
-            def go_inline(sk=sk, n=n, rr=rr, ch=ch, rk=rk):
+            def go_inline(sk=sk, n=n, rr=rr, ch=ch):
                 a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = sk, n, rr, ch
-                a.cur_rerank_keys = rk
                 try:
                     return run_inline(model, "asyncspade/inline", B, L, K, a)
                 finally:
                     a.cur_score_keys, a.cur_refresh, a.cur_rerank, a.cur_channels = "exact", 1, 1, 0
-                    a.cur_rerank_keys = "exact"
 
             record("asyncspade/inline" + ("" if sk == "exact" else f"/{sk}") + ("" if n == 1 else f"/r={n}")
-                   + ("" if rr == 1 else f"/m={rr}") + ("" if rk == "exact" else f"/rk={rk}")
-                   + ("" if ch == 0 else f"/c={ch}"), go_inline)
+                   + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"), go_inline)
     for topo in ("colocated", "local", "multiprocess"):
         if f"asyncspade/{topo}" not in a.methods or (topo != "colocated" and not two):
             continue
         threads = a.cache_thread if topo != "multiprocess" else ["auto"]
-        for rr, ch, n, sk, mode, P, ct, rk in itertools.product(a.rerank, a.score_channels, a.refresh_every,
-                                                                 a.score_keys, a.modes, a.packs, threads,
-                                                                 a.rerank_keys):
-            if rk != "exact" and (rr == 1 or mode == "kv"):
-                continue  # rerank_keys only with a re-rank of this rank's own cache
+        for rr, ch, n, sk, mode, P, ct in itertools.product(a.rerank, a.score_channels, a.refresh_every,
+                                                             a.score_keys, a.modes, a.packs, threads):
             name = (f"asyncspade/{topo}/P={P}" + ("" if mode == "indices" else f"/{mode}")
                     + ("" if sk == "exact" else f"/{sk}")
                     + ("" if ct == threads[0] else f"/{ct}") + ("" if n == 1 else f"/r={n}")
-                    + ("" if rr == 1 else f"/m={rr}") + ("" if rk == "exact" else f"/rk={rk}")
-                    + ("" if ch == 0 else f"/c={ch}"))
+                    + ("" if rr == 1 else f"/m={rr}") + ("" if ch == 0 else f"/c={ch}"))
 
-            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch, rk=rk):
+            def go(topo=topo, P=P, mode=mode, sk=sk, ct=ct, n=n, rr=rr, ch=ch):
                 a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = sk, ct, n, rr
-                a.cur_channels, a.cur_rerank_keys = ch, rk
+                a.cur_channels = ch
                 try:
                     return run_async(model, topo, P, mode, B, L, K, a, shared)
                 finally:
                     a.cur_score_keys, a.cur_cache_thread, a.cur_refresh, a.cur_rerank = "exact", "auto", 1, 1
-                    a.cur_channels, a.cur_rerank_keys = 0, "exact"
+                    a.cur_channels = 0
 
             record(name, go)
 

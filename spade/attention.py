@@ -95,91 +95,6 @@ class FixedSelector:
         pass
 
 
-class KeyCopy:
-    """The inference side's int8 copy of the keys that the two-stage re-rank scores
-    (``policy.rerank_keys: int8``): per layer ``kq`` int8 and ``ks`` float32 in the key
-    cache's own layout ([B, Hkv, L, D] and [B, Hkv, L]; a paged cache's pool
-    [num_blocks, Hkv, block_size, D] and [num_blocks, Hkv, block_size], read through the
-    cache's block table), ``k ≈ kq * ks`` (``kernels.quantize_keys``).
-
-    It follows every write of the keys the attention context sees: a batch's prompt
-    (``AttentionContext.prefill``), a serving row's prompt (``write_row_keys``) and each decode
-    step's key (``append``, device-side at slot ``kv_lens - 1``: graph-safe). The re-rank
-    reads only candidates, which are middle tokens written before the step, so the copy
-    is never read where it is stale."""
-
-    def __init__(self):
-        self.kq: dict[int, torch.Tensor] = {}  # per layer, [B, Hkv, capacity >= L, D] (a pool: its shape)
-        self.ks: dict[int, torch.Tensor] = {}
-        self.len: dict[int, int] = {}  # per layer, the cache's L at the last write
-
-    def _ensure(self, layer: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's copy for the key cache (or pool) ``cache`` [B, Hkv, L, D], as views of
-        its first L positions: allocated on first use (zeros), anew for another batch
-        (B, Hkv, D or device changed), and grown, its content kept, for a cache that grew
-        along L (a cache that is concatenated each step: capacity doubled, so the copies
-        amortise). A static cache or a pool keeps one allocation."""
-        B, H, L, D = cache.shape
-        kq, ks = self.kq.get(layer), self.ks.get(layer)
-        if kq is None or (kq.shape[0], kq.shape[1], kq.shape[3]) != (B, H, D) or kq.device != cache.device:
-            kq = torch.zeros(cache.shape, dtype=torch.int8, device=cache.device)
-            ks = torch.zeros(cache.shape[:3], dtype=torch.float32, device=cache.device)
-        elif kq.shape[2] < L:
-            cap = max(L, 2 * kq.shape[2])
-            kq2 = torch.zeros(B, H, cap, D, dtype=torch.int8, device=cache.device)
-            ks2 = torch.zeros(B, H, cap, dtype=torch.float32, device=cache.device)
-            kq2[:, :, :kq.shape[2]] = kq
-            ks2[:, :, :ks.shape[2]] = ks
-            kq, ks = kq2, ks2
-        self.kq[layer], self.ks[layer] = kq, ks
-        self.len[layer] = L
-        return kq[:, :, :L], ks[:, :, :L]
-
-    def write(self, layer: int, cache: torch.Tensor, k: torch.Tensor, start: int,
-              rows: slice | None = None, table: torch.Tensor | None = None) -> None:
-        """Quantise ``k`` [n, Hkv, T, D] into logical positions ``[start, start + T)``:
-        of the batch rows ``rows`` of a contiguous cache, or through ``table`` [n,
-        max_blocks] into a paged one (``cache``: the layer's key cache or pool)."""
-        kq, ks = self._ensure(layer, cache)
-        q8, s8 = kernels.quantize_keys(k.contiguous())
-        T = k.shape[2]
-        if table is not None:
-            from spade.kernels.paged import paged_write
-
-            paged_write(kq, table, q8, start)
-            paged_write(ks[..., None], table, s8[..., None], start)
-        else:
-            rows = slice(0, k.shape[0]) if rows is None else rows
-            kq[rows, :, start:start + T] = q8
-            ks[rows, :, start:start + T] = s8
-
-    def append(self, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor,
-               block_table: torch.Tensor | None) -> None:
-        """Each row's newest key (slot ``kv_lens - 1`` of the cache or, paged, of the table)
-        into the copy: one device-side launch."""
-        from spade.policies.common import last_token_keys
-
-        kq, ks = self._ensure(layer, k_cache)
-        kv = kv_lens.to(k_cache.device)
-        src = k_cache if block_table is None else last_token_keys(k_cache, kv, block_table)
-        kernels.quantize_append(kq, ks, src, kv, pos_offset=-1, block_table=block_table)
-
-    def keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's (kq, ks) as of the cache's L at the last write."""
-        L = self.len[layer]
-        return self.kq[layer][:, :, :L], self.ks[layer][:, :, :L]
-
-
-def key_copy_for(selector) -> KeyCopy | None:
-    """A ``KeyCopy`` when the selector's policy re-ranks on int8 keys
-    (``Policy.rerank_keys``), else None."""
-    keys = getattr(selector, "rerank_keys", None)
-    if keys is None:
-        pol = getattr(selector, "policy", None)
-        keys = pol.rerank_keys() if pol is not None else "exact"
-    return KeyCopy() if keys == "int8" else None
-
-
 class AttentionContext:
     """Per-generation attention context: the selector, the step's bookkeeping and
     device-side statistics (no host sync inside a step).
@@ -205,8 +120,6 @@ class AttentionContext:
         self.block_table: torch.Tensor | None = None
         #: the cache's logical capacity per row when ``k_cache`` does not show it (paged), else None
         self.cache_len: int | None = None
-        #: the int8 key copy the re-rank scores (``policy.rerank_keys: int8``), else None
-        self.key_copy: KeyCopy | None = key_copy_for(selector)
 
     def begin_step(self, seq_len: int) -> None:
         """Called by the backend before each prefill/decode step with the cache
@@ -228,48 +141,14 @@ class AttentionContext:
         ``state.join_pool`` (state the policy keeps in the pool's layout is written there); a
         cache rank's selector keeps the pools, not the prompt's contiguous copies, for the
         boot (``spade.runtime.selector``)."""
-        if self.key_copy is not None:  # the prompt's keys [0, T) (before kv_start: unread)
-            T = self.seq_len
-            if pool is not None:
-                self.key_copy.write(layer, pool[0], k_cache[:, :, :T], 0, table=pool[2])
-            else:
-                self.key_copy.write(layer, k_cache, k_cache[:, :, :T], 0)
         self.selector.prefill(layer, q, k_cache, v_cache, kv_lens, pool=pool)
-
-    def write_row_keys(self, layer: int, row: int, k_row: torch.Tensor, lo: int, hi: int, backend) -> None:
-        """Serving: a joining row's prompt keys, positions ``[lo, hi)`` of ``k_row`` [1, Hkv,
-        >= hi, D] (the row's cache view), into the re-rank's int8 copy, if any, in the layout
-        of ``backend``'s cache (its pool and block table when paged)."""
-        if self.key_copy is None:
-            return
-        k = k_row[:, :, lo:hi]
-        if getattr(backend, "paged", False):
-            table = backend.block_table[row:row + 1]
-            self.key_copy.write(layer, backend.k_cache[layer], k, lo, table=table)
-        else:
-            self.key_copy.write(layer, backend.k_cache[layer], k, lo, rows=slice(row, row + 1))
-
-    def append_keys(self, layer: int, k_cache: torch.Tensor, kv_lens: torch.Tensor) -> None:
-        """The step's key into the re-rank's int8 copy, if any (every decode step, dense or
-        sparse: a later sparse step may re-rank it)."""
-        if self.key_copy is not None:
-            self.key_copy.append(layer, k_cache, kv_lens, self.block_table)
-
-    def rerank(self, layer: int, sel: Selection, q: torch.Tensor, k_cache: torch.Tensor) -> Selection:
-        """``sel`` re-ranked by the true query ``q`` (two-stage: ``sel.keep`` > 0) on the
-        cache's keys, or on the int8 copy (``key_copy``)."""
-        if self.key_copy is None:
-            return sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
-        kq, ks = self.key_copy.keys(layer)
-        return sel.reranked(q, kq, self.spec.softmax_scale, block_table=self.block_table, k_scale=ks)
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> torch.Tensor:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
-        self.append_keys(layer, k_cache, kv_lens)
         if sel is not None and sel.keep > 0:  # two-stage: the true query keeps the best candidates
-            sel = self.rerank(layer, sel, q, k_cache)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         stats = self.layer_stats(layer, q, k_cache)
         bt = self.block_table
         if sel is None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spade.attention import InlineSelector, key_copy_for
+from spade.attention import InlineSelector
 from spade.models.hf import _as_policy, attention_spec, use_spade_attention
 from spade.policies.base import AttentionSpec, Policy
 
@@ -62,9 +62,6 @@ class TeacherForcing:
         self.spec = spec
         self.prefill_len = prefill_len
         self.selector = InlineSelector(policy, policy.new_state(1, device))
-        #: ``policy.rerank_keys: int8``: the re-rank scores an int8 copy of the keys, as decoding's
-        #: attention context keeps it (written at the prompt, appended each step)
-        self.key_copy = key_copy_for(self.selector)
         self.attended: list[float] = [0.0] * spec.n_layers
 
     def masks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,9 +83,6 @@ class TeacherForcing:
         sel = self.selector
         sel.begin_step(P, None)
         sel.prefill(layer, q[:, :, :P], k_buf, v_buf, torch.tensor([P], dtype=torch.int32, device=dev))
-        copy = self.key_copy
-        if copy is not None:
-            copy.write(layer, k_buf, k_buf[:, :, :P], 0)
         n_att = 0.0
         for t in range(P, T):
             k_buf[:, :, t] = k[:, :, t]
@@ -97,14 +91,8 @@ class TeacherForcing:
             q_t = q[:, :, t].contiguous()  # [1, Hq, D]
             sel.begin_step(t + 1, None)
             s = sel.selection(layer, q_t, k_buf, kv_lens)
-            if copy is not None:
-                copy.append(layer, k_buf, kv_lens, None)
             if s is not None and s.keep > 0:  # two-stage: attended are the candidates the true query keeps
-                if copy is None:
-                    s = s.reranked(q_t, k_buf, self.spec.softmax_scale)
-                else:
-                    kq, ks = copy.keys(layer)
-                    s = s.reranked(q_t, kq, self.spec.softmax_scale, k_scale=ks)
+                s = s.reranked(q_t, k_buf, self.spec.softmax_scale)
             if s is not None:
                 mask[:, t] = s.to_mask(kv_lens, T)[0]  # [Hkv, T]
                 n_att += float(s.attended(kv_lens).double().mean())

@@ -247,8 +247,7 @@ def sparse_decode_attention(q, k, v, kv_lens, indices=None, *, n_sink=0, n_recen
               kv_start=kv_start, return_lse=return_lse, stats=stats, count_call=count_call, **paged)
 
 
-def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None, block_table=None,
-                  k_scale=None):
+def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=None, block_table=None):
     """Re-rank candidates with the true query: the ``keep`` best of ``cand`` [B, Hkv, M]
     (positions into ``k`` [B, Hkv, L, D], ``-1`` = empty) by the group score of ``q``
     [B, Hq, D] over the candidates (``reduce``; ``sum_softmax`` normalises each head over
@@ -256,16 +255,13 @@ def rerank_select(q, k, cand, keep, *, scale=None, reduce="sum_softmax", out=Non
     ties go to the lower candidate slot. Two launches on the GPU (one where fused), no host sync
     (``spade.kernels.rerank``). ``out``: an int32 [B, Hkv, keep] buffer to write.
     ``block_table`` [B, max_blocks]: ``k`` is a paged pool [num_blocks, Hkv, block_size, D]
-    and ``cand`` holds logical positions, mapped through the table in the kernel.
-    ``k_scale`` [B, Hkv, L] (or the pool's [num_blocks, Hkv, block_size]) float32: ``k``
-    is an int8 copy of the keys (``quantize_keys``) and the candidates are scored on it."""
+    and ``cand`` holds logical positions, mapped through the table in the kernel."""
     from spade.kernels import rerank
 
     if use_triton(q):
         return rerank.rerank_select_triton(q, k, cand, keep, scale=scale, reduce=reduce, out=out,
-                                           block_table=block_table, k_scale=k_scale)
-    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce, block_table=block_table,
-                                    k_scale=k_scale)
+                                           block_table=block_table)
+    kept = rerank.rerank_select_ref(q, k, cand, keep, scale=scale, reduce=reduce, block_table=block_table)
     return kept if out is None else out.copy_(kept)
 
 

@@ -82,7 +82,7 @@ split gives one chunk per row; True: always, one program per row; False: never).
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str,
-           block_table: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> tuple[int, ...]:
+           block_table: torch.Tensor | None = None) -> tuple[int, ...]:
     if q.dim() != 3 or k.dim() != 4:
         raise ValueError(f"q must be [B, Hq, D] and k [B, Hkv, L, D] (or a pool [num_blocks, Hkv, block_size, D] "
                          f"with block_table=), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -102,60 +102,43 @@ def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, redu
         raise ValueError(f"keep must be >= 0, got {keep}")
     if reduce not in _REDUCES:
         raise ValueError(f"reduce must be one of {sorted(_REDUCES)}, got {reduce!r}")
-    if k_scale is None and not k.dtype.is_floating_point:
-        raise ValueError(f"keys of dtype {k.dtype} need their per-token scales (k_scale=, an int8 copy from "
-                         "spade.kernels.quantize_keys); exact keys are a float dtype")
-    if k_scale is not None:
-        if k.dtype != torch.int8:
-            raise ValueError(f"k_scale= goes with int8 keys (spade.kernels.quantize_keys), got {k.dtype} keys")
-        if k_scale.dtype != torch.float32 or tuple(k_scale.shape) != tuple(k.shape[:3]):
-            raise ValueError(f"k_scale must be float32 {tuple(k.shape[:3])} (one scale per key row), got "
-                             f"{k_scale.dtype} {tuple(k_scale.shape)}")
+    if not k.dtype.is_floating_point:
+        raise ValueError(f"the re-rank scores exact keys (a float dtype), got {k.dtype}")
     return B, Hq, Hkv, D, cand.shape[2]
 
 
 def rerank_scores_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, *, scale: float | None = None,
-                      reduce: str = "sum_softmax", block_table: torch.Tensor | None = None,
-                      k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      reduce: str = "sum_softmax", block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Group scores of the candidates: [B, Hkv, M] float32, ``-inf`` at ``-1`` slots.
 
     ``q`` [B, Hq, D], ``k`` [B, Hkv, L, D], ``cand`` [B, Hkv, M] int (positions into k's
     L, ``-1`` = empty). ``sum_softmax`` normalises each head over the valid candidates.
     ``block_table`` [B, max_blocks]: ``k`` is a paged pool (``spade.kernels.paged``) and
-    ``cand`` holds logical positions. ``k_scale`` [B, Hkv, L] (or the pool's [num_blocks,
-    Hkv, block_size]): ``k`` is an int8 copy (``spade.kernels.quantize_keys``) and the
-    candidates are scored on ``k * k_scale`` with the query as given (not rounded)."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce, block_table, k_scale)
+    ``cand`` holds logical positions."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, 0, reduce, block_table)
     if block_table is not None:
         k = paged_to_contiguous(k, block_table)
-        if k_scale is not None:
-            k_scale = paged_to_contiguous(k_scale[..., None], block_table)[..., 0]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     valid = cand >= 0  # [B, Hkv, M]
     pos = cand.long().clamp(min=0)
     kc = k.gather(2, pos[..., None].expand(B, Hkv, M, D)).float()  # [B, Hkv, M, D]
-    if k_scale is not None:
-        kc = kc * k_scale.gather(2, pos)[..., None]
-        qg = q.float().reshape(B, Hkv, G, D)
-    else:
-        qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
+    qg = (q if q.dtype == k.dtype else q.to(k.dtype)).float().reshape(B, Hkv, G, D)
     logits = torch.einsum("bhgd,bhmd->bhgm", qg, kc) * scale  # [B, Hkv, G, M]
     return _reduce_ref(logits, valid, valid, reduce)  # sum_softmax: over the valid candidates
 
 
 def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                       scale: float | None = None, reduce: str = "sum_softmax",
-                      block_table: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The ``keep`` best candidates by the true query ``q``: int32 [B, Hkv, keep], in
     candidate-slot order, ``-1`` padding (fewer than ``keep`` valid candidates); ties
-    broken by the lower slot. ``block_table``: ``k`` is a paged pool; ``k_scale``: ``k``
-    is an int8 copy (``rerank_scores_ref``). See the module docstring."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table, k_scale)
+    broken by the lower slot. ``block_table``: ``k`` is a paged pool. See the module docstring."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table)
     out = torch.full((B, Hkv, keep), -1, dtype=torch.int32, device=q.device)
     if keep == 0 or M == 0:
         return out
-    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce, block_table=block_table, k_scale=k_scale)
+    s = rerank_scores_ref(q, k, cand, scale=scale, reduce=reduce, block_table=block_table)
     valid = cand >= 0
     order = torch.sort(-s, dim=-1, stable=True).indices  # best first, ties by slot ([B, Hkv, M])
     rank = torch.empty_like(order)
@@ -176,29 +159,26 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
+def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, stride_tb,
+                 stride_cb, stride_ch, stride_cm, stride_tb,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 KINT8: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+                 PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
     """The logits of candidates ``[split * CHUNK, +CHUNK)`` of row ``pid`` (b * Hkv + h).
     sum_softmax: the G heads' logits to LOGITS [rows, G, M] and the chunk's per-head
     (max, sum of exponentials) to PART [rows, NSPLIT, 2, G_PAD]; otherwise the
     group-reduced scores straight to SCORES [rows, M] (``-inf`` at empty slots).
     PAGED: K is a pool [num_blocks, Hkv, BLOCK_SIZE, D] (``stride_kb`` its block
     stride) and each candidate's logical position is mapped through row b's block
-    table BT (``paged_slots``) in the tile that gathers its key. KINT8: K is an int8
-    copy with one float32 scale per key row in KS (same layout as K without D); the
-    tile is converted to the query's dtype for the dot (|v| <= 127: exact in bf16) and
-    each candidate's logits multiplied by its scale."""
+    table BT (``paged_slots``) in the tile that gathers its key."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
-    elif not KINT8:
+    else:
         q = q.to(K.dtype.element_ty)  # the query as scored: rounded to the keys' dtype
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -206,11 +186,9 @@ def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, C
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     if PAGED:
         k_base = K + h.to(tl.int64) * stride_kh
-        s_base = KS + h.to(tl.int64) * stride_sh
         bt_row = BT + b.to(tl.int64) * stride_tb
     else:
         k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-        s_base = KS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
     lg_base = LOGITS + row64 * G * M
     m_run = tl.full([G_PAD], float("-inf"), tl.float32)
     s_run = tl.zeros([G_PAD], tl.float32)
@@ -225,20 +203,13 @@ def _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, C
         if PAGED:
             slot = tl.where(valid, paged_slots(cand, bt_row, BLOCK_SIZE), 0).to(tl.int64)
             row_off = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kl
-            s_off = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_sl
         else:
-            pos = tl.where(valid, cand, 0).to(tl.int64)
-            row_off = pos * stride_kl
-            s_off = pos * stride_sl
+            row_off = tl.where(valid, cand, 0).to(tl.int64) * stride_kl
         kt = tl.load(k_base + row_off[:, None] + offs_d[None, :] * stride_kd,
-                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_M, BLOCK_D]
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_M, BLOCK_D]
         if UPCAST:
             kt = kt.to(tl.float32)
-        elif KINT8:
-            kt = kt.to(q.dtype)
         s = dot_t(q, kt, IEEE) * scale  # [G_PAD, BLOCK_M] fp32
-        if KINT8:
-            s = s * tl.load(s_base + s_off, mask=valid, other=0.0)[None, :]
         if REDUCE == 2:  # only the G real heads' rows are written (not the dot's padding)
             tl.store(lg_base + offs_g[:, None] * M + offs_m[None, :], s,
                      mask=g_mask[:, None] & (offs_m[None, :] < end))
@@ -397,19 +368,19 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_score_kernel(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, Hkv, M, CHUNK, NSPLIT, scale,
+def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, BT, Hkv, M, CHUNK, NSPLIT, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, stride_tb,
+                         stride_cb, stride_ch, stride_cm, stride_tb,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         KINT8: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr):
     """Grid (B * Hkv, NSPLIT): ``_score_chunk`` of one chunk of one (b, KV head)."""
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK,
-                 NSPLIT, scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D,
-                 BLOCK_M, REDUCE, UPCAST, IEEE, KINT8, PAGED, BLOCK_SIZE, INTERPRET)
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, tl.program_id(0), tl.program_id(1), Hkv, M, CHUNK, NSPLIT,
+                 scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                 stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE,
+                 PAGED, BLOCK_SIZE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -428,23 +399,22 @@ def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
 
 
 @triton.jit
-def _rerank_fused_kernel(Q, K, KS, CAND, OUT, LOGITS, SCORES, PART, BT, Hkv, M, KEEP, scale,
+def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, BT, Hkv, M, KEEP, scale,
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                         stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, stride_tb,
-                         stride_ob, stride_oh, stride_ok,
+                         stride_cb, stride_ch, stride_cm, stride_tb, stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         KINT8: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr):
     """Grid (B * Hkv,): one program scores all M candidates of its (b, KV head), then
     selects (one launch; the logits go through its own L1/L2 between the two)."""
     pid = tl.program_id(0)
     grid_dep_wait(PDL)
-    _score_chunk(Q, K, KS, CAND, LOGITS, SCORES, PART, BT, pid, 0, Hkv, M, M, 1, scale,
+    _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, 0, Hkv, M, M, 1, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
-                 stride_sb, stride_sh, stride_sl, stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D,
-                 BLOCK_M, REDUCE, UPCAST, IEEE, KINT8, PAGED, BLOCK_SIZE, INTERPRET)
+                 stride_cb, stride_ch, stride_cm, stride_tb, G, G_PAD, D, BLOCK_D, BLOCK_M, REDUCE, UPCAST, IEEE,
+                 PAGED, BLOCK_SIZE, INTERPRET)
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
@@ -497,16 +467,14 @@ def _unroll_g(G: int, block: int, warps: int) -> bool:
 
 def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, *,
                          scale: float | None = None, reduce: str = "sum_softmax",
-                         out: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                         k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``rerank_select_ref`` (two launches, or one fused; same result up to the
     products' rounding, which can only reorder near-ties). ``out``: a contiguous int32
     [B, Hkv, keep] buffer to write (returned); else a new one. ``block_table``
     [B, max_blocks] int32: ``k`` is a paged pool [num_blocks, Hkv, block_size, D] and the
     scoring maps each candidate through the table where it gathers the key (no copy of
-    the candidates' keys). ``k_scale``: ``k`` is an int8 copy with these per-row scales
-    (half the bytes of bf16 keys per candidate, plus 4 for the scale)."""
-    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table, k_scale)
+    the candidates' keys)."""
+    B, Hq, Hkv, D, M = _check(q, k, cand, keep, reduce, block_table)
     dev = q.device
     if out is None:
         out = torch.empty(B, Hkv, keep, dtype=torch.int32, device=dev)
@@ -529,31 +497,28 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     scores = torch.empty(rows * M if red != 2 or not cfg["ONE_TILE"] else 1, dtype=torch.float32, device=dev)
     part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
     interp = _interpret()
-    kint8 = k_scale is not None
-    ieee = (q.dtype if kint8 else k.dtype) == torch.float32 and not interp
+    ieee = k.dtype == torch.float32 and not interp
     scale = D ** -0.5 if scale is None else float(scale)
     paged = block_table is not None
     bt = block_table if paged else cand  # (unread when not paged)
-    ks = k_scale if kint8 else cand  # (unread without int8 keys)
-    s_strides = (ks.stride(0), ks.stride(1), ks.stride(2)) if kint8 else (0, 0, 0)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-               *s_strides, cand.stride(0), cand.stride(1), cand.stride(2), bt.stride(0) if paged else 0)
+               cand.stride(0), cand.stride(1), cand.stride(2), bt.stride(0) if paged else 0)
     o_strides = (out.stride(0), out.stride(1), out.stride(2))
     page = dict(PAGED=paged, BLOCK_SIZE=k.shape[2] if paged else 1)
     if cfg["FUSED"]:
         _rerank_fused_kernel[(rows,)](
-            q, k, ks, cand, out, logits, scores, part, bt, Hkv, M, keep, scale, *strides, *o_strides,
+            q, k, cand, out, logits, scores, part, bt, Hkv, M, keep, scale, *strides, *o_strides,
             G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
             ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
-            UPCAST=interp, IEEE=ieee, KINT8=kint8, INTERPRET=interp, **page,
+            UPCAST=interp, IEEE=ieee, INTERPRET=interp, **page,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
     _rerank_score_kernel[(rows, nsplit)](
-        q, k, ks, cand, logits, scores, part, bt, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
+        q, k, cand, logits, scores, part, bt, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
         G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
-        KINT8=kint8, INTERPRET=interp, **page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+        INTERPRET=interp, **page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
     _rerank_select_kernel[(rows,)](
-        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[10:13], *o_strides,
+        cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:10], *o_strides,
         G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
         UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))

@@ -197,14 +197,6 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     ``refresh_every > 1`` the reused candidate set is re-ranked by each step's query.
     The ``kv`` / ``delta`` return modes ship the ``m * K_mid`` candidates (see
     docs/policies.md)."""
-    rerank_keys: Literal["exact", "int8"] = "exact"
-    """What the inference rank's re-rank (``rerank`` > 1) scores the candidates on.
-    ``exact``: the cache's keys. ``int8``: an int8 copy of the keys (one scale per key,
-    ``kernels.quantize_keys``) that the inference rank keeps beside its cache (+1/2 of the
-    key cache's bytes at bf16, written at prefill, joins and each step's append): the
-    re-rank reads half the bytes per candidate. Only where the inference rank re-ranks its
-    own cache: the ``indices`` and ``delta`` return modes (``kv`` re-ranks the candidates'
-    keys the cache rank ships, and refuses it)."""
     refresh_every: int = Field(1, ge=1, le=64)
     """Select at the first sparse step and every N steps after it; the steps between
     reuse the last selection, while the recent window keeps covering the newest tokens.
@@ -405,11 +397,6 @@ class AsyncSpadePolicy(Policy):
         """``(K_mid, group_reduce)`` with ``rerank`` > 1, else None (``Policy.rerank_keep``)."""
         c = self.cfg
         return (self.k_mid, c.group_reduce) if c.rerank > 1 and self.k_mid > 0 else None
-
-    def rerank_keys(self) -> str:
-        """``policy.rerank_keys`` when the selections are re-ranked, else ``exact``
-        (``Policy.rerank_keys``)."""
-        return self.cfg.rerank_keys if self.rerank_keep() is not None else "exact"
 
     def graph_key(self, state: PolicyState) -> tuple:
         # the number of valid window rows changes the predictor's work until it saturates;

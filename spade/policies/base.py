@@ -139,17 +139,14 @@ class Selection:
     """The group reduction of the re-rank (``spade.kernels.rerank``)."""
 
     def reranked(self, q: torch.Tensor, k_cache: torch.Tensor, scale: float | None = None,
-                 out: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None) -> Selection:
+                 out: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> Selection:
         """This selection with its candidates re-ranked by ``q`` [B, Hq, D] against the exact
         keys ``k_cache`` [B, Hkv, L, D]: the ``keep`` best as a plain selection (``keep`` 0);
         itself when it is one already. ``out``: int32 [B, Hkv, keep] buffer for the indices.
 
         ``block_table`` [B, max_blocks] int32: ``k_cache`` is a paged cache's pool
         [num_blocks, Hkv, block_size, D] (``spade.kernels.paged``); the re-rank kernel maps
-        the candidates' logical positions through it where it reads their keys.
-        ``k_scale``: ``k_cache`` is an int8 copy of the keys with these per-key scales
-        (``spade.attention.KeyCopy``)."""
+        the candidates' logical positions through it where it reads their keys."""
         if self.keep <= 0:
             return self
         from spade import kernels
@@ -160,7 +157,7 @@ class Selection:
                 f"Selection.reranked: k_cache {tuple(k_cache.shape)} is not the [B={B}, Hkv, L, D] cache of this "
                 "selection; a paged cache's pool [num_blocks, Hkv, block_size, D] needs block_table=")
         kept = kernels.rerank_select(q, k_cache, self.indices, self.keep, scale=scale, reduce=self.keep_reduce,
-                                     out=out, block_table=block_table, k_scale=k_scale)
+                                     out=out, block_table=block_table)
         return Selection(indices=kept, n_sink=self.n_sink, n_recent=self.n_recent, kv_start=self.kv_start)
 
     def _bounds(self, kv_lens: torch.Tensor):
@@ -298,12 +295,6 @@ class Policy(ABC):
         inference rank of the asynchronous runtime rebuilds the selections the cache rank
         ships with it. Default: None."""
         return None
-
-    def rerank_keys(self) -> str:
-        """What the attention's re-rank scores the candidates on (``rerank_keep``):
-        ``exact`` (the cache's keys) or ``int8`` (a copy the attention context keeps,
-        ``spade.attention.KeyCopy``). Default: ``exact``."""
-        return "exact"
 
     def predict_layers(self, state: PolicyState, layers: range, kv_lens: torch.Tensor | None = None) -> None:
         """Prepare this step's ``select`` of every layer in ``layers`` (consecutive) at

@@ -14,7 +14,6 @@ import torch
 
 from spade import kernels
 from spade.attention import AttentionContext
-from spade.errors import ConfigError
 from spade.kernels.stage import stage_qkv
 from spade.policies.base import Policy, Selection
 from spade.policies.common import last_token_keys
@@ -38,8 +37,7 @@ class AsyncSelector:
     stages each layer's (q, k_new, v_new) for the pack message."""
 
     def __init__(self, spec, packs: list[tuple[int, int]], *, stage_kv: bool, shared: SharedKV | None,
-                 return_mode: str, rerank: tuple[int, str] | None = None, q_rows: int = 0,
-                 rerank_keys: str = "exact"):
+                 return_mode: str, rerank: tuple[int, str] | None = None, q_rows: int = 0):
         self.spec = spec
         self.q_rows = int(q_rows or 0)
         """The prompt's last queries the cache rank's boot takes (``Policy.rows``; 0: all): a
@@ -48,12 +46,6 @@ class AsyncSelector:
         self.rerank = rerank
         """``Policy.rerank_keep()``: the cache rank's selections are candidates, of which
         the attention keeps ``rerank[0]`` by the true query (``Selection.keep``)."""
-        if rerank_keys != "exact" and return_mode == "kv":
-            raise ConfigError(f"policy.rerank_keys={rerank_keys} re-ranks on a copy of this rank's keys, but the kv "
-                              "return mode re-ranks the candidates' keys the cache rank ships: set "
-                              "runtime.return_mode to indices or delta, or policy.rerank_keys to exact")
-        self.rerank_keys = rerank_keys
-        """``Policy.rerank_keys()``: ``int8``: the attention context re-ranks on its int8 key copy."""
         self.packs = packs
         self.where = {}  # layer -> (pack, slot in pack)
         for p, (l0, l1) in enumerate(packs):

@@ -108,8 +108,7 @@ class InferenceSession:
             self.sel = None if rt.sync_policy else AsyncSelector(spec, self.packs, stage_kv=True, shared=None,
                                                                  return_mode=rt.return_mode,
                                                                  rerank=self.policy.rerank_keep(),
-                                                                 q_rows=self.policy.rows or 0,
-                                                                 rerank_keys=self.policy.rerank_keys())
+                                                                 q_rows=self.policy.rows or 0)
         self.gen = 0
         """Serving: joins sent this session (``join_rows``); selections tagged with an older
         one were made from rows' previous content and are dropped."""

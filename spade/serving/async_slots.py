@@ -75,8 +75,7 @@ class AsyncSlotBatch(SlotBatch):
         self.rt = runtime
         spec = backend.spec
         self.sel = AsyncSelector(spec, P.packs_of(spec.n_layers, runtime.pack_layers), stage_kv=True, shared=None,
-                                 return_mode=runtime.return_mode, rerank=policy.rerank_keep(),
-                                 rerank_keys=policy.rerank_keys())
+                                 return_mode=runtime.return_mode, rerank=policy.rerank_keep())
         ctx = AsyncSlotContext(spec, self.sel, device=self.device)
         ctx.kv_start = self.kv_start
         ctx.dense_rows = self.ctx.dense_rows
@@ -154,7 +153,6 @@ class AsyncSlotBatch(SlotBatch):
         rec = self._recording = []
 
         def report(layer, q, k_row, v_row):  # q: the prompt's newest queries [1, Hq, <= T, D]
-            self.ctx.write_row_keys(layer, row, k_row, S - T, S, self.backend)
             q_tail = q[:, :, max(0, q.shape[2] - W):].clone()
             if shared:
                 rec.append((q_tail, None, None))

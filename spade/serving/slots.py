@@ -98,7 +98,6 @@ class SlotContext(AttentionContext):
 
     def _attend(self, layer, q, k_cache, v_cache, kv_lens):
         sel = self.selector.selection(layer, q, k_cache, kv_lens)
-        self.append_keys(layer, k_cache, kv_lens)
         stats = self.layer_stats(layer, q, k_cache)
         scale = self.spec.softmax_scale
         bt = self.block_table
@@ -119,7 +118,7 @@ class SlotContext(AttentionContext):
         """The selection's attention over the local cache (re-ranked first by the true query
         when its indices are candidates)."""
         if sel.keep > 0:
-            sel = self.rerank(layer, sel, q, k_cache)
+            sel = sel.reranked(q, k_cache, self.spec.softmax_scale, block_table=self.block_table)
         return kernels.sparse_decode_attention(
             q, k_cache, v_cache, kv_lens, sel.indices, n_sink=sel.n_sink, n_recent=sel.n_recent,
             scale=self.spec.softmax_scale, kv_start=sel.kv_start if sel.kv_start is not None else self.kv_start,
@@ -384,7 +383,6 @@ class SlotBatch:
         def report(layer, q, k_row, v_row):
             self.state.block_table = None  # a paged cache's row comes contiguous (its prompt's window)
             b = self.backend
-            self.ctx.write_row_keys(layer, row, k_row, S - T, S, b)
             self.state.join_pool = (b.k_cache[layer], b.block_table) if b.paged else None
             try:
                 self.policy.prefill_rows(self.state, layer, rows, q, k_row, v_row, kv_lens)

@@ -21,10 +21,8 @@ def test_tiny_run(tmp_path):
     rows = doc["rows"]
     assert [(r["op"], r["impl"]) for r in rows] == [
         ("rerank", "select"), ("rerank", "select+attend"), ("rerank", "torch+attend"),
-        ("attend_K", "triton"), ("attend_M", "triton"), ("rerank", "select int8"), ("rerank", "select+attend int8")]
+        ("attend_K", "triton"), ("attend_M", "triton")]
     assert rows[0]["deficit"] <= 1e-3 and rows[0]["M"] == 2 * rows[0]["K_mid"]
-    assert rows[5]["deficit"] <= 1e-3 and "deficit_exact" in rows[5]
-    assert rows[5]["floor_ms"] < rows[0]["floor_ms"]  # half the key bytes per candidate
     for r in rows:
         assert "error" not in r and r["ms"] > 0 and r["floor_ms"] > 0
     assert doc["budget"] == 16 and doc["copy_bw_gbs"] > 0

@@ -188,23 +188,3 @@ def test_bench_tpot_rerank_rows_and_overrides(monkeypatch):
             assert ("policy.refresh_every=3" in ov) == ("/r=3" in name)
     with pytest.raises(SystemExit):
         bt.parse_args(["--rerank", "0"])
-
-
-def test_bench_tpot_rerank_keys_rows(monkeypatch):
-    """``--rerank-keys exact,int8``: the rows with a re-rank again with ``policy.rerank_keys=int8``
-    (``/rk=int8``), never one without a re-rank or in the kv return mode; bad values refused."""
-    from benchmarks import bench_tpot as bt
-
-    a = bt.parse_args(["--methods", "asyncspade/inline,asyncspade/colocated", "--packs", "2", "--rerank", "1,4",
-                       "--rerank-keys", "exact,int8", "--modes", "indices,kv"])
-    ran = {}
-    monkeypatch.setattr(bt, "run_inline", lambda model, m, *rest: bt.policy_overrides("asyncspade", 64, a))
-    monkeypatch.setattr(bt, "run_async", lambda *rest: bt.policy_overrides("asyncspade", 64, a))
-    bt.rows_for_budget(None, 2, 256, 64, a, {}, False, lambda name, fn: ran.setdefault(name, fn()))
-    assert list(ran) == ["asyncspade/inline", "asyncspade/inline/m=4", "asyncspade/inline/m=4/rk=int8",
-                         "asyncspade/colocated/P=2", "asyncspade/colocated/P=2/kv", "asyncspade/colocated/P=2/m=4",
-                         "asyncspade/colocated/P=2/m=4/rk=int8", "asyncspade/colocated/P=2/kv/m=4"]
-    for name, ov in ran.items():
-        assert ("policy.rerank_keys=int8" in ov) == name.endswith("/rk=int8")
-    with pytest.raises(SystemExit):
-        bt.parse_args(["--rerank-keys", "int4"])

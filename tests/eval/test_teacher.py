@@ -81,27 +81,6 @@ def test_teacher_equals_token_by_token_tiny(family, n_kv, name):
     assert rel(got[:P], m(ids[None, :P]).logits[0]) < 1e-5
 
 
-@pytest.mark.parametrize("keys", ["exact", "int8"])
-def test_teacher_equals_token_by_token_with_rerank(keys, monkeypatch):
-    """Two-stage selection (``rerank: 2``), the candidates scored on the exact keys or on
-    the int8 copy (``rerank_keys``): the teacher's logits are token-by-token decoding's
-    (the HF backend's growing cache, ``spade.attention.KeyCopy`` grown with it), and both
-    re-rank on the keys asked for."""
-    from spade import kernels
-
-    seen, real = [], kernels.rerank_select
-    monkeypatch.setattr(kernels, "rerank_select", lambda q, k, *a, **kw: seen.append(k.dtype) or real(q, k, *a, **kw))
-    m = tiny_model("llama", n_kv=2, seed=3)
-    pol = AsyncSpadePolicyConfig(budget=12, sink_tokens=2, recent_tokens=3, window=4, rerank=2, rerank_keys=keys)
-    ids = torch.randint(0, 97, (33,))
-    ref = token_by_token(m, ids, pol, 15)
-    assert seen and set(seen) == {torch.int8 if keys == "int8" else torch.float32}
-    seen.clear()
-    got = teacher_forced_logits(m, ids, pol, prefill_len=15)
-    assert seen and set(seen) == {torch.int8 if keys == "int8" else torch.float32}
-    assert rel(got[14:], ref) < 1e-5
-
-
 def test_masks_attend_the_budget_and_never_the_future():
     m = tiny_model("llama", seed=4)
     spec = H.attention_spec(m)

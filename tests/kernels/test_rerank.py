@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from spade import kernels
-from spade.kernels import quant as R_quant
 from spade.kernels import rerank as R
 
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA (G = 6: a group that is not a power of two)
@@ -317,82 +316,6 @@ def test_paged_inputs_are_checked(device):
         R.rerank_select_triton(q, pool[:3], cand, 3)
 
 
-def _int8(k):
-    """(kq, ks, dequantised keys): the int8 copy of ``k`` and the float keys it stands for."""
-    kq, ks = R_quant.quantize_keys_ref(k.float())
-    return kq, ks, (kq.float() * ks[..., None])
-
-
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("Hq,Hkv", HEADS)
-def test_int8_reference_scores_the_dequantised_keys(reduce, Hq, Hkv):
-    """int8 keys with their per-row scales keep what the dequantised float keys keep,
-    and the scales are read (all-ones scales keep something else)."""
-    q, k, cand = _inputs(2, Hq, Hkv, 16, 41, 13, seed=Hq + Hkv)
-    kq, ks, kd = _int8(k)
-    for keep in (1, 5, 13, 20):
-        got = R.rerank_select_ref(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-        assert torch.equal(got, _expected(q, kd, cand, keep, reduce))
-    spread = ks * torch.linspace(0.1, 10.0, ks.shape[-1])  # scales that reorder the rows
-    assert not torch.equal(R.rerank_select_ref(q, kq, cand, 5, reduce=reduce, k_scale=spread),
-                           R.rerank_select_ref(q, kq, cand, 5, reduce=reduce, k_scale=ks))
-
-
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("path", list(PATHS))
-def test_int8_every_select_path(device, path, reduce, monkeypatch):
-    """The int8 copy through every launch path (fused or split, row in registers or
-    tiles): the kept sets of the reference on the dequantised keys; B=1, odd M, GQA G=3."""
-    for B, Hq, Hkv, L, M, D in ((2, 6, 2, 90, 61, 16), (1, 4, 4, 33, 33, 8)):
-        _force(monkeypatch, path, M, B * Hkv, device)
-        q, k, cand = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=L + M)
-        kq, ks, kd = _int8(k)
-        for keep in (1, M // 2, M + 3):
-            got = R.rerank_select_triton(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-            want = R.rerank_select_ref(q, kd, cand, keep, reduce=reduce)
-            _check_stable(got, want, q, kd, cand, keep, reduce)
-        for key in PATHS[path][0]:
-            monkeypatch.delitem(R.RERANK_CONFIG, key)
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("B,Hq,Hkv,reduce", [(1, 4, 4, "sum_softmax"), (3, 6, 2, "sum_logits")])
-def test_int8_paged_pool_gives_the_contiguous_selection(device, block_size, B, Hq, Hkv, reduce):
-    """An int8 copy and its scales in pools under one random table (unowned slots
-    poisoned: -128 keys, NaN scales): the contiguous copy's kept sets."""
-    D, L, M = 16, 53, 29
-    lens = [53, 41, 19][:B]
-    q, k, _ = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=block_size + B)
-    cand = _cand_within(lens, Hkv, M, seed=block_size).to(device)
-    kq, ks, kd = _int8(k)
-    from spade.kernels.paged import scatter_to_pool
-
-    seed = block_size * 7 + B
-    pq, table = scatter_to_pool(kq.cpu(), block_size, torch.Generator().manual_seed(seed), lens=lens, poison=-128)
-    ps, table2 = scatter_to_pool(ks[..., None].cpu(), block_size, torch.Generator().manual_seed(seed), lens=lens)
-    assert torch.equal(table, table2)
-    pq, ps, table = pq.to(device), ps[..., 0].to(device), table.to(device)
-    for keep in (1, 11, M + 2):
-        want = R.rerank_select_triton(q, kq, cand, keep, reduce=reduce, k_scale=ks)
-        assert torch.equal(R.rerank_select_triton(q, pq, cand, keep, reduce=reduce, k_scale=ps,
-                                                  block_table=table).cpu(), want.cpu())
-        ref = R.rerank_select_ref(q, pq, cand, keep, reduce=reduce, k_scale=ps, block_table=table)
-        assert torch.equal(ref.cpu(), R.rerank_select_ref(q, kq, cand, keep, reduce=reduce, k_scale=ks).cpu())
-
-
-def test_int8_inputs_are_checked():
-    q, k, cand = _inputs(2, 4, 2, 16, 32, 8)
-    kq, ks, _ = _int8(k)
-    with pytest.raises(ValueError, match="need their per-token scales"):
-        R.rerank_select_ref(q, kq, cand, 3)
-    with pytest.raises(ValueError, match=r"k_scale must be float32 \(2, 2, 32\)"):
-        R.rerank_select_ref(q, kq, cand, 3, k_scale=ks[:, :, :31])
-    with pytest.raises(ValueError, match="goes with int8 keys"):
-        R.rerank_select_ref(q, k, cand, 3, k_scale=ks)
-    with pytest.raises(ValueError, match="need their per-token scales"):
-        kernels.rerank_select(q, kq, cand, 3)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
                          ids=["default", "fused", "split", "tiled"])
@@ -422,27 +345,6 @@ def test_paged_half_keys_on_gpu(block_size, over, monkeypatch):
     assert torch.equal(R.rerank_select_triton(q, pool, cand, 1980, block_table=table), want)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False)], ids=["default", "fused", "split"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_int8_keys_on_gpu(paged, over, monkeypatch):
-    """The Qwen3-8B head layout, bf16 queries on an int8 copy, M = 2 K_mid: the kept sets
-    of the reference on the dequantised keys; paged, the contiguous copy's."""
-    for key, val in over.items():
-        monkeypatch.setitem(R.RERANK_CONFIG, key, val)
-    q, k, cand = _inputs(4, 32, 8, 128, 4096, 3960, dtype=torch.bfloat16, device="cuda")
-    kq, ks = kernels.quantize_keys(k)
-    kd = kq.float() * ks[..., None]
-    got = R.rerank_select_triton(q, kq, cand, 1980, k_scale=ks)
-    _check_stable(got, R.rerank_select_ref(q.float(), kd, cand, 1980), q.float(), kd, cand, 1980, "sum_softmax")
-    if paged:
-        from spade.kernels.paged import scatter_to_pool
-
-        pq, table = scatter_to_pool(kq, 16, torch.Generator().manual_seed(3), poison=-128)
-        ps, _ = scatter_to_pool(ks[..., None], 16, torch.Generator().manual_seed(3))
-        assert torch.equal(R.rerank_select_triton(q, pq, cand, 1980, k_scale=ps[..., 0], block_table=table), got)
-
-
 _AOT_RERANK = r'''
 import json
 from spade.kernels import rerank as R
@@ -451,22 +353,20 @@ from tests.kernels.aot import loop_body, sm90_compile
 Hkv, D, M = 8, 128, 3960
 p, f, i = ("ptr", "bf16"), ("ptr", "fp32"), ("ptr", "i32")
 out = {}
-for paged, int8 in ((False, False), (True, False), (False, True), (True, True)):
+for paged in (False, True):
     bs = 16 if paged else 1
-    L = bs if paged else 4096
-    common = dict(Q=p, K=("ptr", "i8") if int8 else p, KS=f, CAND=i, LOGITS=f, SCORES=f, PART=f, BT=i, Hkv=Hkv,
-                  M=M, scale=("fp32", 0.1), stride_qb=32 * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * L * D,
-                  stride_kh=L * D, stride_kl=D, stride_kd=1, stride_sb=Hkv * L if int8 else 0,
-                  stride_sh=L if int8 else 0, stride_sl=1 if int8 else 0, stride_cb=Hkv * M, stride_ch=M,
-                  stride_cm=1, stride_tb=2048 if paged else 0)
-    cons = dict(G=4, G_PAD=16, D=D, BLOCK_D=D, BLOCK_M=64, REDUCE=2, UPCAST=False, IEEE=False, KINT8=int8,
-                PAGED=paged, BLOCK_SIZE=bs, INTERPRET=False, PDL=False)
+    common = dict(Q=p, K=p, CAND=i, LOGITS=f, SCORES=f, PART=f, BT=i, Hkv=Hkv, M=M, scale=("fp32", 0.1),
+                  stride_qb=32 * D, stride_qh=D, stride_qd=1, stride_kb=Hkv * (bs if paged else 4096) * D,
+                  stride_kh=(bs if paged else 4096) * D, stride_kl=D, stride_kd=1, stride_cb=Hkv * M,
+                  stride_ch=M, stride_cm=1, stride_tb=2048 if paged else 0)
+    cons = dict(G=4, G_PAD=16, D=D, BLOCK_D=D, BLOCK_M=64, REDUCE=2, UPCAST=False, IEEE=False, PAGED=paged,
+                BLOCK_SIZE=bs, INTERPRET=False, PDL=False)
     k = sm90_compile(R._rerank_score_kernel, dict(common, CHUNK=512, NSPLIT=8), cons)
     fused = sm90_compile(R._rerank_fused_kernel, dict(common, OUT=i, KEEP=1980, stride_ob=Hkv * 1980,
                                                      stride_oh=1980, stride_ok=1),
                          dict(cons, BLOCK=4096, ONE_TILE=True, UNROLL_G=True), num_warps=16)
     copies = [loop_body(x.asm["ttgir"]).count("async_copy_global_to_local") for x in (k, fused)]
-    out[f"{paged}-{int8}"] = dict(copies=copies, smem=[k.metadata.shared, fused.metadata.shared])
+    out[str(paged)] = dict(copies=copies, smem=[k.metadata.shared, fused.metadata.shared])
 print(json.dumps(out))
 '''
 
@@ -474,16 +374,10 @@ print(json.dumps(out))
 def test_paged_rerank_builds_for_hopper():
     """The re-rank's scoring and fused kernels compile for sm_90 with the table, and the
     candidates' tile loop stays a pipeline of async copies: the table's entries one
-    more stage between the candidate ids and the keys (a few hundred bytes of shared memory).
-    int8 keys: the same pipeline, its key tiles in less shared memory (the scales, 4 bytes a
-    candidate, are a plain load)."""
+    more stage between the candidate ids and the keys (a few hundred bytes of shared memory)."""
     from tests.kernels.aot import run_aot_script
 
     res = run_aot_script(_AOT_RERANK)
-    for int8 in (False, True):
-        paged, flat = res[f"True-{int8}"], res[f"False-{int8}"]
-        assert flat["copies"][0] >= 2 and paged["copies"] == [c + 1 for c in flat["copies"]], res
-        assert all(p - f <= 1024 for p, f in zip(paged["smem"], flat["smem"])), res
-    exact, int8 = res["False-False"], res["False-True"]
-    assert int8["copies"] == exact["copies"], res
-    assert int8["smem"][0] < exact["smem"][0], res
+    paged, flat = res["True"], res["False"]
+    assert flat["copies"][0] >= 2 and paged["copies"] == [c + 1 for c in flat["copies"]], res
+    assert all(p - f <= 1024 for p, f in zip(paged["smem"], flat["smem"])), res

@@ -135,23 +135,6 @@ def test_colocated_refresh_every_matches_inline_with_graphs(gpu_model, prompt, n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [(), ("policy.refresh_every=3",)], ids=["every-step", "refresh3"])
-def test_colocated_int8_rerank_matches_inline_with_graphs(gpu_model, prompt, extra, caplog):
-    """``policy.rerank_keys: int8``: the inference rank's int8 key copy is appended inside the
-    step's CUDA graphs and the re-rank scores it (Triton kernels); the tokens are the
-    inline run's with the same setting."""
-    over = ("policy.rerank=2", "policy.rerank_keys=int8", *extra)
-    cfg = config(*over)
-    want = InlineRuntime(cfg, gpu_model, build_policy(cfg.policy, gpu_model.spec)).generate(
-        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
-    with caplog.at_level("WARNING"):
-        tr = _run(gpu_model, prompt, "runtime.topology=colocated", "runtime.pack_layers=2", *over)
-    assert "capture" not in caplog.text, caplog.text
-    assert tr.tokens == want and tr.stats["sparse_steps"] > 0
-    assert tr.stats["cache_rank"]["graphs"] > 0
-
-
-@pytest.mark.gpu
 def test_kv_mode_fp32_matches_inline(gpu_model32, prompt, gpu_inline32):
     """In fp32 the kv mode's merged attention is within rounding of the one-pass
     attention, far below any greedy margin: the tokens are inline's exactly."""

@@ -629,28 +629,3 @@ def test_engine_front_over_a_cache_rank(topology):
     finally:
         ref.close()
     assert [r.token_ids for r in got] == want and all(r.finished == "length" for r in got)
-
-
-@pytest.mark.parametrize("topology", ["colocated", "local/paged"])
-def test_int8_rerank_keys_follow_joins(topology, monkeypatch):
-    """``policy.rerank_keys: int8`` in serving: a joining row's prompt keys enter the
-    inference rank's int8 copy at its join (its cache rows, or its blocks through the
-    table), each step's key after; every re-rank scores the copy, and each request's
-    greedy tokens equal its alone run's and the inline engine's."""
-    from spade import kernels
-
-    jobs = _jobs(5, seed=11)
-    topology, _, opt = topology.partition("/")
-    extra = ["policy.rerank=2", "policy.rerank_keys=int8"]
-    extra += ["model.block_size=4", "model.kv_blocks=40"] if opt == "paged" else []
-    seen, real = [], kernels.rerank_select
-    monkeypatch.setattr(kernels, "rerank_select",
-                        lambda q, k, *a, **kw: seen.append((k.dtype, kw.get("k_scale") is not None)) or real(
-                            q, k, *a, **kw))
-    engine = spade.AsyncEngine(make_config("asyncspade", topology, extra=extra))
-    together, alone, stats = _together_then_alone(engine, jobs)
-    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0
-    assert seen and set(seen) == {(torch.int8, True)}
-    inline = _inline_alone(jobs, extra=extra)
-    for (_, _, n), t, a, i in zip(jobs, together, alone, inline):
-        assert len(t.token_ids) == n and t.token_ids == a.token_ids == i
