@@ -47,8 +47,8 @@ from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.radix_topk import (_NBINS, _NHIST, SELECT_CONFIG, _f32_key, _key_f32, _pick_digit, _row_bounds,
                                       _select_from_scores)
 
-__all__ = ["CARRY_CAP_MAX", "CARRY_MARGIN", "CARRY_SLOTS", "carry_sizes", "carry_stats", "carry_threshold", "new_carry",
-           "reset_carry"]
+__all__ = ["CARRY_CAP_MAX", "CARRY_MARGIN", "CARRY_SLOTS", "carry_fits", "carry_sizes", "carry_stats",
+           "carry_threshold", "new_carry", "reset_carry"]
 
 
 @triton.jit
@@ -301,6 +301,16 @@ def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
         if k_fit >= max(k_top + 1, math.ceil(min(margin, CARRY_MARGIN) * k_top)):
             return max(k_top + 1, min(k_next, k_fit)), CARRY_CAP_MAX
     return k_next, cap
+
+
+def carry_fits(k_top: int, margin: float | None = None) -> bool:
+    """Whether the threshold carry's candidate list for ``k_top`` (``carry_sizes``) stays
+    within ``CARRY_CAP_MAX``, the longest the select holds in registers. A wider selection
+    (``k_top`` above ~8.7k at the default margin: a large budget, or ``rerank`` m x K_mid
+    candidates) would spill that list, which cost 1.71 ms per layer at 32,768 entries on an
+    H200 against the radix passes' 0.11-0.18 ms at K = 2048 (docs/perf.md): ``score_topk``
+    takes the radix passes for it (the same exact top-K) and leaves the carry untouched."""
+    return carry_sizes(k_top, margin)[1] <= CARRY_CAP_MAX
 
 
 def new_carry(batch: int, n_kv_heads: int, device: torch.device | str) -> torch.Tensor:

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry
+from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry, carry_fits
 from spade.kernels.paged import check_block_table, cut_logical, paged_slots, paged_to_contiguous, tile_of
 from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
@@ -1252,6 +1252,8 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     top-K; fewer passes over the row when consecutive calls score alike.
     ``carry_margin``: the next threshold aims at ``carry_margin * k_top`` candidates
     (``carry_sizes``; wider for callers whose consecutive calls are several steps apart).
+    A ``k_top`` whose candidate list would not fit the carry select's registers
+    (``carry_fits``) takes the radix passes, ``carry`` untouched.
 
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
@@ -1274,6 +1276,8 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
         return torch.full((B, Hkv, k_top), -1, dtype=torch.int32, device=k.device)
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
+    if carry is not None and not carry_fits(k_top, carry_margin):
+        carry = None  # its candidate list would spill the select's registers: the radix passes
     if carry is not None:
         scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)
         idx = torch.empty(rows, k_top, dtype=torch.int32, device=k.device) if out is None else out.view(rows, k_top)

@@ -308,6 +308,39 @@ def test_carry_sizes_wide_margin_stays_in_registers():
                 assert k_next >= math.ceil(CARRY_MARGIN * k_top)
 
 
+def test_carry_fits_marks_the_spilling_lists():
+    """``carry_fits``: the default margin's list fits up to k_top = 8738 (rerank 4 x 1980
+    candidates included) and spills from 8739 (rerank 8 x 1980, or a budget past ~8.7k)."""
+    from spade.kernels.carry import carry_fits
+
+    assert carry_fits(1980) and carry_fits(4 * 1980) and carry_fits(8738)
+    assert not carry_fits(8739) and not carry_fits(8 * 1980) and not carry_fits(16384)
+    assert carry_fits(8109, 2.0)  # a wider margin narrowed into the cap (test above)
+
+
+def test_wide_selection_takes_the_radix_passes(device, monkeypatch):
+    """A ``k_top`` whose carry list would spill (``carry_fits`` False; the cap lowered here
+    so the interpreter's rows are short) takes the radix passes: the exact top-K, the carry
+    untouched (no call counted, no threshold); a k_top that fits still takes the carry."""
+    from spade.kernels import carry as C
+
+    monkeypatch.setattr(C, "CARRY_CAP_MAX", 64)
+    B, L, D = 2, 301, 16
+    q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.float32, device, seed=21)
+    lo, hi = _bounds(kv_lens, kv_start, 2, 3)
+    true = _scores64(q, k, "sum_logits", lo.cpu(), hi.cpu())
+    carry = new_carry(B, 2, device)
+    fresh = carry.clone()
+    for k_top in (60, 45):  # lists of 128 > 64 (radix), then 128 again: neither fits
+        assert not C.carry_fits(k_top)
+        out = scoring.score_topk_triton(q, k, lo, hi, k_top, carry=carry)
+        _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-5)
+        assert torch.equal(carry, fresh)  # untouched
+    out = scoring.score_topk_triton(q, k, lo, hi, 17, carry=carry)  # a list of 32: the carry
+    _check_topk(out, true, lo.cpu(), hi.cpu(), 17, atol=1e-5)
+    assert (carry[..., 3].cpu() == 1).all()
+
+
 def test_carry_margin_stays_exact_and_aims_wider(device):
     """``carry_margin`` (a caller selecting every few steps): every call still the exact
     top-K, and the carried threshold lets about margin x K keys through — more
