@@ -270,13 +270,20 @@ CARRY_MARGIN = 1.5
 (``SELECT_CONFIG["carry_margin"]`` overrides); the candidate list holds 1.25x that."""
 
 
-CARRY_CAP_MAX = 16384
-"""The longest candidate list a wider ``margin`` may ask for while the default margin's
-list still fits in it: ``_carry_select_kernel`` holds the list in registers, and past this
-size it spills. Measured on an H200 (colocated, B=8 L=32k, int4, ``rerank: 4``, P=9,
-2026-11-28): a select of 8.1k candidates took 0.19 ms per layer with a 16,384 list and
-1.71 ms with 32,768 (``refresh_every: 4``'s margin of 2.0), so that step ran 15.7 ms
-against 12.7 selecting every step; with the cap it runs 9.3 ms (docs/perf.md, two-stage)."""
+CARRY_CAP_MAX = 8192
+"""The longest candidate list the threshold carry takes; a wider one takes the radix
+passes (``carry_fits``), and a wider ``margin`` is narrowed to it where the default
+margin's list fits. ``_carry_select_kernel`` holds the list in registers, and its time
+grows with the list while the radix passes' barely moves with ``k_top``. Measured per
+layer on one H100 (int4 keys, steady state, 2026-12-07, ``benchmarks.bench_select``), carry /
+radix in us: a 4,096 list (K = 1,980) 104 / 114 at B=8 x 32k, 101 / 114 at 1 x 256k,
+156 / 188 at 1 x 512k; an 8,192 list (K = 3,960, or 1,980 at margin 2.0) 122-136 / 114
+at 32k-256k, 175-177 / 188 at 512k; a 16,384 list (K = 7,920: ``rerank: 4``) 174-230 / 114-115
+at 32k-256k, 229 / 189 at 512k. So the 16,384 lists take the radix passes (``rerank: 4`` on
+one H100, colocated, int4, P=9: 14.6 -> 12.8 ms at B=8 x 32k, 22.6 -> 15.8 at 16 x 16k) and
+the 8,192 lists keep the carry (``rerank: 2`` at 1 x 256k: 9.84 ms, 10.11 through the radix
+passes). Past 16,384 the list also spills its registers (1.71 ms per layer at 32,768 on an
+H200; docs/perf.md, two-stage)."""
 
 
 def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
@@ -305,12 +312,11 @@ def carry_sizes(k_top: int, margin: float | None = None) -> tuple[int, int]:
 
 def carry_fits(k_top: int, margin: float | None = None) -> bool:
     """Whether the threshold carry's candidate list for ``k_top`` (``carry_sizes``) stays
-    within ``CARRY_CAP_MAX``, the longest the select holds in registers. A wider selection
-    (``k_top`` above ~8.7k at the default margin: a large budget, or ``rerank`` m x K_mid
-    candidates) would spill that list, which cost 1.71 ms per layer at 32,768 entries on an
-    H200 against the radix passes' 0.11-0.18 ms at K = 2048 (docs/perf.md): ``score_topk``
-    takes the radix passes for it (the same exact top-K) and leaves the carry untouched
-    (``rerank: 8`` at B=8 x 32k, one H100: the step 63.1 -> 18.4 ms)."""
+    within ``CARRY_CAP_MAX``. A wider selection (``k_top`` above ~4.3k at the default
+    margin: ``rerank`` m >= 3 x K_mid candidates at K = 2,048, or a budget past ~4.3k) takes
+    the radix passes in ``score_topk`` (the same exact top-K; the carry untouched): they
+    are faster there (``CARRY_CAP_MAX``), and a list past 16,384 would spill the select's
+    registers (``rerank: 8`` at B=8 x 32k, one H100: the step 63.1 -> 18.4 ms)."""
     return carry_sizes(k_top, margin)[1] <= CARRY_CAP_MAX
 
 

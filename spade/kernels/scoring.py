@@ -1252,8 +1252,8 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     top-K; fewer passes over the row when consecutive calls score alike.
     ``carry_margin``: the next threshold aims at ``carry_margin * k_top`` candidates
     (``carry_sizes``; wider for callers whose consecutive calls are several steps apart).
-    A ``k_top`` whose candidate list would not fit the carry select's registers
-    (``carry_fits``) takes the radix passes, ``carry`` untouched.
+    A ``k_top`` whose candidate list would pass the carry's longest (``carry_fits``)
+    takes the radix passes, ``carry`` untouched.
 
     >>> idx = score_topk_triton(q, k, lo, hi, 2048)  # doctest: +SKIP
     """
@@ -1277,7 +1277,7 @@ def score_topk_triton(q: torch.Tensor, k: torch.Tensor, lo: torch.Tensor, hi: to
     rows = B * Hkv
     n_lo, n_hi = _norm_range(lo, hi, kv_lens, reduce, kv_start)
     if carry is not None and not carry_fits(k_top, carry_margin):
-        carry = None  # its candidate list would spill the select's registers: the radix passes
+        carry = None  # a list longer than the carry's longest: the radix passes are faster
     if carry is not None:
         scores = torch.empty(rows, L, dtype=torch.float32, device=k.device)
         idx = torch.empty(rows, k_top, dtype=torch.int32, device=k.device) if out is None else out.view(rows, k_top)

@@ -176,8 +176,8 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     the whole row when their count is off (the first sparse step included, ~3x the
     radix path's time there): the predicted query moves little from step to step, so
     the radix passes over every row are skipped (``spade.kernels.carry``; 16-bin
-    digits in registers). A selection too wide for the carry's list (``K_mid`` x ``rerank``
-    past ~8.7k tokens: ``kernels.carry.carry_fits``) takes the radix passes either way.
+    digits in registers). A selection wider than the carry's longest list (``K_mid`` x ``rerank``
+    past ~4.3k tokens: ``kernels.carry.carry_fits``) takes the radix passes either way.
     ``radix``: radix passes over every row each step. The CPU reference path ignores it."""
     score_keys: Literal["exact", "int8", "int4"] = "exact"
     """Keys the selection scores. ``int8``: a symmetric per-token int8 copy kept by the

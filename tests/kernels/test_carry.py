@@ -293,12 +293,12 @@ def test_carry_sizes_wide_margin_stays_in_registers():
     margin; where even the default does not fit, the margin asked for is kept."""
     from spade.kernels.carry import CARRY_CAP_MAX, CARRY_MARGIN
 
-    assert carry_sizes(4056, 2.0) == (8112, 16384)  # fits as asked
-    k_next, cap = carry_sizes(8109, 2.0)  # rerank 4 x 2027 candidates, refresh_every > 1
-    assert cap == CARRY_CAP_MAX and math.ceil(CARRY_MARGIN * 8109) <= k_next < 2 * 8109
+    assert carry_sizes(1980, 2.0) == (3960, 8192)  # fits as asked
+    k_next, cap = carry_sizes(3960, 2.0)  # rerank 2 x 1980 candidates, refresh_every > 1
+    assert cap == CARRY_CAP_MAX and math.ceil(CARRY_MARGIN * 3960) <= k_next < 2 * 3960
     assert math.ceil(1.25 * k_next) <= cap
-    assert carry_sizes(8109) == (math.ceil(CARRY_MARGIN * 8109), 16384)  # the default margin: unchanged
-    for k_top in (1, 100, 5000, 8738, 8739, 12000, 20000):
+    assert carry_sizes(3960) == (math.ceil(CARRY_MARGIN * 3960), 8192)  # the default margin: unchanged
+    for k_top in (1, 100, 3000, 4368, 4369, 5000, 8738, 8739, 12000, 20000):
         for margin in (1.1, 1.5, 2.0, 3.0):
             k_next, cap = carry_sizes(k_top, margin)
             assert k_top < k_next and math.ceil(1.25 * k_next) <= cap and cap & (cap - 1) == 0
@@ -308,14 +308,16 @@ def test_carry_sizes_wide_margin_stays_in_registers():
                 assert k_next >= math.ceil(CARRY_MARGIN * k_top)
 
 
-def test_carry_fits_marks_the_spilling_lists():
-    """``carry_fits``: the default margin's list fits up to k_top = 8738 (rerank 4 x 1980
-    candidates included) and spills from 8739 (rerank 8 x 1980, or a budget past ~8.7k)."""
-    from spade.kernels.carry import carry_fits
+def test_carry_fits_marks_the_wide_lists():
+    """``carry_fits``: the default margin's list stays within CARRY_CAP_MAX up to k_top = 4368
+    (K_mid = 1980 alone or x rerank 2) and passes it from 4369 (rerank 4 or 8 x 1980, or a
+    budget past ~4.3k), which take the radix passes."""
+    from spade.kernels.carry import CARRY_CAP_MAX, carry_fits
 
-    assert carry_fits(1980) and carry_fits(4 * 1980) and carry_fits(8738)
-    assert not carry_fits(8739) and not carry_fits(8 * 1980) and not carry_fits(16384)
-    assert carry_fits(8109, 2.0)  # a wider margin narrowed into the cap (test above)
+    assert CARRY_CAP_MAX == 8192
+    assert carry_fits(1980) and carry_fits(2 * 1980) and carry_fits(4368)
+    assert not carry_fits(4369) and not carry_fits(4 * 1980) and not carry_fits(8 * 1980) and not carry_fits(16384)
+    assert carry_fits(1980, 2.0) and carry_fits(3960, 2.0)  # a wider margin narrowed into the cap (test above)
 
 
 def test_wide_selection_takes_the_radix_passes(device, monkeypatch):
