@@ -29,11 +29,17 @@ launches, or one fused:
   four 8-bit digits most significant first (``tl.histogram`` of the keys still tied
   with the chosen prefix). The passes give the threshold and how many keys equal to it
   to take (the first ones by slot); the winners are emitted compacted in slot order by
-  a ``tl.cumsum``, then ``-1`` padding. When the row fits one tile (``M`` rounded up to
-  a power of two <= ``SELECT_MAX``, 8192 on GPU) its M keys are computed once into
-  registers and every pass runs on them: four register passes, no chain of dependent
-  sweeps over memory. Longer rows sweep tiles of ``SELECT_BLOCK``: scores once, four
-  histogram passes and the emission over the row's (position, score) pairs, L2-resident.
+  a ``tl.cumsum``, then ``-1`` padding. The row's M keys (``M`` rounded up to a power
+  of two <= ``SELECT_MAX``, 8192 on GPU) are computed once into registers and every
+  pass runs on them: four register passes, no chain of dependent sweeps over memory.
+* **Wide rows** (``M`` past ``SELECT_MAX``: ``rerank: 8`` at K = 2048 has 15,840): the
+  scores go to memory (``sum_softmax``: a finalize launch over (row, chunk) programs
+  forms them from the logits), the multi-program radix passes of ``radix_topk`` find
+  each row's keep best (any order, ties by arrival), and one program per row emits
+  them as the registers path does: the threshold is the smallest selected key, every
+  key above it is taken and the first ones equal to it by slot, in slot order. (One
+  program per row sweeping the row in tiles, four histogram passes and the emission,
+  took 0.3 ms per layer at B=8, M=15,840 on an H100.)
 * **Fused** (``RERANK_CONFIG["FUSE"]``; by default wherever the split gives one chunk
   per row, i.e. the rows alone fill the GPU): one program scores its row, then selects
   after a barrier, saving the second launch.
@@ -63,7 +69,7 @@ import triton.language as tl
 from spade.kernels.common import _interpret, _load_group_q, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.paged import check_block_table, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
-from spade.kernels.radix_topk import _f32_key, _pick_digit
+from spade.kernels.radix_topk import _f32_key, _new_workspace, _pick_digit, _select_from_scores
 from spade.kernels.scoring import _reduce_ref
 
 __all__ = ["rerank_select_ref", "rerank_select_triton", "rerank_scores_ref", "RERANK_CONFIG"]
@@ -75,10 +81,11 @@ RERANK_CONFIG: dict = {}
 (``_config``; ``python -m benchmarks.bench_rerank --sweep`` times alternatives). Keys:
 scoring ``BLOCK_M`` (candidates per tile), ``num_warps``, ``num_stages``, ``MIN_CHUNK``
 and ``PER_SM`` (the split of a row's candidates over programs); select ``SELECT_MAX``
-(the longest power-of-two row selected in registers), ``SELECT_BLOCK`` (the tile of
-longer rows), ``select_warps`` (None: by the tile; the fused launch runs with the larger
-of ``num_warps`` and ``select_warps``); ``FUSE`` (None: fuse scoring and select where the
-split gives one chunk per row; True: always, one program per row; False: never)."""
+(the longest power-of-two row selected in registers; longer rows take the wide path),
+``SELECT_BLOCK`` (the wide path's emission tile), ``select_warps`` (None: by the tile;
+the fused launch runs with the larger of ``num_warps`` and ``select_warps``); ``FUSE``
+(None: fuse scoring and select where the split gives one chunk per row; True: always,
+one program per row; False: never; a wide row is never fused)."""
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep: int, reduce: str,
@@ -271,25 +278,52 @@ def _radix_digit(key, sel, prefix, P: tl.constexpr):
 
 
 @triton.jit
+def _merge_parts(PART, row64, NSPLIT, G: tl.constexpr, G_PAD: tl.constexpr):
+    """sum_softmax: each head's (max, 1 / sum of exponentials) over the row's candidates,
+    merged from the NSPLIT chunks' statistics in PART (0 where a head saw none)."""
+    offs_g = tl.arange(0, G_PAD)
+    g_mask = offs_g < G
+    m_run = tl.full([G_PAD], float("-inf"), tl.float32)
+    s_run = tl.zeros([G_PAD], tl.float32)
+    sp = 0
+    while sp < NSPLIT:  # NOTE: while: the fused kernel passes NSPLIT as a literal 1
+        p_base = PART + (row64 * NSPLIT + sp) * 2 * G_PAD
+        pm = tl.load(p_base + offs_g)
+        ps = tl.load(p_base + G_PAD + offs_g)
+        m_new = tl.maximum(m_run, pm)
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_run = s_run * tl.exp(m_run - m_new_safe) + ps * tl.exp(pm - m_new_safe)
+        m_run = m_new
+        sp += 1
+    m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
+    inv_z = tl.where(g_mask & (s_run > 0), 1.0 / tl.where(s_run > 0, s_run, 1.0), 0.0)
+    return m_safe, inv_z
+
+
+@triton.jit
+def _emit_rest(o_base, stride_ok, done, KEEP, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """-1 in the slots past the ``done`` kept ones (fewer valid candidates than KEEP)."""
+    for k0 in range(loop_bound((done // BLOCK) * BLOCK, INTERPRET), loop_bound(KEEP, INTERPRET), BLOCK):
+        offs_k = k0 + tl.arange(0, BLOCK)
+        tl.store(o_base + offs_k.to(tl.int64) * stride_ok, tl.full([BLOCK], -1, tl.int32),
+                 mask=(offs_k >= done) & (offs_k < KEEP))
+
+
+@triton.jit
 def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr,
                 UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr):
     """The KEEP best candidates of row ``pid``, compacted in slot order, ``-1`` after.
 
-    The keep-th largest score key is found by a radix select: four 8-bit digit passes
+    The row's M keys (BLOCK >= M) are computed once into registers; the keep-th largest
+    score key is found by a radix select on them: four 8-bit digit passes
     (``tl.histogram`` of the keys still tied with the prefix chosen so far, then
     ``_pick_digit``), which also give how many keys equal to it are taken (the first
-    ones by slot). ONE_TILE (BLOCK >= M): the row's M keys are computed once into
-    registers and every pass and the emission run on them, no memory between passes;
-    else tiles of BLOCK are swept: scores (sum_softmax: computed and written once),
-    four histogram passes and the emission, each re-reading the row's 8-byte
-    (position, score) pairs, L2-resident."""
+    ones by slot)."""
     b = pid // Hkv
     h = pid % Hkv
     row64 = pid.to(tl.int64)
-    offs_g = tl.arange(0, G_PAD)
-    g_mask = offs_g < G
     c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     sc_base = SCORES + row64 * M
     lg_base = LOGITS + row64 * G * M
@@ -297,74 +331,102 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
     m_safe = tl.zeros([G_PAD], tl.float32)
     inv_z = tl.zeros([G_PAD], tl.float32)
     if REDUCE == 2:  # each head's softmax statistics, merged over the chunks
-        m_run = tl.full([G_PAD], float("-inf"), tl.float32)
-        s_run = tl.zeros([G_PAD], tl.float32)
-        sp = 0
-        while sp < NSPLIT:  # NOTE: while: the fused kernel passes NSPLIT as a literal 1
-            p_base = PART + (row64 * NSPLIT + sp) * 2 * G_PAD
-            pm = tl.load(p_base + offs_g)
-            ps = tl.load(p_base + G_PAD + offs_g)
-            m_new = tl.maximum(m_run, pm)
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_run = s_run * tl.exp(m_run - m_new_safe) + ps * tl.exp(pm - m_new_safe)
-            m_run = m_new
-            sp += 1
-        m_safe = tl.where(m_run == float("-inf"), 0.0, m_run)
-        inv_z = tl.where(g_mask & (s_run > 0), 1.0 / tl.where(s_run > 0, s_run, 1.0), 0.0)
-    if ONE_TILE:
-        offs = tl.arange(0, BLOCK)
+        m_safe, inv_z = _merge_parts(PART, row64, NSPLIT, G, G_PAD)
+    offs = tl.arange(0, BLOCK)
+    cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
+                                     G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
+    k_rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), KEEP)
+    thr = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(4):
+        d, k_rem = _pick_digit(_radix_digit(key, valid, thr, p), k_rem)
+        thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
+    # thr is the key of the keep-th best (of every valid one when fewer): all keys
+    # above it are taken, and the first k_rem equal to it
+    eq = valid & (key == thr)
+    take = (valid & (key > thr)) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take)
+    done = tl.sum(take.to(tl.int32), axis=0)
+    _emit_rest(o_base, stride_ok, done, KEEP, BLOCK, INTERPRET)
+
+
+@triton.jit
+def _rerank_finalize_kernel(CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, stride_cb, stride_ch, stride_cm,
+                            G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, UNROLL_G: tl.constexpr,
+                            INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B * Hkv, NSPLIT), wide rows with sum_softmax: the group's scores of one chunk
+    of candidates, Σ_g exp(s_g - max_g) / Z_g from the heads' logits and the chunks'
+    merged statistics, to SCORES [rows, M] (``-inf`` at empty slots)."""
+    grid_dep_wait(PDL)
+    pid = tl.program_id(0)
+    b = pid // Hkv
+    h = pid % Hkv
+    row64 = pid.to(tl.int64)
+    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    sc_base = SCORES + row64 * M
+    lg_base = LOGITS + row64 * G * M
+    m_safe, inv_z = _merge_parts(PART, row64, NSPLIT, G, G_PAD)
+    start = tl.program_id(1) * CHUNK
+    end = tl.minimum(start + CHUNK, M)
+    for m0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK):
+        offs = m0 + tl.arange(0, BLOCK)
         cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                         G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
-        k_rem = tl.minimum(tl.sum(valid.to(tl.int32), axis=0), KEEP)
-        thr = tl.full([], 0, tl.uint32)
-        for p in tl.static_range(4):
-            d, k_rem = _pick_digit(_radix_digit(key, valid, thr, p), k_rem)
-            thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
-        # thr is the key of the keep-th best (of every valid one when fewer): all keys
-        # above it are taken, and the first k_rem equal to it
+                                         G, G_PAD, BLOCK, 2, True, UNROLL_G)
+        tl.store(sc_base + offs, r, mask=offs < end)
+    grid_dep_release(PDL)
+
+
+@triton.jit
+def _rerank_emit_kernel(CAND, OUT, SCORES, POS, Hkv, M, KEEP,
+                        stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
+                        BLOCK: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B * Hkv,), wide rows: the radix passes' positions POS [rows, KEEP] (the keep
+    best scores of SCORES [rows, M] in any order, ``-1`` past them) emitted as the
+    registers path emits them. The threshold is the smallest selected key: every valid
+    candidate above it is taken, and of those equal to it as many as were selected, the
+    first ones by slot; the candidates in slot order, then ``-1``."""
+    grid_dep_wait(PDL)
+    pid = tl.program_id(0)
+    b = pid // Hkv
+    h = pid % Hkv
+    row64 = pid.to(tl.int64)
+    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    sc_base = SCORES + row64 * M
+    p_base = POS + row64 * KEEP
+    o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    top = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    thr = tl.max(top, axis=0)
+    n_sel = 0
+    for k0 in range(0, loop_bound(KEEP, INTERPRET), BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        pos = tl.load(p_base + offs, mask=offs < KEEP, other=-1)
+        ok = pos >= 0
+        key = _f32_key(tl.load(sc_base + pos, mask=ok, other=0.0))
+        thr = tl.minimum(thr, tl.min(tl.where(ok, key, top), axis=0))
+        n_sel += tl.sum(ok.to(tl.int32), axis=0)
+    n_gt = 0
+    for k0 in range(0, loop_bound(KEEP, INTERPRET), BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        pos = tl.load(p_base + offs, mask=offs < KEEP, other=-1)
+        ok = pos >= 0
+        key = _f32_key(tl.load(sc_base + pos, mask=ok, other=0.0))
+        n_gt += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
+    k_eq = n_sel - n_gt  # keys equal to the threshold to take
+    done = 0
+    n_eq = 0
+    for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
+        offs = m0 + tl.arange(0, BLOCK)
+        cand = tl.load(c_base + offs * stride_cm, mask=offs < M, other=-1)
+        valid = cand >= 0
+        key = _f32_key(tl.load(sc_base + offs, mask=valid, other=float("-inf")))
         eq = valid & (key == thr)
-        take = (valid & (key > thr)) | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
-        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        take = (valid & (key > thr)) | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= k_eq))
+        slot = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take)
-        done = tl.sum(take.to(tl.int32), axis=0)
-    else:
-        n_valid = 0
-        for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
-            offs = m0 + tl.arange(0, BLOCK)
-            cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                             G, G_PAD, BLOCK, REDUCE, REDUCE == 2, UNROLL_G)
-            n_valid += tl.sum(valid.to(tl.int32), axis=0)
-            if REDUCE == 2:
-                tl.store(sc_base + offs, r, mask=offs < M)
-        tl.debug_barrier()  # the scores just written are read by other threads of this program
-        k_rem = tl.minimum(n_valid, KEEP)
-        thr = tl.full([], 0, tl.uint32)
-        for p in tl.static_range(4):
-            hist = tl.zeros([256], tl.int32)
-            for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
-                offs = m0 + tl.arange(0, BLOCK)
-                cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                                 G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
-                hist += _radix_digit(key, valid, thr, p)
-            d, k_rem = _pick_digit(hist, k_rem)
-            thr = thr | (d.to(tl.uint32) << (24 - 8 * p))
-        done = 0
-        n_eq = 0
-        for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
-            offs = m0 + tl.arange(0, BLOCK)
-            cand, valid, key, r = _tile_keys(c_base, stride_cm, sc_base, lg_base, offs, M, m_safe, inv_z,
-                                             G, G_PAD, BLOCK, REDUCE, False, UNROLL_G)
-            eq = valid & (key == thr)
-            take = (valid & (key > thr)) | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= k_rem))
-            slot = done + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(o_base + slot.to(tl.int64) * stride_ok, cand.to(tl.int32), mask=take)
-            done += tl.sum(take.to(tl.int32), axis=0)
-            n_eq += tl.sum(eq.to(tl.int32), axis=0)
-    # slots past the kept ones (fewer valid candidates than KEEP): -1
-    for k0 in range(loop_bound((done // BLOCK) * BLOCK, INTERPRET), loop_bound(KEEP, INTERPRET), BLOCK):
-        offs_k = k0 + tl.arange(0, BLOCK)
-        tl.store(o_base + offs_k.to(tl.int64) * stride_ok, tl.full([BLOCK], -1, tl.int32),
-                 mask=(offs_k >= done) & (offs_k < KEEP))
+        done += tl.sum(take.to(tl.int32), axis=0)
+        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+    _emit_rest(o_base, stride_ok, done, KEEP, BLOCK, INTERPRET)
+    grid_dep_release(PDL)
 
 
 @triton.jit
@@ -387,14 +449,14 @@ def _rerank_score_kernel(Q, K, CAND, LOGITS, SCORES, PART, BT, Hkv, M, CHUNK, NS
 @triton.jit
 def _rerank_select_kernel(CAND, OUT, LOGITS, SCORES, PART, Hkv, M, KEEP, NSPLIT,
                           stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr,
                           UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, INTERPRET: tl.constexpr,
                           PDL: tl.constexpr):
     """Grid (B * Hkv,): ``_select_row`` of one (b, KV head)."""
     grid_dep_wait(PDL)
     _select_row(CAND, OUT, LOGITS, SCORES, PART, tl.program_id(0), Hkv, M, KEEP, NSPLIT,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
+                G, G_PAD, BLOCK, UNROLL_G, REDUCE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -403,7 +465,7 @@ def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, BT, Hkv, M, KEEP
                          stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                          stride_cb, stride_ch, stride_cm, stride_tb, stride_ob, stride_oh, stride_ok,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                          UNROLL_G: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                          PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                          PDL: tl.constexpr):
@@ -418,7 +480,7 @@ def _rerank_fused_kernel(Q, K, CAND, OUT, LOGITS, SCORES, PART, BT, Hkv, M, KEEP
     tl.debug_barrier()  # the logits / scores written above are read by other threads of this program
     _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, 1,
                 stride_cb, stride_ch, stride_cm, stride_ob, stride_oh, stride_ok,
-                G, G_PAD, BLOCK, ONE_TILE, UNROLL_G, REDUCE, INTERPRET)
+                G, G_PAD, BLOCK, UNROLL_G, REDUCE, INTERPRET)
     grid_dep_release(PDL)
 
 
@@ -440,18 +502,19 @@ def _config(M: int, rows: int, device: torch.device) -> dict:
                    SELECT_BLOCK=1024, select_warps=None, FUSE=None)
     cfg.update(RERANK_CONFIG)
     m_pad = triton.next_power_of_2(max(M, 16))
-    cfg["ONE_TILE"] = m_pad <= cfg["SELECT_MAX"]
+    cfg["ONE_TILE"] = m_pad <= cfg["SELECT_MAX"]  # else the wide path: the radix passes, then the emission
     cfg["BLOCK"] = m_pad if cfg["ONE_TILE"] else cfg["SELECT_BLOCK"]
     if cfg["select_warps"] is None:  # <= 8 keys per thread (sm_90: 93 registers at 4096 x 16 warps, sum_softmax)
         cfg["select_warps"] = max(4, min(16, cfg["BLOCK"] // 256))
-    if cfg["FUSE"] is True:
+    if cfg["FUSE"] is True and cfg["ONE_TILE"]:
         cfg["CHUNK"], cfg["NSPLIT"] = M, 1
     else:
         chunk, n = _split(M, rows, device, block=cfg["BLOCK_M"], min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
         cfg["CHUNK"], cfg["NSPLIT"] = chunk, n
     # auto (None): fused where the split leaves one program per row anyway (then the
-    # second launch is pure overhead); a split row needs the merge of its chunks first
-    cfg["FUSED"] = cfg["NSPLIT"] == 1 if cfg["FUSE"] is None else bool(cfg["FUSE"])
+    # second launch is pure overhead); a split row needs the merge of its chunks first;
+    # a wide row is never fused (its select is the multi-program radix passes)
+    cfg["FUSED"] = cfg["ONE_TILE"] and (cfg["NSPLIT"] == 1 if cfg["FUSE"] is None else bool(cfg["FUSE"]))
     # the fused program holds the select's row too: at least the select's warps (at 4
     # warps a 4096-key row spills on sm_90)
     cfg["fused_warps"] = max(cfg["num_warps"], cfg["select_warps"])
@@ -494,7 +557,8 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
     cfg = _config(M, rows, dev)
     nsplit = cfg["NSPLIT"]
     logits = torch.empty(rows * G * M if red == 2 else 1, dtype=torch.float32, device=dev)
-    scores = torch.empty(rows * M if red != 2 or not cfg["ONE_TILE"] else 1, dtype=torch.float32, device=dev)
+    wide = not cfg["ONE_TILE"]
+    scores = torch.empty(rows * M if red != 2 or wide else 1, dtype=torch.float32, device=dev)
     part = torch.empty(rows * nsplit * 2 * G_PAD if red == 2 else 1, dtype=torch.float32, device=dev)
     interp = _interpret()
     ieee = k.dtype == torch.float32 and not interp
@@ -509,7 +573,7 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
         _rerank_fused_kernel[(rows,)](
             q, k, cand, out, logits, scores, part, bt, Hkv, M, keep, scale, *strides, *o_strides,
             G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], BLOCK=cfg["BLOCK"],
-            ONE_TILE=cfg["ONE_TILE"], UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
+            UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["fused_warps"]), REDUCE=red,
             UPCAST=interp, IEEE=ieee, INTERPRET=interp, **page,
             num_warps=cfg["fused_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
         return out
@@ -517,9 +581,33 @@ def rerank_select_triton(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, k
         q, k, cand, logits, scores, part, bt, Hkv, M, cfg["CHUNK"], nsplit, scale, *strides,
         G=G, G_PAD=G_PAD, D=D, BLOCK_D=BLOCK_D, BLOCK_M=cfg["BLOCK_M"], REDUCE=red, UPCAST=interp, IEEE=ieee,
         INTERPRET=interp, **page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q))
+    if wide:
+        _wide_select(cand, out, logits, scores, part, B, Hkv, M, keep, red, G, G_PAD, cfg, interp, q)
+        return out
     _rerank_select_kernel[(rows,)](
         cand, out, logits, scores, part, Hkv, M, keep, nsplit, *strides[7:10], *o_strides,
-        G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"], ONE_TILE=cfg["ONE_TILE"],
+        G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK"],
         UNROLL_G=_unroll_g(G, cfg["BLOCK"], cfg["select_warps"]), REDUCE=red, INTERPRET=interp,
         num_warps=cfg["select_warps"], **pdl_kwargs(q))
     return out
+
+
+def _wide_select(cand, out, logits, scores, part, B, Hkv, M, keep, red, G, G_PAD, cfg, interp, q) -> None:
+    """A row past ``SELECT_MAX``: its scores in memory (``sum_softmax``: formed from the
+    logits by (row, chunk) programs), the radix passes' keep best positions of each
+    row, then the emission in slot order (``_rerank_emit_kernel``)."""
+    rows = B * Hkv
+    c_strides = (cand.stride(0), cand.stride(1), cand.stride(2))
+    if red == 2:
+        _rerank_finalize_kernel[(rows, cfg["NSPLIT"])](
+            cand, logits, scores, part, Hkv, M, cfg["CHUNK"], cfg["NSPLIT"], *c_strides,
+            G=G, G_PAD=G_PAD, BLOCK=cfg["BLOCK_M"], UNROLL_G=_unroll_g(G, cfg["BLOCK_M"], cfg["num_warps"]),
+            INTERPRET=interp, num_warps=cfg["num_warps"], **pdl_kwargs(q))
+    lo = torch.zeros(B, dtype=torch.int32, device=q.device)
+    hi = torch.full((B,), M, dtype=torch.int32, device=q.device)
+    pos = torch.empty(rows, keep, dtype=torch.int32, device=q.device)
+    _select_from_scores(scores.view(rows, M), lo, hi, keep, Hkv, _new_workspace(rows, q.device), hist0_done=False,
+                        out=pos, launch=pdl_kwargs(q))
+    _rerank_emit_kernel[(rows,)](
+        cand, out, scores, pos, Hkv, M, keep, *c_strides, out.stride(0), out.stride(1), out.stride(2),
+        BLOCK=cfg["SELECT_BLOCK"], INTERPRET=interp, num_warps=cfg["select_warps"], **pdl_kwargs(q))

@@ -137,8 +137,8 @@ def test_triton_splits_the_candidates(device, reduce, monkeypatch):
 PATHS = {
     "fused-registers": (dict(FUSE=True), True, True),
     "split-registers": (dict(FUSE=False, BLOCK_M=16, MIN_CHUNK=16), False, True),
-    "split-tiled": (dict(FUSE=False, BLOCK_M=16, MIN_CHUNK=16, SELECT_MAX=8, SELECT_BLOCK=8), False, False),
-    "fused-tiled": (dict(FUSE=True, SELECT_MAX=32, SELECT_BLOCK=32), True, False),
+    "wide": (dict(FUSE=False, BLOCK_M=16, MIN_CHUNK=16, SELECT_MAX=8, SELECT_BLOCK=8), False, False),
+    "wide-fuse-asked": (dict(FUSE=True, BLOCK_M=16, MIN_CHUNK=16, SELECT_MAX=32, SELECT_BLOCK=32), False, False),
 }
 
 
@@ -154,8 +154,9 @@ def _force(monkeypatch, path, M, rows, device):
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_select_path(device, path, reduce, monkeypatch):
-    """Fused or not, the row in registers or swept in tiles: the same kept sets, for
-    every reduction (odd M over several select tiles, GQA with G = 3, a short row)."""
+    """Fused or not, the row in registers or past them (the radix passes, then the
+    emission): the same kept sets, for every reduction (odd M over several select
+    tiles, GQA with G = 3, a short row)."""
     B, Hq, Hkv, L, M, D = 2, 6, 2, 90, 61, 16
     cfg = _force(monkeypatch, path, M, B * Hkv, device)
     assert cfg["FUSED"] or cfg["NSPLIT"] > 1  # unfused paths merge several chunks' statistics
@@ -169,7 +170,7 @@ def test_every_select_path(device, path, reduce, monkeypatch):
 @pytest.mark.parametrize("M,one_tile", [(3001, True), (5000, False)])
 def test_large_candidate_lists(device, M, one_tile):
     """m K_mid at a real model's size: 3001 candidates selected in registers, 5000 past
-    the interpreter's SELECT_MAX (8192 on GPU) swept in tiles; the default launch."""
+    the interpreter's SELECT_MAX (8192 on GPU) through the wide path; the default launch."""
     B, Hq, Hkv, L, D = 1, 2, 1, M + 700, 16
     # (on a GPU SELECT_MAX is 8192: both lists fit in registers there)
     assert R._config(M, B * Hkv, torch.device(device))["ONE_TILE"] == (one_tile or torch.device(device).type == "cuda")
@@ -185,7 +186,7 @@ def test_unknown_config_key_is_refused(monkeypatch):
         R._config(100, 4, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("path", ["fused-registers", "split-tiled"])
+@pytest.mark.parametrize("path", ["fused-registers", "wide"])
 @pytest.mark.parametrize("reduce", ["sum_softmax", "max_logits"])
 def test_ties_go_to_the_lower_slot(device, reduce, path, monkeypatch):
     """Identical keys give identical scores: the first ``keep`` valid slots win, in both."""
@@ -271,7 +272,7 @@ def _cand_within(lens, Hkv, M, seed):
     (1, 4, 4, "sum_softmax", {}),                                   # B=1, MHA
     (3, 4, 2, "sum_logits", dict(BLOCK_M=16, MIN_CHUNK=16, FUSE=False)),  # GQA, split chunks
     (2, 6, 1, "sum_softmax", dict(FUSE=True)),                       # MQA, a group of 6, fused
-    (2, 4, 2, "max_logits", dict(SELECT_MAX=16, SELECT_BLOCK=16)),   # tiled select
+    (2, 4, 2, "max_logits", dict(SELECT_MAX=16, SELECT_BLOCK=16)),   # wide rows (radix passes)
 ])
 def test_paged_pool_gives_the_contiguous_selection(device, block_size, B, Hq, Hkv, reduce, path, monkeypatch):
     """Keys in a shared pool under a random table: the kernel maps each candidate's
@@ -318,14 +319,16 @@ def test_paged_inputs_are_checked(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("over", [{}, dict(FUSE=True), dict(FUSE=False), dict(SELECT_MAX=1024)],
-                         ids=["default", "fused", "split", "tiled"])
-@pytest.mark.parametrize("M", [1000, 3960])
+                         ids=["default", "fused", "split", "wide"])
+@pytest.mark.parametrize("M", [1000, 3960, 15840])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_keys_on_gpu(dtype, M, over, monkeypatch):
-    """The Qwen3-8B head layout, M = 2 K_mid at K = 2048 (3960), every launch path."""
+    """The Qwen3-8B head layout, M = 2 K_mid and 8 K_mid at K = 2048 (3960, 15840: past
+    SELECT_MAX, the wide path), every launch path."""
     for key, val in over.items():
         monkeypatch.setitem(R.RERANK_CONFIG, key, val)
-    q, k, cand = _inputs(4, 32, 8, 128, 4096, M, dtype=dtype, device="cuda")
+    B = 4 if M <= 4096 else 1  # (the check walks every row's candidates in Python)
+    q, k, cand = _inputs(B, 32, 8, 128, max(4096, M + 1000), M, dtype=dtype, device="cuda")
     keep = M // 2
     want = R.rerank_select_ref(q, k, cand, keep)
     got = R.rerank_select_triton(q, k, cand, keep)
@@ -364,7 +367,7 @@ for paged in (False, True):
     k = sm90_compile(R._rerank_score_kernel, dict(common, CHUNK=512, NSPLIT=8), cons)
     fused = sm90_compile(R._rerank_fused_kernel, dict(common, OUT=i, KEEP=1980, stride_ob=Hkv * 1980,
                                                      stride_oh=1980, stride_ok=1),
-                         dict(cons, BLOCK=4096, ONE_TILE=True, UNROLL_G=True), num_warps=16)
+                         dict(cons, BLOCK=4096, UNROLL_G=True), num_warps=16)
     copies = [loop_body(x.asm["ttgir"]).count("async_copy_global_to_local") for x in (k, fused)]
     out[str(paged)] = dict(copies=copies, smem=[k.metadata.shared, fused.metadata.shared])
 print(json.dumps(out))
