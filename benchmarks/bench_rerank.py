@@ -92,7 +92,7 @@ def _deficit(q, k, cand, kept, keep: int) -> float:
 def _sweep_grid(tiny: bool) -> list[dict]:
     """RERANK_CONFIG settings timed by ``--sweep`` (the default launch is its own row)."""
     if tiny:
-        return [dict(FUSE=False, MIN_CHUNK=16, BLOCK_M=16), dict(FUSE=True, SELECT_MAX=16, SELECT_BLOCK=16)]
+        return [dict(FUSE=False, MIN_CHUNK=16, BLOCK_M=16), dict(FUSE=False, SELECT_MAX=16, SELECT_BLOCK=16)]
     grid = [dict(FUSE=False, BLOCK_M=bm, num_warps=nw) for bm in (32, 64, 128) for nw in (4, 8)]
     grid += [dict(FUSE=True, BLOCK_M=bm, select_warps=w) for bm in (32, 64, 128) for w in (8, 16)]
     grid += [dict(FUSE=False, select_warps=w) for w in (4, 8, 16)]

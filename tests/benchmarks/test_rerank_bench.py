@@ -40,9 +40,9 @@ def test_tiny_paged(tmp_path):
 
 
 def test_tiny_sweep(tmp_path):
-    """``--sweep`` adds a checked, timed select row per RERANK_CONFIG setting (here the
-    split and the fused launch, the latter selecting in tiles) and leaves the config as
-    it was."""
+    """``--sweep`` adds a checked, timed select row per RERANK_CONFIG setting (here two
+    split launches, the second with its rows past SELECT_MAX: the wide path) and leaves
+    the config as it was."""
     from spade.kernels import rerank
 
     out = tmp_path / "rr.json"
@@ -50,8 +50,8 @@ def test_tiny_sweep(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     sweep = [r for r in rows if r["impl"].startswith("select[")]
     assert [r["impl"] for r in sweep] == ["select[FUSE=0 MIN_CHUNK=16 BLOCK_M=16]",
-                                          "select[FUSE=1 SELECT_MAX=16 SELECT_BLOCK=16]"]
-    assert [(r["fused"], r["one_tile"]) for r in sweep] == [(False, True), (True, False)]
+                                          "select[FUSE=0 SELECT_MAX=16 SELECT_BLOCK=16]"]
+    assert [(r["fused"], r["one_tile"]) for r in sweep] == [(False, True), (False, False)]
     assert sweep[0]["nsplit"] > 1
     for r in sweep:
         assert "error" not in r and r["ms"] > 0 and r["deficit"] <= 1e-3
