@@ -26,7 +26,10 @@ each (``benchmarks.kernels.Timer.graph``):
   paging costs without the table in the kernel);
 * with ``--sweep``, rows ``rerank / select[KEY=value ...]``: the select under other
   ``kernels.rerank.RERANK_CONFIG`` settings (fused or split, tiles, warps, programs per
-  SM), each checked like the default before it is timed.
+  SM), each checked like the default before it is timed;
+* with ``--profile`` (GPU): the select's kernels by device time, printed and kept in the
+  ``select`` row (``kernels_us``): where a wide row's time goes (scoring, finalize, the
+  radix passes, the emission).
 
 The ``select`` row records the launch the heuristic chose: ``fused`` (one launch),
 ``nsplit`` (scoring programs per row) and ``one_tile`` (the row selected in registers).
@@ -40,6 +43,7 @@ against ``kernels.rerank.rerank_select_ref`` (sum of true scores) before it is t
     python -m benchmarks.bench_rerank --shapes 8x32768,32x16384 --budget 2048 --rerank 2,4,8
     python -m benchmarks.bench_rerank --shapes 1x32768,8x32768,32x16384 --rerank 2 --sweep
     python -m benchmarks.bench_rerank --shapes 8x32768,16x16384 --rerank 2,4 --block-size 16
+    python -m benchmarks.bench_rerank --shapes 8x32768,16x16384 --rerank 4,8 --profile
     python -m benchmarks.bench_rerank --tiny                # CPU interpreter: checks the script
 """
 
@@ -158,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=0,
                     help="also time the paged kernels over a pool of this block size (0: contiguous only)")
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, tiny shapes: checks the script")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU: each shape's re-rank kernels by device time (torch.profiler over 20 eager calls), "
+                         "printed and kept as the select row's kernels_us")
     ap.add_argument("--out", default="results/bench_rerank.json")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
@@ -221,9 +228,17 @@ def main(argv: list[str] | None = None) -> int:
                 rec.skip("rerank", "triton", shape, f"wrong selection (deficit {deficit:.2e})")
                 continue
             cfg = rerank._config(M, B * hkv, dev)
+            prof = {}
+            if args.profile and cuda:  # (under PDL a kernel's time includes its early-launched wait: a ranking)
+                from benchmarks.bench_scoring import _profile_kernels
+
+                prof["kernels_us"] = _profile_kernels(lambda: rerank.rerank_select_triton(
+                    q, k, cand, k_mid, scale=scale, out=kept))
+                for name, us in sorted(prof["kernels_us"].items(), key=lambda kv: -kv[1]):
+                    print(f"#   {B}x{L} m={m} {us:8.1f} us  {name}", flush=True)
             rec.add("rerank", "select", shape, lambda: run(lambda: rerank.rerank_select_triton(
                 q, k, cand, k_mid, scale=scale, out=kept)), rr_bytes, bw, deficit=deficit, fused=cfg["FUSED"],
-                nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"])
+                nsplit=cfg["NSPLIT"], one_tile=cfg["ONE_TILE"], **prof)
             rec.add("rerank", "select+attend", shape, lambda: run(two_stage), rr_bytes + att_k_bytes, bw)
             # (eager: the reference's ops copy a host scalar, which a graph capture refuses)
             rec.add("rerank", "torch+attend", shape, lambda: timer(torch_ref), rr_bytes + att_k_bytes, bw)
