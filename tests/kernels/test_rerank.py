@@ -167,6 +167,25 @@ def test_every_select_path(device, path, reduce, monkeypatch):
         _check_stable(R.rerank_select_triton(q, k, cand, keep, reduce=reduce), want, q, k, cand, keep, reduce)
 
 
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_wide_path_keeps_what_the_registers_keep(device, reduce, monkeypatch):
+    """The same rows through the registers path and, with SELECT_MAX lowered, through the
+    wide path (scores in memory, the radix passes, the emission): identical kept lists,
+    order and -1 padding included (the same fp32 scores; ties to the lower slot in both)."""
+    B, Hq, Hkv, L, M, D = 2, 6, 2, 90, 61, 16
+    q, k, cand = _inputs(B, Hq, Hkv, D, L, M, device=device, seed=31)
+    cand[1, 1, 40:] = -1
+    k[0, 0, 5:9] = k[0, 0, 4]  # exact ties among the candidates
+    for keep in (1, 17, 45, M + 2):
+        want = R.rerank_select_triton(q, k, cand, keep, reduce=reduce)
+        with monkeypatch.context() as mp:
+            mp.setitem(R.RERANK_CONFIG, "SELECT_MAX", 16)
+            mp.setitem(R.RERANK_CONFIG, "SELECT_BLOCK", 16)
+            assert not R._config(M, B * Hkv, torch.device(device))["ONE_TILE"]
+            got = R.rerank_select_triton(q, k, cand, keep, reduce=reduce)
+        assert torch.equal(got.cpu(), want.cpu())
+
+
 @pytest.mark.parametrize("M,one_tile", [(3001, True), (5000, False)])
 def test_large_candidate_lists(device, M, one_tile):
     """m K_mid at a real model's size: 3001 candidates selected in registers, 5000 past
