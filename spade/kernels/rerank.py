@@ -166,6 +166,14 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
+def _row_bases(pid, Hkv, CAND, stride_cb, stride_ch):
+    """Program ``pid``'s (b, KV head), its row index as int64 and its candidates' base."""
+    b = pid // Hkv
+    h = pid % Hkv
+    return b, h, pid.to(tl.int64), CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+
+
+@triton.jit
 def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK, NSPLIT, scale,
                  stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                  stride_cb, stride_ch, stride_cm, stride_tb,
@@ -179,9 +187,7 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK
     PAGED: K is a pool [num_blocks, Hkv, BLOCK_SIZE, D] (``stride_kb`` its block
     stride) and each candidate's logical position is mapped through row b's block
     table BT (``paged_slots``) in the tile that gathers its key."""
-    b = pid // Hkv
-    h = pid % Hkv
-    row64 = pid.to(tl.int64)
+    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -190,7 +196,6 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < G
-    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     if PAGED:
         k_base = K + h.to(tl.int64) * stride_kh
         bt_row = BT + b.to(tl.int64) * stride_tb
@@ -321,10 +326,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
     (``tl.histogram`` of the keys still tied with the prefix chosen so far, then
     ``_pick_digit``), which also give how many keys equal to it are taken (the first
     ones by slot)."""
-    b = pid // Hkv
-    h = pid % Hkv
-    row64 = pid.to(tl.int64)
-    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     lg_base = LOGITS + row64 * G * M
     o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -359,10 +361,7 @@ def _rerank_finalize_kernel(CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, s
     merged statistics, to SCORES [rows, M] (``-inf`` at empty slots)."""
     grid_dep_wait(PDL)
     pid = tl.program_id(0)
-    b = pid // Hkv
-    h = pid % Hkv
-    row64 = pid.to(tl.int64)
-    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     lg_base = LOGITS + row64 * G * M
     m_safe, inv_z = _merge_parts(PART, row64, NSPLIT, G, G_PAD)
@@ -387,31 +386,23 @@ def _rerank_emit_kernel(CAND, OUT, SCORES, POS, Hkv, M, KEEP,
     first ones by slot; the candidates in slot order, then ``-1``."""
     grid_dep_wait(PDL)
     pid = tl.program_id(0)
-    b = pid // Hkv
-    h = pid % Hkv
-    row64 = pid.to(tl.int64)
-    c_base = CAND + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
+    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     p_base = POS + row64 * KEEP
     o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    # the smallest selected key and how many selected keys equal it (taken by slot below)
     top = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
     thr = tl.max(top, axis=0)
-    n_sel = 0
+    k_eq = 0
     for k0 in range(0, loop_bound(KEEP, INTERPRET), BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         pos = tl.load(p_base + offs, mask=offs < KEEP, other=-1)
         ok = pos >= 0
-        key = _f32_key(tl.load(sc_base + pos, mask=ok, other=0.0))
-        thr = tl.minimum(thr, tl.min(tl.where(ok, key, top), axis=0))
-        n_sel += tl.sum(ok.to(tl.int32), axis=0)
-    n_gt = 0
-    for k0 in range(0, loop_bound(KEEP, INTERPRET), BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        pos = tl.load(p_base + offs, mask=offs < KEEP, other=-1)
-        ok = pos >= 0
-        key = _f32_key(tl.load(sc_base + pos, mask=ok, other=0.0))
-        n_gt += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
-    k_eq = n_sel - n_gt  # keys equal to the threshold to take
+        key = tl.where(ok, _f32_key(tl.load(sc_base + pos, mask=ok, other=0.0)), top)
+        t_min = tl.min(key, axis=0)
+        t_cnt = tl.sum((ok & (key == t_min)).to(tl.int32), axis=0)
+        k_eq = tl.where(t_min < thr, t_cnt, tl.where(t_min == thr, k_eq + t_cnt, k_eq))
+        thr = tl.minimum(thr, t_min)
     done = 0
     n_eq = 0
     for m0 in range(0, loop_bound(M, INTERPRET), BLOCK):
