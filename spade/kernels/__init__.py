@@ -345,7 +345,7 @@ def quantize_keys(k):
     return fn(k)
 
 
-def quantize_append(kq, ks, k_new, pos, *, pos_offset=0, block_table=None):
+def quantize_append(kq, ks, k_new, pos, *, pos_offset=0, block_table=None, chans=None):
     """In place: quantise ``k_new`` [B, H, D] into slot ``pos[b] + pos_offset`` (``pos``:
     [B] int device tensor, no host sync; the host int ``pos_offset`` is added in the
     kernel, e.g. ``kv_lens`` with -1) of ``kq``/``ks``; rows whose slot is outside
@@ -353,11 +353,12 @@ def quantize_append(kq, ks, k_new, pos, *, pos_offset=0, block_table=None):
     the slot is read in the same launch (no gather of the newest keys first).
     ``block_table`` [B, max_blocks] int32: ``kq`` [num_blocks, H, bs, D] / ``ks``
     [num_blocks, H, bs] are pools paged like the KV cache, the slot is logical
-    (L = max_blocks * bs)."""
+    (L = max_blocks * bs). ``chans`` [B, H, r] int: the copy (last dim r) holds those
+    channels of each new key, read in the same launch (no gather first)."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_triton if use_triton(k_new) else quant.quantize_append_ref
-    return fn(kq, ks, k_new, pos, pos_offset=pos_offset, block_table=block_table)
+    return fn(kq, ks, k_new, pos, pos_offset=pos_offset, block_table=block_table, chans=chans)
 
 
 def quantize_keys_int4(k, smooth=None):
@@ -371,16 +372,16 @@ def quantize_keys_int4(k, smooth=None):
     return fn(k, smooth)
 
 
-def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0, block_table=None):
+def quantize_append_int4(kq, ks, k_new, pos, smooth=None, *, pos_offset=0, block_table=None, chans=None):
     """In place: quantise ``k_new`` [B, H, D] (smoothed by ``smooth``) into slot
     ``pos[b] + pos_offset`` of the packed ``kq``/``ks``; rows whose slot is outside
     ``[0, L)`` skipped. ``k_new`` may be the cache [B, H, L', D], read at the slot.
     ``block_table``: ``kq`` [num_blocks, H, bs, D/2] / ``ks`` [num_blocks, H, bs] are
-    pools, as in ``quantize_append``."""
+    pools, as in ``quantize_append``; ``chans`` as there (``smooth`` then [B, H, r])."""
     from spade.kernels import quant
 
     fn = quant.quantize_append_int4_triton if use_triton(k_new) else quant.quantize_append_int4_ref
-    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset, block_table=block_table)
+    return fn(kq, ks, k_new, pos, smooth, pos_offset=pos_offset, block_table=block_table, chans=chans)
 
 
 def fit_smoothing(k, kv_lens=None, kv_start=None):

@@ -90,15 +90,18 @@ the same with a 512-token fit and better with short ones (top-64 overlap with th
 exact keys 0.79 vs 0.76 fitted on 16 tokens, 0.75 vs 0.55 on 4)."""
 
 
-def _new_rows(k_new: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def _new_rows(k_new: torch.Tensor, pos: torch.Tensor, chans: torch.Tensor | None = None) -> torch.Tensor:
     """The keys an append writes: ``k_new`` [B, H, D] itself, or — ``k_new`` being the
     cache [B, H, L', D] — its rows at ``pos`` (clamped into ``[0, L')``; rows whose
-    ``pos`` is outside the copy are not written anyway). [B, H, D]."""
-    if k_new.dim() == 3:
-        return k_new
-    B, H, Lc, D = k_new.shape
-    p = pos.to(device=k_new.device, dtype=torch.int64).clamp(0, max(Lc - 1, 0))
-    return k_new.gather(2, p.view(B, 1, 1, 1).expand(B, H, 1, D)).squeeze(2)
+    ``pos`` is outside the copy are not written anyway). [B, H, D]; with ``chans``
+    [B, H, r] the channels it names, [B, H, r]."""
+    if k_new.dim() == 4:
+        B, H, Lc, D = k_new.shape
+        p = pos.to(device=k_new.device, dtype=torch.int64).clamp(0, max(Lc - 1, 0))
+        k_new = k_new.gather(2, p.view(B, 1, 1, 1).expand(B, H, 1, D)).squeeze(2)
+    if chans is not None:
+        k_new = k_new.gather(2, chans.to(device=k_new.device, dtype=torch.int64))
+    return k_new
 
 
 def _slots(pos: torch.Tensor, pos_offset: int, device: torch.device) -> torch.Tensor:
@@ -115,11 +118,22 @@ def _new_strides(k_new: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(k_new.stride())
 
 
-def _check_new(k_new: torch.Tensor, B: int, H: int, D: int) -> None:
-    if not k_new.dtype.is_floating_point or not (
-            k_new.shape == (B, H, D) or (k_new.dim() == 4 and k_new.shape[:2] == (B, H) and k_new.shape[3] == D)):
-        raise ValueError(f"k_new must be float [{B}, {H}, {D}] (the new keys) or [{B}, {H}, L, {D}] (the cache, "
+def _check_new(k_new: torch.Tensor, B: int, H: int, D: int | None) -> None:
+    """``D`` None: any last dim (an append of ``chans``, checked by ``_check_chans``)."""
+    d_ok = D is None or k_new.shape[-1] == D
+    if not k_new.dtype.is_floating_point or not (k_new.dim() in (3, 4) and k_new.shape[:2] == (B, H) and d_ok):
+        d = "D" if D is None else D
+        raise ValueError(f"k_new must be float [{B}, {H}, {d}] (the new keys) or [{B}, {H}, L, {d}] (the cache, "
                          f"read at pos), got {tuple(k_new.shape)} {k_new.dtype}")
+
+
+def _check_chans(chans: torch.Tensor, B: int, H: int, r: int, D: int, device: torch.device) -> None:
+    """An append's channel subset: integer [B, H, r] on the copy's device, each in [0, D)
+    (D: ``k_new``'s channels; the values are the caller's, never checked on the device)."""
+    if chans.shape != (B, H, r) or chans.dtype.is_floating_point or chans.dtype == torch.bool \
+            or chans.device != device:
+        raise ValueError(f"chans must be an integer [{B}, {H}, {r}] tensor on {device} (the copy's channels of "
+                         f"k_new's {D}), got {tuple(chans.shape)} {chans.dtype} on {chans.device}")
 
 
 def _check_k(k: torch.Tensor) -> None:
@@ -129,10 +143,11 @@ def _check_k(k: torch.Tensor) -> None:
 
 def _append_dims(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
                  block_table: torch.Tensor | None, dtype: torch.dtype, kind: str, d_name: str,
-                 d_mult: int) -> tuple[int, int, int, int]:
-    """Check an append's copy, keys, slots and table; (B, H, L, Dq) with L the logical
-    length (``max_blocks * block_size`` for a pool) and Dq the copy's last dim. A pool
-    does not know B: it comes from ``k_new`` (else ``pos``) and every other argument must agree."""
+                 d_mult: int, chans: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Check an append's copy, keys, slots, table and channels; (B, H, L, Dq) with L the
+    logical length (``max_blocks * block_size`` for a pool) and Dq the copy's last dim. A
+    pool does not know B: it comes from ``k_new`` (else ``pos``) and every other argument
+    must agree."""
     layout = f"[B, H, L, {d_name}]" if block_table is None else f"[num_blocks, H, block_size, {d_name}] (a pool)"
     if kq.dim() != 4 or kq.dtype != dtype:
         raise ValueError(f"kq must be {kind} {layout}, got {tuple(kq.shape)} {kq.dtype}")
@@ -145,7 +160,9 @@ def _append_dims(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: t
     if ks.shape != kq.shape[:3] or ks.dtype != torch.float32:
         raise ValueError(f"ks must be float32 {list(kq.shape[:3])} (kq's shape less its last dim), "
                          f"got {tuple(ks.shape)} {ks.dtype}")
-    _check_new(k_new, B, H, d_mult * Dq)
+    _check_new(k_new, B, H, None if chans is not None else d_mult * Dq)
+    if chans is not None:
+        _check_chans(chans, B, H, d_mult * Dq, k_new.shape[-1], kq.device)
     if pos.shape != (B,) or pos.dtype.is_floating_point or pos.dtype == torch.bool:
         raise ValueError(f"pos must be an integer [{B}] tensor, got {tuple(pos.shape)} {pos.dtype}")
     if block_table is not None:
@@ -154,9 +171,10 @@ def _append_dims(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: t
 
 
 def _check_append(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                  block_table: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+                  block_table: torch.Tensor | None = None, chans: torch.Tensor | None = None
+                  ) -> tuple[int, int, int, int]:
     """Check an int8 append: (B, H, L, D)."""
-    return _append_dims(kq, ks, k_new, pos, block_table, torch.int8, "int8", "D", 1)
+    return _append_dims(kq, ks, k_new, pos, block_table, torch.int8, "int8", "D", 1, chans)
 
 
 def _write_rows_ref(kq: torch.Tensor, ks: torch.Tensor, q_new: torch.Tensor, s_new: torch.Tensor,
@@ -196,13 +214,15 @@ def quantize_keys_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_append_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
-                        pos_offset: int = 0, block_table: torch.Tensor | None = None) -> None:
+                        pos_offset: int = 0, block_table: torch.Tensor | None = None,
+                        chans: torch.Tensor | None = None) -> None:
     """Reference ``quantize_append`` (in place). A device-side scatter: rows whose
     ``pos + pos_offset`` is outside ``[0, L)`` rewrite their own slot 0 with its old value.
-    ``block_table`` [B, max_blocks]: ``kq``/``ks`` are pools, the slot is logical."""
-    _, _, L, _ = _check_append(kq, ks, k_new, pos, block_table)
+    ``block_table`` [B, max_blocks]: ``kq``/``ks`` are pools, the slot is logical.
+    ``chans`` [B, H, r]: the copy holds those channels of ``k_new`` (r = its last dim)."""
+    _, _, L, _ = _check_append(kq, ks, k_new, pos, block_table, chans)
     p = _slots(pos, pos_offset, kq.device)  # [B]
-    q_new, s_new = _quantize_rows_ref(_new_rows(k_new, p).to(kq.device))  # [B, H, D], [B, H]
+    q_new, s_new = _quantize_rows_ref(_new_rows(k_new, p, chans).to(kq.device))  # [B, H, D], [B, H]
     _write_rows_ref(kq, ks, q_new, s_new, p, L, block_table)
 
 
@@ -259,6 +279,18 @@ def _append_slot(POS, b, L, OFFSET, H: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _append_chans(CH, b, h64, offs_d, stride_cb, stride_ch, H: tl.constexpr, D: tl.constexpr,
+                  CHANS: tl.constexpr):
+    """The new key's channels an append reads for the copy's channels ``offs_d``
+    [BLOCK_D], per head row ``h64`` [BLOCK_H]: ``offs_d`` itself ([1, BLOCK_D]), or with
+    CHANS the subset ``CH[b, h, offs_d]`` (int64 [BLOCK_H, BLOCK_D]; 0 where masked)."""
+    if CHANS:
+        m = (h64[:, None] < H) & (offs_d[None, :] < D)
+        return tl.load(CH + b * stride_cb + h64[:, None] * stride_ch + offs_d[None, :], mask=m, other=0).to(tl.int64)
+    return offs_d[None, :]
+
+
+@triton.jit
 def _append_place(BT, b, p, stride_tb: tl.constexpr, PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """(block, row in block) of the copy that slot ``p`` of row ``b`` is stored at: (b, p),
     or under PAGED ``(BT[b, p // BLOCK_SIZE], p % BLOCK_SIZE)`` (int64). ``p`` is 0 for a
@@ -278,18 +310,21 @@ def _quantize_append_kernel(KN, KQ, KS, POS, L, OFFSET,
                             stride_sb, stride_sh, stride_sl,
                             H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                             PDL: tl.constexpr = False, BT=None, stride_tb: tl.constexpr = 0,
-                            PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1):
+                            PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
+                            CH=None, stride_cb=0, stride_ch=0, CHANS: tl.constexpr = False):
     """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside [0, L)).
     PAGED: ``KQ``/``KS`` are pools [num_blocks, H, BLOCK_SIZE(, D)] addressed through the
-    block tables ``BT`` [B, max_blocks]; L and the slot stay logical."""
+    block tables ``BT`` [B, max_blocks]; L and the slot stay logical. CHANS: the copy's D
+    channels of each head are ``CH[b, h, :]`` of the new key's (``_append_chans``)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     blk, r = _append_place(BT, b, p, stride_tb, PAGED, BLOCK_SIZE)
     offs_d = tl.arange(0, BLOCK_D)
+    src_d = _append_chans(CH, b, h64, offs_d, stride_cb, stride_ch, H, D, CHANS)
     # stride_nl = 0 for new keys [B, H, D]; the cache's row stride reads its row ``p``
-    k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
+    k_ptrs = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + src_d * stride_nd
     q_ptrs = KQ + blk * stride_qb + h64[:, None] * stride_qh + r * stride_ql + offs_d[None, :] * stride_qd
     s_ptrs = KS + blk * stride_sb + h64 * stride_sh + r * stride_sl
     _quantize_tile(k_ptrs, q_ptrs, s_ptrs, mask_h, offs_d < D)
@@ -315,6 +350,15 @@ def quantize_keys_triton(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kq, ks
 
 
+def _chans_kwargs(chans: torch.Tensor | None) -> dict:
+    """The append kernels' CHANS arguments (none without a channel subset; its last dim
+    must be dense: made so here, a no-op for the policy's own [B, H, r] index)."""
+    if chans is None:
+        return {}
+    chans = chans.contiguous()
+    return dict(CH=chans, stride_cb=chans.stride(0), stride_ch=chans.stride(1), CHANS=True)
+
+
 def _paged_kwargs(kq: torch.Tensor, block_table: torch.Tensor | None) -> dict:
     """The append kernels' PAGED arguments (none for a contiguous copy)."""
     if block_table is None:
@@ -323,17 +367,20 @@ def _paged_kwargs(kq: torch.Tensor, block_table: torch.Tensor | None) -> dict:
 
 
 def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,
-                           pos_offset: int = 0, block_table: torch.Tensor | None = None) -> None:
+                           pos_offset: int = 0, block_table: torch.Tensor | None = None,
+                           chans: torch.Tensor | None = None) -> None:
     """Triton ``quantize_append`` (in place, one program per batch row, no host sync;
     ``pos_offset`` is added in the kernel: no launch for ``kv_lens - 1``). ``block_table``:
-    ``kq``/``ks`` are pools, the slot is logical (mapped in the kernel)."""
-    B, H, L, D = _check_append(kq, ks, k_new, pos, block_table)
+    ``kq``/``ks`` are pools, the slot is logical (mapped in the kernel). ``chans``: the
+    kernel reads those channels of each new key (no gather launch first)."""
+    B, H, L, D = _check_append(kq, ks, k_new, pos, block_table, chans)
     if B * H * D == 0 or (block_table is not None and L == 0):
         return
     pos = pos.to(kq.device)
     _quantize_append_kernel[(B,)](k_new, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *kq.stride(),
                                   *ks.stride(), H=H, D=D, BLOCK_D=_block_d(D), BLOCK_H=triton.next_power_of_2(H),
-                                  num_warps=4, **_paged_kwargs(kq, block_table), **pdl_kwargs(k_new, "select"))
+                                  num_warps=4, **_paged_kwargs(kq, block_table), **_chans_kwargs(chans),
+                                  **pdl_kwargs(k_new, "select"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,9 +447,11 @@ def _check_smooth(smooth: torch.Tensor | None, B: int, H: int, D: int, device: t
 
 
 def _check_append4(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
-                   smooth: torch.Tensor | None, block_table: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+                   smooth: torch.Tensor | None, block_table: torch.Tensor | None = None,
+                   chans: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """Check an int4 append: (B, H, L, D/2)."""
-    B, H, L, D2 = _append_dims(kq, ks, k_new, pos, block_table, torch.uint8, "packed int4 (uint8)", "D/2", 2)
+    B, H, L, D2 = _append_dims(kq, ks, k_new, pos, block_table, torch.uint8, "packed int4 (uint8)", "D/2", 2,
+                               chans)
     _check_smooth(smooth, B, H, 2 * D2, kq.device)
     return B, H, L, D2
 
@@ -432,14 +481,15 @@ def quantize_keys_int4_ref(k: torch.Tensor, smooth: torch.Tensor | None = None) 
 
 def quantize_append_int4_ref(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
                              smooth: torch.Tensor | None = None, *, pos_offset: int = 0,
-                             block_table: torch.Tensor | None = None) -> None:
+                             block_table: torch.Tensor | None = None, chans: torch.Tensor | None = None) -> None:
     """Reference ``quantize_append_int4`` (in place): ``k_new`` [B, H, D] into slot
     ``pos[b] + pos_offset``; rows whose slot is outside ``[0, L)`` untouched (a
     device-side scatter). ``block_table`` [B, max_blocks]: ``kq``/``ks`` are pools, the
-    slot is logical."""
-    _, _, L, _ = _check_append4(kq, ks, k_new, pos, smooth, block_table)
+    slot is logical. ``chans`` [B, H, r]: the copy holds those channels of ``k_new``
+    (``smooth`` is then [B, H, r])."""
+    _, _, L, _ = _check_append4(kq, ks, k_new, pos, smooth, block_table, chans)
     p = _slots(pos, pos_offset, kq.device)  # [B]
-    q_new, s_new = _quantize_rows4_ref(_new_rows(k_new, p).to(kq.device), smooth)  # [B, H, D/2], [B, H]
+    q_new, s_new = _quantize_rows4_ref(_new_rows(k_new, p, chans).to(kq.device), smooth)  # [B, H, D/2], [B, H]
     _write_rows_ref(kq, ks, q_new, s_new, p, L, block_table)
 
 
@@ -512,23 +562,32 @@ def _quantize4_append_kernel(KN, SM, KQ, KS, POS, L, OFFSET,
                              H: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_H: tl.constexpr,
                              SMOOTH: tl.constexpr, PDL: tl.constexpr = False, BT=None,
                              stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False,
-                             BLOCK_SIZE: tl.constexpr = 1):
+                             BLOCK_SIZE: tl.constexpr = 1, CH=None, stride_cb=0, stride_ch=0,
+                             CHANS: tl.constexpr = False):
     """Grid (B,): the H new keys of row b go to slot ``POS[b] + OFFSET`` (skipped outside
     [0, L)); the tile's rows are the H heads (each with its own smoothing vector).
-    PAGED: ``KQ``/``KS`` are pools addressed through ``BT``, as in ``_quantize_append_kernel``."""
+    PAGED: ``KQ``/``KS`` are pools addressed through ``BT``, as in ``_quantize_append_kernel``.
+    CHANS: the copy's 2 DH channels are ``CH[b, h, :]`` of the new key's (first half in
+    the low nibbles)."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     p, h64, mask_h = _append_slot(POS, b, L, OFFSET, H, BLOCK_H)
     blk, r = _append_place(BT, b, p, stride_tb, PAGED, BLOCK_SIZE)
     offs_d = tl.arange(0, BLOCK_DH)
-    k_lo = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl + offs_d[None, :] * stride_nd
+    k_row = KN + b * stride_nb + h64[:, None] * stride_nh + p * stride_nl
+    if CHANS:
+        k_lo = k_row + _append_chans(CH, b, h64, offs_d, stride_cb, stride_ch, H, DH, True) * stride_nd
+        k_hi = k_row + _append_chans(CH + DH, b, h64, offs_d, stride_cb, stride_ch, H, DH, True) * stride_nd
+    else:
+        k_lo = k_row + offs_d[None, :] * stride_nd
+        k_hi = k_lo + DH * stride_nd
     sm_lo = SM + b * stride_mb + h64[:, None] * stride_mh + offs_d[None, :] * stride_md  # [BLOCK_H, BLOCK_DH]
     q_ptrs = KQ + blk * stride_qb + h64[:, None] * stride_qh + r * stride_ql + offs_d[None, :] * stride_qd
     s_ptrs = KS + blk * stride_sb + h64 * stride_sh + r * stride_sl
     sm_mask = (h64[:, None] < H) & (offs_d[None, :] < DH)
-    _quantize4_tile(k_lo, k_lo + DH * stride_nd, sm_lo, sm_lo + DH * stride_md, sm_mask, q_ptrs, s_ptrs,
-                    mask_h, offs_d < DH, SMOOTH)
+    _quantize4_tile(k_lo, k_hi, sm_lo, sm_lo + DH * stride_md, sm_mask, q_ptrs, s_ptrs, mask_h, offs_d < DH,
+                    SMOOTH)
 
 
 def quantize_keys_int4_triton(k: torch.Tensor,
@@ -556,11 +615,12 @@ def quantize_keys_int4_triton(k: torch.Tensor,
 
 def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor,
                                 smooth: torch.Tensor | None = None, *, pos_offset: int = 0,
-                                block_table: torch.Tensor | None = None) -> None:
+                                block_table: torch.Tensor | None = None, chans: torch.Tensor | None = None) -> None:
     """Triton ``quantize_append_int4`` (in place, one program per batch row, no host sync;
     ``pos_offset`` is added in the kernel). ``block_table``: ``kq``/``ks`` are pools, the
-    slot is logical (mapped in the kernel)."""
-    B, H, L, D2 = _check_append4(kq, ks, k_new, pos, smooth, block_table)
+    slot is logical (mapped in the kernel). ``chans``: the kernel reads those channels of
+    each new key (no gather launch first)."""
+    B, H, L, D2 = _check_append4(kq, ks, k_new, pos, smooth, block_table, chans)
     if B * H * D2 == 0 or (block_table is not None and L == 0):
         return
     pos = pos.to(kq.device)
@@ -569,4 +629,5 @@ def quantize_append_int4_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch
     _quantize4_append_kernel[(B,)](k_new, sm, kq, ks, pos, L, int(pos_offset), *_new_strides(k_new), *sm_strides,
                                    *kq.stride(), *ks.stride(), H=H, DH=D2, BLOCK_DH=_block_d(D2),
                                    BLOCK_H=triton.next_power_of_2(H), SMOOTH=smooth is not None, num_warps=4,
-                                   **_paged_kwargs(kq, block_table), **pdl_kwargs(k_new, "select"))
+                                   **_paged_kwargs(kq, block_table), **_chans_kwargs(chans),
+                                   **pdl_kwargs(k_new, "select"))

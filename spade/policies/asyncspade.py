@@ -281,6 +281,9 @@ class AsyncSpadeLayerState:
     all_smooth: torch.Tensor | None = None
     """int4: [n_layers, B, Hkv, D] float32 that ``k_smooth`` is a view of (row ``index``),
     so that ``predict_layers`` folds a run of layers in one launch."""
+    all_chans: torch.Tensor | None = None
+    """``score_channels``: [n_layers, B, Hkv, r] int64 that ``chans`` is a view of (row
+    ``index``), so that ``predict_layers`` gathers a run of layers' channels in one launch."""
     score_dtype: torch.dtype | None = None
     """The dtype ``select`` rounds the compressed keys' query to (the cache's, when
     fp16 / bf16; else float32), recorded from the cache each call."""
@@ -358,8 +361,11 @@ class AsyncSpadePolicy(Policy):
         smooths = (torch.ones(s.n_layers, batch_size, s.n_kv_heads, self.channels or s.head_dim,
                               dtype=torch.float32, device=device)
                    if self.cfg.score_keys == "int4" else None)
-        state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows, index=i, all_smooth=smooths)
-                        for i in range(s.n_layers)]
+        # score_channels: every layer's channels in one tensor too (predict_layers gathers a run at once)
+        chans = (torch.zeros(s.n_layers, batch_size, s.n_kv_heads, self.channels, dtype=torch.int64, device=device)
+                 if self.channels is not None else None)
+        state.layers = [AsyncSpadeLayerState(window=windows[i], all_windows=windows, index=i, all_smooth=smooths,
+                                             all_chans=chans) for i in range(s.n_layers)]
         return state
 
     # ------------------------------------------------------------------ bookkeeping
@@ -566,12 +572,12 @@ class AsyncSpadePolicy(Policy):
             src = k_new if k_new is not None else last_token_keys(k_cache, kv, bt)  # [B, H, D]
             if k_new is not None:
                 st.keys_elsewhere = True
-            if st.chans is not None:  # the copy's channels [B, H, r]
-                src = gather_channels(src, st.chans)
+            # the copy's channels (st.chans [B, H, r], or all): read by the append itself
             if int4:
-                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, block_table=bt)
+                kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, block_table=bt,
+                                             chans=st.chans)
             else:
-                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1, block_table=bt)
+                kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1, block_table=bt, chans=st.chans)
         st.score_dtype = k_cache.dtype if k_cache.dtype in (torch.float16, torch.bfloat16) else torch.float32
         return st.kq, st.ks
 
@@ -677,15 +683,17 @@ class AsyncSpadePolicy(Policy):
         chans, mode = st.chans, self.cfg.score_keys
         kv = kv_lens.to(k_cache.device)  # slot kv - 1: the kernels add the offset (no launch for it)
         src = k_cache if k_new is None else k_new  # the cache is read at row kv - 1
-        if k_new is None and (block_table is not None or chans is not None):
+        if k_new is None and block_table is not None:
             src = last_token_keys(k_cache, kv, block_table)  # [B, H, D]
-        if chans is not None:  # the newest keys' channels [B, H, r]
-            src = gather_channels(src, chans)
+        # int8 / int4: the append reads the copy's channels (chans, or all) of the newest keys itself
         if mode == "int4":
-            kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1)
+            kernels.quantize_append_int4(st.kq, st.ks, src, kv, st.k_smooth, pos_offset=-1, chans=chans)
         elif mode == "int8":
-            kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1)
+            kernels.quantize_append(st.kq, st.ks, src, kv, pos_offset=-1, chans=chans)
         else:  # exact channels: write the row at slot kv - 1 (rows past the copy are skipped)
+            if src.dim() == 4:  # the cache's newest rows
+                src = last_token_keys(k_cache, kv, None)
+            src = gather_channels(src, chans)  # [B, H, r]
             r = st.kq.shape[3]
             slot = (kv.to(torch.int64) - 1).clamp(0, st.kq.shape[2] - 1).view(B, 1, 1, 1).expand(B, H, 1, r)
             st.kq.scatter_(2, slot, src.to(dt)[:, :, None, :])
@@ -717,6 +725,9 @@ class AsyncSpadePolicy(Policy):
         if st.chans is not None and st.chans.shape == chans.shape and st.chans.device == chans.device:
             st.chans.copy_(chans)
         else:
+            base = st.all_chans
+            if base is not None and st.index >= 0 and base.shape[1:] == chans.shape and base.device == chans.device:
+                chans = base[st.index].copy_(chans)  # the layer's row of the stacked channels
             st.chans = chans
         st.chan_seq = state.seq_len
 
@@ -829,31 +840,43 @@ class AsyncSpadePolicy(Policy):
             st.q_scored, st.q_scored_smooth = (None, None) if q_sc is None else (q_sc[j], st.k_smooth)
 
     def _scoring_queries(self, sts: list, layers: range, q: torch.Tensor, rotated: bool) -> torch.Tensor | None:
-        """Compressed keys: the run's predictions ``q`` [P, B, Hq, D] fp32 as ``select``
-        scores them — int4: times each layer's smoothing (``fold_smoothing``), and
-        rounded to the cache's half dtype — in one launch for the run instead of two per
-        layer (the fp32 products rounded once, as ``fold_smoothing`` + ``.to`` do); None
-        when that does not apply (exact keys, pre-RoPE predictions, smoothing not stacked)."""
+        """Scoring a copy of the keys: the run's predictions ``q`` [P, B, Hq, D] fp32 as
+        ``select`` scores them — restricted to each layer's channels (``score_channels``:
+        one gather for the run), int4: times each layer's smoothing (``fold_smoothing``),
+        and rounded to the cache's half dtype — in one or two launches for the run instead of
+        up to four per layer (the fp32 products rounded once, as ``fold_smoothing`` + ``.to``
+        do); None when that does not apply (the cache's own keys, pre-RoPE predictions,
+        channels or smoothing not stacked)."""
         cfg = self.cfg
-        if cfg.score_keys == "exact" or (self.rope_aware and not rotated) or self.channels is not None:
-            return None  # (channels: select gathers and folds per layer)
+        if not self.keeps_copy or (self.rope_aware and not rotated):
+            return None
         dts = {st.score_dtype for st in sts}
         if len(dts) != 1 or None in dts:
             return None
         dt = dts.pop()
-        if cfg.score_keys != "int4":  # int8: the rounding alone
-            return q.to(dt) if dt != q.dtype else None
+        P, B, H, D = q.shape
+        sl = slice(layers[0], layers[-1] + 1, layers.step)
+        if self.channels is not None:  # each layer's r channels: [P, B, Hq, r]
+            cb = sts[0].all_chans
+            if cb is None or any(st.all_chans is not cb or st.chans is None or st.index != i
+                                 or st.chans.data_ptr() != cb[i].data_ptr() for i, st in zip(layers, sts)):
+                return None
+            Hkv, r = cb.shape[2], cb.shape[3]
+            if cb.shape[1] != B or H % Hkv:
+                return None
+            q = q.view(P, B, Hkv, H // Hkv, D).gather(4, cb[sl, :, :, None, :].expand(P, B, Hkv, H // Hkv, r))
+            q, D = q.view(P, B, H, r), r
+        if cfg.score_keys != "int4":  # int8 / exact channels: the rounding alone
+            return q.to(dt) if dt != q.dtype or self.channels is not None else None
         base = sts[0].all_smooth
         if base is None or any(st.all_smooth is not base or st.k_smooth is None or st.index != i
                                or st.k_smooth.data_ptr() != base[i].data_ptr() for i, st in zip(layers, sts)):
             return None
-        P, B, H, D = q.shape
         Hkv = base.shape[2]
         if base.shape[1:] != (B, Hkv, D) or H % Hkv:
             return None
         out = torch.empty(P, B, H, D, dtype=dt, device=q.device)
-        torch.mul(q.view(P, B, Hkv, H // Hkv, D), base[layers[0]:layers[-1] + 1:layers.step, :, :, None, :],
-                  out=out.view(P, B, Hkv, H // Hkv, D))
+        torch.mul(q.view(P, B, Hkv, H // Hkv, D), base[sl, :, :, None, :], out=out.view(P, B, Hkv, H // Hkv, D))
         return out
 
     def predict_query(self, state: PolicyState, layer: int, kv_lens: torch.Tensor) -> torch.Tensor | None:

@@ -153,3 +153,32 @@ def test_paged_append_bad_inputs_and_empty_table(impl, device):
                 fn(kq, ks, k_new, pos, torch.ones(B, H, D - 2, device=device), block_table=table)
         fn(kq, ks, k_new, pos, block_table=table[:, :0])  # no blocks: every slot is outside, nothing written
         assert (kq == 0).all() and (ks == 1).all()
+
+
+@pytest.mark.parametrize("source", ["new", "cache"])
+@pytest.mark.parametrize("variant", ["int8", "int4_smooth"])
+@pytest.mark.parametrize("case", [1, 2])
+def test_paged_append_of_a_channel_subset(case, variant, source, device):
+    """``chans`` through the table (``score_channels`` on a paged copy): the pool holds what
+    the contiguous append of the gathered channels holds, and no unowned block changes."""
+    B, H, D, _, _ = CASES[case]
+    bits = VARIANTS[variant][0]
+    pool_q, pool_s, table, logical_q, logical_s, smooth, g = _setup(case, variant, device)
+    L = logical_q.shape[2]
+    p = _slots(case, L, g).to(device)
+    Dk = 3 * D  # the keys' own head dim: the copy holds D of its channels
+    chans = torch.stack([torch.stack([torch.randperm(Dk, generator=g)[:D] for _ in range(H)]) for _ in range(B)])
+    if source == "cache":
+        k_new = torch.randn(B, H, L + 3, Dk, generator=g)[:, :, :L].to(device)
+    else:
+        k_new = torch.randn(B, H, Dk, generator=g).to(device)
+    extra = (smooth,) if bits == 4 else ()
+    owned = torch.zeros(pool_q.shape[0], dtype=torch.bool)
+    owned[table.cpu().long().reshape(-1)] = True
+    before_q, before_s = pool_q.clone(), pool_s.clone()
+    want_q, want_s = logical_q.clone(), logical_s.clone()
+    APPEND[bits][0](want_q, want_s, quant._new_rows(k_new, p).gather(2, chans.to(device)), p, *extra)
+    APPEND[bits][1](pool_q, pool_s, k_new, p, *extra, block_table=table, chans=chans.to(device))
+    assert torch.equal(paged_to_contiguous(pool_q, table), want_q)
+    assert torch.equal(_bits(paged_to_contiguous(pool_s[..., None], table)[..., 0]), _bits(want_s))
+    assert torch.equal(pool_q[~owned], before_q[~owned]) and torch.equal(_bits(pool_s[~owned]), _bits(before_s[~owned]))

@@ -175,3 +175,34 @@ def test_quantize_append_pos_offset(bits, impl, source, device):
     disp_q, disp_s = kq0.clone().to(device), ks0.clone().to(device)
     append(disp_q, disp_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1)  # the public op passes it on
     assert torch.equal(disp_q.cpu(), want_q) and torch.equal(disp_s.cpu(), want_s)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("source", ["new", "cache"])
+def test_quantize_append_of_a_channel_subset(bits, impl, source, device):
+    """``chans`` [B, H, r] (each row and head its own channels, in any order, as
+    ``score_channels`` picks them): the append writes exactly what appending the gathered
+    channels writes — read from new keys [B, H, D] or from the cache's row — and leaves
+    rows whose slot falls outside the copy untouched; a wrong ``chans`` is refused."""
+    B, H, L, D, r = 3, 2, 7, 32, 12
+    g = torch.Generator().manual_seed(23)
+    cache = torch.randn(B, H, L + 2, D, generator=g)[:, :, :L]
+    k_new = cache if source == "cache" else torch.randn(B, H, D, generator=g)
+    chans = torch.stack([torch.stack([torch.randperm(D, generator=g)[:r] for _ in range(H)]) for _ in range(B)])
+    kv = torch.tensor([L, 3, L + 1])  # slots L-1, 2, L (skipped)
+    sub = cache.gather(3, chans[:, :, None, :].expand(B, H, L, r))  # [B, H, L, r]: the channels' own cache
+    kq0, ks0, fn, ref, extra, extra_ref = _append_case(bits, impl, sub, g, device)
+    got_q, got_s = kq0.clone().to(device), ks0.clone().to(device)
+    fn(got_q, got_s, k_new.to(device), kv.to(device), *extra, pos_offset=-1, chans=chans.to(device))
+    rows = quant._new_rows(k_new, kv - 1).gather(2, chans)  # [B, H, r]
+    want_q, want_s = kq0.clone(), ks0.clone()
+    ref(want_q, want_s, rows, kv - 1, *extra_ref)
+    assert torch.equal(got_q.cpu(), want_q)
+    torch.testing.assert_close(got_s.cpu(), want_s, rtol=1e-6, atol=0)
+    assert torch.equal(want_q[2], kq0[2]) and not torch.equal(want_q[0], kq0[0])
+    append = kernels.quantize_append_int4 if bits == 4 else kernels.quantize_append
+    with pytest.raises(ValueError, match=r"chans must be an integer \[3, 2, 12\]"):
+        append(got_q, got_s, k_new.to(device), kv.to(device), *extra, chans=chans[:, :, :-1].to(device))
+    with pytest.raises(ValueError, match="chans must be"):
+        append(got_q, got_s, k_new.to(device), kv.to(device), *extra, chans=chans.float().to(device))

@@ -657,31 +657,41 @@ def test_rope_aware_true_refuses_a_model_without_rope():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("predictor,score_keys,dtype,rope", [("assembled", "exact", torch.float32, False),  # not folded
-                                                             ("assembled", "int4", torch.bfloat16, False),
-                                                             ("assembled", "int8", torch.bfloat16, False),
-                                                             ("ridge", "int4", torch.float32, False),  # ridge's mode
-                                                             ("assembled", "int4", torch.bfloat16, True),
-                                                             ("assembled", "exact", torch.float32, True)])
-def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, dtype, rope, monkeypatch):
+@pytest.mark.parametrize("predictor,score_keys,dtype,rope,chans", [
+    ("assembled", "exact", torch.float32, False, None),  # not folded
+    ("assembled", "int4", torch.bfloat16, False, None),
+    ("assembled", "int8", torch.bfloat16, False, None),
+    ("ridge", "int4", torch.float32, False, None),  # ridge's mode
+    ("assembled", "int4", torch.bfloat16, True, None),
+    ("assembled", "exact", torch.float32, True, None),
+    ("assembled", "int4", torch.bfloat16, False, 8),  # score_channels: gathered for the run too
+    ("assembled", "int8", torch.float32, True, 8),
+    ("assembled", "exact", torch.bfloat16, False, 4)])
+def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, dtype, rope, chans, monkeypatch):
     """``predict_layers`` (one predictor launch for a run of layers, what the cache rank
     does per pack) leaves every layer's selection exactly as predicting per layer does;
     each prediction made ahead serves one select only. Compressed keys: the run's
     queries are also folded with the int4 smoothing and rounded to the cache dtype in
-    one launch (``q_scored``), and select uses them instead of its own fold. rope_aware
-    (rows at different positions: left padding): given the step's ``kv_lens``, the run's
-    predictions are rotated there in one launch, and folded too."""
+    one launch (``q_scored``), and select uses them instead of its own fold; with
+    ``score_channels`` restricted to each layer's channels in one gather too, so select
+    gathers nothing. rope_aware (rows at different positions: left padding): given the
+    step's ``kv_lens``, the run's predictions are rotated there in one launch, and folded too."""
     from spade import kernels
+    from spade.policies import asyncspade as mod
     from spade.policies.base import RopeSpec
 
     monkeypatch.setenv("SPADE_KERNELS", "triton")  # the batched path is the kernel's (interpreter here)
     sim = DecodeSim(B=2, Hq=4, Hkv=2, prompt_len=20, steps=1, seed=11, n_layers=3, dtype=dtype,
                     kv_start=[0, 5] if rope else None, rope=RopeSpec(theta=1e4, dim=16) if rope else None)
     pol = make_policy("asyncspade", sim, budget=10, sink_tokens=1, recent_tokens=2, window=4,
-                      predictor=predictor, group_reduce="sum_logits", rope_aware=rope, score_keys=score_keys)
+                      predictor=predictor, group_reduce="sum_logits", rope_aware=rope, score_keys=score_keys,
+                      score_channels=chans)
     rotations = []
     rot = kernels.rope_rotate
     monkeypatch.setattr(kernels, "rope_rotate", lambda x, *a: rotations.append(x.shape[0]) or rot(x, *a))
+    gathers = []
+    gather = mod.gather_channels
+    monkeypatch.setattr(mod, "gather_channels", lambda x, c: gathers.append(x.dim()) or gather(x, c))
     ks, vs, kv = sim.fresh_cache()
     states = []
     for _ in range(2):
@@ -696,21 +706,26 @@ def test_predict_layers_gives_the_per_layer_predictions(predictor, score_keys, d
     pol.predict_layers(states[0], range(0, 3), kv1)
     assert all(s.q_pred is not None for s in states[0].layers)
     assert rotations == ([3 * 2] if rope else [])  # the run's 3 layers x 2 rows in one launch
-    folded = score_keys == "int4" or (score_keys == "int8" and dtype != torch.float32)
+    folded = score_keys == "int4" or (score_keys == "int8" and dtype != torch.float32) or chans is not None
     assert all((s.q_scored is not None) == folded for s in states[0].layers)
     folds = []
     fold = kernels.fold_smoothing
     monkeypatch.setattr(kernels, "fold_smoothing", lambda q, sm: folds.append(1) or fold(q, sm))
     for layer in range(3):
         n = len(folds)
+        gathers.clear()
         a = pol.select(states[0], layer, None, ks[layer], kv1)  # uses the batched prediction
         assert len(folds) == n + (score_keys != "exact" and not folded)
+        assert gathers == []
         b = pol.select(states[1], layer, None, ks[layer], kv1)  # predicts on its own
+        assert gathers == ([3] if chans else [])  # (the per-layer path gathers the query's channels)
         assert torch.equal(a.indices, b.indices)
         assert rotations[1:] == [2] * (layer + 1) * rope  # (the per-layer path rotates per layer)
         assert states[0].layers[layer].q_pred is None and states[0].layers[layer].q_scored is None  # consumed
     if score_keys == "int4":
         assert states[0].layers[1].k_smooth.data_ptr() == states[0].layers[1].all_smooth[1].data_ptr()
+    if chans:
+        assert states[0].layers[1].chans.data_ptr() == states[0].layers[1].all_chans[1].data_ptr()
 
 
 @pytest.mark.skipif(not INTERPRET, reason="SPADE_KERNELS=triton on CPU tensors needs the Triton interpreter")
