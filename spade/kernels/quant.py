@@ -284,10 +284,12 @@ def _append_chans(CH, b, h64, offs_d, stride_cb, stride_ch, H: tl.constexpr, D: 
     """The new key's channels an append reads for the copy's channels ``offs_d``
     [BLOCK_D], per head row ``h64`` [BLOCK_H]: ``offs_d`` itself ([1, BLOCK_D]), or with
     CHANS the subset ``CH[b, h, offs_d]`` (int64 [BLOCK_H, BLOCK_D]; 0 where masked)."""
-    if CHANS:
+    if CHANS:  # (one return after the static branch: code after a taken branch's return is still compiled)
         m = (h64[:, None] < H) & (offs_d[None, :] < D)
-        return tl.load(CH + b * stride_cb + h64[:, None] * stride_ch + offs_d[None, :], mask=m, other=0).to(tl.int64)
-    return offs_d[None, :]
+        d = tl.load(CH + b * stride_cb + h64[:, None] * stride_ch + offs_d[None, :], mask=m, other=0).to(tl.int64)
+    else:
+        d = offs_d[None, :]
+    return d
 
 
 @triton.jit
