@@ -930,13 +930,15 @@ class AsyncSpadePolicy(Policy):
         each row predicts as it would alone. With ``refresh_every`` N > 1 the batch's
         schedule restarts: the next selection is a refresh of every row (the joining rows
         have nothing to reuse), so a request's selections depend on when others joined
-        (one schedule for the batch). Refuses ``score_channels``, whose channel choice is
-        shared by the rows."""
+        (one schedule for the batch). ``score_channels``: each joining row's channels are
+        chosen from its own prompt, as alone, and kept (refuses ``channel_refresh``, whose
+        re-choice is the batch's)."""
         cfg = self.cfg
-        if self.channels is not None:
+        if self.channels is not None and cfg.channel_refresh is not None:
             raise ConfigError(
-                f"policy.score_channels ({cfg.score_channels}) keeps a channel choice shared by every row, which a "
-                "request joining a running batch cannot have yet: set score_channels: null to serve asyncspade")
+                f"policy.score_channels ({cfg.score_channels}) with policy.channel_refresh ({cfg.channel_refresh}) "
+                "re-chooses every row's channels at once, which a request joining a running batch cannot follow: "
+                "set channel_refresh: null to serve it (each request keeps the channels its prompt chose)")
         state.refresh_anchor = None  # refresh_every > 1: every row selects afresh at the next step
         st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
         sub = self.row_state(state, rows, k_cache.device)
@@ -992,6 +994,14 @@ class AsyncSpadePolicy(Policy):
             st.kq.index_copy_(0, idx, new.kq)
             if new.ks is not None:
                 st.ks.index_copy_(0, idx, new.ks)
+        if new.chans is not None and new.chans is not st.chans:  # score_channels: the rows' own choice
+            if st.chans is None or st.chans.shape[1:] != new.chans.shape[1:] or st.chans.shape[0] != B:
+                base = st.all_chans
+                if base is not None and st.index >= 0 and base.shape[1:] == (B, *new.chans.shape[1:]):
+                    st.chans = base[st.index]
+                else:
+                    st.chans = torch.zeros(B, *new.chans.shape[1:], dtype=new.chans.dtype, device=new.chans.device)
+            st.chans.index_copy_(0, idx, new.chans)
         if new.k_smooth is not None:
             if st.k_smooth is None or st.k_smooth.shape[1:] != new.k_smooth.shape[1:]:
                 base = st.all_smooth

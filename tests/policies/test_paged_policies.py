@@ -54,6 +54,9 @@ POLICY_CASES = {  # id -> (policy name, config)
                                                     score_keys="int4", score_channels=8)),
     "asyncspade-int8-channels": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                                     score_keys="int8", score_channels=8, channel_refresh=1.1)),
+    "asyncspade-int4-channels-kept": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
+                                                         score_keys="int4", score_channels=8,
+                                                         channel_refresh=None)),  # served: each row's own choice
     "asyncspade-rerank": ("asyncspade", dict(budget=12, sink_tokens=SINK, recent_tokens=RECENT, window=4,
                                              rerank=2)),
     "asyncspade-K-ge-context": ("asyncspade", dict(budget=256, sink_tokens=SINK, recent_tokens=RECENT)),
@@ -218,15 +221,16 @@ def test_paged_policy_prefill_rows(case):
 @pytest.mark.parametrize("how", ["pool", "prefill_pool"])
 @pytest.mark.parametrize("kernels_impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", ["quest", "asyncspade-int4", "asyncspade-int8", "asyncspade-int4-channels",
-                                  "asyncspade-int8-channels"])
+                                  "asyncspade-int8-channels", "asyncspade-int4-channels-kept"])
 def test_paged_policy_join_into_the_pool(case, kernels_impl, how, monkeypatch):
     """A serving join (``prefill_rows``) or a static batch's prefill on a paged cache, with
     ``state.join_pool``: Quest's page bounds and asyncspade's int8 / int4 copy (of a channel
     subset too, re-chosen mid-decode and requantised into the pool: a static batch's
-    ``score_channels``) are written into the pool's blocks (sized by the pool, not by the
-    capacity) and every decode step selects what the contiguous cache does."""
-    if "channels" in case and how == "pool":
-        pytest.skip("(a channel choice is the batch's: serving refuses score_channels)")
+    ``score_channels``; or each joining row's own, kept: served ``channel_refresh: null``)
+    are written into the pool's blocks (sized by the pool, not by the capacity) and every
+    decode step selects what the contiguous cache does."""
+    if "channels" in case and how == "pool" and POLICY_CASES[case][1].get("channel_refresh", 2.0) is not None:
+        pytest.skip("(channels re-chosen for the whole batch: serving refuses channel_refresh)")
     if kernels_impl == "triton" and case != "quest" and (case, how) != ("asyncspade-int4", "prefill_pool"):
         pytest.skip("(the interpreter's ~25 s per asyncspade case: the pool-copy kernels are tested in "
                     "tests/kernels; one case here)")

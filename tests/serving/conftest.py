@@ -25,6 +25,8 @@ POLICIES = {
 # compressed scoring keys: the joining rows' int8 / int4 copies (and int4 smoothing) are built alone and copied in
 for _keys in ("int8", "int4"):
     POLICIES[f"asyncspade_{_keys}"] = POLICIES["asyncspade"] + [f"policy.score_keys={_keys}", "policy.window=4"]
+# a channel subset: each joining row's channels chosen from its own prompt and kept (no re-choice)
+POLICIES["asyncspade_int4_c8"] = POLICIES["asyncspade_int4"] + ["policy.score_channels=8", "policy.channel_refresh=null"]
 
 
 def make_config(policy: str = "full", topology: str = "inline", *, max_batch: int = 3, max_seq_len: int = 96,

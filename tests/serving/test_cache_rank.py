@@ -226,6 +226,33 @@ def test_compressed_scoring_keys_need_no_key_store(topology, monkeypatch):
         assert stores == {"asyncspade_int4": {(True, False, True)}, "asyncspade": {(False, True, False)}}
 
 
+@pytest.mark.parametrize("topology", ["local", "multiprocess/nccl", "local/paged"])
+def test_channel_subsets_follow_joins_on_a_cache_rank(topology):
+    """``score_channels`` served (``channel_refresh: null``): each joining row's channels are
+    chosen from its own prompt on the cache rank, kept beside the other rows' (and its int4
+    copy, a pool under the cache rank's table on a paged cache), so joined rows equal alone
+    and inline, and the first two equal ``spade run``'s static batch (which chooses each
+    row's channels in one batch prefill, not through joins)."""
+    from spade.static import StaticEngine
+
+    jobs = _jobs(6, seed=11)
+    topology, _, rest = topology.partition("/")
+    paged = ["model.block_size=4", "model.kv_blocks=40"] if rest == "paged" else []
+    extra = paged + (_multiprocess(rest) if rest and rest != "paged" else [])
+    engine = spade.AsyncEngine(make_config("asyncspade_int4_c8", topology, extra=extra))
+    together, alone, stats = _together_then_alone(engine, jobs)
+    assert stats["joins_into_running"] >= 2 and stats["sparse_steps"] > 0 and stats["cache_peers_lost"] == 0
+    for (_, _, n), t, a, i in zip(jobs, together, alone, _inline_alone(jobs, "asyncspade_int4_c8", extra=paged)):
+        assert len(t.token_ids) == n
+        assert t.token_ids == a.token_ids == i
+    ref = StaticEngine(make_config("asyncspade_int4_c8", "inline", extra=paged))
+    try:
+        for (_, p, n), a in zip(jobs[:2], alone):
+            assert ref.generate([p], max_new_tokens=n)[0].token_ids == a.token_ids
+    finally:
+        ref.close()
+
+
 @pytest.mark.parametrize("topology", ["local", "multiprocess/nccl"])
 def test_a_cache_rank_of_its_own_keeps_pool_copies_on_a_paged_cache(topology, monkeypatch):
     """Serving on a paged cache, asyncspade int4 on a cache rank of its own: the scoring

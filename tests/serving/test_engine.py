@@ -15,6 +15,7 @@ from .conftest import final, greedy, make_config, random_prompts, run, staggered
 
 CASES = [("full", "inline"), ("quest", "inline"), ("tova", "inline"), ("asyncspade", "inline"),
          ("oracle", "inline"), ("streaming", "inline"), ("asyncspade_int8", "inline"), ("asyncspade_int4", "inline"),
+         ("asyncspade_int4_c8", "inline"), ("asyncspade_int4_c8", "colocated"),
          ("full", "colocated"), ("quest", "colocated"), ("full", "multiprocess/nccl"),
          ("quest", "multiprocess/nccl")]
 
@@ -204,8 +205,8 @@ def test_unseeded_sampled_requests_differ_from_greedy():
 
 def test_topology_refusals_name_the_field():
     # (every runtime.return_mode is served: test_cache_rank.py)
-    with pytest.raises(ConfigError, match="score_channels"):
-        spade.AsyncEngine(make_config("asyncspade", extra=["policy.score_channels=8"]))
+    with pytest.raises(ConfigError, match=r"policy.channel_refresh \(2.0\).*set policy.channel_refresh: null"):
+        spade.AsyncEngine(make_config("asyncspade", extra=["policy.score_channels=8"]))  # (re-chosen: the batch's)
     with pytest.raises(ConfigError, match="model.backend"):
         spade.AsyncEngine(make_config("full", extra=["model.backend=hf"]))
 
