@@ -120,6 +120,18 @@ def key_pair_mass(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.
     return torch.einsum("bhlc,bl->bhc", m, ok.float())
 
 
+def serving_refusal(cfg) -> str | None:
+    """Why a batch that requests join (``AsyncEngine``, ``prefill_rows``) cannot take this
+    asyncspade config, naming the fix; None when it can. ``score_channels`` is chosen per
+    row from its own prompt and kept; ``channel_refresh`` re-chooses every row at once."""
+    if cfg.score_channels and cfg.channel_refresh is not None:
+        return (f"policy.score_channels ({cfg.score_channels}) with policy.channel_refresh ({cfg.channel_refresh}) "
+                "re-chooses every row's scoring channels at once as the batch's cache grows, which requests joining "
+                "a running batch cannot follow: set policy.channel_refresh: null to serve it (each request keeps "
+                "the channels its prompt chose), or score_channels: null")
+    return None
+
+
 def pick_channels(q_mass: torch.Tensor, k_mass: torch.Tensor, r: int) -> torch.Tensor:
     """The r channels of the r/2 rotary pairs of largest ``q_mass * k_mass`` ([B, Hkv, D/2]
     each): int64 [B, Hkv, r], the pairs' first halves ascending, then their partners
@@ -284,6 +296,13 @@ class AsyncSpadeLayerState:
     all_chans: torch.Tensor | None = None
     """``score_channels``: [n_layers, B, Hkv, r] int64 that ``chans`` is a view of (row
     ``index``), so that ``predict_layers`` gathers a run of layers' channels in one launch."""
+
+    def stacked_row(self, base: torch.Tensor | None, shape: tuple, device: torch.device) -> torch.Tensor | None:
+        """This layer's row of a stacked per-layer tensor (``all_smooth``, ``all_chans``) when
+        it has ``shape`` on ``device``; None for a state of its own or another shape."""
+        if base is None or self.index < 0 or tuple(base.shape[1:]) != tuple(shape) or base.device != device:
+            return None
+        return base[self.index]
     score_dtype: torch.dtype | None = None
     """The dtype ``select`` rounds the compressed keys' query to (the cache's, when
     fp16 / bf16; else float32), recorded from the cache each call."""
@@ -631,9 +650,9 @@ class AsyncSpadePolicy(Policy):
         if st.k_smooth is not None and st.k_smooth.shape == sm.shape and st.k_smooth.device == sm.device:
             sm = st.k_smooth.copy_(sm)
         else:
-            base = st.all_smooth
-            if base is not None and st.index >= 0 and base.shape[1:] == sm.shape and base.device == sm.device:
-                sm = base[st.index].copy_(sm)  # the layer's row of the stacked smoothing
+            row = st.stacked_row(st.all_smooth, sm.shape, sm.device)
+            if row is not None:
+                sm = row.copy_(sm)  # the layer's row of the stacked smoothing
         st.k_smooth = sm
 
     def _quantize(self, st: AsyncSpadeLayerState, ksub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -725,9 +744,9 @@ class AsyncSpadePolicy(Policy):
         if st.chans is not None and st.chans.shape == chans.shape and st.chans.device == chans.device:
             st.chans.copy_(chans)
         else:
-            base = st.all_chans
-            if base is not None and st.index >= 0 and base.shape[1:] == chans.shape and base.device == chans.device:
-                chans = base[st.index].copy_(chans)  # the layer's row of the stacked channels
+            row = st.stacked_row(st.all_chans, chans.shape, chans.device)
+            if row is not None:
+                chans = row.copy_(chans)  # the layer's row of the stacked channels
             st.chans = chans
         st.chan_seq = state.seq_len
 
@@ -934,11 +953,9 @@ class AsyncSpadePolicy(Policy):
         chosen from its own prompt, as alone, and kept (refuses ``channel_refresh``, whose
         re-choice is the batch's)."""
         cfg = self.cfg
-        if self.channels is not None and cfg.channel_refresh is not None:
-            raise ConfigError(
-                f"policy.score_channels ({cfg.score_channels}) with policy.channel_refresh ({cfg.channel_refresh}) "
-                "re-chooses every row's channels at once, which a request joining a running batch cannot follow: "
-                "set channel_refresh: null to serve it (each request keeps the channels its prompt chose)")
+        why = serving_refusal(cfg)
+        if why is not None:
+            raise ConfigError(why)
         state.refresh_anchor = None  # refresh_every > 1: every row selects afresh at the next step
         st = self._layer(state, layer, torch.empty(state.batch_size, q.shape[1], q.shape[-1], device=q.device))
         sub = self.row_state(state, rows, k_cache.device)
@@ -995,21 +1012,18 @@ class AsyncSpadePolicy(Policy):
             if new.ks is not None:
                 st.ks.index_copy_(0, idx, new.ks)
         if new.chans is not None and new.chans is not st.chans:  # score_channels: the rows' own choice
-            if st.chans is None or st.chans.shape[1:] != new.chans.shape[1:] or st.chans.shape[0] != B:
-                base = st.all_chans
-                if base is not None and st.index >= 0 and base.shape[1:] == (B, *new.chans.shape[1:]):
-                    st.chans = base[st.index]
-                else:
-                    st.chans = torch.zeros(B, *new.chans.shape[1:], dtype=new.chans.dtype, device=new.chans.device)
+            shape = (B, *new.chans.shape[1:])
+            if st.chans is None or tuple(st.chans.shape) != shape:
+                st.chans = st.stacked_row(st.all_chans, shape, new.chans.device)
+                if st.chans is None:
+                    st.chans = torch.zeros(shape, dtype=new.chans.dtype, device=new.chans.device)
             st.chans.index_copy_(0, idx, new.chans)
         if new.k_smooth is not None:
             if st.k_smooth is None or st.k_smooth.shape[1:] != new.k_smooth.shape[1:]:
-                base = st.all_smooth
-                if base is not None and st.index >= 0 and base.shape[2:] == new.k_smooth.shape[1:]:
-                    st.k_smooth = base[st.index]
-                else:
-                    st.k_smooth = torch.ones(B, *new.k_smooth.shape[1:], dtype=torch.float32,
-                                             device=new.k_smooth.device)
+                shape = (B, *new.k_smooth.shape[1:])
+                st.k_smooth = st.stacked_row(st.all_smooth, shape, new.k_smooth.device)
+                if st.k_smooth is None:
+                    st.k_smooth = torch.ones(shape, dtype=torch.float32, device=new.k_smooth.device)
             st.k_smooth.index_copy_(0, idx, new.k_smooth)
         st.score_dtype = new.score_dtype
         st.keys_elsewhere = False

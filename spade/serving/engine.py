@@ -58,12 +58,12 @@ def check_served(config: SpadeConfig) -> None:
             f"runtime.topology {rt.topology!r} is not served by spade.AsyncEngine yet (its cache rank does not "
             f"follow requests joining and leaving the batch there); use runtime.topology: "
             f"{', '.join(SERVED_TOPOLOGIES)}")
-    if pc.name == "asyncspade" and pc.score_channels and pc.channel_refresh is not None:
-        raise ConfigError(
-            f"policy.score_channels ({pc.score_channels}) with policy.channel_refresh ({pc.channel_refresh}) "
-            "re-chooses every row's scoring channels at once as the batch's cache grows, which requests joining "
-            "a running batch cannot follow: set policy.channel_refresh: null to serve it (each request keeps the "
-            "channels its prompt chose), or score_channels: null")
+    if pc.name == "asyncspade":
+        from spade.policies.asyncspade import serving_refusal
+
+        why = serving_refusal(pc)
+        if why is not None:
+            raise ConfigError(why)
     if config.model.backend == "hf":
         raise ConfigError("model.backend 'hf': spade.AsyncEngine needs the fast backend's row slots; set "
                           "model.backend: fast (or auto)")

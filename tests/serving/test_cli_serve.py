@@ -28,7 +28,7 @@ def test_import_spade_needs_no_server_packages():
 def test_engine_refusal_is_one_line(capsys):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    # an AsyncEngine refuses what it cannot serve (a channel choice shared by all rows) before loading anything
+    # an AsyncEngine refuses what it cannot serve (channels re-chosen for every row at once) before loading anything
     rc = main(["serve", "--port", "0", "--set", "model.name=tiny", "--set", "model.device=cpu",
                "--set", "runtime.topology=local", "--set", "policy.score_channels=16"])
     assert rc == 2
