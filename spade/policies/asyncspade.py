@@ -227,7 +227,8 @@ class AsyncSpadePolicyConfig(SparseCommonConfig):
     channel_refresh: float | None = Field(2.0, gt=1)
     """With ``score_channels``: re-choose the channels (and rebuild the scoring copy from the
     exact keys, in place) when the cache length reaches this factor times its length at the
-    last choice; None: chosen once, at prefill. A host decision on ``seq_len`` (every
+    last choice; None: chosen once, at prefill (what serving takes: each request's own, at its
+    join). A host decision on ``seq_len`` (every
     topology refreshes at the same step; a graph key); it needs the exact keys, so a cache
     rank keeps appending them (``takes_new_keys`` is False). Amortised cost: at most
     1/(factor - 1) extra quantisations of each key."""
