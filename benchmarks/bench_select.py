@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(select_overlap) against the same serially; WARPS[:PRIORITY],... of the side-stream select "
                          "(0 = the serial select's warps; the default under overlap: SELECT_CONFIG carry_overlap_warps)")
     ap.add_argument("--overlap-layers", type=int, default=4)
+    ap.add_argument("--profile", action="store_true",
+                    help="with --carry: each carry row's kernels by device time (torch.profiler over 20 eager "
+                         "calls of scoring + select; run with SPADE_PDL=off for times without early-launch waits)")
     ap.add_argument("--dims", default=str(D),
                     help="key dims scored, comma-separated: 128 is the full head; r < 128 is the scoring copy of "
                          "policy.score_channels r (rows carry d)")
@@ -312,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
                                total_ms=ms[2], fallback_total_ms=fb_ms, steady_fallback_rate=(st["fallbacks"] - st0["fallbacks"]) / max(calls, 1),
                                vs_default=ms[2] / base["total_ms"] if base and "total_ms" in base else None,
                                deficit=err)
+                    if args.profile and cuda:
+                        from benchmarks.bench_scoring import _profile_kernels
+
+                        res["kernels_us"] = _profile_kernels(lambda: run(3))
+                        for name, us in sorted(res["kernels_us"].items(), key=lambda kv: -kv[1]):
+                            print(f"#   {B}x{L} {keys} d={d} carry {cc}: {us:8.1f} us  {name}", flush=True)
             except Exception as e:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:

@@ -59,8 +59,9 @@ VARS: dict[str, EnvVar] = {v.name: v for v in (
            "Kernel dispatch: Triton on CUDA tensors and the torch references elsewhere (auto), Triton "
            "everywhere (triton; on CPU with TRITON_INTERPRET=1), or the torch references everywhere."),
     EnvVar("SPADE_PDL", ("auto", "all", "decode", "off"), "auto", True,
-           "Programmatic dependent launch on sm_90+: every kernel (all, what auto means), the decode "
-           "step's kernels only (decode), or none (off); spade.kernels.pdl."),
+           "Programmatic dependent launch on sm_90+: every kernel (all), the decode step's kernels only "
+           "(decode), or none (off); auto: all, but decode for a cache rank on the inference rank's GPU "
+           "(colocated); spade.kernels.pdl."),
     EnvVar("SPADE_SELECT_OVERLAP", ("auto", "on", "off"), "auto", True,
            "A cache rank's threshold-carry top-K select on a side stream beside the next layer's "
            "scoring (kernels.select_overlap; auto: on for CUDA)."),

@@ -30,7 +30,8 @@ Kernels come in two families: ``decode`` (the decode step's own: projections,
 attention, the fused norm / rope / SiLU ops, staging) and ``select`` (the selection
 work: scoring, top-K, key quantisation, query prediction, Quest, gathers).
 ``SPADE_PDL`` picks where PDL is used: ``all``, ``decode`` (the decode family only) or
-``off``; ``auto`` (default) is ``DEFAULT_MODE``. Only CUDA devices of compute capability
+``off``; ``auto`` (default) is ``DEFAULT_MODE``, or ``SHARED_MODE`` for the work of a cache
+rank that shares its GPU with the inference rank (``shared_gpu``). Only CUDA devices of compute capability
 9.0 and above launch with it (never on CPU or under the Triton interpreter). The mode is
 read at launch time, so a captured graph keeps the mode it was captured with
 (``FastModel`` keys its graphs by ``capture_key()``).
@@ -38,7 +39,9 @@ read at launch time, so a captured graph keeps the mode it was captured with
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -46,7 +49,7 @@ import triton.language as tl
 
 from spade import envs
 
-__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
+__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "SHARED_MODE", "shared_gpu", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
            "grid_dep_wait", "grid_dep_release"]
 
 PDL_MODES = envs.VARS["SPADE_PDL"].choices  # ("auto", "all", "decode", "off")
@@ -63,10 +66,38 @@ the cache rank's pack at B=16 L=32k 0.529 ms with ``all`` vs 0.538 ``decode`` (0
 unchanged (optimal 5.32 / 5.26, local 5.37 / 5.36 ms): hence ``all``."""
 
 
+SHARED_MODE = "decode"
+"""What ``auto`` means for a cache rank on the inference rank's GPU (``colocated``;
+``shared_gpu``): its selection kernels launch without PDL. An early-launched program waits
+resident on an SM for its predecessor, and on a shared GPU it holds that SM's slots from
+the decode step's kernels beside it. One H100, Qwen3-8B shape, K=2k, int4, P=9, ``colocated``,
+``all`` against this (2026-12-07, ``bench_tpot --pdl all,auto`` and ``auto,all``, one process
+each): B=8 L=32k 9.278 / 9.170 and 9.237 / 9.184 ms with every channel, 8.537 / 8.354 and
+8.448 / 8.350 with ``score_channels: 32``; B=16 L=16k c=32 9.900 / 9.719 (docs/perf.md, PDL)."""
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def shared_gpu(on: bool = True):
+    """Within it (this thread), ``auto`` resolves to ``SHARED_MODE``: a cache rank that
+    shares its GPU with the inference rank wraps its launches in it (and its captures:
+    a graph keeps the launches it recorded)."""
+    prev = getattr(_LOCAL, "shared", False)
+    _LOCAL.shared = bool(on)
+    try:
+        yield
+    finally:
+        _LOCAL.shared = prev
+
+
 def pdl_mode() -> str:
-    """``SPADE_PDL`` resolved (``auto`` or unset: ``DEFAULT_MODE``), validated."""
+    """``SPADE_PDL`` resolved (``auto`` or unset: ``DEFAULT_MODE``, or ``SHARED_MODE``
+    inside ``shared_gpu``), validated."""
     mode = envs.env("SPADE_PDL")
-    return DEFAULT_MODE if mode == "auto" else mode
+    if mode == "auto":
+        return SHARED_MODE if getattr(_LOCAL, "shared", False) else DEFAULT_MODE
+    return mode
 
 
 def capture_key() -> tuple[str, ...]:

@@ -52,6 +52,7 @@ from spade import kernels
 from spade.envs import env
 from spade.errors import PeerGone, TransportError
 from spade.kernels.paged import paged_range, paged_write
+from spade.kernels.pdl import shared_gpu
 from spade.policies.base import Policy
 from spade.policies.common import logical_keys, shared_derived
 from spade.runtime import protocol as P
@@ -127,6 +128,12 @@ def delta_apply(active: torch.Tensor, slots: torch.Tensor, values: torch.Tensor)
     active.copy_(ext[..., :K])
 
 
+@contextlib.contextmanager
+def _with_shared_gpu(on):
+    with on, shared_gpu():
+        yield
+
+
 # ----------------------------------------------------------------------------- the rank
 class CacheRank:
     """Serve generations for one inference rank over ``transport`` (already
@@ -134,12 +141,15 @@ class CacheRank:
     BOOT's config); ``shared``: the inference rank's cache, in-process only."""
 
     def __init__(self, transport: Any, device: torch.device | str, *, policy: Policy | None = None,
-                 shared: SharedKV | None = None, in_process: bool = True):
+                 shared: SharedKV | None = None, in_process: bool = True, shares_gpu: bool = False):
         self.t = transport
         self.device = indexed_device(device)
         self.policy = policy
         self.shared = shared
         self.in_process = in_process
+        # on the inference rank's GPU: launches under pdl.shared_gpu (SPADE_PDL=auto: no PDL for
+        # the selection kernels, whose early-launched programs would hold SMs from the decode's)
+        self.shares_gpu = bool(shares_gpu) and self.device.type == "cuda"
         self.stream = None
         if self.device.type == "cuda" and hasattr(transport, "stream"):
             # a side stream, ordered against the inference rank by the transport's events
@@ -159,12 +169,15 @@ class CacheRank:
             self._capture_stream = torch.cuda.Stream(device=self.device)
 
     def _on(self):
-        """Device, side stream and no_grad for a block of cache-rank work (never across an await)."""
+        """Device, side stream and no_grad for a block of cache-rank work (never across an
+        await); on a GPU shared with the inference rank, ``pdl.shared_gpu`` too."""
         if self.stream is not None:  # the stream's device becomes current with it
-            return no_grad_on(self.stream)
-        if self.device.type == "cuda":
-            return _device_no_grad(self.device)
-        return torch.no_grad()
+            on = no_grad_on(self.stream)
+        elif self.device.type == "cuda":
+            on = _device_no_grad(self.device)
+        else:
+            return torch.no_grad()
+        return _with_shared_gpu(on) if self.shares_gpu else on
 
     async def serve(self) -> None:
         """Loop over generations until SHUTDOWN or the peer goes away."""

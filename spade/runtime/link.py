@@ -24,6 +24,7 @@ from spade.errors import ConfigError, PeerGone, PeerTimeout, TransportError
 from spade.policies.base import Policy
 from spade.runtime import protocol as P
 from spade.runtime.cache_rank import CacheRank, SharedKV
+from spade.streams import indexed_device
 from spade.transports.base import Handshake
 
 PROTOCOL = P.PROTOCOL
@@ -109,7 +110,8 @@ class CacheLink:
             t1 = LocalTransport(None, rank=1, device=cache_device, channel=ch)
             if topology == "colocated":
                 link.shared = SharedKV()
-            link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True)
+            link.cache = CacheRank(t1, cache_device, policy=policy, shared=link.shared, in_process=True,
+                                   shares_gpu=indexed_device(cache_device) == indexed_device(inference_device))
             hs1 = Handshake(role="cache", layout={"protocol": PROTOCOL})
             # the cache rank is a coroutine on this loop (a thread of its own lost to it:
             # docs/tried.md); it runs while the token loop polls the device (wait_device)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from spade.kernels import gemv
-from spade.kernels.pdl import DEFAULT_MODE, PDL_MODES, capture_key, pdl_enabled, pdl_kwargs, pdl_mode
+from spade.kernels.pdl import (DEFAULT_MODE, PDL_MODES, SHARED_MODE, capture_key, pdl_enabled, pdl_kwargs, pdl_mode,
+                              shared_gpu)
 from tests.kernels.aot import run_aot_script
 
 
@@ -24,6 +25,32 @@ def test_mode_from_environment(monkeypatch):
     monkeypatch.setenv("SPADE_PDL", "on")
     with pytest.raises(ValueError, match="SPADE_PDL must be one of"):
         pdl_mode()
+
+
+def test_shared_gpu_resolves_auto_only(monkeypatch):
+    """Inside ``shared_gpu`` (a cache rank on the inference GPU) ``auto`` is SHARED_MODE,
+    an explicit mode stays itself; the scope nests, restores, and is this thread's only."""
+    import threading
+
+    assert SHARED_MODE == "decode" != DEFAULT_MODE
+    monkeypatch.delenv("SPADE_PDL", raising=False)
+    with shared_gpu():
+        assert pdl_mode() == SHARED_MODE
+        other = []
+        th = threading.Thread(target=lambda: other.append(pdl_mode()))
+        th.start()
+        th.join()
+        assert other == [DEFAULT_MODE]
+        with shared_gpu(False):
+            assert pdl_mode() == DEFAULT_MODE
+        assert pdl_mode() == SHARED_MODE
+        monkeypatch.setenv("SPADE_PDL", "all")
+        assert pdl_mode() == "all"
+        monkeypatch.setenv("SPADE_PDL", "off")
+        assert pdl_mode() == "off"
+        monkeypatch.setenv("SPADE_PDL", "auto")
+        assert pdl_mode() == SHARED_MODE
+    assert pdl_mode() == DEFAULT_MODE
 
 
 def test_families(monkeypatch):

@@ -116,6 +116,35 @@ def test_colocated_side_stream_matches_inline(gpu_model, prompt, gpu_inline_run,
 
 
 @pytest.mark.gpu
+def test_colocated_selects_without_pdl_on_the_shared_gpu(gpu_model, prompt, gpu_inline, monkeypatch):
+    """Under ``SPADE_PDL=auto`` the cache rank on the inference GPU launches its selection
+    kernels without PDL (``pdl.SHARED_MODE``); inline selection (the same kernels on the
+    inference stream, nothing beside them) keeps it. Same tokens either way."""
+    import spade.kernels.pdl as P
+
+    if torch.cuda.get_device_capability(0)[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    monkeypatch.delenv("SPADE_PDL", raising=False)
+    seen: dict[str, list[bool]] = {"now": []}
+    real = P.pdl_enabled
+
+    def spy(device, family="decode"):
+        on = real(device, family)
+        if family == "select":
+            seen["now"].append(on)
+        return on
+
+    monkeypatch.setattr(P, "pdl_enabled", spy)
+    tr = _run(gpu_model, prompt, "runtime.topology=colocated", "runtime.pack_layers=2")
+    colocated, seen["now"] = seen["now"], []
+    inline = InlineRuntime(config(), gpu_model, build_policy(config().policy, gpu_model.spec)).generate(
+        *prompt, max_new_tokens=NEW, sample_fn=greedy).tokens
+    assert tr.tokens == gpu_inline == inline
+    assert colocated and not any(colocated)
+    assert seen["now"] and all(seen["now"])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,mode", [(2, "indices"), (3, "indices"), (2, "delta"), (3, "delta")])
 def test_colocated_refresh_every_matches_inline_with_graphs(gpu_model, prompt, n, mode, caplog):
     """``policy.refresh_every``: the cache rank's packs captured as CUDA graphs on refresh
