@@ -166,7 +166,7 @@ def rerank_select_ref(q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor, keep
 
 
 @triton.jit
-def _row_bases(pid, Hkv, CAND, stride_cb, stride_ch):
+def _candidate_row(pid, Hkv, CAND, stride_cb, stride_ch):
     """Program ``pid``'s (b, KV head), its row index as int64 and its candidates' base."""
     b = pid // Hkv
     h = pid % Hkv
@@ -187,7 +187,7 @@ def _score_chunk(Q, K, CAND, LOGITS, SCORES, PART, BT, pid, split, Hkv, M, CHUNK
     PAGED: K is a pool [num_blocks, Hkv, BLOCK_SIZE, D] (``stride_kb`` its block
     stride) and each candidate's logical position is mapped through row b's block
     table BT (``paged_slots``) in the tile that gathers its key."""
-    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
+    b, h, row64, c_base = _candidate_row(pid, Hkv, CAND, stride_cb, stride_ch)
     q = _load_group_q(Q, b, h, stride_qb, stride_qh, stride_qd, G, G_PAD, D, BLOCK_D)  # [G_PAD, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -326,7 +326,7 @@ def _select_row(CAND, OUT, LOGITS, SCORES, PART, pid, Hkv, M, KEEP, NSPLIT,
     (``tl.histogram`` of the keys still tied with the prefix chosen so far, then
     ``_pick_digit``), which also give how many keys equal to it are taken (the first
     ones by slot)."""
-    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
+    b, h, row64, c_base = _candidate_row(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     lg_base = LOGITS + row64 * G * M
     o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -361,7 +361,7 @@ def _rerank_finalize_kernel(CAND, LOGITS, SCORES, PART, Hkv, M, CHUNK, NSPLIT, s
     merged statistics, to SCORES [rows, M] (``-inf`` at empty slots)."""
     grid_dep_wait(PDL)
     pid = tl.program_id(0)
-    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
+    b, h, row64, c_base = _candidate_row(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     lg_base = LOGITS + row64 * G * M
     m_safe, inv_z = _merge_parts(PART, row64, NSPLIT, G, G_PAD)
@@ -386,7 +386,7 @@ def _rerank_emit_kernel(CAND, OUT, SCORES, POS, Hkv, M, KEEP,
     first ones by slot; the candidates in slot order, then ``-1``."""
     grid_dep_wait(PDL)
     pid = tl.program_id(0)
-    b, h, row64, c_base = _row_bases(pid, Hkv, CAND, stride_cb, stride_ch)
+    b, h, row64, c_base = _candidate_row(pid, Hkv, CAND, stride_cb, stride_ch)
     sc_base = SCORES + row64 * M
     p_base = POS + row64 * KEEP
     o_base = OUT + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
