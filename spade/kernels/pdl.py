@@ -31,10 +31,10 @@ attention, the fused norm / rope / SiLU ops, staging) and ``select`` (the select
 work: scoring, top-K, key quantisation, query prediction, Quest, gathers).
 ``SPADE_PDL`` picks where PDL is used: ``all``, ``decode`` (the decode family only) or
 ``off``; ``auto`` (default) is ``DEFAULT_MODE``, or ``SHARED_MODE`` for the work of a cache
-rank that shares its GPU with the inference rank (``shared_gpu``). Only CUDA devices of compute capability
-9.0 and above launch with it (never on CPU or under the Triton interpreter). The mode is
-read at launch time, so a captured graph keeps the mode it was captured with
-(``FastModel`` keys its graphs by ``capture_key()``).
+rank that shares its GPU with the inference rank (``shared_gpu``). Only CUDA devices of
+compute capability 9.0 and above launch with it (never on CPU or under the Triton
+interpreter). The mode is read at launch time, so a captured graph keeps the mode it was
+captured with (``FastModel`` keys its graphs by ``capture_key()``).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ import triton.language as tl
 
 from spade import envs
 
-__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "SHARED_MODE", "shared_gpu", "pdl_mode", "pdl_enabled", "pdl_kwargs", "capture_key",
-           "grid_dep_wait", "grid_dep_release"]
+__all__ = ["PDL_MODES", "FAMILIES", "DEFAULT_MODE", "SHARED_MODE", "shared_gpu", "pdl_mode", "pdl_enabled",
+           "pdl_kwargs", "capture_key", "grid_dep_wait", "grid_dep_release"]
 
 PDL_MODES = envs.VARS["SPADE_PDL"].choices  # ("auto", "all", "decode", "off")
 FAMILIES = ("decode", "select")
