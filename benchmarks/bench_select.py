@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--carry-tiles", default="",
                     help="int4 / int8 keys: also time scoring + compaction of the first --carry config under "
                          "these scoring tiles, BLOCK_L:WARPS:STAGES[:PER_SM],... (GEMV_CONFIG)")
+    ap.add_argument("--carry-packs", default="",
+                    help="with --carry-tiles: time each tile under these int4 tokens per MMA row, 1,4 "
+                         "(GEMV_CONFIG pack; empty: the library's default)")
     ap.add_argument("--overlap", default="",
                     help="with --carry: time a pack of --overlap-layers layers with the select on a side stream "
                          "(select_overlap) against the same serially; WARPS[:PRIORITY],... of the side-stream select "
@@ -361,11 +364,13 @@ def main(argv: list[str] | None = None) -> int:
             record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], overlap=spec,
                                                               layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
-        for tc in tiles:
+        packs = [int(x) for x in args.carry_packs.split(",") if x] or [0]
+        for tc, pk in itertools.product(tiles, packs):
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
             radix_topk.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
             scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns, **({"PER_SM": per_sm[0]} if per_sm
-                                                                                   else {}))
+                                                                                   else {}), **({"pack": pk} if pk
+                                                                                                else {}))
             try:
                 run, run_fb, out, carry = _carry_fns(q, kk, ks, lo, hi, K)
                 run_fb()
@@ -378,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
                 res = dict(error=f"{type(e).__name__}: {e}"[:200])
             finally:
                 radix_topk.SELECT_CONFIG.clear()
-                for key in ("BLOCK_L", "num_warps", "num_stages", "PER_SM"):
+                for key in ("BLOCK_L", "num_warps", "num_stages", "PER_SM", "pack"):
                     scoring.GEMV_CONFIG.pop(key, None)
-            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], score_tile=tc), **res))
+            record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], score_tile=tc,
+                                                              **({"pack": pk} if pk else {})), **res))
         if args.no_grid:
             scoring.GEMV_CONFIG.clear()
             continue

@@ -857,6 +857,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "layer j+1's scoring, spade.kernels.select_overlap), comma-separated: the first names the "
                          "rows, each further one adds rows suffixed /sov=<mode> and its own Table 3, side by side; "
                          "empty: the environment's. The multiprocess cache process keeps the first")
+    ap.add_argument("--score-pack", default="",
+                    help="int4 tokens per MMA row of the scoring tile (1,4: GEMV_CONFIG pack, "
+                         "spade.kernels.scoring), comma-separated: the first names the rows, each further one adds "
+                         "rows suffixed /pack=<n>, side by side; empty: the library's default")
     ap.add_argument("--block-size", default="0",
                     help="paged KV cache: comma list of model.block_size values, 0 = the contiguous cache; each "
                          "builds its own model and its rows carry /paged<bs> (e.g. 0,16: side by side)")
@@ -922,6 +926,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  "policy.score_channels; 0: all", 0)
     a.cur_refresh, a.cur_rerank = 1, 1
     a.cur_channels = 0
+    a.score_pack = _int_list(ap, "--score-pack", a.score_pack, 1, 4, "GEMV_CONFIG pack", 0) if a.score_pack else [0]
+    if any(v not in (1, 4) for v in a.score_pack if v):
+        ap.error(f"--score-pack takes 1,4 (comma-separated); got {a.score_pack}")
+    a.cur_pack_sfx = ""
     return a
 
 
@@ -963,6 +971,19 @@ def set_sov(mode: str, a) -> None:
     if mode:
         os.environ["SPADE_SELECT_OVERLAP"] = mode
     a.cur_sov_sfx = "" if mode == a.sov[0] else f"/sov={mode}"
+
+
+def set_score_pack(pack: int, a) -> None:
+    """Rows from here on score int4 keys with ``pack`` tokens per MMA row (0: the
+    library's default); rows of a later value of ``--score-pack`` are named
+    ``.../pack=<n>``. Each row captures its own graphs, so each value compiles its own kernels."""
+    from spade.kernels import scoring
+
+    if pack:
+        scoring.GEMV_CONFIG["pack"] = pack
+    else:
+        scoring.GEMV_CONFIG.pop("pack", None)
+    a.cur_pack_sfx = "" if pack == a.score_pack[0] else f"/pack={pack}"
 
 
 def set_topk(mode: str, a) -> None:
@@ -1082,7 +1103,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
+                    name += a.cur_pdl_sfx + a.cur_pack_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -1109,14 +1130,16 @@ def run(argv: list[str] | None = None) -> dict:
                     free_memory()
                     out.write_text(json.dumps({**result, "configs": result["configs"] + [conf]}, indent=2))
 
-                for pm in a.pdl:
+                for pm, sp in itertools.product(a.pdl, a.score_pack):
                     set_pdl(pm, a)
+                    set_score_pack(sp, a)
                     for so in a.sov:
                         set_sov(so, a)
                         for tk in a.topk:
                             set_topk(tk, a)
                             rows_for_budget(model, B, L, K, a, shared, two, record)
                 set_pdl(a.pdl[0], a)
+                set_score_pack(a.score_pack[0], a)
                 # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap");
                 # its per-layer timings read a contiguous cache: not for a paged row set
                 for so, tk in itertools.product(a.sov, a.topk) if not bs else ():

@@ -686,7 +686,7 @@ def _i8dot_score_kernel(
     BLOCK_L: tl.constexpr, FULL_ROW: tl.constexpr, HIST: tl.constexpr, INTERPRET: tl.constexpr,
     KINT4: tl.constexpr, ASM4: tl.constexpr, CARRY: tl.constexpr = 0, PDL: tl.constexpr = False,
     BT=None, stride_tb: tl.constexpr = 0, PAGED: tl.constexpr = False, BLOCK_SIZE: tl.constexpr = 1,
-    PAGED_TILES: tl.constexpr = 1,
+    PAGED_TILES: tl.constexpr = 1, PACK: tl.constexpr = 1,
 ):
     """``sum_logits`` over int8 keys on the int8 tensor cores, with no per-element
     conversion of the keys. PAGED: ``k_ptr`` / ``ks_ptr`` are pools read through the
@@ -711,7 +711,15 @@ def _i8dot_score_kernel(
     ``x``) and its arithmetic shift — the only per-element op — the other (digits of
     ``z = y - 16 x̂``, ``x̂`` the fixed-point ``x`` already used, under the same scale),
     both into one int32 accumulator (one epilogue), and ``8 Σx̂`` is subtracted per
-    tile. No nibble masks, no offsets."""
+    tile. No nibble masks, no offsets.
+
+    PACK = 4 (KINT4, a power-of-two row of D bytes; BLOCK_D = 4 D): four consecutive
+    tokens share one MMA row. The tile is [BLOCK_L / 4, 4 D] (the same bytes, read as
+    whole rows of 4 D bytes) and the digit matrices are block-diagonal, token slot ``t``'s
+    digits in columns ``4t .. 4t + 3``, so the 16 output columns all carry digits (one
+    token's four otherwise, twelve zeros): the same multiply-adds, a quarter of the
+    epilogue's rows, and no masked half tile at short rows (D = 16 bytes: r = 32
+    channels). Scores are exactly PACK = 1's."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -722,11 +730,12 @@ def _i8dot_score_kernel(
     row64 = row.to(tl.int64)
     thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
+    ch = offs_d % D if PACK > 1 else offs_d  # PACK: column j holds channel j % D of token slot j // D
     offs_g = tl.arange(0, G_PAD)
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q_mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g)[:, None] * stride_qh + ch[None, :] * stride_qd
+    q_mask = (offs_g[:, None] < G) & (ch[None, :] < D)
     qg = tl.load(q_rows, mask=q_mask, other=0.0).to(tl.float32)  # [G_PAD, BLOCK_D]
-    qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32 (KINT4: the first channel half)
+    qs = tl.sum(qg, axis=0) * scale  # [BLOCK_D] fp32 (KINT4: the first channel half; PACK: PACK copies)
     amax = tl.max(tl.abs(qs), axis=0)
     if KINT4:
         qs2 = tl.sum(tl.load(q_rows + D * stride_qd, mask=q_mask, other=0.0).to(tl.float32), axis=0) * scale
@@ -735,17 +744,19 @@ def _i8dot_score_kernel(
         amax = tl.max(tl.abs(qs2), axis=0) + 17.0 * amax
     s = tl.where(amax > 0, amax / 1.0e9, 1.0)  # |qi| <= ~1e9 < 2^30 (fp32 division may round up a little)
     qi = tl.floor(qs / s + 0.5).to(tl.int32)  # [BLOCK_D]: qs in fixed point, as exact as fp32 holds it
-    qm = _q_digits(qi)  # [BLOCK_D, 16] int8
+    slot = offs_d // D if PACK > 1 else offs_d * 0  # each column's token slot
+    qm = _q_digits(qi, slot)  # [BLOCK_D, 16] int8
     if KINT4:
         z = qs2 - 16.0 * (qi.to(tl.float32) * s)  # [BLOCK_D]: y - 16 x̂
-        qm2 = _q_digits(tl.floor(z / s + 0.5).to(tl.int32))
-        c_off = 8.0 * s * tl.sum(qi.to(tl.float32), axis=0)  # the low nibbles' offset, times x̂
+        qm2 = _q_digits(tl.floor(z / s + 0.5).to(tl.int32), slot)
+        # the low nibbles' offset, times x̂ (PACK: over PACK copies of x̂, a power of two: exact)
+        c_off = 8.0 * s * tl.sum(qi.to(tl.float32), axis=0) / PACK
     else:
         qm2 = qm  # unused
         c_off = 0.0
     col = tl.arange(0, 16)[None, :]
-    w = tl.where(col == 0, 1.0, tl.where(col == 1, 256.0, tl.where(col == 2, 65536.0, tl.where(
-        col == 3, 16777216.0, 0.0)))) * s  # [1, 16] fp32: the digits' weights
+    w = tl.where(col < 4 * PACK, tl.where(col % 4 == 0, 1.0, tl.where(col % 4 == 1, 256.0, tl.where(
+        col % 4 == 2, 65536.0, 16777216.0))), 0.0) * s  # [1, 16] fp32: the digits' weights
     k_base, ks_base, bt_row = _row_bases(k_ptr, ks_ptr, BT, b, h, stride_kb, stride_kh, stride_sb, stride_sh,
                                          stride_tb, PAGED)
     hist = tl.zeros([256], dtype=tl.int32)
@@ -755,15 +766,15 @@ def _i8dot_score_kernel(
             tiles, r1 = _paged_tiles(r0t, end, lo, hi, bt_row, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
             for l0 in range(loop_bound(r0t, INTERPRET), loop_bound(r1, INTERPRET), BLOCK_L):
                 k_rows, s_rows = _tile_rows(tiles, (l0 - r0t) // BLOCK_L, stride_kb, stride_kl, stride_sb,
-                                            stride_sl, BLOCK_L, BLOCK_SIZE, PAGED_TILES)
+                                            stride_sl, BLOCK_L, BLOCK_SIZE, PAGED_TILES, PACK)
                 hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
                                    stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                                   FULL_ROW, HIST, KINT4, ASM4, CARRY, k_rows, s_rows, PAGED)
+                                   FULL_ROW, HIST, KINT4, ASM4, CARRY, k_rows, s_rows, PAGED, PACK)
     else:
         for l0 in range(loop_bound(start, INTERPRET), loop_bound(end, INTERPRET), BLOCK_L):
             hist = _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L,
                                stride_kl, stride_kd, stride_sl, hist, thr, cand_row, D, BLOCK_D, BLOCK_L,
-                               FULL_ROW, HIST, KINT4, ASM4, CARRY)
+                               FULL_ROW, HIST, KINT4, ASM4, CARRY, PACK=PACK)
     if HIST:
         tl.atomic_add(hist_ptr + row64 * 256 + tl.arange(0, 256), hist, mask=hist > 0)
 
@@ -910,14 +921,16 @@ def _balanced_digits(qi):
 
 
 @triton.jit
-def _q_digits(qi):
+def _q_digits(qi, slot):
     """The digit matrix of ``_i8dot_score_kernel``: the fixed-point query ``qi``
-    [BLOCK_D] int32 as its four balanced digits (``_balanced_digits``) in columns 0..3
-    of a [BLOCK_D, 16] int8 matrix (zeros after)."""
+    [BLOCK_D] int32 as its four balanced digits (``_balanced_digits``) in a [BLOCK_D, 16]
+    int8 matrix, row ``j``'s in columns ``4 slot[j] .. 4 slot[j] + 3`` (zeros elsewhere):
+    columns 0..3 for one token per row (``slot`` 0), block-diagonal under PACK."""
     d0, d1, d2, d3 = _balanced_digits(qi)
     col = tl.arange(0, 16)[None, :]
-    return tl.where(col == 0, d0[:, None], tl.where(col == 1, d1[:, None], tl.where(
-        col == 2, d2[:, None], tl.where(col == 3, d3[:, None], 0)))).to(tl.int8)  # [BLOCK_D, 16]
+    j = col % 4
+    dig = tl.where(j == 0, d0[:, None], tl.where(j == 1, d1[:, None], tl.where(j == 2, d2[:, None], d3[:, None])))
+    return tl.where(slot[:, None] == col // 4, dig, 0).to(tl.int8)  # [BLOCK_D, 16]
 
 
 @triton.jit
@@ -991,59 +1004,96 @@ def _logical_rows(offs_l, stride_kl, stride_sl):
 
 @triton.jit
 def _tile_rows(tiles, i, stride_kb, stride_kl, stride_sb, stride_sl, BLOCK_L: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, PAGED_TILES: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, PAGED_TILES: tl.constexpr, PACK: tl.constexpr = 1):
     """Row offsets (int64 [BLOCK_L]) of the keys and of their scales in tile ``i`` of a
     ``_paged_tiles`` group (pools [num_blocks, HKV, BLOCK_SIZE, ...]; a tile starts on a
-    block boundary when BLOCK_SIZE divides BLOCK_L)."""
+    block boundary when BLOCK_SIZE divides BLOCK_L). PACK (which needs that, and
+    BLOCK_SIZE % PACK == 0): the keys' rows per group of PACK tokens, [BLOCK_L / PACK]."""
     if BLOCK_L % BLOCK_SIZE == 0:
         NB: tl.constexpr = BLOCK_L // BLOCK_SIZE
-        blk = tile_of(tiles, i, PAGED_TILES).to(tl.int64)  # [NB]
-        blk = tl.reshape(tl.broadcast_to(blk[:, None], (NB, BLOCK_SIZE)), (BLOCK_L,))
+        ids = tile_of(tiles, i, PAGED_TILES).to(tl.int64)  # [NB]
+        blk = tl.reshape(tl.broadcast_to(ids[:, None], (NB, BLOCK_SIZE)), (BLOCK_L,))
         off = tl.arange(0, BLOCK_L) % BLOCK_SIZE
+        if PACK > 1:
+            GB: tl.constexpr = BLOCK_SIZE // PACK
+            blk_g = tl.reshape(tl.broadcast_to(ids[:, None], (NB, GB)), (BLOCK_L // PACK,))
+            k_rows = blk_g * stride_kb + ((tl.arange(0, BLOCK_L // PACK) % GB) * PACK) * stride_kl
+        else:
+            k_rows = blk * stride_kb + off * stride_kl
     else:
         slots = tile_of(tiles, i, PAGED_TILES).to(tl.int64)
         blk = slots // BLOCK_SIZE
         off = slots % BLOCK_SIZE
-    return blk * stride_kb + off * stride_kl, blk * stride_sb + off * stride_sl
+        k_rows = blk * stride_kb + off * stride_kl
+    return k_rows, blk * stride_sb + off * stride_sl
 
 
 @triton.jit
 def _i8dot_tile(qm, qm2, w, c_off, k_base, ks_base, out_ptr, row64, l0, lo, hi, c1, L, stride_kl, stride_kd,
                 stride_sl, hist, thr, cand_row, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                 FULL_ROW: tl.constexpr, HIST: tl.constexpr, KINT4: tl.constexpr, ASM4: tl.constexpr,
-                CARRY: tl.constexpr, k_rows=None, s_rows=None, PAGED: tl.constexpr = False):
+                CARRY: tl.constexpr, k_rows=None, s_rows=None, PAGED: tl.constexpr = False,
+                PACK: tl.constexpr = 1):
     """One key tile of ``_i8dot_score_kernel``; PAGED: at ``k_rows`` / ``s_rows``
-    (``_tile_rows``), else at the logical rows."""
+    (``_tile_rows``), else at the logical rows. PACK: [BLOCK_L / PACK, BLOCK_D] rows of
+    PACK tokens each (``_i8dot_score_kernel``)."""
     offs_l = l0 + tl.arange(0, BLOCK_L)
     offs_d = tl.arange(0, BLOCK_D)
     valid = (offs_l >= lo) & (offs_l < hi)
     if not PAGED:
         k_rows, s_rows = _logical_rows(offs_l, stride_kl, stride_sl)
-    kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
-                 mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
-    if KINT4:
-        p = kt.to(tl.int8, bitcast=True)  # lo + 8 + 16 * hi; padding bytes are 0 and add nothing
-        acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, 16]: x̂ · p in digits
-        acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)  # + (y - 16 x̂) · hi
-        r = tl.sum(acc.to(tl.float32) * w, axis=1) - c_off  # [BLOCK_L]
+    if PACK > 1:  # a row of the tile: PACK consecutive tokens' D bytes, contiguous (``_pack``)
+        R: tl.constexpr = BLOCK_L // PACK
+        offs_r = tl.arange(0, R)
+        tok = l0 + offs_r[:, None] * PACK + (offs_d // D)[None, :]  # [R, BLOCK_D]: each byte's token
+        if PAGED:  # each group's first row (``_tile_rows``: its PACK tokens share a block)
+            base = k_rows
+        else:
+            base = (l0 + offs_r * PACK).to(tl.int64) * stride_kl
+        p = tl.load(k_base + base[:, None] + offs_d[None, :] * stride_kd, mask=(tok >= lo) & (tok < hi),
+                    other=0).to(tl.int8, bitcast=True)
+        acc = tl.dot(p, qm, out_dtype=tl.int32)  # [R, 16]: token slot t's digits in columns 4t .. 4t + 3
+        acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)
+        r = tl.reshape(tl.sum(tl.reshape(acc.to(tl.float32) * w, [R, PACK, 4]), axis=2), [BLOCK_L]) - c_off
     else:
-        acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
-        r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
+        kt = tl.load(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0)  # [BLOCK_L, BLOCK_D] int8 / packed uint8
+        if KINT4:
+            p = kt.to(tl.int8, bitcast=True)  # lo + 8 + 16 * hi; padding bytes are 0 and add nothing
+            acc = tl.dot(p, qm, out_dtype=tl.int32)  # [BLOCK_L, 16]: x̂ · p in digits
+            acc = tl.dot(_high_nibbles(p, ASM4), qm2, acc, out_dtype=tl.int32)  # + (y - 16 x̂) · hi
+            r = tl.sum(acc.to(tl.float32) * w, axis=1) - c_off  # [BLOCK_L]
+        else:
+            acc = tl.dot(kt, qm, out_dtype=tl.int32)  # [BLOCK_L, 16] int32: the four partial dots
+            r = tl.sum(acc.to(tl.float32) * w, axis=1)  # [BLOCK_L] = s * k·q_int
     r = r * tl.load(ks_base + s_rows, mask=valid, other=0.0)
     r = tl.where(valid, r, float("-inf"))
     return _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, cand_row,
                          FULL_ROW, HIST, CARRY)
 
 
-def _gemv_config(k: torch.Tensor) -> dict:
+def _gemv_config(k: torch.Tensor, paged: dict | None = None) -> dict:
+    """The GEMV scoring launch: the device's default tile (on a GPU, ``PACKED_TILE`` where
+    int4 rows pack four tokens per MMA row), ``GEMV_CONFIG`` over it, and ``pack``
+    resolved (``_pack``)."""
     if _interpret() or k.device.type != "cuda":
         cfg = dict(BLOCK_L=128, num_warps=1, num_stages=1, MIN_CHUNK=256, PER_SM=4)
     else:
         # best of the bench_scoring GEMV variants on an H200 (B=8, L=32k, int8 keys):
         # 256 x 128 int8 tiles, 8 warps, 3 stages — 0.116 ms scoring, 0.170 ms with the top-K
         cfg = dict(BLOCK_L=256, num_warps=8, num_stages=3, MIN_CHUNK=512, PER_SM=8)
+        if _pack(k, PACKED_TILE["BLOCK_L"], dict(cfg, **GEMV_CONFIG), paged) > 1:
+            cfg.update(PACKED_TILE)
     cfg.update(GEMV_CONFIG)
+    cfg["pack"] = _pack(k, cfg["BLOCK_L"], cfg, paged)
     return cfg
+
+
+PACKED_TILE = dict(BLOCK_L=512, num_warps=8)
+"""The GPU's int4 scoring tile with four tokens per MMA row (``_pack``): 128 rows of 64
+bytes. One H100, carry scoring + compaction at r = 32 channels, against one token per
+row on the 256-key tile: 43.0 -> 34.8 us at 8 x 32k, 75.1 -> 52.6 at 32 x 16k, 70.0 ->
+54.5 at 1 x 512k (``bench_select --carry-tiles ... --carry-packs 1,4``, docs/perf.md)."""
 
 
 GEMV_CONFIG: dict = {}
@@ -1052,8 +1102,29 @@ GEMV_CONFIG: dict = {}
 and int4 keys only), ``"all"`` (every key dtype), ``"off"``, and ``int8_dot`` (default True:
 int8 and int4 keys go through ``_i8dot_score_kernel`` on the int8 tensor cores, and
 ``sum_softmax``'s per-head logits over them through ``_i8dot_logits_kernel``; False: the
-float GEMV tile and the float tensor-core tile, which convert every key element), and ``int4_asm`` (default True on a
-GPU: the int4 high nibbles by four bytes per register, ``_high_nibbles``; False: per byte)."""
+float GEMV tile and the float tensor-core tile, which convert every key element), ``int4_asm`` (default True on a
+GPU: the int4 high nibbles by four bytes per register, ``_high_nibbles``; False: per byte), and ``pack``
+(default 4: four int4 tokens per MMA row where rows allow, ``_pack``, on ``PACKED_TILE``; 1: one)."""
+
+
+def _pack(k: torch.Tensor, block_l: int, cfg: dict, paged: dict | None = None) -> int:
+    """Tokens per MMA row of the int4 scoring tile (``_i8dot_score_kernel``'s PACK):
+    ``cfg["pack"]`` (4 or 1) where four tokens' rows are one contiguous run of bytes —
+    packed int4 rows of 8 or 16 bytes (r = 16 or 32 channels) stored back to back, in a
+    pool whose blocks hold whole groups of four and map by block id (``_paged_tiles``) —
+    and the tile holds 16 rows of four tokens; else 1. Rows of 32 and 64 bytes fill the
+    one-token tile's 32-byte MMA depth already, and packing them measured no faster
+    (docs/perf.md)."""
+    want = int(cfg.get("pack", 4))
+    if want not in (1, 4):
+        raise ValueError(f"GEMV_CONFIG['pack'] must be 1 or 4 (tokens per MMA row of the int4 scoring tile), "
+                         f"got {want}")
+    d = k.shape[-1]
+    ok = k.dtype == torch.uint8 and d in (8, 16) and block_l >= 64 and k.stride(3) == 1 and k.stride(2) == d
+    if paged:
+        bs = paged["BLOCK_SIZE"]
+        ok = ok and block_l % bs == 0 and bs % want == 0
+    return want if ok else 1
 
 
 def _int8_dot(k: torch.Tensor) -> bool:
@@ -1092,7 +1163,7 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     cargs, do_carry = _carry_args(carry, out)
     Hkv, L = k.shape[1], out.shape[-1]  # L logical (a pool's dimension 2 is its block size)
     rows = B * Hkv
-    cfg = _gemv_config(k)
+    cfg = _gemv_config(k, paged)
     BLOCK_L = cfg["BLOCK_L"]
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     kint4 = k.dtype == torch.uint8
@@ -1100,12 +1171,13 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     if (kint8 or kint4) and cfg.get("int8_dot", True):
         G = Hq // Hkv
         Dk = D // 2 if kint4 else D  # the key row's elements (bytes of a packed int4 row)
+        pack = cfg["pack"]
         _i8dot_score_kernel[(rows, n_chunks)](
             q, k, k_scale, out, hist if hist is not None else out, lo, hi, *cargs,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
             *k_scale.stride(), L, chunk, scale,
-            HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk, BLOCK_D=max(32, triton.next_power_of_2(Dk)),
-            BLOCK_L=BLOCK_L, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
+            HKV=Hkv, G=G, G_PAD=triton.next_power_of_2(G), D=Dk,
+            BLOCK_D=Dk * pack if pack > 1 else max(32, triton.next_power_of_2(Dk)), BLOCK_L=BLOCK_L, PACK=pack, FULL_ROW=full_row, HIST=hist is not None, INTERPRET=_interpret(), KINT4=kint4,
             ASM4=kint4 and not _interpret() and cfg.get("int4_asm", True), CARRY=do_carry,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(q, "select"),
             **_with_tiles(paged, chunk, BLOCK_L))

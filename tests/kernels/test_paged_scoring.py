@@ -293,6 +293,11 @@ for paged in (False, True):
     out[f"score_{paged}"] = build(S._i8dot_score_kernel, dict(common, hist_ptr=i, carry_ptr=f, cand_ptr=i, NW=4),
                                   dict(cons, G=4, G_PAD=4, BLOCK_L=256, FULL_ROW=False, HIST=True, CARRY=True),
                                   num_warps=8)
+    # four tokens per MMA row (PACK): r = 32 channels, rows of 16 bytes
+    pk = dict(common, hist_ptr=i, carry_ptr=f, cand_ptr=i, NW=4, stride_kb=Hkv * bs * 16, stride_kh=bs * 16,
+              stride_kl=16)
+    out[f"pack_{paged}"] = build(S._i8dot_score_kernel, pk, dict(cons, D=16, BLOCK_D=64, PACK=4, G=4, G_PAD=4,
+                                 BLOCK_L=512, FULL_ROW=False, HIST=False, CARRY=True), num_warps=4)
 print(json.dumps(out))
 '''
 
@@ -301,11 +306,12 @@ def test_paged_int8_dot_kernels_build_for_hopper_and_pipeline():
     """The int8 tensor-core scoring kernels compile for sm_90 with a block table (the
     interpreter accepts code the compiler rejects), with the contiguous kernels' dots and
     key pipelining: as many key buffers, and no load but the keys' and scales' in the
-    innermost loop (mapping each tile through the table inside the loop left one buffer)."""
+    innermost loop (mapping each tile through the table inside the loop left one buffer);
+    likewise the int4 scoring kernel with four tokens per MMA row."""
     from tests.kernels.aot import run_aot_script
 
     res = run_aot_script(_AOT_I8DOT)
-    for name in ("logits", "score"):
+    for name in ("logits", "score", "pack"):
         paged, contiguous = res[f"{name}_True"], res[f"{name}_False"]
         assert contiguous["dots"] > 0 and contiguous["pipelined"], res
         assert paged == contiguous, (name, paged, contiguous)

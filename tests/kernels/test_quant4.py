@@ -476,3 +476,70 @@ def test_sum_softmax_finalize_tile_checked_under_the_carry(monkeypatch):
     with pytest.raises(ValueError, match="finalize_BLOCK_L"):
         scoring.score_topk_triton(q, kq, st + 1, kv - 2, 4, reduce="sum_softmax", kv_lens=kv, k_scale=ks,
                                   carry=carry_mod.new_carry(1, 2, "cpu"))
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("D", [16, 32])  # packed rows of 8 and 16 bytes
+def test_int4_scores_four_tokens_per_mma_row(heads, D, device, monkeypatch):
+    """``GEMV_CONFIG["pack"] = 4`` (four int4 tokens per MMA row, block-diagonal digits)
+    against one token per row: the same scores up to fp32's summation order, the same
+    top-K with and without the threshold carry, and over a pool of 16-key blocks the
+    contiguous copy's scores bit for bit (blocks of 5 take one token per row). 64-key tiles, three
+    per chunk: odd lengths end inside a tile and inside a packed row."""
+    from spade.kernels import carry as C
+    from spade.kernels.paged import scatter_to_pool
+
+    seen = []
+    real = scoring._pack
+    monkeypatch.setattr(scoring, "_pack", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    monkeypatch.setitem(scoring.GEMV_CONFIG, "BLOCK_L", 64)
+    monkeypatch.setitem(scoring.GEMV_CONFIG, "MIN_CHUNK", 192)
+    for i, (B, L) in enumerate([(1, 203), (3, 130)]):
+        q, kq, ks, kv, st, k64 = _int4_inputs(B, *heads, L, D, torch.float32, device, seed=40 + i)
+        lo, hi = st + 1, kv - 2
+        got = {}
+        for pack in (1, 4):
+            monkeypatch.setitem(scoring.GEMV_CONFIG, "pack", pack)
+            seen.clear()
+            s = scoring.group_scores_triton(q, kq, kv, kv_start=st, k_scale=ks)
+            assert seen[-1] == pack
+            idx = scoring.score_topk_triton(q, kq, lo, hi, 9, k_scale=ks).sort(-1).values
+            carry = C.new_carry(B, heads[1], device)
+            for _ in range(2):  # the first call falls back, the second selects among its candidates
+                cidx = scoring.score_topk_triton(q, kq, lo, hi, 9, k_scale=ks, carry=carry).sort(-1).values
+                assert torch.equal(cidx, idx)
+            got[pack] = s, idx
+        (s1, i1), (s4, i4) = got[1], got[4]
+        assert torch.equal(s4.isinf(), s1.isinf()) and not s4.isnan().any()
+        torch.testing.assert_close(s4, s1, rtol=1e-5, atol=1e-5)
+        true = _scores64(q.cpu(), k64, "sum_logits", st.cpu(), kv.cpu())
+        _check_topk(i4, true, lo.cpu(), hi.cpu(), 9)
+        for bs in (16, 5):
+            pool, table = scatter_to_pool(kq.cpu(), bs, torch.Generator().manual_seed(bs), lens=kv.cpu(), poison=0xFF)
+            spool, _ = scatter_to_pool(ks.cpu()[..., None], bs, torch.Generator().manual_seed(bs), lens=kv.cpu())
+            sp = scoring.group_scores_triton(q, pool.to(device), kv, kv_start=st, k_scale=spool[..., 0].to(device),
+                                             block_table=table.to(device))[..., :L]  # logical: whole blocks
+            assert torch.equal(sp, s4 if bs == 16 else s1), (bs, (sp - s4).abs().nan_to_num().max())
+            assert seen[-1] == (4 if bs == 16 else 1)
+
+
+def test_int4_pack_setting_checked():
+    """A ``pack`` other than 1 or 4 is refused, naming the setting; rows that cannot pack
+    (12 or 32 bytes, int8 keys, tiles of fewer than 64 keys, rows not back to back, pool
+    blocks that split a group of four or map by slot) take one token per row."""
+    k = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
+    assert scoring._pack(k, 256, {}) == 4
+    assert scoring._pack(k[..., :8], 256, {}) == 1  # 8 bytes, but strided (rows 16 apart)
+    assert scoring._pack(torch.zeros(1, 2, 64, 8, dtype=torch.uint8), 256, {}) == 4
+    assert scoring._pack(torch.zeros(1, 2, 64, 12, dtype=torch.uint8), 256, {}) == 1
+    assert scoring._pack(torch.zeros(1, 2, 64, 32, dtype=torch.uint8), 256, {}) == 1
+    assert scoring._pack(k, 32, {}) == 1
+    assert scoring._pack(k.view(torch.int8), 256, {}) == 1
+    assert scoring._pack(k, 256, {"pack": 1}) == 1
+    assert scoring._pack(k[:, 1:], 256, {}) == 4  # a head of the copy: rows still back to back
+    assert scoring._pack(k, 256, {}, {"BLOCK_SIZE": 16}) == 4
+    assert scoring._pack(k, 256, {}, {"BLOCK_SIZE": 6}) == 1
+    assert scoring._pack(k, 256, {}, {"BLOCK_SIZE": 12}) == 1  # 256 % 12: slots
+    with pytest.raises(ValueError, match=r"GEMV_CONFIG\['pack'\] must be 1 or 4.*got 2"):
+        scoring._pack(k, 256, {"pack": 2})
+    assert scoring._gemv_config(k)["pack"] == 4 and scoring._gemv_config(k[..., :12])["pack"] == 1
