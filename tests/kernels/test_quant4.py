@@ -466,16 +466,16 @@ def test_sum_softmax_passes_chunked_apart(logits_tile, finalize_tile, kbits, hea
             assert torch.equal(got.sort(-1).values.cpu(), want.sort(-1).values.cpu()), (k_top, kw.keys())
 
 
-def test_sum_softmax_finalize_tile_checked_under_the_carry(monkeypatch):
+def test_sum_softmax_finalize_tile_checked_under_the_carry(device, monkeypatch):
     """A finalize tile the threshold carry's bitmask cannot take (over its 2048-position
-    slack past L) is refused before any launch, naming the setting."""
+    slack past L) is refused, naming the setting."""
     from spade.kernels import carry as carry_mod
 
     monkeypatch.setattr(scoring, "SOFTMAX_CONFIG", {"finalize_BLOCK_L": 4096})
-    q, kq, ks, kv, st, _ = _int4_inputs(1, 4, 2, 40, 16, torch.float32, "cpu", seed=3)
+    q, kq, ks, kv, st, _ = _int4_inputs(1, 4, 2, 40, 16, torch.float32, device, seed=3)
     with pytest.raises(ValueError, match="finalize_BLOCK_L"):
         scoring.score_topk_triton(q, kq, st + 1, kv - 2, 4, reduce="sum_softmax", kv_lens=kv, k_scale=ks,
-                                  carry=carry_mod.new_carry(1, 2, "cpu"))
+                                  carry=carry_mod.new_carry(1, 2, device))
 
 
 @pytest.mark.parametrize("heads", HEADS)
