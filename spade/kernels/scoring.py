@@ -719,7 +719,8 @@ def _i8dot_score_kernel(
     digits in columns ``4t .. 4t + 3``, so the 16 output columns all carry digits (one
     token's four otherwise, twelve zeros): the same multiply-adds, a quarter of the
     epilogue's rows, and no masked half tile at short rows (D = 16 bytes: r = 32
-    channels). Scores are exactly PACK = 1's."""
+    channels). The int32 dots are PACK = 1's; the scores differ only in fp32's order of
+    summing the four digits and the offset."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -1090,8 +1091,8 @@ def _gemv_config(k: torch.Tensor, paged: dict | None = None) -> dict:
 
 
 PACKED_TILE = dict(BLOCK_L=512, num_warps=8)
-"""The GPU's int4 scoring tile with four tokens per MMA row (``_pack``): 128 rows of 64
-bytes. One H100, carry scoring + compaction at r = 32 channels, against one token per
+"""The GPU's int4 scoring tile with four tokens per MMA row (``_pack``): at r = 32, 128
+rows of 64 bytes. One H100, carry scoring + compaction at r = 32 channels, against one token per
 row on the 256-key tile: 43.0 -> 34.8 us at 8 x 32k, 75.1 -> 52.6 at 32 x 16k, 70.0 ->
 54.5 at 1 x 512k (``bench_select --carry-tiles ... --carry-packs 1,4``, docs/perf.md)."""
 
