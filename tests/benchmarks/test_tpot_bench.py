@@ -98,6 +98,22 @@ def test_bench_tpot_refresh_every_rows(tmp_path):
     assert all(row["mean_ms"] > 0 and row["steps"] == 3 for row in conf["rows"].values())
 
 
+def test_bench_tpot_score_pack_rows(tmp_path):
+    """``--score-pack 4,1``: every row again with one int4 token per MMA row (suffix
+    /pack=1), the first value's rows unsuffixed."""
+    out = tmp_path / "bench_tpot.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
+           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
+           "--packs", "2", "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4", "--linear", "cublas",
+           "--no-plots", "--score-pack", "4,1", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    conf = json.loads(out.read_text())["configs"][0]
+    assert set(conf["rows"]) == {"optimal", "asyncspade/colocated/P=2/int4", "optimal/pack=1",
+                                 "asyncspade/colocated/P=2/int4/pack=1"}
+    assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
+
+
 def test_bench_tpot_config_defaults_and_flags(tmp_path):
     """``spade bench tpot --config X``: the config's preset, policy speed settings and bench
     section become the defaults; flags win; a real-weights model is refused by name."""
@@ -114,6 +130,10 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--select-overlap", "yes"])
     assert a.refresh_every == [1] and parse_args(["--refresh-every", "1, 4"]).refresh_every == [1, 4]
+    assert a.score_pack == [0] and parse_args(["--score-pack", "4,1"]).score_pack == [4, 1]
+    for bad in ("2", "0", "8", "four"):
+        with pytest.raises(SystemExit):
+            parse_args(["--score-pack", bad])
     from benchmarks.bench_tpot import warmup_steps
 
     w = parse_args(["--warmup", "3"])
