@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                          "policy.score_channels r (rows carry d)")
     ap.add_argument("--out", default="results/bench_select.json")
     args = ap.parse_args(argv)
+    packs = [x.strip() for x in args.carry_packs.split(",") if x.strip()]
+    if any(x not in ("1", "4") for x in packs):
+        ap.error(f"--carry-packs takes 1,4 (int4 tokens per MMA row, comma-separated); got {args.carry_packs!r}")
     t_end = time.monotonic() + args.budget_s
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], overlap=spec,
                                                               layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
-        packs = [int(x) for x in args.carry_packs.split(",") if x] or [0]
+        packs = [int(x) for x in args.carry_packs.split(",") if x.strip()] or [0]
         for tc, pk in itertools.product(tiles, packs):
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
             radix_topk.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))

@@ -34,11 +34,13 @@ def test_tiny_carry_and_overlap_rows(tmp_path):
     """``--carry BITS:WARPS``: the threshold-carry top-K's stages (scoring alone, the
     compaction, the select) and its forced fallback, each selection checked first.
     ``--overlap``: a pack of layers timed serially, then with the select on a side
-    stream (a no-op on a CPU), every layer's selection checked. One run for both: each
-    run of the script also times the default select first."""
+    stream (a no-op on a CPU), every layer's selection checked. ``--carry-tiles`` x
+    ``--carry-packs``: the scoring tiles under one and four int4 tokens per MMA row. One
+    run for all: each run of the script also times the default select first."""
     out = tmp_path / "sel.json"
     assert bench_select.main(["--tiny", "--keys", "int4", "--no-grid", "--carry", "8:1,4:1", "--overlap", "4:-1",
-                              "--overlap-layers", "2", "--out", str(out)]) == 0
+                              "--overlap-layers", "2", "--carry-tiles", "64:1:1", "--carry-packs", "1,4",
+                              "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     carry = [r for r in rows if isinstance(r["config"], dict) and set(r["config"]) == {"carry"}]
     assert [r["config"]["carry"] for r in carry] == ["8:1", "4:1"]
@@ -53,3 +55,9 @@ def test_tiny_carry_and_overlap_rows(tmp_path):
         assert r["config"]["carry"] == "8:1"  # the first --carry config
         assert abs(r["per_layer_ms"] * 2 - r["total_ms"]) < 1e-9
     assert all(r["vs_serial"] > 0 for r in ov[1:])
+    # --carry-tiles x --carry-packs: scoring + compaction under each tile and int4 tokens per MMA row
+    tiles = [r for r in rows if isinstance(r["config"], dict) and "score_tile" in r["config"]]
+    assert [(r["config"]["score_tile"], r["config"]["pack"]) for r in tiles] == [("64:1:1", 1), ("64:1:1", 4)]
+    assert all("error" not in r and r["deficit"] <= 1e-4 and r["score_compact_ms"] > 0 for r in tiles)
+    with pytest.raises(SystemExit):
+        bench_select.main(["--tiny", "--carry-packs", "2"])
