@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     packs = [x.strip() for x in args.carry_packs.split(",") if x.strip()]
     if any(x not in ("1", "4") for x in packs):
         ap.error(f"--carry-packs takes 1,4 (int4 tokens per MMA row, comma-separated); got {args.carry_packs!r}")
+    args.carry_packs = [int(x) for x in packs] or [0]  # 0: the library's default
     t_end = time.monotonic() + args.budget_s
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda:
@@ -367,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             record(dict(B=B, L=L, K=K, keys=keys, d=d, config=dict(carry=args.carry.split(",")[0], overlap=spec,
                                                               layers=args.overlap_layers), **res))
         tiles = [t for t in args.carry_tiles.split(",") if t] if keys in ("int4", "int8") and args.carry else []
-        packs = [int(x) for x in args.carry_packs.split(",") if x.strip()] or [0]
-        for tc, pk in itertools.product(tiles, packs):
+        for tc, pk in itertools.product(tiles, args.carry_packs):
             bl, nw, ns, *per_sm = (int(x) for x in tc.split(":"))
             radix_topk.SELECT_CONFIG.update(_carry_cfg(args.carry.split(",")[0]))
             scoring.GEMV_CONFIG.update(BLOCK_L=bl, num_warps=nw, num_stages=ns, **({"PER_SM": per_sm[0]} if per_sm
