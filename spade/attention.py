@@ -143,6 +143,13 @@ class AttentionContext:
         boot (``spade.runtime.selector``)."""
         self.selector.prefill(layer, q, k_cache, v_cache, kv_lens, pool=pool)
 
+    def q_out(self, layer: int, B: int) -> torch.Tensor | None:
+        """Where a decode step may write layer ``layer``'s query [B, Hq, D] as it makes it
+        (the selector's staging slot, which ``after`` then need not fill), or None. Asked
+        once per layer when a step is built (eagerly, or at a graph's capture)."""
+        fn = getattr(self.selector, "q_out", None)
+        return fn(layer, B) if fn is not None else None
+
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                kv_lens: torch.Tensor) -> torch.Tensor:
         """One decode step of one layer. ``q`` [B, Hq, D]; returns [B, Hq, D]."""

@@ -198,7 +198,7 @@ def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx,
 
 
 def qkv_rope_store_paged_torch(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx, k_pool, v_pool, n_q, n_kv,
-                               block_table):
+                               block_table, q_out=None):
     """Torch reference of ``qkv_rope_store_triton(..., block_table=)``: the model's
     ``qkv_rope_store_torch`` into a one-token cache, then ``paged_write`` of each row's
     k/v at its logical position ``widx[b]`` through the table (rows with ``widx < 0``
@@ -211,7 +211,7 @@ def qkv_rope_store_paged_torch(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, 
     k1 = torch.empty(B, Hkv, 1, D, dtype=k_pool.dtype, device=k_pool.device)
     v1 = torch.empty_like(k1)
     q = qkv_rope_store_torch(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos,
-                             torch.zeros(1, dtype=torch.long, device=qkv.device), k1, v1, n_q, n_kv)
+                             torch.zeros(1, dtype=torch.long, device=qkv.device), k1, v1, n_q, n_kv, q_out=q_out)
     ok = (widx >= 0).long()
     paged_write(k_pool, block_table, k1, widx.clamp(min=0), ok)
     paged_write(v_pool, block_table, v1, widx.clamp(min=0), ok)

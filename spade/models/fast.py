@@ -223,10 +223,12 @@ def add_rms_norm_torch(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Ten
 
 def qkv_rope_store_torch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                          cos_tab: torch.Tensor, sin_tab: torch.Tensor, pos: torch.Tensor, widx: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_q: int, n_kv: int,
+                         q_out: torch.Tensor | None = None) -> torch.Tensor:
     """Split the fused projection ``qkv`` [B, (Hq + 2 Hkv) D], QK-norm (if given) and
     rotate q and k at positions ``pos`` [B], write k and v into the caches
-    [B, Hkv, L, D] at index ``widx`` [1]; returns q [B, Hq, D]."""
+    [B, Hkv, L, D] at index ``widx`` [1]; returns q [B, Hq, D] (written into ``q_out``
+    and returned as it, when given)."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
@@ -238,6 +240,8 @@ def qkv_rope_store_torch(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm:
     q, k = apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
     k_cache.index_copy_(2, widx, k[:, :, None, :].to(k_cache.dtype))
     v_cache.index_copy_(2, widx, v[:, :, None, :].to(v_cache.dtype))
+    if q_out is not None:
+        return q_out.copy_(q)
     return q
 
 
@@ -1072,8 +1076,11 @@ class FastModel(DecodeBackend):
             h = add_rms_norm(x, pending, L.ln1, a.eps)
             qkv = self._lin(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
             kc, vc = (self.k_cache[li], self.v_cache[li]) if paged else (self.k_cache[li][:B], self.v_cache[li][:B])
+            # q straight into the slot the selector ships it from, if it has one (no copy after the attention)
+            q_dest = ctx.q_out(li, B)
             q = qkv_rope_store(qkv, L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab, pos, widx, kc, vc,
-                               a.n_q_heads, a.n_kv_heads, **paged)  # [B, Hq, D]
+                               a.n_q_heads, a.n_kv_heads, **paged,
+                               **({} if q_dest is None else {"q_out": q_dest}))  # [B, Hq, D]
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)

@@ -91,11 +91,28 @@ class AsyncSelector:
     def selection(self, layer, q, k_cache, kv_lens):
         return self.cur[layer]
 
+    def q_out(self, layer, B):
+        """The query's staging slot [B, Hq, D]: the step writes q there as it makes it, and
+        ``after`` copies no query. That copy was a memcpy node per layer in the step's graph,
+        between two kernels that otherwise overlap their launches (PDL). None where
+        ``stage_qkv`` stages q with the newest k/v row in one launch (a fused pack message on
+        a contiguous cache), or before the buffers exist."""
+        if not self.q_buf or (self.pack_buf and self.block_table is None):
+            return None
+        p, j = self.where[layer]
+        slot = self.q_buf[p][j]
+        return slot if slot.shape[0] == B else None
+
+    def _stage_q(self, p, j, q):
+        slot = self.q_buf[p][j]
+        if q.data_ptr() != slot.data_ptr() or q.stride() != slot.stride() or q.shape != slot.shape:
+            slot.copy_(q)
+
     def after(self, layer, q, k_cache, v_cache, kv_lens):
         p, j = self.where[layer]
         bt = self.block_table
         if bt is not None:  # a paged cache: the newest k/v row through the table
-            self.q_buf[p][j].copy_(q)
+            self._stage_q(p, j, q)
             if self.stage_kv:
                 self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens, bt))
                 self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens, bt))
@@ -103,7 +120,7 @@ class AsyncSelector:
             # one launch: q and the newest k/v row (device-side position) into the pack slot
             stage_qkv(q, k_cache, v_cache, kv_lens, self.pack_buf[p][j])
         else:
-            self.q_buf[p][j].copy_(q)
+            self._stage_q(p, j, q)
             if self.stage_kv:  # device-side gather at kv_lens - 1: graph-safe
                 self.k_buf[p][j].copy_(last_token_keys(k_cache, kv_lens))
                 self.v_buf[p][j].copy_(last_token_keys(v_cache, kv_lens))

@@ -327,3 +327,67 @@ def test_prefill_keeps_only_the_queries_the_boot_sends():
     everything = AsyncSelector(spec, [(0, 2)], stage_kv=True, shared=None, return_mode="indices")
     everything.prefill(0, q, k, k, torch.full((2,), 37))
     assert everything.boot[0][0] is q  # q_rows 0: a policy that reads every prompt query gets them
+
+
+@pytest.mark.parametrize("topology,pack,mode,into_slot", [
+    ("colocated", 2, "indices", True),  # q alone ships: the step writes it into its staging slot
+    ("colocated", 1, "kv", True),
+    ("local", 2, "indices", False),     # q, k, v staged together by one launch (stage_qkv)
+])
+def test_query_made_in_its_staging_slot(model, prompt, inline_tokens, monkeypatch, topology, pack, mode,
+                                        into_slot):
+    """Where the selector offers a slot (``q_out``), the decode step's query projection writes
+    q there and the attention reads it from there, so ``after`` has nothing to copy; where it
+    offers none, ``after`` stages q as before. Either way the tokens are the inline ones."""
+    from spade.models import fast
+    from spade.runtime.selector import AsyncSelector
+
+    offered, staged = [], []
+    rope = fast._TORCH_OPS["qkv_rope_store"]
+
+    def spy_rope(*args, q_out=None, **kw):
+        q = rope(*args, q_out=q_out, **kw)
+        if q_out is not None:
+            assert q is q_out
+        offered.append(q_out is not None)
+        return q
+
+    after = AsyncSelector.after
+
+    def spy_after(self, layer, q, k_cache, v_cache, kv_lens):
+        p, j = self.where[layer]
+        staged.append(q.data_ptr() == self.q_buf[p][j].data_ptr())
+        return after(self, layer, q, k_cache, v_cache, kv_lens)
+
+    monkeypatch.setitem(fast._TORCH_OPS, "qkv_rope_store", spy_rope)
+    monkeypatch.setattr(AsyncSelector, "after", spy_after)
+    tr = generate(model, prompt, f"runtime.topology={topology}", f"runtime.pack_layers={pack}",
+                  f"runtime.return_mode={mode}")
+    assert tr.tokens == inline_tokens and tr.stats["sparse_steps"] > 0
+    decode_layers = (NEW - 1) * model.spec.n_layers
+    assert len(staged) == decode_layers
+    assert staged == [into_slot] * decode_layers
+    assert offered.count(True) == (decode_layers if into_slot else 0)
+
+
+def test_query_slot_offered_only_where_q_is_staged_alone():
+    """``AsyncSelector.q_out``: the layer's slot of a q-only pack (and of a paged cache, whose k/v
+    are copied through the table), None for a fused contiguous pack message, before the buffers
+    exist, and for another batch size."""
+    from types import SimpleNamespace
+
+    from spade.runtime.selector import AsyncSelector
+
+    spec = SimpleNamespace(n_layers=3)
+    shared = AsyncSelector(spec, [(0, 2), (2, 3)], stage_kv=False, shared=None, return_mode="indices")
+    assert shared.q_out(1, 2) is None  # no buffers yet
+    shared.allocate(2, 4, 2, 8, torch.float32, torch.float32, "cpu")
+    assert shared.q_out(1, 2).data_ptr() == shared.q_buf[0][1].data_ptr()
+    assert shared.q_out(2, 2).data_ptr() == shared.q_buf[1][0].data_ptr()
+    assert shared.q_out(1, 3) is None
+    fused = AsyncSelector(spec, [(0, 3)], stage_kv=True, shared=None, return_mode="indices")
+    fused.allocate(2, 4, 2, 8, torch.float32, torch.float32, "cpu")
+    assert fused.pack_buf and fused.q_out(0, 2) is None
+    fused.block_table = torch.zeros(2, 4, dtype=torch.int32)  # paged: q is copied apart from k/v
+    slot = fused.q_out(2, 2)
+    assert slot.shape == (2, 4, 8) and slot.data_ptr() == fused.q_buf[0][2].data_ptr()
