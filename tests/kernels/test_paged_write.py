@@ -42,8 +42,11 @@ def test_paged_qkv_rope_store(device, dtype, B, Hq, Hkv, D, rot, norm, bs):
     vp_r = torch.full_like(kp_r, float("nan"))
     kp_t, vp_t = kp_r.clone(), vp_r.clone()
     args = (qkv, qn, kn, 1e-6, cos, sin, pos, widx)
-    q_r = qkv_rope_store_paged_torch(*args, kp_r, vp_r, Hq, Hkv, table)
-    q_t = qkv_rope_store_triton(*args, kp_t, vp_t, Hq, Hkv, block_table=table)
+    slot_r, slot_t = (torch.full((2, B, Hq, D), float("nan"), device=device, dtype=dtype) for _ in range(2))
+    q_r = qkv_rope_store_paged_torch(*args, kp_r, vp_r, Hq, Hkv, table, q_out=slot_r[1])  # into a staging slot
+    q_t = qkv_rope_store_triton(*args, kp_t, vp_t, Hq, Hkv, block_table=table, q_out=slot_t[1])
+    assert q_r.data_ptr() == slot_r[1].data_ptr() and q_t.data_ptr() == slot_t[1].data_ptr()
+    assert torch.isnan(slot_r[0]).all() and torch.isnan(slot_t[0]).all()
     rtol, atol = _tol(dtype, q_r)
     torch.testing.assert_close(q_t.float(), q_r.float(), rtol=rtol, atol=atol)
     written = ~torch.isnan(kp_r)

@@ -407,6 +407,16 @@ def test_qkv_rope_store_triton(device, dtype, B, Hq, Hkv, D, rot, norm):
     others = torch.ones(L, dtype=torch.bool, device=device)
     others[7] = False
     assert kc_t[:, :, others].abs().sum() == 0 and vc_t[:, :, others].abs().sum() == 0
+    # q written into a staging slot (a layer of a pack's [n, B, Hq, D] buffer): returned as that
+    # slot, the same values, the pack's other layers untouched
+    for ops in (_TORCH_OPS, triton_ops()):
+        pack = torch.full((3, B, Hq, D), float("nan"), device=device, dtype=dtype)
+        got = ops["qkv_rope_store"](qkv, qn, kn, 1e-6, cos, sin, pos, widx, kc_t.clone(), vc_t.clone(), Hq, Hkv,
+                                    q_out=pack[1])
+        assert got.data_ptr() == pack[1].data_ptr() and got.shape == (B, Hq, D)
+        rtol, atol = _tol(dtype, q_r)
+        torch.testing.assert_close(pack[1].float(), q_r.float(), rtol=rtol, atol=atol)
+        assert torch.isnan(pack[0]).all() and torch.isnan(pack[2]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
