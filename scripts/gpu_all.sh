@@ -74,6 +74,9 @@
 #   paged      the paged KV cache: bench_paged (kernels), bench_tpot --block-size 0,16 at PAGED_SHAPES (default
 #              8x32768 1x131072), a served trace with a contiguous, a paged and a half-memory paged cache
 #   kv_layout  bench_kv_layout: gather / sparse / dense attention reads by KV layout, budgets KV_LAYOUT_K
+#   ab         bench_tpot AB_ARGS (default: colocated c=32 and optimal at B=8 L=32k, int4, P=9) on this tree and on
+#              the tree in AB_BASE (extract it before the call: git archive <commit> | tar -x -C old; untracked
+#              folders travel), AB_ROUNDS rounds (default 2), each side first in turn, one process per run
 #   pdl        programmatic dependent launch: every headline row at B=8 L=32k K=2k under each SPADE_PDL mode of
 #              PDL_MODES (default all,decode,off; Table 3 runs under the first), side by side; then
 #              one run per AB_ENVS entry (VAR=VALUE, default: the indexed attention's programs per SM), to
@@ -453,6 +456,23 @@ for s in "${stages[@]}"; do
         tests/transports/test_contract.py tests/runtime/test_transports_runtime.py
       run "bench_transports_$s" 120 python3 -m benchmarks.bench_transports --transports "$s,raw_nccl" --budget-s 110 \
         --out "$OUT/bench_transports_$s.json" ;;
+    ab)  # this tree against a base tree (AB_BASE: an extracted `git archive`), alternated, one process per run
+      if [ ! -d "${AB_BASE:-}/spade" ]; then
+        echo "=== ab: AB_BASE must name a base tree, e.g. git archive <commit> | tar -x -C old (untracked: it travels)"
+        rc=2; continue
+      fi
+      base=$(cd "$AB_BASE" && pwd); here=$PWD
+      for i in $(seq 1 "${AB_ROUNDS:-2}"); do
+        order="base tree"; [ $((i % 2)) -eq 0 ] && order="tree base"  # each side goes first in turn
+        for side in $order; do
+          dir=$here; [ "$side" = base ] && dir=$base
+          # python -m puts the working folder first on sys.path: each side runs from its own tree
+          run "ab_${side}_$i" "${AB_TIMEOUT:-280}" bash -c 'cd "$0" && exec "$@"' "$dir" env PYTHONPATH="$dir:$PYTHONPATH" \
+            python3 -m benchmarks.bench_tpot ${AB_ARGS:---batch 8 --context 32768 --budget 2048 --packs 9 --score-keys int4 --score-channels 32 --iters 20 --methods optimal,asyncspade/colocated} \
+            --no-plots --out "$here/$OUT/ab_${side}_$i.json"
+          grep -E "^  (optimal|full|quest|asyncspade)" "$OUT/ab_${side}_$i.log" | sed "s/^/=== ab $side $i: /"
+        done
+      done ;;
     *) echo "unknown stage $s"; rc=2 ;;
   esac
 done
