@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import struct
 import time
@@ -288,11 +289,53 @@ def check_port_free(host: str, port: int, what: str) -> None:
                              f"({why})")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (for tests and examples)."""
+EPHEMERAL_DEFAULT = (32768, 60999)
+"""Linux's default range of outgoing connections' source ports (when /proc does not say)."""
+PORT_FLOOR = 20000
+"""``free_port`` draws from ``[PORT_FLOOR, 65536)`` minus the ephemeral range."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The OS's range of source ports for outgoing connections, inclusive."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return port_in_use(port) is None
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A TCP port ``p`` with ``p .. p + span - 1`` free right now (tests, examples, a healed
+    link's new ports). Drawn at random outside the OS's ephemeral range where there is room:
+    a port from that range can become an outgoing connection's source port before its
+    listener binds it, on loopback even through the peer's own early connect to it (a TCP
+    self-connect, which then holds the port). Falls back to a port the OS picks."""
+    lo, hi = ephemeral_range()
+    pools = [(a, b - span + 1) for a, b in ((PORT_FLOOR, lo), (hi + 1, 65536)) if b - span + 1 > a]
+    sizes = [b - a for a, b in pools]
+    rng = random.SystemRandom()  # not the tests' seeded ``random``: two processes must not draw alike
+    for _ in range(64 if pools else 0):
+        a, b = rng.choices(pools, weights=sizes)[0]
+        p = rng.randrange(a, b)
+        if all(_bindable(host, p + i) for i in range(span)):
+            return p
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+        if p + span <= 65536 and all(_bindable(host, p + i) for i in range(1, span)):
+            return p
+    raise OSError(f"no {span} free consecutive TCP ports found on {host}")
 
 
 def call_quietly(fn: Callable[[], Any]) -> None:

@@ -134,8 +134,8 @@ class Transport(ABC):
         if why is None:
             return cfg, None
         for _ in range(64):
-            p = free_port()
-            if p + cls.port_span < 65536 and all(port_in_use(p + i) is None for i in range(cls.port_span)):
+            p = free_port(span=cls.port_span)
+            if all(port_in_use(p + i) is None for i in range(cls.port_span)):
                 return cfg.model_copy(update={cls.port_field: p}), why
         raise TransportError(f"{cls.name}: no {cls.port_span} free consecutive ports found for a new cache rank")
 

@@ -3,8 +3,6 @@ left-padded prompts, and reference runs through the inline path."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -78,17 +76,9 @@ def run_with_selector(model, policy, make_selector, ids, mask, new: int = NEW):
 
 def free_port() -> int:
     """A free TCP port p with p + 1 free too (the nccl transport uses both)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    from spade.transports._framing import free_port as free_ports
+
+    return free_ports(span=2)
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,34 @@ def test_a_held_port_moves_the_link(cls, cfg_cls, field, held_offset):
         assert new != getattr(cfg, field) and getattr(cfg, field) == held - held_offset  # a copy; cfg untouched
         assert all(port_in_use(new + i) is None for i in range(cls.port_span))
         assert got.model_dump(exclude={field}) == cfg.model_dump(exclude={field})
+
+
+def test_free_port_draws_outside_the_ephemeral_range():
+    """Ports come from outside the range the OS gives outgoing connections' source ports (a
+    listener's port taken by such a connection, even the peer's own early connect to it, is the
+    failure this avoids), bindable, with the span's later ports free too."""
+    from spade.transports._framing import PORT_FLOOR, ephemeral_range
+
+    lo, hi = ephemeral_range()
+    if lo - PORT_FLOOR < 1000 and 65535 - hi < 1000:
+        pytest.skip(f"the ephemeral range {lo}-{hi} leaves no room")
+    for span in (1, 2, 3):
+        for _ in range(20):
+            p = free_port(span=span)
+            assert PORT_FLOOR <= p and p + span - 1 <= 65535
+            assert all(not lo <= p + i <= hi for i in range(span)), (p, span, lo, hi)
+            assert all(port_in_use(p + i) is None for i in range(span))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+
+
+def test_free_port_ignores_the_seeded_random():
+    """Tests seed ``random``; two draws after the same seed must not repeat (two processes
+    seeded alike would otherwise draw the same ports)."""
+    import random
+
+    draws = []
+    for _ in range(3):
+        random.seed(1234)
+        draws.append(free_port())
+    assert len(set(draws)) > 1
