@@ -92,16 +92,18 @@ class AsyncSelector:
         return self.cur[layer]
 
     def q_out(self, layer, B):
-        """The query's staging slot [B, Hq, D]: the step writes q there as it makes it, and
-        ``after`` copies no query. That copy was a memcpy node per layer in the step's graph,
-        between two kernels that otherwise overlap their launches (PDL). None where
-        ``stage_qkv`` stages q with the newest k/v row in one launch (a fused pack message on
-        a contiguous cache), or before the buffers exist."""
-        if not self.q_buf or (self.pack_buf and self.block_table is None):
+        """The query's staging slot [B, Hq, D] where q has a buffer of its own (a cache rank
+        on this GPU, which reads the cache itself, is sent q alone): the step writes q there
+        as it makes it, and ``after`` copies no query. That copy was a memcpy node per layer
+        in the step's graph, between two kernels that otherwise overlap their launches (PDL).
+        None for a fused pack message (q, k and v heads of one tensor: the attention keeps
+        reading a contiguous q, and ``stage_qkv`` stages all three in one launch), before the
+        buffers exist, and for another batch size."""
+        if not self.q_buf or self.pack_buf:
             return None
         p, j = self.where[layer]
         slot = self.q_buf[p][j]
-        return slot if slot.shape[0] == B else None
+        return slot if slot.shape[0] == B and slot.is_contiguous() else None
 
     def _stage_q(self, p, j, q):
         slot = self.q_buf[p][j]

@@ -371,9 +371,9 @@ def test_query_made_in_its_staging_slot(model, prompt, inline_tokens, monkeypatc
 
 
 def test_query_slot_offered_only_where_q_is_staged_alone():
-    """``AsyncSelector.q_out``: the layer's slot of a q-only pack (and of a paged cache, whose k/v
-    are copied through the table), None for a fused contiguous pack message, before the buffers
-    exist, and for another batch size."""
+    """``AsyncSelector.q_out``: the layer's slot where q has a buffer of its own (a q-only pack,
+    or q, k and v in three buffers), None for a fused pack message (contiguous or paged cache),
+    before the buffers exist, and for another batch size."""
     from types import SimpleNamespace
 
     from spade.runtime.selector import AsyncSelector
@@ -388,6 +388,9 @@ def test_query_slot_offered_only_where_q_is_staged_alone():
     fused = AsyncSelector(spec, [(0, 3)], stage_kv=True, shared=None, return_mode="indices")
     fused.allocate(2, 4, 2, 8, torch.float32, torch.float32, "cpu")
     assert fused.pack_buf and fused.q_out(0, 2) is None
-    fused.block_table = torch.zeros(2, 4, dtype=torch.int32)  # paged: q is copied apart from k/v
-    slot = fused.q_out(2, 2)
-    assert slot.shape == (2, 4, 8) and slot.data_ptr() == fused.q_buf[0][2].data_ptr()
+    fused.block_table = torch.zeros(2, 4, dtype=torch.int32)  # paged: q still a view into the message
+    assert fused.q_out(2, 2) is None
+    apart = AsyncSelector(spec, [(0, 3)], stage_kv=True, shared=None, return_mode="indices")
+    apart.allocate(2, 4, 2, 8, torch.float32, torch.bfloat16, "cpu")  # two dtypes: q, k, v buffers apart
+    assert not apart.pack_buf
+    assert apart.q_out(2, 2).data_ptr() == apart.q_buf[0][2].data_ptr()
