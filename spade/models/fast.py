@@ -1077,10 +1077,8 @@ class FastModel(DecodeBackend):
             qkv = self._lin(h, L.wqkv, L.bqkv)  # [B, (Hq + 2 Hkv) D]
             kc, vc = (self.k_cache[li], self.v_cache[li]) if paged else (self.k_cache[li][:B], self.v_cache[li][:B])
             # q straight into the slot the selector ships it from, if it has one (no copy after the attention)
-            q_dest = ctx.q_out(li, B)
             q = qkv_rope_store(qkv, L.q_norm, L.k_norm, a.eps, self.cos_tab, self.sin_tab, pos, widx, kc, vc,
-                               a.n_q_heads, a.n_kv_heads, **paged,
-                               **({} if q_dest is None else {"q_out": q_dest}))  # [B, Hq, D]
+                               a.n_q_heads, a.n_kv_heads, **paged, q_out=ctx.q_out(li, B))  # [B, Hq, D]
             o = ctx.attend(li, q, kc, vc, kv_lens)  # [B, Hq, D]
             attn = self._lin(o.reshape(B, -1), L.wo, L.bo)
             h = add_rms_norm(x, attn, L.ln2, a.eps)

@@ -103,7 +103,7 @@ class AsyncSelector:
             return None
         p, j = self.where[layer]
         slot = self.q_buf[p][j]
-        return slot if slot.shape[0] == B and slot.is_contiguous() else None
+        return slot if slot.shape[0] == B else None
 
     def _stage_q(self, p, j, q):
         slot = self.q_buf[p][j]

@@ -324,16 +324,15 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     pools = [(a, b - span + 1) for a, b in ((PORT_FLOOR, lo), (hi + 1, 65536)) if b - span + 1 > a]
     sizes = [b - a for a, b in pools]
     rng = random.SystemRandom()  # not the tests' seeded ``random``: two processes must not draw alike
-    for _ in range(64 if pools else 0):
-        a, b = rng.choices(pools, weights=sizes)[0]
-        p = rng.randrange(a, b)
-        if all(_bindable(host, p + i) for i in range(span)):
-            return p
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            p = s.getsockname()[1]
-        if p + span <= 65536 and all(_bindable(host, p + i) for i in range(1, span)):
+    for attempt in range(128):
+        if pools and attempt < 64:
+            a, b = rng.choices(pools, weights=sizes)[0]
+            p = rng.randrange(a, b)
+        else:  # no room outside the range, or nothing free there: a port the OS picks
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                p = s.getsockname()[1]
+        if p + span <= 65536 and all(_bindable(host, p + i) for i in range(span)):
             return p
     raise OSError(f"no {span} free consecutive TCP ports found on {host}")
 

@@ -133,11 +133,12 @@ class Transport(ABC):
         why = next((f"port {port + i}: {w}" for i in range(cls.port_span) if (w := port_in_use(port + i))), None)
         if why is None:
             return cfg, None
-        for _ in range(64):
-            p = free_port(span=cls.port_span)
-            if all(port_in_use(p + i) is None for i in range(cls.port_span)):
-                return cfg.model_copy(update={cls.port_field: p}), why
-        raise TransportError(f"{cls.name}: no {cls.port_span} free consecutive ports found for a new cache rank")
+        try:
+            p = free_port(span=cls.port_span)  # every port of the span probed as `port_in_use` does
+        except OSError as e:
+            raise TransportError(f"{cls.name}: no {cls.port_span} free consecutive ports found for a new cache "
+                                 f"rank ({e})") from None
+        return cfg.model_copy(update={cls.port_field: p}), why
 
     @classmethod
     def preflight(cls, cfg: Any) -> None:
