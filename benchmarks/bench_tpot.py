@@ -861,6 +861,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="int4 tokens per MMA row of the scoring tile (1,4: GEMV_CONFIG pack, "
                          "spade.kernels.scoring), comma-separated: the first names the rows, each further one adds "
                          "rows suffixed /pack=<n>, side by side; empty: the library's default")
+    ap.add_argument("--score-tile", default="",
+                    help="launch tiles of the int8 / int4 scoring kernel, BLOCK_L:warps:stages[:PER_SM] or default "
+                         "(GEMV_CONFIG over the device's tile, spade.kernels.scoring), comma-separated: the first "
+                         "names the rows, each further one adds rows suffixed /tile=<spec>, side by side; "
+                         "empty: the library's default")
     ap.add_argument("--block-size", default="0",
                     help="paged KV cache: comma list of model.block_size values, 0 = the contiguous cache; each "
                          "builds its own model and its rows carry /paged<bs> (e.g. 0,16: side by side)")
@@ -930,6 +935,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(v not in (1, 4) for v in a.score_pack if v):
         ap.error(f"--score-pack takes 1,4 (comma-separated); got {a.score_pack}")
     a.cur_pack_sfx = ""
+    a.score_tile = [t.strip() for t in a.score_tile.split(",") if t.strip()] or ["default"]
+    for t in a.score_tile:
+        parts = t.split(":")
+        if t != "default" and (len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts)):
+            ap.error(f"--score-tile takes default or BLOCK_L:warps:stages[:PER_SM] (positive integers), "
+                     f"comma-separated; got {t!r}")
+    a.cur_tile_sfx = ""
     return a
 
 
@@ -984,6 +996,22 @@ def set_score_pack(pack: int, a) -> None:
     else:
         scoring.GEMV_CONFIG.pop("pack", None)
     a.cur_pack_sfx = "" if pack == a.score_pack[0] else f"/pack={pack}"
+
+
+_TILE_KEYS = ("BLOCK_L", "num_warps", "num_stages", "PER_SM")
+
+
+def set_score_tile(spec: str, a) -> None:
+    """Rows from here on score int8 / int4 keys on the launch tile ``spec``
+    (BLOCK_L:warps:stages[:PER_SM] over the device's tile, or ``default``); rows of a later
+    value of ``--score-tile`` are named ``.../tile=<spec>``. Each row captures its own graphs."""
+    from spade.kernels import scoring
+
+    for key in _TILE_KEYS:
+        scoring.GEMV_CONFIG.pop(key, None)
+    if spec != "default":
+        scoring.GEMV_CONFIG.update(zip(_TILE_KEYS, (int(x) for x in spec.split(":"))))
+    a.cur_tile_sfx = "" if spec == a.score_tile[0] else f"/tile={spec}"
 
 
 def set_topk(mode: str, a) -> None:
@@ -1103,7 +1131,7 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx + a.cur_pack_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
+                    name += a.cur_pdl_sfx + a.cur_pack_sfx + a.cur_tile_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -1130,9 +1158,10 @@ def run(argv: list[str] | None = None) -> dict:
                     free_memory()
                     out.write_text(json.dumps({**result, "configs": result["configs"] + [conf]}, indent=2))
 
-                for pm, sp in itertools.product(a.pdl, a.score_pack):
+                for pm, sp, st in itertools.product(a.pdl, a.score_pack, a.score_tile):
                     set_pdl(pm, a)
                     set_score_pack(sp, a)
+                    set_score_tile(st, a)
                     for so in a.sov:
                         set_sov(so, a)
                         for tk in a.topk:
@@ -1140,6 +1169,7 @@ def run(argv: list[str] | None = None) -> dict:
                             rows_for_budget(model, B, L, K, a, shared, two, record)
                 set_pdl(a.pdl[0], a)
                 set_score_pack(a.score_pack[0], a)
+                set_score_tile(a.score_tile[0], a)
                 # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap");
                 # its per-layer timings read a contiguous cache: not for a paged row set
                 for so, tk in itertools.product(a.sov, a.topk) if not bs else ():

@@ -114,6 +114,28 @@ def test_bench_tpot_score_pack_rows(tmp_path):
     assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
 
 
+def test_bench_tpot_score_tile_sets_the_scoring_launch():
+    """``--score-tile``: a spec overrides the scoring kernel's launch tile for the rows after
+    it (what ``_gemv_config`` resolves), ``default`` takes the override back, and the later
+    value's rows carry its suffix."""
+    import torch
+    from benchmarks.bench_tpot import parse_args, set_score_tile
+    from spade.kernels import scoring
+
+    a = parse_args(["--score-tile", "default,256:2:3:4"])
+    k = torch.zeros(1, 1, 64, 16, dtype=torch.uint8)
+    base = scoring._gemv_config(k)
+    try:
+        set_score_tile("256:2:3:4", a)
+        cfg = scoring._gemv_config(k)
+        assert (cfg["BLOCK_L"], cfg["num_warps"], cfg["num_stages"], cfg["PER_SM"]) == (256, 2, 3, 4)
+        assert a.cur_tile_sfx == "/tile=256:2:3:4"
+        set_score_tile("default", a)
+        assert scoring._gemv_config(k) == base and a.cur_tile_sfx == ""
+    finally:
+        set_score_tile("default", a)
+
+
 def test_bench_tpot_config_defaults_and_flags(tmp_path):
     """``spade bench tpot --config X``: the config's preset, policy speed settings and bench
     section become the defaults; flags win; a real-weights model is refused by name."""
@@ -134,6 +156,11 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
     for bad in ("2", "0", "8", "four"):
         with pytest.raises(SystemExit):
             parse_args(["--score-pack", bad])
+    assert a.score_tile == ["default"]
+    assert parse_args(["--score-tile", "default, 512:4:3:4"]).score_tile == ["default", "512:4:3:4"]
+    for bad in ("512:4", "512:4:3:4:1", "512:0:3", "a:b:c"):
+        with pytest.raises(SystemExit):
+            parse_args(["--score-tile", bad])
     from benchmarks.bench_tpot import warmup_steps
 
     w = parse_args(["--warmup", "3"])
