@@ -275,7 +275,7 @@ CARRY_CAP_MAX = 8192
 passes (``carry_fits``), and a wider ``margin`` is narrowed to it where the default
 margin's list fits. ``_carry_select_kernel`` holds the list in registers, and its time
 grows with the list while the radix passes' barely moves with ``k_top``. Measured per
-layer on one H100 (int4 keys, steady state, 2026-12-07, ``benchmarks.bench_select``), carry /
+layer on one H100 (int4 keys, steady state, ``benchmarks.bench_select``; docs/perf.md), carry /
 radix in us: a 4,096 list (K = 1,980) 104 / 114 at B=8 x 32k, 101 / 114 at 1 x 256k,
 156 / 188 at 1 x 512k; an 8,192 list (K = 3,960, or 1,980 at margin 2.0) 122-136 / 114
 at 32k-256k, 175-177 / 188 at 512k; a 16,384 list (K = 7,920: ``rerank: 4``) 174-230 / 114-115

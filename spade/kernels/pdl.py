@@ -71,9 +71,9 @@ SHARED_MODE = "decode"
 ``shared_gpu``): its selection kernels launch without PDL. An early-launched program waits
 resident on an SM for its predecessor, and on a shared GPU it holds that SM's slots from
 the decode step's kernels beside it. One H100, Qwen3-8B shape, K=2k, int4, P=9, ``colocated``,
-``all`` against this (2026-12-07, ``bench_tpot --pdl all,auto`` and ``auto,all``, one process
-each): B=8 L=32k 9.278 / 9.170 and 9.237 / 9.184 ms with every channel, 8.537 / 8.354 and
-8.448 / 8.350 with ``score_channels: 32``; B=16 L=16k c=32 9.900 / 9.719 (docs/perf.md, PDL)."""
+``all`` against this (``bench_tpot --pdl all,auto`` and ``auto,all``, one process each):
+B=8 L=32k 9.278 / 9.170 and 9.237 / 9.184 ms with every channel, 8.537 / 8.354 and 8.448 /
+8.350 with ``score_channels: 32``; B=16 L=16k c=32 9.900 / 9.719 (docs/perf.md, PDL)."""
 
 _LOCAL = threading.local()
 
