@@ -458,6 +458,13 @@ def time_graph(fn: Callable[[], Any], *, iters: int, warmup: int, device: torch.
 
 
 # ----------------------------------------------------------------------------- micro timings
+def _variant(score_keys: str, channels: int, rerank: int) -> str:
+    """The name of an asyncspade selection variant in ``layer_timings`` (``select_<name>_ms``):
+    ``asyncspade``, then ``_<keys>`` for a compressed copy, ``_c<r>``, ``_m<m>``."""
+    return ("asyncspade" + ("" if score_keys == "exact" else f"_{score_keys}") + (f"_c{channels}" if channels else "")
+            + (f"_m{rerank}" if rerank > 1 else ""))
+
+
 def layer_timings(model, B: int, L: int, K: int, a) -> dict:
     """One layer's attention (dense, sparse at K) and each policy's per-layer
     selection work (``observe`` + ``select``), in ms, each replayed as a CUDA graph
@@ -488,8 +495,7 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
     variants = [(n, "exact", 0, 1) for n in ("quest", "tova", "oracle")]
     for sk, ch, m in itertools.product(["exact"] + [sk for sk in a.score_keys if sk != "exact"],
                                        getattr(a, "score_channels", [0]), getattr(a, "rerank", [1])):
-        variants.append(("asyncspade" + ("" if sk == "exact" else f"_{sk}") + (f"_c{ch}" if ch else "")
-                         + (f"_m{m}" if m > 1 else ""), sk, ch, m))
+        variants.append((_variant("exact" if sk == "exact" else sk, ch, m), sk, ch, m))
     for name, sk, ch, m in variants:
         a.cur_score_keys, a.cur_channels, a.cur_rerank = sk, ch, m
         try:
@@ -603,7 +609,8 @@ def table3_lines(overlap: list[dict]) -> list[str]:
             continue
         parts = []
         for key in sorted(k for k in row if k.startswith("cache_ms_per_pack_runtime")):
-            sk = key[len("cache_ms_per_pack_runtime"):].lstrip("_") or "exact"
+            sk = (key[len("cache_ms_per_pack_runtime"):].lstrip("_")
+                  or row.get("cache_variant", "asyncspade").removeprefix("asyncspade").lstrip("_") or "exact")
             parts.append(f"{sk} {row[key]:.3f} ({row[key] / inf:.2f}x)")
         if parts:
             out.append(f"  Table 3, P={row['pack_layers']}: inference {inf:.3f} ms per pack; cache rank "
@@ -633,8 +640,12 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
         up = n * B * (spec.n_q_heads + 2 * spec.n_kv_heads) * spec.head_dim * elt
         down = {"indices": n * B * spec.n_kv_heads * k_mid * 4,
                 "kv": n * B * spec.n_kv_heads * k_mid * (4 + 2 * spec.head_dim * elt)}
-        cache_pack = n * lt.get("select_asyncspade_graph_ms", lt["select_asyncspade_ms"])
-        row: dict[str, Any] = {"pack_layers": P, "packs": n_packs, "cache_ms_per_pack": cache_pack,
+        # the base: exact keys under the rows' first score_channels and rerank (the other
+        # variants follow under their own keys)
+        base = _variant("exact", getattr(a, "score_channels", [0])[0], getattr(a, "rerank", [1])[0])
+        cache_pack = n * lt[f"select_{base}_ms"]
+        row: dict[str, Any] = {"pack_layers": P, "packs": n_packs, "cache_variant": base,
+                               "cache_ms_per_pack": cache_pack,
                                "cache_ms_per_pack_kv": cache_pack + n * lt["gather_kv_ms"],
                                "bytes_up_per_pack": up}
         if t_opt is not None:
@@ -645,19 +656,20 @@ def overlap_table(model, B: int, K: int, a, rows: dict, lt: dict) -> list[dict]:
                 row[f"bytes_down_per_pack_{mode}"] = d
                 row[f"min_bandwidth_GBps_{mode}"] = (up + d) / (infer_pack * 1e-3) / 1e9
         # the pack timed whole, as the runtime runs it (one prediction launch per pack)
-        runtime_pack = lt.get(f"select_asyncspade_pack{n}_graph_ms")
+        runtime_pack = lt.get(f"select_{base}_pack{n}_graph_ms")
         if runtime_pack is not None:
             row["cache_ms_per_pack_runtime"] = runtime_pack
             if t_opt is not None:
                 row["overlaps_runtime"] = runtime_pack <= row["inference_ms_per_pack"]
         # every other variant (scoring keys, _c<r> score_channels, _m<m> rerank) the rows ran
         pre, suf = "select_asyncspade_", f"_pack{n}_graph_ms"
-        for key in [k for k in lt if k.startswith(pre) and k.endswith(suf) and k != f"select_asyncspade{suf}"]:
+        for key in [k for k in lt if k.startswith(pre) and k.endswith(suf) and k != f"select_{base}{suf}"]:
             v = key[len(pre):-len(suf)]
             row[f"cache_ms_per_pack_runtime_{v}"] = lt[key]
             if t_opt is not None:
                 row[f"overlaps_runtime_{v}"] = lt[key] <= row["inference_ms_per_pack"]
-        for key in [k for k in lt if k.startswith(pre) and k.endswith("_graph_ms") and "_pack" not in k]:
+        for key in [k for k in lt if k.startswith(pre) and k.endswith("_graph_ms") and "_pack" not in k
+                    and k != f"select_{base}_graph_ms"]:
             v = key[len(pre):-len("_graph_ms")]
             row[f"cache_ms_per_pack_{v}"] = n * lt[key]
             if t_opt is not None:
@@ -941,6 +953,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if t != "default" and (len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts)):
             ap.error(f"--score-tile takes default or BLOCK_L:warps:stages[:PER_SM] (positive integers), "
                      f"comma-separated; got {t!r}")
+    if len(set(a.score_tile)) != len(a.score_tile):
+        ap.error(f"--score-tile names each tile once (rows are keyed by it); got {','.join(a.score_tile)}")
     a.cur_tile_sfx = ""
     return a
 

@@ -114,6 +114,25 @@ def test_bench_tpot_score_pack_rows(tmp_path):
     assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
 
 
+def test_bench_tpot_table3_with_channel_subsets_only(tmp_path):
+    """``--score-channels 8`` alone (no all-channel rows): the layer timings and Table 3 run,
+    based on the rows' own variant (exact keys on 8 channels), the int4 copy's beside it."""
+    out = tmp_path / "bench_tpot.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
+           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
+           "--packs", "2", "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4",
+           "--score-channels", "8", "--linear", "cublas", "--no-plots", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    conf = json.loads(out.read_text())["configs"][0]
+    assert not conf["errors"], conf["errors"]
+    (row,) = conf["overlap"]
+    assert row["cache_variant"] == "asyncspade_c8" and row["cache_ms_per_pack"] > 0
+    assert row["cache_ms_per_pack_runtime"] > 0 and row["cache_ms_per_pack_runtime_int4_c8"] > 0
+    assert "cache_ms_per_pack_c8" not in row  # the base is not listed again as a variant
+    assert "Table 3, P=2" in r.stdout and "c8 " in r.stdout and "int4_c8 " in r.stdout
+
+
 def test_bench_tpot_score_tile_sets_the_scoring_launch():
     """``--score-tile``: a spec overrides the scoring kernel's launch tile for the rows after
     it (what ``_gemv_config`` resolves), ``default`` takes the override back, and the later
@@ -158,7 +177,7 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
             parse_args(["--score-pack", bad])
     assert a.score_tile == ["default"]
     assert parse_args(["--score-tile", "default, 512:4:3:4"]).score_tile == ["default", "512:4:3:4"]
-    for bad in ("512:4", "512:4:3:4:1", "512:0:3", "a:b:c"):
+    for bad in ("512:4", "512:4:3:4:1", "512:0:3", "a:b:c", "default,512:4:3,default"):
         with pytest.raises(SystemExit):
             parse_args(["--score-tile", bad])
     from benchmarks.bench_tpot import warmup_steps
