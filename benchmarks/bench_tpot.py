@@ -495,7 +495,7 @@ def layer_timings(model, B: int, L: int, K: int, a) -> dict:
     variants = [(n, "exact", 0, 1) for n in ("quest", "tova", "oracle")]
     for sk, ch, m in itertools.product(["exact"] + [sk for sk in a.score_keys if sk != "exact"],
                                        getattr(a, "score_channels", [0]), getattr(a, "rerank", [1])):
-        variants.append((_variant("exact" if sk == "exact" else sk, ch, m), sk, ch, m))
+        variants.append((_variant(sk, ch, m), sk, ch, m))
     for name, sk, ch, m in variants:
         a.cur_score_keys, a.cur_channels, a.cur_rerank = sk, ch, m
         try:

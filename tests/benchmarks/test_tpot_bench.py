@@ -50,15 +50,21 @@ def test_trace_summary_busy_idle_and_gaps(tmp_path):
         summarize_trace(p, steps=0)
 
 
-def test_bench_tpot_cpu_smoke(tmp_path):
+def _run_tiny(tmp_path, *args: str) -> tuple[dict, str]:
+    """``bench_tpot`` on the tiny preset on the CPU (B=2, L=256, K=64, 3 timed steps, P=2)
+    with ``args``: the first shape's config and the printed output."""
     out = tmp_path / "bench_tpot.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
            "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
-           "--packs", "2", "--methods", "optimal,asyncspade/local", "--profile-rows", "local_P2_exact",
-           "--linear", "cublas", "--no-plots", "--select-overlap", "off,on", "--out", str(out)]
+           "--packs", "2", "--linear", "cublas", "--no-plots", *args, "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
-    conf = json.loads(out.read_text())["configs"][0]
+    return json.loads(out.read_text())["configs"][0], r.stdout
+
+
+def test_bench_tpot_cpu_smoke(tmp_path):
+    conf, stdout = _run_tiny(tmp_path, "--methods", "optimal,asyncspade/local", "--profile-rows", "local_P2_exact",
+                             "--select-overlap", "off,on")
     # --select-overlap off,on: the cache rank's rows again under the second mode (a no-op on a
     # CPU), with its own Table 3; the rows without a cache rank only once
     assert set(conf["rows"]) == {"optimal", "asyncspade/local/P=2", "asyncspade/local/P=2/sov=on"}
@@ -76,21 +82,15 @@ def test_bench_tpot_cpu_smoke(tmp_path):
     ov = conf["overlap"][0]  # Table 3, printed as it is written
     ratio = ov["cache_ms_per_pack_runtime"] / ov["inference_ms_per_pack"]
     assert f"Table 3, P=2: inference {ov['inference_ms_per_pack']:.3f} ms per pack; cache rank exact " \
-           f"{ov['cache_ms_per_pack_runtime']:.3f} ({ratio:.2f}x)" in r.stdout
+           f"{ov['cache_ms_per_pack_runtime']:.3f} ({ratio:.2f}x)" in stdout
 
 
 def test_bench_tpot_refresh_every_rows(tmp_path):
     """``--refresh-every 1,2``: the asyncspade rows again with a selection every 2 steps
     (suffix /r=2), inline and on the cache rank; the rows without a selection once; each row's
     mean next to its median, a refresh row warmed past its graph captures."""
-    out = tmp_path / "bench_tpot.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
-           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
-           "--packs", "2", "--methods", "optimal,asyncspade/inline,asyncspade/colocated", "--linear", "cublas",
-           "--no-plots", "--refresh-every", "1,2", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr[-2000:]
-    conf = json.loads(out.read_text())["configs"][0]
+    conf, _ = _run_tiny(tmp_path, "--methods", "optimal,asyncspade/inline,asyncspade/colocated",
+                        "--refresh-every", "1,2")
     assert set(conf["rows"]) == {"optimal", "asyncspade/inline", "asyncspade/inline/r=2", "asyncspade/colocated/P=2",
                                  "asyncspade/colocated/P=2/r=2"}
     assert all(row["tpot_ms"] > 0 for row in conf["rows"].values())
@@ -101,14 +101,8 @@ def test_bench_tpot_refresh_every_rows(tmp_path):
 def test_bench_tpot_score_pack_rows(tmp_path):
     """``--score-pack 4,1``: every row again with one int4 token per MMA row (suffix
     /pack=1), the first value's rows unsuffixed."""
-    out = tmp_path / "bench_tpot.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
-           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
-           "--packs", "2", "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4", "--linear", "cublas",
-           "--no-plots", "--score-pack", "4,1", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr[-2000:]
-    conf = json.loads(out.read_text())["configs"][0]
+    conf, _ = _run_tiny(tmp_path, "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4",
+                        "--score-pack", "4,1")
     assert set(conf["rows"]) == {"optimal", "asyncspade/colocated/P=2/int4", "optimal/pack=1",
                                  "asyncspade/colocated/P=2/int4/pack=1"}
     assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
@@ -117,20 +111,14 @@ def test_bench_tpot_score_pack_rows(tmp_path):
 def test_bench_tpot_table3_with_channel_subsets_only(tmp_path):
     """``--score-channels 8`` alone (no all-channel rows): the layer timings and Table 3 run,
     based on the rows' own variant (exact keys on 8 channels), the int4 copy's beside it."""
-    out = tmp_path / "bench_tpot.json"
-    cmd = [sys.executable, "-m", "benchmarks.bench_tpot", "--device", "cpu", "--preset", "tiny", "--batch", "2",
-           "--context", "256", "--budget", "64", "--iters", "3", "--warmup", "1", "--recent", "8", "--window", "4",
-           "--packs", "2", "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4",
-           "--score-channels", "8", "--linear", "cublas", "--no-plots", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr[-2000:]
-    conf = json.loads(out.read_text())["configs"][0]
+    conf, stdout = _run_tiny(tmp_path, "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4",
+                             "--score-channels", "8")
     assert not conf["errors"], conf["errors"]
     (row,) = conf["overlap"]
     assert row["cache_variant"] == "asyncspade_c8" and row["cache_ms_per_pack"] > 0
     assert row["cache_ms_per_pack_runtime"] > 0 and row["cache_ms_per_pack_runtime_int4_c8"] > 0
     assert "cache_ms_per_pack_c8" not in row  # the base is not listed again as a variant
-    assert "Table 3, P=2" in r.stdout and "c8 " in r.stdout and "int4_c8 " in r.stdout
+    assert "Table 3, P=2" in stdout and "c8 " in stdout and "int4_c8 " in stdout
 
 
 def test_bench_tpot_score_tile_sets_the_scoring_launch():
