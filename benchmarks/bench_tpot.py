@@ -904,6 +904,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             a.batch, a.context, a.budget, a.iters, a.packs = [2], [256], [64], 5, [1, 2]
             a.recent, a.window = 8, 4
     a.methods = [m for m in a.methods.split(",") if m]
+    if bad := [K for K in a.budget if a.sink + a.recent > K]:
+        ap.error(f"--budget {','.join(map(str, bad))}: smaller than --sink {a.sink} + --recent {a.recent}, "
+                 "the tokens every sparse row attends besides its selection; raise --budget or lower --sink / --recent")
     from spade.policies import POLICIES
 
     if bad := [m for m in a.methods if m.split("/")[0] not in POLICIES and m != "optimal"]:

@@ -143,7 +143,7 @@ def test_bench_tpot_score_tile_sets_the_scoring_launch():
         set_score_tile("default", a)
 
 
-def test_bench_tpot_config_defaults_and_flags(tmp_path):
+def test_bench_tpot_config_defaults_and_flags(tmp_path, capsys):
     """``spade bench tpot --config X``: the config's preset, policy speed settings and bench
     section become the defaults; flags win; a real-weights model is refused by name."""
     from benchmarks.bench_tpot import config_defaults, parse_args
@@ -181,6 +181,11 @@ def test_bench_tpot_config_defaults_and_flags(tmp_path):
         parse_args(["--topk", "sort"])
     with pytest.raises(SystemExit):
         parse_args(["--pdl", "on"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the sinks and the recent window do not fit the budget: refused before any row
+        parse_args(["--budget", "2048,32", "--sink", "4", "--recent", "64"])
+    assert "--budget 32: smaller than --sink 4 + --recent 64" in capsys.readouterr().err
+    assert parse_args(["--budget", "68", "--sink", "4", "--recent", "64"]).budget == [68]
     with pytest.raises(SystemExit, match="smollm2-135m.*not a random-weight shape preset"):
         config_defaults("configs/cpu_tiny.yaml")
     cfg = tmp_path / "tiny.yaml"
