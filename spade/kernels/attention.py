@@ -72,7 +72,8 @@ import triton.language as tl
 
 from spade.envs import env, triton_interpret
 from spade.kernels.common import loop_bound, plan_share
-from spade.kernels.paged import check_block_table, check_pool, cut_logical, paged_slots, paged_to_contiguous
+from spade.kernels.paged import (check_block_table, check_pool, cut_logical, paged_launch, paged_slots,
+                                 paged_to_contiguous)
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = [
@@ -747,8 +748,7 @@ def sparse_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if B * Hkv == 0 and stats is not None and count_call:
         stats[1] += 1
     # contiguous: no table arguments at all, so its specialisation is the one it always was
-    paged = ({} if block_table is None else
-             dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2]))
+    paged = paged_launch(block_table, k.shape[2])
     if B * Hkv > 0:
         pdl = pdl_enabled(dev)
         _decode_split_kernel[(B * Hkv, splits)](

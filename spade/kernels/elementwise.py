@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.paged import check_block_table, paged_write
+from spade.kernels.paged import check_block_table, paged_launch, paged_write
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_enabled
 
 __all__ = ["add_rms_norm_triton", "qkv_rope_store_triton", "qkv_rope_store_paged_torch", "silu_mul_triton"]
@@ -175,10 +175,9 @@ def qkv_rope_store_triton(qkv, q_norm, k_norm, eps, cos_tab, sin_tab, pos, widx,
     rot = cos_tab.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert cos_tab.stride(1) == 1 and cos_tab.stride() == sin_tab.stride()
-    paged = {}
     if block_table is not None:
         _check_paged_write(k_cache, v_cache, widx, block_table, B)
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k_cache.shape[2])
+    paged = paged_launch(block_table, k_cache.shape[2])
     if q_out is None:
         q_out = torch.empty(B, n_q, D, dtype=qkv.dtype, device=qkv.device)
     elif q_out.shape != (B, n_q, D) or q_out.stride(2) != 1:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.paged import check_block_table, paged_to_contiguous
+from spade.kernels.paged import check_block_table, paged_launch, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 
 __all__ = ["gather_kv_ref", "gather_kv_triton"]
@@ -117,10 +117,9 @@ def gather_kv_triton(k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
     """Triton gather; same contract as ``gather_kv_ref``."""
     B = _check(k, v, indices, block_table)
     _, Hkv, L, D = k.shape
-    paged = {}
     if block_table is not None:
         L = block_table.shape[1] * k.shape[2]
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
+    paged = paged_launch(block_table, k.shape[2])
     K_sel = indices.shape[2]
     k_sel = torch.empty(B, Hkv, K_sel, D, dtype=k.dtype, device=k.device)
     v_sel = torch.empty(B, Hkv, K_sel, D, dtype=v.dtype, device=v.device)

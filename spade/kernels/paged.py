@@ -59,6 +59,14 @@ def tile_of(tiles, i, N_TILES: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, N_TILES)[:, None] == i, tiles, 0), 0)
 
 
+def paged_launch(block_table: torch.Tensor | None, block_size: int) -> dict:
+    """A paged kernel launch's table arguments (``BT``, its row stride, ``PAGED``,
+    ``BLOCK_SIZE``); none for a contiguous cache, so its specialisation is the one it always was."""
+    if block_table is None:
+        return {}
+    return dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=block_size)
+
+
 def check_block_table(block_table: torch.Tensor, B: int, device: torch.device) -> None:
     """A block table must be int32 [B, max_blocks] on the cache's device, its last
     dimension contiguous (the kernels read it there)."""

@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.paged import check_block_table
+from spade.kernels.paged import check_block_table, paged_launch
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 
 __all__ = ["SCALE_FLOOR", "INT4_MAX", "SMOOTH_FLOOR", "quantize_keys_ref", "quantize_keys_triton",
@@ -363,9 +363,7 @@ def _chans_kwargs(chans: torch.Tensor | None) -> dict:
 
 def _paged_kwargs(kq: torch.Tensor, block_table: torch.Tensor | None) -> dict:
     """The append kernels' PAGED arguments (none for a contiguous copy)."""
-    if block_table is None:
-        return {}
-    return dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=kq.shape[2])
+    return paged_launch(block_table, kq.shape[2])
 
 
 def quantize_append_triton(kq: torch.Tensor, ks: torch.Tensor, k_new: torch.Tensor, pos: torch.Tensor, *,

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from spade.kernels import radix_topk
 from spade.kernels.common import _check_rows, _interpret, _sm_count, loop_bound
-from spade.kernels.paged import check_block_table, cut_logical, paged_slots, paged_to_contiguous
+from spade.kernels.paged import check_block_table, cut_logical, paged_launch, paged_slots, paged_to_contiguous
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.scoring import _default_scale
 
@@ -695,10 +695,9 @@ def quest_build_triton(k: torch.Tensor, kv_lens: torch.Tensor, page_size: int, *
     _check_page_size(page_size)
     _check_paged_build(k, kv_lens, block_table)
     B, H, L, D = k.shape
-    paged = {}
     if block_table is not None:
         B, L = block_table.shape[0], block_table.shape[1] * k.shape[2]
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
+    paged = paged_launch(block_table, k.shape[2])
     P = triton.cdiv(L, page_size)
     kv_lens = _check_rows(kv_lens, B, "kv_lens", k.device)
     kmin = torch.empty(B, H, P, D, dtype=k.dtype, device=k.device)
@@ -724,15 +723,14 @@ def quest_update_triton(kmin: torch.Tensor, kmax: torch.Tensor, k_new: torch.Ten
     ``kv_start``; positions outside the bounds' pages are ignored). ``block_table``:
     pool bounds (module doc)."""
     _check_page_size(page_size)
-    paged = {}
     if block_table is not None:
         B, _, H, _, D = _check_pool_bounds(None, kmin, kmax, block_table, page_size, block_size)
         P = block_table.shape[1] * block_size  # the kernel's bound: the table's capacity in tokens
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=block_size)
     else:
         B, H, P, D = kmin.shape
         if kmax.shape != kmin.shape or kmax.stride() != kmin.stride():
             raise ValueError("kmin and kmax must have the same shape and strides")
+    paged = paged_launch(block_table, block_size)
     if k_new.shape != (B, H, D):
         raise ValueError(f"k_new must be [{B}, {H}, {D}], got {tuple(k_new.shape)}")
     pos = _check_rows(pos, B, "pos", kmin.device)
@@ -788,10 +786,9 @@ def _launch_page_scores(q, kmin, kmax, out, hi, lo, *, scale, reduce, plan=None,
     None), or with ``plan`` given token lengths / starts from which the kernel
     derives the page range and writes the selection plan (see the kernel).
     ``block_table`` (with ``plan`` only): pool bounds (module doc)."""
-    paged = {}
+    paged = paged_launch(block_table, block_size)
     if block_table is not None:
         B, Hq, Hkv, P, D = _check_pool_bounds(q, kmin, kmax, block_table, page_size, block_size)
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=block_size)
         assert plan is not None, "pool bounds are scored from token lengths (plan=)"
     else:
         B, Hq, Hkv, P, D = _check_bounds(q, kmin, kmax)
