@@ -878,6 +878,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(GEMV_CONFIG over the device's tile, spade.kernels.scoring), comma-separated: the first "
                          "names the rows, each further one adds rows suffixed /tile=<spec>, side by side; "
                          "empty: the library's default")
+    ap.add_argument("--carry-store", default="",
+                    help="what the threshold carry's scoring stores (SELECT_CONFIG carry_compact, "
+                         "spade.kernels.scoring.carry_store): mark (whole score rows) or compact (only the "
+                         "candidates' scores), comma-separated: the first names the rows, each further one adds "
+                         "rows suffixed /store=<mode>, side by side; empty: the library's default. The "
+                         "multiprocess cache process keeps the library's default")
     ap.add_argument("--block-size", default="0",
                     help="paged KV cache: comma list of model.block_size values, 0 = the contiguous cache; each "
                          "builds its own model and its rows carry /paged<bs> (e.g. 0,16: side by side)")
@@ -959,6 +965,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(set(a.score_tile)) != len(a.score_tile):
         ap.error(f"--score-tile names each tile once (rows are keyed by it); got {','.join(a.score_tile)}")
     a.cur_tile_sfx = ""
+    a.carry_store = [m.strip().lower() for m in a.carry_store.split(",") if m.strip()]
+    if any(m not in ("mark", "compact") for m in a.carry_store) or len(set(a.carry_store)) != len(a.carry_store):
+        ap.error(f"--carry-store takes mark,compact (comma-separated, each once); got {','.join(a.carry_store)}")
+    a.carry_store = a.carry_store or [""]  # the library's default, no suffix
+    a.cur_store_sfx = ""
     return a
 
 
@@ -1031,6 +1042,21 @@ def set_score_tile(spec: str, a) -> None:
     a.cur_tile_sfx = "" if spec == a.score_tile[0] else f"/tile={spec}"
 
 
+def set_carry_store(mode: str, a) -> None:
+    """Rows from here on store the threshold carry's scores as ``mode`` (mark: whole rows;
+    compact: the candidates' only; ``""``: the library's default); rows of a later mode of
+    ``--carry-store`` are named ``.../store=<mode>``. Each row captures its own graphs."""
+    from spade.kernels import radix_topk
+
+    if mode == "compact":
+        radix_topk.SELECT_CONFIG["carry_compact"] = True
+    elif mode == "mark":
+        radix_topk.SELECT_CONFIG["carry_compact"] = False
+    else:
+        radix_topk.SELECT_CONFIG.pop("carry_compact", None)
+    a.cur_store_sfx = "" if mode == a.carry_store[0] else f"/store={mode}"
+
+
 def set_topk(mode: str, a) -> None:
     """Rows from here on select with ``policy.topk=mode`` (oracle, asyncspade); rows of a
     later mode of ``--topk`` are named ``.../topk=<mode>``."""
@@ -1042,7 +1068,7 @@ def rows_for_budget(model, B: int, L: int, K: int, a, shared: dict, two: bool, r
     """Every method row of ``a.methods`` at one (B, L, K), through ``record(name, fn)``."""
     for m in ("full", "quest", "tova", "oracle", "asyncspade/inline", "optimal"):
         if m in a.methods and not a.cur_sov_sfx and not (  # (select_overlap: the cache rank's only)
-                a.cur_topk_sfx and m in ("full", "quest", "tova", "optimal")):  # no top-K there
+                (a.cur_topk_sfx or a.cur_store_sfx) and m in ("full", "quest", "tova", "optimal")):  # no top-K there
             record(m, lambda m=m: run_inline(model, m, B, L, K, a))
     if "asyncspade/inline" in a.methods and not a.cur_sov_sfx:
         for rr, ch, n, sk in itertools.product(a.rerank, a.score_channels, a.refresh_every, a.score_keys):
@@ -1148,7 +1174,8 @@ def run(argv: list[str] | None = None) -> dict:
                 print(f"\n== B={B} L={L} K={K}  (KV {kv_bytes(model, B, L) / 2**30:.1f} GiB)", flush=True)
 
                 def record(name: str, fn):
-                    name += a.cur_pdl_sfx + a.cur_pack_sfx + a.cur_tile_sfx + a.cur_sov_sfx + a.cur_topk_sfx + a.cur_bs_sfx
+                    name += (a.cur_pdl_sfx + a.cur_pack_sfx + a.cur_tile_sfx + a.cur_store_sfx + a.cur_sov_sfx
+                             + a.cur_topk_sfx + a.cur_bs_sfx)
                     if a.budget_s and time.time() - t_start > a.budget_s:
                         conf["errors"][name] = f"not run: --budget-s {a.budget_s:g} spent"
                         print(f"  {name:<28} not run (budget spent)", flush=True)
@@ -1175,10 +1202,11 @@ def run(argv: list[str] | None = None) -> dict:
                     free_memory()
                     out.write_text(json.dumps({**result, "configs": result["configs"] + [conf]}, indent=2))
 
-                for pm, sp, st in itertools.product(a.pdl, a.score_pack, a.score_tile):
+                for pm, sp, st, cs in itertools.product(a.pdl, a.score_pack, a.score_tile, a.carry_store):
                     set_pdl(pm, a)
                     set_score_pack(sp, a)
                     set_score_tile(st, a)
+                    set_carry_store(cs, a)
                     for so in a.sov:
                         set_sov(so, a)
                         for tk in a.topk:
@@ -1187,6 +1215,7 @@ def run(argv: list[str] | None = None) -> dict:
                 set_pdl(a.pdl[0], a)
                 set_score_pack(a.score_pack[0], a)
                 set_score_tile(a.score_tile[0], a)
+                set_carry_store(a.carry_store[0], a)
                 # Table 3 per select-overlap and top-K mode (the first ones' is the config's "overlap");
                 # its per-layer timings read a contiguous cache: not for a paged row set
                 for so, tk in itertools.product(a.sov, a.topk) if not bs else ():

@@ -32,6 +32,10 @@
 #   large      TPOT and Table 3 at B=16 L=32k and B=32 L=16k (LARGE_SHAPES), under each of PDL_MODES
 #   topk       threshold-carry top-K vs radix passes (policy.topk) side by side at TOPK_SHAPES (default
 #              8x32768 16x32768 32x16384), int4 keys, P=9, with Table 3 per mode
+#   carry_store  the threshold carry's scores stored compacted (SELECT_CONFIG carry_compact) beside whole rows:
+#              tests/kernels/test_carry.py on the GPU, then bench_tpot --carry-store mark,compact of optimal and
+#              colocated (int4, c=32, P=9; CARRY_STORE_ARGS: more flags) at CARRY_STORE_SHAPES (default 8x32768
+#              16x16384), Table 3 per shape
 #   overlap    the cache rank's top-K select of layer j beside layer j+1's scoring (select_overlap):
 #              bench_select --overlap (a pack of 4 layers, serial vs side stream, OVERLAP_SPECS warps[:priority])
 #              at OVERLAP_SHAPES (default 8x32768 16x32768 32x16384), then bench_tpot with
@@ -198,6 +202,15 @@ for s in "${stages[@]}"; do
               --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 --iters ${TPOT_ITERS:-30} \
               --topk ${TOPK_MODES:-carry,radix} --methods "$m" --budget-s $(( ${TOPK_TIMEOUT:-200} - 30 )) --no-plots \
               --out "$OUT/bench_tpot_topk_$bl.json"
+      done ;;
+    carry_store)  # the compacted score store: its kernel tests on the GPU, then the step beside whole rows
+      run test_carry 200 python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/kernels/test_carry.py
+      for bl in ${CARRY_STORE_SHAPES:-8x32768 16x16384}; do
+        run "bench_tpot_store_$bl" ${CARRY_STORE_TIMEOUT:-200} python3 -m benchmarks.bench_tpot --preset qwen3-8b \
+              --batch ${bl%x*} --context ${bl#*x} --budget 2048 --packs ${PACKS:-9} --score-keys int4 \
+              --score-channels 32 --iters ${TPOT_ITERS:-16} --carry-store mark,compact \
+              --methods optimal,asyncspade/colocated ${CARRY_STORE_ARGS:-} --budget-s $(( ${CARRY_STORE_TIMEOUT:-200} - 30 )) \
+              --no-plots --out "$OUT/bench_tpot_store_$bl.json"
       done ;;
     overlap)  # layer j's select on a side stream beside layer j+1's scoring: kernel level, then TPOT + Table 3
       run bench_select_overlap ${OVERLAP_SELECT_TIMEOUT:-150} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select \

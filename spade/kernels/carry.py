@@ -10,9 +10,15 @@ and the count of keys above a fixed threshold moves exponentially in it, the fas
 the further in the tail the K-th score sits — on long rows a few percent of norm
 drift would empty or flood the candidate window. Stage 1 then skips the pass-0
 histogram and marks the positions scoring at or above the threshold in a bitmask
-(``_carry_mask``: one bit per position, no atomics). One program per row
-(``_carry_select_kernel``) expands the bitmask into the candidates' positions,
-gathers their scores and, when their count ``n`` lies in ``[k_top, CAP]``, finds the
+(``_carry_mask``: one bit per position, no atomics); with ``SELECT_CONFIG["carry_compact"]``
+(off: not yet timed on a GPU), where one kernel scores and stores (``sum_logits``,
+``max_logits``), it writes only those positions' scores, compacted to the
+front of each ``CARRY_SEG``-position segment (``CARRY_COMPACT``: the candidates' share of the row,
+about ``CARRY_MARGIN * k_top`` of L, where the whole row is a sixth of an int4 scan's
+bytes at r = 32 channels).
+The bitmask is expanded into the candidates' positions and scores
+(``_carry_expand_kernel``), and one program per row (``_carry_select_kernel``),
+when their count ``n`` lies in ``[k_top, CAP]``, finds the
 K-th largest among them with an in-register radix select (16-bin digits: 8 passes of
 a cheap histogram) — exact, since every key outside the list scores below the
 threshold — writes the winners, and aims the next threshold at ``CARRY_MARGIN *
@@ -21,7 +27,8 @@ A row with at most K valid keys takes them all, in position order (no select: an
 serving row's one-token window, a request shorter than K). Otherwise (the first call;
 the scores jumped) it flags the row, and the radix passes, launched every call but gated on the flag (other
 rows' programs exit at once: a static, capturable launch sequence), select that row
-over its whole score row with many programs, and set its next threshold to the
+over its whole score row with many programs (a compacted row is first scored again in
+full, gated the same way: ``CARRY_RESCORE``), and set its next threshold to the
 lowest score of the 16-bit bucket holding its ``CARRY_MARGIN * k_top``-th largest
 (a second pass-1 histogram, for that rank). Same result as the radix path; no
 full-row passes while consecutive calls score alike, and a fallback costs about the
@@ -35,6 +42,7 @@ select beside the next call's scoring.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -74,15 +82,35 @@ the fallback), 6 this call's query norm (float32 bits), 7 fallbacks with too man
 candidates (the rest had too few, or were first calls)."""
 
 
+CARRY_SEG = 128
+"""Threshold-carry top-K: positions per segment of a score row under the compacted store
+(``CARRY`` mode 2 of the scoring kernels). A scoring tile keeps only its candidates' scores,
+written in position order to the front of each CARRY_SEG-position segment (512 bytes
+of the fp32 row): a steady call writes about the candidates' bytes, not the whole row. ``_carry_expand_kernel`` finds each candidate's
+score from its rank in its segment (the bitmask's bits); a row that falls back is scored
+again in full (mode 3) before the radix passes read it."""
+
+_CARRY_SEG = tl.constexpr(CARRY_SEG)  # (what a kernel may read of a global)
+
+CARRY_MARK, CARRY_COMPACT, CARRY_RESCORE = 1, 2, 3
+"""The scoring kernels' ``CARRY`` modes (0: no threshold carry): mark the candidates in
+the bitmask and store the whole row (the ``sum_softmax`` finalize); mark them and store
+their scores compacted (``CARRY_SEG``); store the whole row of only the rows whose
+carry select set the fallback flag, marking nothing (the other rows' programs walk no tile)."""
+
+
 @triton.jit
-def _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY: tl.constexpr):
-    """The carried threshold of row ``row64`` (slot 0 of ``CARRY_SLOTS``) and its
-    candidate bitmask row (cand [rows, NW] int32 words)."""
-    if CARRY:
+def _carry_row(carry_ptr, cand_ptr, row64, NW, start, end, CARRY: tl.constexpr):
+    """The carried threshold of row ``row64`` (slot 0 of ``CARRY_SLOTS``), its candidate
+    bitmask row (cand [rows, NW] int32 words) and the end of the program's tiles: ``end``,
+    or ``start`` (no tile) under CARRY 3 where the row's fallback flag (slot 5) is clear."""
+    if CARRY == 1 or CARRY == 2:
         thr = tl.load(carry_ptr + row64 * 8).to(tl.float32, bitcast=True)
     else:
         thr = 0.0
-    return thr, cand_ptr + row64 * NW
+    if CARRY == 3:
+        end = tl.where(tl.load(carry_ptr + row64 * 8 + 5) != 0, end, start)
+    return thr, cand_ptr + row64 * NW, end
 
 
 @triton.jit
@@ -139,13 +167,18 @@ def _carry_count_kernel(mask_ptr, counts_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.
 
 
 @triton.jit
-def _carry_expand_kernel(mask_ptr, counts_ptr, pos_ptr, lo_ptr, hi_ptr, L, NW, E, HKV: tl.constexpr,
-                         WB: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+def _carry_expand_kernel(mask_ptr, counts_ptr, pos_ptr, sc_ptr, scores_ptr, lo_ptr, hi_ptr, L, NW, E,
+                         HKV: tl.constexpr, WB: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                         SEGW: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Threshold-carry top-K, select side, step 2 of 3; grid (rows, E): each tile of WB
     bitmask words writes the positions of its set bits to the row's ``pos`` [rows, CAP]
     from the slot the tiles before it end at (the counts' prefix sum: the list is in
-    position order, the same on every run), those past CAP dropped. Many programs per
-    row: one program expanding a 512k-token row's 16k words alone took ~90 us."""
+    position order, the same on every run), those past CAP dropped. SEGW > 0: the scoring
+    stored the scores compacted (``CARRY_SEG`` = 32 SEGW positions per segment), so a
+    candidate's score sits at its segment's start plus its rank among the segment's set
+    bits: they go to ``sc`` [rows, CAP] beside the positions (SEGW 0: the select gathers
+    them from the row). Many programs per row: one program expanding a 512k-token row's 16k
+    words alone took ~90 us."""
     grid_dep_wait(PDL)  # programmatic dependent launch: spade.kernels.pdl
     grid_dep_release(PDL)
     row = tl.program_id(0)
@@ -158,9 +191,17 @@ def _carry_expand_kernel(mask_ptr, counts_ptr, pos_ptr, lo_ptr, hi_ptr, L, NW, E
         pc = _popc32(word)
         slot = base + tl.cumsum(pc, axis=0) - pc
         pos_row = pos_ptr + row64 * CAP
+        if SEGW > 0:  # each word's first candidate's slot in its segment (WB words hold whole segments)
+            p2 = tl.reshape(pc, [WB // SEGW, SEGW])
+            src = scores_ptr + row64 * L + tl.reshape(tl.cumsum(p2, axis=1) - p2, [WB]) + (wi // SEGW) * (32 * SEGW)
+            sc_row = sc_ptr + row64 * CAP
         for j in tl.static_range(32):
             b = (word >> j) & 1
-            tl.store(pos_row + slot, wi * 32 + j, mask=(b != 0) & (slot < CAP))
+            keep = (b != 0) & (slot < CAP)
+            tl.store(pos_row + slot, wi * 32 + j, mask=keep)
+            if SEGW > 0:
+                tl.store(sc_row + slot, tl.load(src, mask=keep, other=0.0), mask=keep)
+                src += b
             slot += b
 
 
@@ -200,15 +241,17 @@ def _carry_prep_kernel(q_ptr, carry_ptr, stride_qb, stride_qh, stride_qd, HKV: t
 
 
 @triton.jit
-def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, ws_ptr, L, k_top, k_next, pos_ptr,
-                         E, n_rows, HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BITS: tl.constexpr = 8, PDL: tl.constexpr = False):
+def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_ptr, ws_ptr, L, k_top, k_next,
+                         pos_ptr, E, n_rows, HKV: tl.constexpr, CAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BITS: tl.constexpr = 8, SC: tl.constexpr = False, PDL: tl.constexpr = False):
     """Threshold-carry top-K, select side, step 3 of 3; one program per row.
 
     The scoring kernel marked the row's candidates (scores >= the carried threshold)
     in a bitmask, which ``_carry_count_kernel`` / ``_carry_expand_kernel`` turned into
     their count (``counts`` [rows, E] per tile of words) and positions (``pos``
-    [rows, CAP], position order). When the count ``n`` lies in ``[k_top, CAP]`` the
+    [rows, CAP], position order); their scores are read at those positions of the row
+    ``scores`` [rows, L], or, SC (a compacted store), from the list [rows, CAP] the expand
+    wrote there. When the count ``n`` lies in ``[k_top, CAP]`` the
     K-th largest among them is the row's K-th largest (everything outside is below the
     threshold): an exact radix select on the candidates' scores held in registers,
     then the winners are written, and the next threshold is set by the secant through
@@ -240,7 +283,10 @@ def _carry_select_kernel(scores_ptr, carry_ptr, counts_ptr, out_ptr, lo_ptr, hi_
         offs = tl.arange(0, CAP)
         m = offs < n_c
         pos = tl.load(pos_row + offs, mask=m, other=0)
-        key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
+        if SC:
+            key = _f32_key(tl.load(scores_ptr + row64 * CAP + offs, mask=m, other=0.0))
+        else:
+            key = _f32_key(tl.load(scores_ptr + row64 * L + pos, mask=m, other=0.0))
         t_key, k_rem = _radix_regs(key, m, k_eff, BITS)
         is_gt = (m & (key > t_key)).to(tl.int32)
         is_eq = (m & (key == t_key)).to(tl.int32)
@@ -394,6 +440,10 @@ def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
     cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
     if cfg["carry_bits"] not in (4, 8):
         raise ValueError(f"SELECT_CONFIG['carry_bits'] must be 4 or 8, got {cfg['carry_bits']}")
+    segw = CARRY_SEG // 32
+    if cfg["carry_words"] < segw or cfg["carry_words"] & (cfg["carry_words"] - 1):
+        raise ValueError(f"SELECT_CONFIG['carry_words'] must be a power of two >= {segw} (the expand's tiles hold "
+                         f"whole {CARRY_SEG}-position segments), got {cfg['carry_words']}")
     return cfg
 
 
@@ -409,22 +459,25 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
     radix passes gated on the rows it could not select (``_select_from_scores(gate=)``).
     ``score`` / ``select``: run only one half (the benchmark times them apart).
     ``block_table``: ``k`` (and ``k_scale``) are pools read through it; the scores stay logical."""
+    from spade.kernels.scoring import _launch_scores, carry_store  # scoring imports this module
+
     rows, L = scores.shape  # logical positions (a pool's dimension 2 is its block size)
     k_next, cap = carry_sizes(k_top, margin)
     cfg = _carry_config(cap, k.device, rows)
     dev = k.device
     nw = triton.cdiv(L + 2048, 32)  # tiles of up to 2048 positions may end past L
     mask = torch.empty(rows, nw, dtype=torch.int32, device=dev)  # the candidate bitmask words
+    mode = carry_store(q, k, reduce, block_table)
+    launch_scores = functools.partial(_launch_scores, q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale,
+                                      reduce=reduce, full_row=False, hist=None, k_scale=k_scale,
+                                      block_table=block_table)
     if score:
-        from spade.kernels.scoring import _launch_scores  # scoring imports this module
-
         B, Hq, D = q.shape
         G = Hq // hkv
         _carry_prep_kernel[(rows,)](q, carry, q.stride(0), q.stride(1), q.stride(2), HKV=hkv, G=G,
                                     G_PAD=triton.next_power_of_2(G), D=D, BLOCK_D=triton.next_power_of_2(D),
                                     NORM=_CARRY_NORM[reduce], num_warps=1, **pdl_kwargs(q, "select"))
-        _launch_scores(q, k, scores.view(-1, hkv, L), lo, hi, n_lo, n_hi, scale=scale, reduce=reduce,
-                       full_row=False, hist=None, k_scale=k_scale, carry=(carry, mask, nw), block_table=block_table)
+        launch_scores(carry=(carry, mask, nw, mode))
     if select:
         side = getattr(_OVERLAP, "side", None) if dev.type == "cuda" else None
         if side is not None and _OVERLAP.index != _device_index(dev):
@@ -446,16 +499,23 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
         with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             counts = torch.empty(rows, n_e, dtype=torch.int32, device=dev)  # candidates per tile of words
             pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # their positions
+            rescore = mode == CARRY_COMPACT
+            # a compacted store: the candidates' scores, listed by the expand
+            sc = torch.empty(rows, cap, dtype=torch.float32, device=dev) if rescore else scores
             ws = torch.empty(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=dev)  # zeroed per row
             wmeta = dict(HKV=hkv, WB=wb, num_warps=cfg["carry_expand_warps"])
             _carry_count_kernel[(rows, n_e)](mask, counts, lo, hi, L, nw, n_e, **wmeta, **launch)
-            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, lo, hi, L, nw, n_e, CAP=cap, BLOCK_E=block_e,
+            _carry_expand_kernel[(rows, n_e)](mask, counts, pos, sc, scores, lo, hi, L, nw, n_e, CAP=cap,
+                                              BLOCK_E=block_e, SEGW=CARRY_SEG // 32 if rescore else 0,
                                               **wmeta, **after)
-            _carry_select_kernel[(rows,)](scores, carry, counts, idx, lo, hi, ws, L, k_top, k_next, pos, n_e, rows,
-                                          HKV=hkv, CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], num_warps=warps,
-                                          **after)
-            _select_from_scores(scores, lo, hi, k_top, hkv, ws, hist0_done=False, out=idx, gate=carry,
+            _carry_select_kernel[(rows,)](sc, carry, counts, idx, lo, hi, ws, L, k_top, k_next, pos, n_e, rows,
+                                          HKV=hkv, CAP=cap, BLOCK_E=block_e, BITS=cfg["carry_bits"], SC=rescore,
+                                          num_warps=warps, **after)
+            if rescore:  # the rows that fall back need their whole score row: scored again with pass 0
+                launch_scores(carry=(carry, mask, nw, CARRY_RESCORE), hist=ws[:rows * _NBINS])
+            _select_from_scores(scores, lo, hi, k_top, hkv, ws, hist0_done=rescore, out=idx, gate=carry,
                                 k_next=k_next, launch=after)
         if side is not None:  # the allocator reuses none of these before the side stream is done
-            for t in (scores, mask, lo, hi, idx, carry):
+            for t in (scores, mask, lo, hi, idx, carry, q, k) + ((k_scale,) if k_scale is not None else ()) \
+                    + ((block_table,) if block_table is not None else ()):
                 t.record_stream(side)

@@ -69,7 +69,8 @@ SELECT_CONFIG: dict = {}
 ``TIE_BLOCK``: the tile of the per-row tie kernel; ``GATED_PER_SM``: programs per SM of the
 threshold-carry fallback's gated passes, default 1) and
 ``fuse_hist`` (False: pass 0 runs as its own kernel instead of inside stage 1); and of the
-threshold-carry top-K (``_carry_config``'s ``carry_*`` keys, ``carry_margin``; under
+threshold-carry top-K (``_carry_config``'s ``carry_*`` keys, ``carry_margin``;
+``carry_compact``: the scoring stores only the candidates' scores, ``scoring.carry_store``; under
 ``select_overlap``: ``carry_overlap_warps``, the select's warps on the side stream, and
 ``carry_overlap_priority``, the side stream's priority)."""
 

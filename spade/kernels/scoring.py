@@ -62,8 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
-from spade.kernels.carry import _carry_mask, _carry_row, _carry_topk, _check_carry, carry_fits
-from spade.kernels.paged import check_block_table, cut_logical, paged_slots, paged_to_contiguous, tile_of
+from spade.kernels.carry import (_CARRY_SEG, CARRY_COMPACT, CARRY_MARK, CARRY_SEG, _carry_mask, _carry_row,
+                                 _carry_topk, _check_carry, carry_fits)
+from spade.kernels.paged import check_block_table, cut_logical, paged_launch, paged_slots, paged_to_contiguous, tile_of
 from spade.kernels.common import _check_rows, _interpret, _load_group_q, _range_mask, _split, dot_t, loop_bound, online_softmax_rows
 from spade.kernels.pdl import grid_dep_release, grid_dep_wait, pdl_kwargs
 from spade.kernels.quant import unpack_int4
@@ -384,17 +385,25 @@ def _store_scores(out_ptr, row64, L, offs_l, r, valid, c1, hist, thr, mask_row,
                   FULL_ROW: tl.constexpr, HIST: tl.constexpr, CARRY: tl.constexpr):
     """Store a tile of reduced scores ``r`` (``-inf`` outside ``valid``) into row
     ``row64`` of ``out`` [rows, L] — the whole chunk ``< c1`` with FULL_ROW, else only
-    the valid positions — and add their radix pass-0 digits to ``hist``. CARRY: also
-    mark the tile's candidates (valid scores ``>= thr``) in the row's bitmask
-    (``_carry_mask``)."""
-    if FULL_ROW:
+    the valid positions — and add their radix pass-0 digits to ``hist``. CARRY 1 / 2
+    (``spade.kernels.carry``): also mark the tile's candidates (valid scores ``>= thr``)
+    in the row's bitmask (``_carry_mask``); 2 stores only their scores, each
+    ``CARRY_SEG``-position segment's at its front in position order (tiles hold whole
+    segments)."""
+    if CARRY == 2:
+        BL: tl.constexpr = r.shape[0]
+        is_c = (valid & (r >= thr)).to(tl.int32)
+        c2 = tl.reshape(is_c, [BL // _CARRY_SEG, _CARRY_SEG])
+        rank = tl.reshape(tl.cumsum(c2, axis=1) - c2, [BL])
+        tl.store(out_ptr + row64 * L + (offs_l // _CARRY_SEG) * _CARRY_SEG + rank, r, mask=is_c != 0)
+    elif FULL_ROW:
         tl.store(out_ptr + row64 * L + offs_l, r, mask=offs_l < c1)
     else:
         tl.store(out_ptr + row64 * L + offs_l, r, mask=valid)
     if HIST:
         digit = ((_f32_key(r) >> 24) & 0xFF).to(tl.int32)
         hist += tl.histogram(digit, 256, mask=valid)
-    if CARRY:
+    if CARRY == 1 or CARRY == 2:
         _carry_mask(r, offs_l, valid, thr, mask_row)
     return hist
 
@@ -519,7 +528,7 @@ def _score_kernel(
         k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
         ks_base = ks_ptr + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh  # only read for int8 / int4
     row64 = row.to(tl.int64)
-    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
+    thr, cand_row, end = _carry_row(carry_ptr, cand_ptr, row64, NW, start, end, CARRY)
 
     hist = tl.zeros([256], dtype=tl.int32)
     if LANE_STATS:
@@ -592,7 +601,7 @@ def _softmax_finalize_kernel(
     b = row // HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
+    thr, cand_row, end = _carry_row(carry_ptr, cand_ptr, row64, NW, start, end, CARRY)
     offs_g = tl.arange(0, G_PAD)
     offs_c = tl.arange(0, BLOCK_C)
     smask = (offs_g[:, None] < G) & (offs_c[None, :] < N_STATS)
@@ -658,7 +667,7 @@ def _gemv_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
+    thr, cand_row, end = _carry_row(carry_ptr, cand_ptr, row64, NW, start, end, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     if KINT4:
         qs = tl.load(qs_ptr + row64 * (2 * D) + offs_d, mask=offs_d < D, other=0.0)  # [BLOCK_D] first half
@@ -729,7 +738,7 @@ def _i8dot_score_kernel(
     h = row % HKV
     lo, hi, c1, start, end = _chunk_span(lo_ptr, hi_ptr, b, chunk, L, CHUNK, BLOCK_L, FULL_ROW)
     row64 = row.to(tl.int64)
-    thr, cand_row = _carry_row(carry_ptr, cand_ptr, row64, NW, CARRY)
+    thr, cand_row, end = _carry_row(carry_ptr, cand_ptr, row64, NW, start, end, CARRY)
     offs_d = tl.arange(0, BLOCK_D)
     ch = offs_d % D if PACK > 1 else offs_d  # PACK: column j holds channel j % D of token slot j // D
     offs_g = tl.arange(0, G_PAD)
@@ -1146,12 +1155,34 @@ def _with_tiles(paged: dict | None, chunk: int, block_l: int) -> dict:
     return dict(paged, PAGED_TILES=min(PAGED_TILES_MAX, triton.next_power_of_2(triton.cdiv(chunk, block_l))))
 
 
-def _carry_args(carry: tuple | None, out: torch.Tensor) -> tuple:
-    """(carry, mask, NW) kernel arguments and the CARRY flag; placeholders (never read)
-    without."""
+def _carry_args(carry: tuple | None, out: torch.Tensor, block_l: int) -> tuple:
+    """(carry, mask, NW) kernel arguments and the CARRY mode (``carry`` = (carry, mask, NW,
+    mode)); placeholders (never read) and 0 without. A compacted store needs tiles of
+    whole ``CARRY_SEG`` segments (``carry_store``)."""
     if carry is None:
-        return (out, out, 1), False
-    return carry, True
+        return (out, out, 1), 0
+    mode = carry[3]
+    if mode == CARRY_COMPACT and block_l % CARRY_SEG:
+        raise ValueError(f"the threshold carry's compacted store needs scoring tiles of whole {CARRY_SEG}-position "
+                         f"segments, got BLOCK_L {block_l} (carry_store chooses the mode for the launch)")
+    return carry[:3], mode
+
+
+def carry_store(q: torch.Tensor, k: torch.Tensor, reduce: str, block_table: torch.Tensor | None = None) -> int:
+    """The ``CARRY`` mode a threshold-carry call's scoring stores with
+    (``spade.kernels.carry``): ``CARRY_COMPACT`` where one kernel scores and stores
+    (``sum_logits`` / ``max_logits``) on tiles of whole ``CARRY_SEG`` segments, else
+    ``CARRY_MARK`` (the ``sum_softmax`` finalize stores the whole row). The compacted store
+    is off unless ``SELECT_CONFIG["carry_compact"]`` is set: it has not yet been timed on a
+    GPU (``bench_tpot --carry-store mark,compact`` sets it per row)."""
+    if reduce == "sum_softmax" or not SELECT_CONFIG.get("carry_compact", False):
+        return CARRY_MARK
+    paged = paged_launch(block_table, k.shape[2])
+    if _use_gemv(k, reduce) and (not paged or _int8_dot(k)):
+        block_l = _gemv_config(k, paged)["BLOCK_L"]
+    else:
+        block_l = _score_config(q.shape[-1] // 2 if k.dtype == torch.uint8 else q.shape[-1], k.device)["BLOCK_L"]
+    return CARRY_COMPACT if block_l % CARRY_SEG == 0 else CARRY_MARK
 
 
 def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *,
@@ -1161,11 +1192,11 @@ def _launch_gemv(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torch.
     through a block table, ``_launch_scores``' kwargs), else the float GEMV tile, which
     ``_launch_scores`` never sends paged keys."""
     B, Hq, D = q.shape
-    cargs, do_carry = _carry_args(carry, out)
     Hkv, L = k.shape[1], out.shape[-1]  # L logical (a pool's dimension 2 is its block size)
     rows = B * Hkv
     cfg = _gemv_config(k, paged)
     BLOCK_L = cfg["BLOCK_L"]
+    cargs, do_carry = _carry_args(carry, out, BLOCK_L)
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     kint4 = k.dtype == torch.uint8
     kint8 = k.dtype == torch.int8
@@ -1201,17 +1232,16 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
                    carry: tuple | None = None, block_table: torch.Tensor | None = None) -> None:
     """Fill ``out`` [B, Hkv, L] fp32 with group scores over ``[lo, hi)`` (softmax support
     ``[norm_lo, norm_hi)``); optionally accumulate the pass-0 histogram into ``hist``;
-    ``carry`` = (carry, mask, NW): also mark each row's candidates above its carried
-    threshold in its bitmask (``_carry_mask``). ``block_table``: ``k`` (and ``k_scale``) are
+    ``carry`` = (carry, mask, NW, mode): the threshold carry's ``CARRY`` mode
+    (``spade.kernels.carry``: mark each row's candidates above its carried threshold in its
+    bitmask and store the row, or only the candidates' scores compacted, or re-score the
+    rows that fell back; ``carry_store``). ``block_table``: ``k`` (and ``k_scale``) are
     pools read through it (the kernels' PAGED paths)."""
-    paged = {}
-    if block_table is not None:
-        paged = dict(BT=block_table, stride_tb=block_table.stride(0), PAGED=True, BLOCK_SIZE=k.shape[2])
+    paged = paged_launch(block_table, k.shape[2])
     if _use_gemv(k, reduce) and (not paged or _int8_dot(k)):
         _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry,
                      paged=paged)
         return
-    cargs, do_carry = _carry_args(carry, out)
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     L = out.shape[-1]  # logical: max_blocks * block_size when paged
@@ -1222,6 +1252,10 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     Dk = D // 2 if kint4 else D  # int4: the kernels see the packed row (half the head dim)
     cfg = _score_config(Dk, k.device)
     BLOCK_L, BLOCK_D = cfg["BLOCK_L"], cfg["BLOCK_D"]
+    cargs, do_carry = _carry_args(carry, out, BLOCK_L)
+    if reduce == "sum_softmax" and do_carry not in (0, CARRY_MARK):
+        raise ValueError(f"sum_softmax under the threshold carry marks and stores whole rows (CARRY mode "
+                         f"{CARRY_MARK}, carry_store), got mode {do_carry}")
     chunk, n_chunks = _split(L, rows, k.device, block=BLOCK_L, min_chunk=cfg["MIN_CHUNK"], per_sm=cfg["PER_SM"])
     tiles = _with_tiles(paged, chunk, BLOCK_L)
     upcast, ieee = _dot_flags_qk(q, k)

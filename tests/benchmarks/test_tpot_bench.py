@@ -108,6 +108,38 @@ def test_bench_tpot_score_pack_rows(tmp_path):
     assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
 
 
+def test_bench_tpot_carry_store_rows(tmp_path):
+    """``--carry-store mark,compact``: the rows with a top-K again with the threshold carry's
+    scores stored compacted (suffix /store=compact); the rows without one once."""
+    conf, _ = _run_tiny(tmp_path, "--methods", "optimal,asyncspade/colocated", "--score-keys", "int4",
+                        "--carry-store", "mark,compact")
+    assert set(conf["rows"]) == {"optimal", "asyncspade/colocated/P=2/int4",
+                                 "asyncspade/colocated/P=2/int4/store=compact"}
+    assert all(row["tpot_ms"] > 0 for row in conf["rows"].values()) and not conf["errors"]
+
+
+def test_bench_tpot_carry_store_sets_the_select_config():
+    """``set_carry_store``: compact / mark set ``SELECT_CONFIG["carry_compact"]`` (what
+    ``scoring.carry_store`` reads), the library's default clears it; only a later mode's rows
+    are suffixed; the flag takes each of mark, compact once."""
+    from benchmarks.bench_tpot import parse_args, set_carry_store
+    from spade.kernels import radix_topk
+
+    a = parse_args(["--carry-store", "mark, compact"])
+    assert a.carry_store == ["mark", "compact"] and parse_args([]).carry_store == [""]
+    try:
+        set_carry_store("compact", a)
+        assert radix_topk.SELECT_CONFIG["carry_compact"] is True and a.cur_store_sfx == "/store=compact"
+        set_carry_store("mark", a)
+        assert radix_topk.SELECT_CONFIG["carry_compact"] is False and a.cur_store_sfx == ""
+    finally:
+        set_carry_store("", parse_args([]))
+    assert "carry_compact" not in radix_topk.SELECT_CONFIG
+    for bad in ("dense", "mark,mark"):
+        with pytest.raises(SystemExit):
+            parse_args(["--carry-store", bad])
+
+
 def test_bench_tpot_table3_with_channel_subsets_only(tmp_path):
     """``--score-channels 8`` alone (no all-channel rows): the layer timings and Table 3 run,
     based on the rows' own variant (exact keys on 8 channels), the int4 copy's beside it."""

@@ -33,6 +33,16 @@ def _default_configs():
     scoring.GEMV_CONFIG.clear()
 
 
+@pytest.fixture(params=["mark", "compact"])
+def store(request):
+    """The scoring's store under the carry: whole rows, or only the candidates' scores
+    (``SELECT_CONFIG["carry_compact"]``; ``scoring.carry_store``). Cleared by
+    ``_default_configs``."""
+    if request.param == "compact":
+        radix_topk.SELECT_CONFIG["carry_compact"] = True
+    return request.param
+
+
 def _fallbacks(carry):
     return carry[..., 2].cpu()
 
@@ -46,7 +56,7 @@ def _run(q, k, lo, hi, k_top, reduce, kv_lens, carry, **kw):
 @pytest.mark.parametrize("reduce,heads,shape", [
     (r, h, s) for (r, h), s in zip(itertools.product(REDUCES, HEADS),
                                     itertools.cycle([(2, 301, 16), (1, 257, 32), (3, 130, 16)]))])
-def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, shape, device):
+def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, shape, device, store):
     """A drifting query over one cache: every call an exact top-K; only the first call
     of each row falls back; the counters count every call."""
     B, L, D = shape
@@ -69,7 +79,7 @@ def test_carry_sequence_is_exact_and_takes_the_candidate_path(reduce, heads, sha
 
 
 @pytest.mark.parametrize("jump", [8.0, 0.125])
-def test_carry_follows_the_query_norm(jump, device):
+def test_carry_follows_the_query_norm(jump, device, store):
     """Scaling the query by 8 or 1/8 scales every score and the K-th with it: the
     threshold is carried per unit of query norm, so the call stays on the candidate
     path (with a fixed threshold it would have had far too many or too few
@@ -96,7 +106,7 @@ def _aniso_keys(B, L, D, device, seed):
 
 
 @pytest.mark.parametrize("first,then,many", [(0, 1, False), (1, 0, True)])
-def test_carry_falls_back_when_the_scores_jump(first, then, many, device):
+def test_carry_falls_back_when_the_scores_jump(first, then, many, device, store):
     """A query turned from a wide-scoring direction to a narrow one (every score below
     the carried threshold: fewer candidates than K) or back (more candidates than the
     list holds): the row falls back to the gated radix passes, is exact, counts the
@@ -116,7 +126,7 @@ def test_carry_falls_back_when_the_scores_jump(first, then, many, device):
     assert carry_stats(carry)["fallbacks_too_many"] == (2 * B if many else 0)
 
 
-def test_carry_fallback_in_some_rows_only(device):
+def test_carry_fallback_in_some_rows_only(device, store):
     """One row's query turns to a narrow-scoring direction (its carried threshold admits
     too few keys), the others' do not: the gated radix passes select that row alone,
     and every row is exact (the others' candidate-path output is left as it is)."""
@@ -137,7 +147,7 @@ def test_carry_fallback_in_some_rows_only(device):
     assert (fb[1] == 2).all() and (fb[[0, 2]] == 1).all(), fb
 
 
-def test_carry_on_long_rows_tracks_a_drifting_norm(device):
+def test_carry_on_long_rows_tracks_a_drifting_norm(device, store):
     """Long rows (K a small fraction of L: the K-th score deep in the tail, where a
     fixed threshold's candidate count swings fastest with the scores' scale): a
     query whose norm drifts by several percent per call, and turns a little, stays
@@ -163,7 +173,7 @@ def test_carry_on_long_rows_tracks_a_drifting_norm(device):
 
 
 @pytest.mark.parametrize("case", ["one", "all", "equal", "empty"])
-def test_carry_edge_cases(case, device):
+def test_carry_edge_cases(case, device, store):
     """K=1; K >= the candidates (all of them in position order, -1 padding, no select and
     no fallback); empty rows (all -1, no fallback); the range exactly K long (all of
     them, no fallback); into ``out``."""
@@ -202,7 +212,7 @@ def test_carry_edge_cases(case, device):
 
 @pytest.mark.parametrize("keys,reduce", [("int8", "sum_logits"), ("int4", "sum_logits"), ("int8", "max_logits"),
                                          ("int4", "sum_softmax"), ("gemv", "sum_logits")])
-def test_carry_on_every_scoring_kernel(keys, reduce, device):
+def test_carry_on_every_scoring_kernel(keys, reduce, device, store):
     """The compaction lives in the store of every scoring kernel: the int8 / int4
     tensor-core GEMV (sum_logits), the float tile kernel (max_logits, int8 keys), the
     softmax finalize kernel and the float GEMV (``GEMV_CONFIG['use'] = 'all'``). Each
@@ -233,7 +243,77 @@ def test_carry_on_every_scoring_kernel(keys, reduce, device):
     assert (_fallbacks(carry) == 1).all()
 
 
-def test_carry_ties(device):
+@pytest.mark.parametrize("keys,reduce", [("int8", "sum_logits"), ("int4", "sum_logits"), ("exact", "max_logits")])
+def test_compacted_store_and_gated_rescore(keys, reduce, device):
+    """The scoring side of the threshold carry, store by store. ``CARRY_COMPACT``: each
+    row's candidates (valid scores at or above its threshold) are marked in its bitmask,
+    and their scores sit at the front of their ``CARRY_SEG``-position segment in position
+    order, nothing else written. ``CARRY_RESCORE``: the whole ``[lo, hi)`` of only the rows
+    whose fallback flag is set. (A launch whose tiles are not whole segments, the float tile
+    on a GPU, stores whole rows: ``carry_store`` says which. The compacted store is off
+    unless ``SELECT_CONFIG["carry_compact"]`` is set.)"""
+    import triton
+
+    from spade.kernels.carry import CARRY_COMPACT, CARRY_MARK, CARRY_RESCORE, CARRY_SEG
+
+    B, Hkv, L, D = 3, 2, 700, 32
+    q, k, kv_lens, kv_start = _inputs(B, 4, Hkv, L, D, torch.float32, device, seed=17)
+    assert scoring.carry_store(q, k, reduce) == CARRY_MARK  # off by default
+    radix_topk.SELECT_CONFIG["carry_compact"] = True
+    k = torch.nan_to_num(k)
+    kw = {}
+    if keys == "int8":
+        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
+    elif keys == "int4":
+        sm = quant.fit_smoothing(k.cpu())
+        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
+        q = quant.fold_smoothing(q.cpu(), sm)
+    k, q = k.to(device), q.to(device)
+    kw = {n: t.to(device) for n, t in kw.items()}
+    lo, hi = _bounds(kv_lens, kv_start, 3, 5)
+    dense = scoring.group_scores_triton(q, k, hi, reduce=reduce, kv_start=lo, **kw).reshape(B * Hkv, L).cpu()
+    thr = torch.stack([r[r > float("-inf")].quantile(0.85) for r in dense])  # ~15% candidates per row
+    carry = new_carry(B, Hkv, device)
+    carry.view(-1, 8)[:, 0] = thr.to(device).view(torch.int32)
+    nw = triton.cdiv(L + 2048, 32)
+    mode = scoring.carry_store(q, k, reduce)
+    assert mode == (CARRY_COMPACT if _interpret() or keys != "exact" else CARRY_MARK)
+
+    def launch(m):
+        out = torch.full((B * Hkv, L), float("nan"), device=device)
+        mask = torch.zeros(B * Hkv, nw, dtype=torch.int32, device=device)
+        scoring._launch_scores(q, k, out.view(B, Hkv, L), lo, hi, lo, hi, scale=D ** -0.5, reduce=reduce,
+                               full_row=False, hist=None, carry=(carry, mask, nw, m), **kw)
+        return out.cpu(), mask.cpu()
+
+    out, mask = launch(mode)
+    bits = ((mask[:, :, None] >> torch.arange(32)) & 1).reshape(B * Hkv, -1)[:, :L].bool()
+    for row in range(B * Hkv):
+        b = row // Hkv
+        pos = torch.arange(L)
+        cand = (pos >= lo[b].item()) & (pos < hi[b].item()) & (dense[row] >= thr[row])
+        assert torch.equal(bits[row], cand), row
+        if mode == CARRY_MARK:
+            assert torch.equal(out[row, cand], dense[row, cand])
+            continue
+        for s0 in range(0, L, CARRY_SEG):
+            c = cand[s0:s0 + CARRY_SEG].nonzero().flatten() + s0
+            seg = out[row, s0:s0 + CARRY_SEG]
+            assert torch.equal(seg[:len(c)], dense[row, c]), (row, s0)
+            assert seg[len(c):].isnan().all(), (row, s0)  # nothing else written
+    carry.view(-1, 8)[:, 5] = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.int32, device=device)  # fallback flags
+    out, mask = launch(CARRY_RESCORE)
+    for row in range(B * Hkv):
+        b = row // Hkv
+        if row in (1, 4):
+            assert torch.equal(out[row, lo[b]:hi[b]], dense[row, lo[b]:hi[b]]), row
+            assert out[row, :lo[b]].isnan().all() and out[row, hi[b]:].isnan().all()
+        else:
+            assert out[row].isnan().all(), row
+    assert (mask == 0).all()  # the re-score marks nothing
+
+
+def test_carry_ties(device, store):
     """All keys equal (every score tied): K of them, no duplicates, -1 nowhere."""
     B, L, D = 2, 90, 16
     q = torch.randn(B, 4, D, device=device)

@@ -23,6 +23,7 @@ import collections
 import pytest
 import torch
 
+from spade.kernels import radix_topk
 from tests.conftest import INTERPRET
 
 _FREE = {
@@ -39,6 +40,10 @@ CARRY = {"triton::_carry_prep_kernel": 3, "triton::_carry_count_kernel": 3, "tri
          "triton::_carry_select_kernel": 3, "triton::_radix_pass_kernel": 6, "triton::_radix_split_kernel": 3,
          "triton::_tie_select_kernel": 3}
 """The threshold-carry top-K's launches per pack (every layer's, besides its scoring)."""
+COMPACT = {**CARRY, "triton::_radix_pass_kernel": 3}
+"""... with the candidates' scores stored compacted (``SELECT_CONFIG["carry_compact"]``): the
+scoring runs again per layer, gated on the rows that fell back (their whole rows and the
+radix pass-0 histogram), in place of the gated pass 0."""
 EXPECTED = {
     "int4": {
         # observe as radix; select: L: this call's threshold from the carried one and the
@@ -47,6 +52,12 @@ EXPECTED = {
         # radix passes gated on the rows that fell back (two passes, split, ties); P: as radix
         "observe": {"triton::_window_push_kernel": 3, "triton::_quantize4_append_kernel": 3},
         "select": {**CARRY, "triton::_i8dot_score_kernel": 3,
+                   "triton::_ridge_kernel": 1, "aten::mul": 1, "aten::clamp": 1, "aten::sub": 1,
+                   "aten::maximum": 1},
+    },
+    "int4/carry/compact": {
+        "observe": {"triton::_window_push_kernel": 3, "triton::_quantize4_append_kernel": 3},
+        "select": {**COMPACT, "triton::_i8dot_score_kernel": 6,
                    "triton::_ridge_kernel": 1, "aten::mul": 1, "aten::clamp": 1, "aten::sub": 1,
                    "aten::maximum": 1},
     },
@@ -98,7 +109,7 @@ def _launches(prof) -> collections.Counter:
 
 
 @pytest.mark.skipif(not INTERPRET, reason="counts Triton launches through the CPU interpreter's launcher")
-@pytest.mark.parametrize("keys", ["int4", "exact", "int4/radix", "exact/radix"])
+@pytest.mark.parametrize("keys", ["int4", "exact", "int4/radix", "exact/radix", "int4/carry/compact"])
 def test_cache_rank_launches_per_pack(keys, monkeypatch):
     """Launches of one steady-state ``_observe_pack`` and ``_select_pack`` (3 layers):
 
@@ -115,6 +126,9 @@ def test_cache_rank_launches_per_pack(keys, monkeypatch):
 
     exact keys: 2 per layer in observe, 6 per layer + 4 per pack in select — 28 per
     pack of 3 (9.3 per layer; 37 before: per-layer bounds and output copies).
+
+    int4 with ``SELECT_CONFIG["carry_compact"]``: the same count, the gated re-score of the
+    rows that fall back in place of the gated pass 0 (``COMPACT``).
 
     int4: also checks that the profiled run's tokens are the inline runtime's (the
     counts are of a path that works)."""
@@ -156,6 +170,9 @@ def test_cache_rank_launches_per_pack(keys, monkeypatch):
     model = FastModel.from_config(preset_config("tiny"), device="cpu", dtype=torch.bfloat16, max_batch=B,
                                   max_seq_len=40)
     sk, _, topk = keys.partition("/")
+    topk, _, store = topk.partition("/")
+    if store:
+        monkeypatch.setitem(radix_topk.SELECT_CONFIG, "carry_compact", True)
     common = ["policy.name=asyncspade", "policy.budget=16", "policy.sink_tokens=2", "policy.recent_tokens=3",
               "policy.window=4", "policy.predictor=assembled", f"policy.score_keys={sk}",
               "policy.group_reduce=sum_logits", "policy.rope_aware=false", f"policy.topk={topk or 'carry'}"]
