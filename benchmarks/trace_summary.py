@@ -20,6 +20,14 @@ that follow long ones include that wait (profile with ``SPADE_PDL=off`` to attri
 per kernel).
 
     python -m benchmarks.trace_summary results/gpu/profile_local_P4_B8_L32768_K2048.json --steps 4
+
+``--compare B --steps-b N`` accounts for one stream of each trace (by default the one with the
+most kernel time on device 0: the inference rank's, beside a colocated cache rank's side stream)
+and splits the difference of their spans per step into kernel time, by kernel name, and the
+time between consecutive kernels, by the pair of names (negative: launches that overlapped,
+PDL): where a step's excess over another goes (``stream_account``, ``compare_streams``).
+
+    python -m benchmarks.trace_summary optimal.json.gz --steps 4 --compare colocated.json.gz --steps-b 4
 """
 
 from __future__ import annotations
@@ -119,6 +127,72 @@ def summarize_trace(trace, steps: int, *, top_gaps: int = 8, min_gap_us: float =
     return out
 
 
+def stream_account(trace, steps: int, *, device: int = 0, stream: int | None = None, key_len: int = 60) -> dict:
+    """One device stream's account over ``steps`` steps, ms per step: its span (first start
+    to last end), kernel time by name, and the time between consecutive events summed by
+    the pair of names (``span = kernels + between``; a negative ``between``: the next
+    launch started before the last ended, PDL). ``stream``: default the stream of
+    ``device`` with the most event time. Copies and memsets count as kernels here."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    by_stream: dict[int, list[dict]] = {}
+    for ev in _load(trace).get("traceEvents", []):
+        args = ev.get("args") or {}
+        if ev.get("ph") != "X" or ev.get("cat") not in DEVICE_CATS or "dur" not in ev \
+                or args.get("device") is None or int(args["device"]) != device or args.get("stream") is None:
+            continue
+        by_stream.setdefault(int(args["stream"]), []).append(ev)
+    if not by_stream:
+        raise ValueError(f"the trace has no device events of device {device}")
+    if stream is None:
+        stream = max(by_stream, key=lambda k: sum(float(e["dur"]) for e in by_stream[k]))
+    elif stream not in by_stream:
+        raise ValueError(f"device {device} has no stream {stream} in the trace (streams: {sorted(by_stream)})")
+    evs = sorted(by_stream[stream], key=lambda e: float(e["ts"]))
+    kernels: dict[str, float] = {}
+    pairs: dict[str, float] = {}
+    for i, e in enumerate(evs):
+        name = str(e.get("name", "?"))[:key_len]
+        kernels[name] = kernels.get(name, 0.0) + float(e["dur"])
+        if i:
+            prev = evs[i - 1]
+            gap = float(e["ts"]) - float(prev["ts"]) - float(prev["dur"])
+            key = f"{str(prev.get('name', '?'))[:key_len]} -> {name}"
+            pairs[key] = pairs.get(key, 0.0) + gap
+    span = float(evs[-1]["ts"]) + float(evs[-1]["dur"]) - float(evs[0]["ts"])
+    per = 1e3 * steps
+    return {"device": device, "stream": stream, "steps": steps, "events": len(evs),
+            "span_ms": span / per, "kernel_ms": sum(kernels.values()) / per, "between_ms": sum(pairs.values()) / per,
+            "kernels_ms": {k: v / per for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])},
+            "between_pairs_ms": {k: v / per for k, v in sorted(pairs.items(), key=lambda kv: -kv[1])}}
+
+
+def compare_streams(a: dict, b: dict, *, top: int = 8) -> dict:
+    """Where stream account ``b``'s span per step goes over ``a``'s (``stream_account``):
+    the kernel-time and between-kernel deltas, each by name (or pair), largest first."""
+    def delta(x: dict, y: dict) -> list[tuple[str, float]]:
+        d = {k: y.get(k, 0.0) - x.get(k, 0.0) for k in set(x) | set(y)}
+        return sorted(((k, v) for k, v in d.items() if abs(v) > 0), key=lambda kv: -abs(kv[1]))[:top]
+
+    return {"span_ms": (a["span_ms"], b["span_ms"], b["span_ms"] - a["span_ms"]),
+            "kernel_ms": (a["kernel_ms"], b["kernel_ms"], b["kernel_ms"] - a["kernel_ms"]),
+            "between_ms": (a["between_ms"], b["between_ms"], b["between_ms"] - a["between_ms"]),
+            "kernels": delta(a["kernels_ms"], b["kernels_ms"]),
+            "between_pairs": delta(a["between_pairs_ms"], b["between_pairs_ms"])}
+
+
+def format_compare(c: dict, a_name: str = "A", b_name: str = "B") -> str:
+    lines = [f"stream accounts, ms per step: {a_name} -> {b_name} (delta)"]
+    for part in ("span_ms", "kernel_ms", "between_ms"):
+        x, y, d = c[part]
+        lines.append(f"  {part[:-3]:<8} {x:8.3f} -> {y:8.3f}  ({d:+.3f})")
+    lines.append("  kernel time by name:")
+    lines += [f"      {d:+8.3f}  {k}" for k, d in c["kernels"]]
+    lines.append("  time between consecutive kernels, by pair:")
+    lines += [f"      {d:+8.3f}  {k}" for k, d in c["between_pairs"]]
+    return "\n".join(lines)
+
+
 def format_summary(s: dict) -> str:
     lines = [f"device timeline over {s['steps']} steps (ms per step; idle = span - union of device activity)"]
     for dev, d in s["devices"].items():
@@ -138,7 +212,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", help="Chrome trace of torch.profiler (.json or .json.gz)")
     ap.add_argument("--steps", type=int, required=True, help="decode steps the trace covers")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--compare", default="", help="a second trace: split its span per step over the first's by "
+                                                  "kernel and by the time between kernels, on one stream each")
+    ap.add_argument("--steps-b", type=int, default=0, help="decode steps the --compare trace covers (default --steps)")
+    ap.add_argument("--device", type=int, default=0, help="--compare: the device whose stream is accounted")
+    ap.add_argument("--stream", type=int, default=None,
+                    help="--compare: the stream of both traces (default each one's busiest on --device)")
     a = ap.parse_args(argv)
+    if a.steps < 1 or a.steps_b < 0:
+        ap.error(f"--steps must be >= 1 and --steps-b >= 0 (0: --steps); got {a.steps} and {a.steps_b}")
+    if a.compare:
+        try:
+            sa = stream_account(a.trace, a.steps, device=a.device, stream=a.stream)
+            sb = stream_account(a.compare, a.steps_b or a.steps, device=a.device, stream=a.stream)
+        except ValueError as e:
+            ap.error(str(e))
+        c = compare_streams(sa, sb)
+        print(json.dumps({"a": sa, "b": sb, "compare": c}, indent=2) if a.json
+              else format_compare(c, f"{Path(a.trace).name} (stream {sa['stream']})",
+                                  f"{Path(a.compare).name} (stream {sb['stream']})"))
+        return 0
     s = summarize_trace(a.trace, a.steps)
     print(json.dumps(s, indent=2) if a.json else format_summary(s))
     return 0

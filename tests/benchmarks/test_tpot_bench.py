@@ -50,6 +50,43 @@ def test_trace_summary_busy_idle_and_gaps(tmp_path):
         summarize_trace(p, steps=0)
 
 
+def test_trace_compare_splits_a_streams_excess(tmp_path, capsys):
+    """``--compare``: each trace's busiest stream on device 0 (not the side stream, not device
+    1), its span per step split into kernel time by name and the time between kernels by
+    pair (negative: an overlapped launch), and B's excess over A by both."""
+    from benchmarks.trace_summary import compare_streams, main, stream_account
+
+    a_ev = [_k("norm", 0, 10), _k("gemv", 8, 30), _k("attn", 40, 20),  # overlap -2, gap +2
+            _k("score", 0, 5, stream=9), _k("gemv", 0, 500, dev=1)]
+    b_ev = [_k("norm", 0, 10), _k("gemv", 12, 40), _k("attn", 60, 25),  # gaps +2, +8
+            _k("score", 0, 30, stream=9), _k("select", 30, 20, stream=9)]
+    paths = []
+    for name, ev in (("a", a_ev), ("b", b_ev)):
+        paths.append(tmp_path / f"{name}.json.gz")
+        with gzip.open(paths[-1], "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+    sa, sb = stream_account(paths[0], 2), stream_account(paths[1], 2)
+    assert sa["stream"] == sb["stream"] == 7 and sa["events"] == 3
+    assert sa["span_ms"] == pytest.approx(0.030) and sa["kernel_ms"] == pytest.approx(0.030)
+    assert sa["between_ms"] == pytest.approx(0.0)  # -2 us and +2 us
+    assert sa["between_pairs_ms"] == {"gemv -> attn": pytest.approx(0.001), "norm -> gemv": pytest.approx(-0.001)}
+    assert sb["span_ms"] == pytest.approx(0.0425) and sb["between_ms"] == pytest.approx(0.005)
+    assert stream_account(paths[1], 2, stream=9)["kernels_ms"] == {"score": 0.015, "select": 0.010}
+    c = compare_streams(sa, sb)
+    assert c["span_ms"][2] == pytest.approx(0.0125)
+    assert c["kernel_ms"][2] == pytest.approx(0.0075) and c["between_ms"][2] == pytest.approx(0.005)
+    assert dict(c["kernels"]) == {"gemv": pytest.approx(0.005), "attn": pytest.approx(0.0025)}
+    assert dict(c["between_pairs"]) == {"gemv -> attn": pytest.approx(0.003), "norm -> gemv": pytest.approx(0.002)}
+    assert main([str(paths[0]), "--steps", "2", "--compare", str(paths[1])]) == 0
+    out = capsys.readouterr().out
+    assert "span        0.030 ->    0.043  (+0.013)" in out and "+0.003  gemv -> attn" in out
+    with pytest.raises(SystemExit):
+        main([str(paths[0]), "--steps", "2", "--compare", str(paths[1]), "--stream", "3"])
+    assert "no stream 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no device events of device 1"):
+        stream_account(paths[1], 2, device=1)
+
+
 def _run_tiny(tmp_path, *args: str) -> tuple[dict, str]:
     """``bench_tpot`` on the tiny preset on the CPU (B=2, L=256, K=64, 3 timed steps, P=2)
     with ``args``: the first shape's config and the printed output."""
