@@ -36,6 +36,9 @@
 #              tests/kernels/test_carry.py on the GPU, then bench_tpot --carry-store mark,compact of optimal and
 #              colocated (int4, c=32, P=9; CARRY_STORE_ARGS: more flags) at CARRY_STORE_SHAPES (default 8x32768
 #              16x16384), Table 3 per shape
+#   colocated_gaps  where colocated's step goes over optimal's: torch.profiler over 4 steps of each at 8 x 32k
+#              (int4, c=32, P=9; GAPS_ARGS: more bench_tpot flags, e.g. --carry-store compact), then
+#              trace_summary --compare (the inference stream's excess by kernel and by the time between kernels)
 #   overlap    the cache rank's top-K select of layer j beside layer j+1's scoring (select_overlap):
 #              bench_select --overlap (a pack of 4 layers, serial vs side stream, OVERLAP_SPECS warps[:priority])
 #              at OVERLAP_SHAPES (default 8x32768 16x32768 32x16384), then bench_tpot with
@@ -212,6 +215,14 @@ for s in "${stages[@]}"; do
               --methods optimal,asyncspade/colocated ${CARRY_STORE_ARGS:-} --budget-s $(( ${CARRY_STORE_TIMEOUT:-200} - 30 )) \
               --no-plots --out "$OUT/bench_tpot_store_$bl.json"
       done ;;
+    colocated_gaps)  # the profiled steps of optimal and colocated, then the inference stream's account of each
+      mkdir -p "$OUT/gaps"
+      run bench_tpot_gaps 240 python3 -m benchmarks.bench_tpot --preset qwen3-8b --batch 8 --context 32768 \
+            --budget 2048 --packs ${PACKS:-9} --score-keys int4 --score-channels 32 --iters 12 \
+            --methods optimal,asyncspade/colocated --profile --profile-rows colocated_P${PACKS:-9}_int4_c32 \
+            ${GAPS_ARGS:-} --no-plots --out "$OUT/gaps/bench_tpot_gaps.json"
+      run trace_compare 60 python3 -m benchmarks.trace_summary "$OUT/gaps/profile_optimal_B8_L32768_K2048.json.gz" \
+            --steps 4 --compare "$OUT/gaps/profile_colocated_P${PACKS:-9}_int4_c32_B8_L32768_K2048.json.gz" ;;
     overlap)  # layer j's select on a side stream beside layer j+1's scoring: kernel level, then TPOT + Table 3
       run bench_select_overlap ${OVERLAP_SELECT_TIMEOUT:-150} env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_select \
         --shapes "$(echo ${OVERLAP_SHAPES:-8x32768 16x32768 32x16384} | tr ' ' ,)" --keys int4 --no-grid \
