@@ -538,6 +538,56 @@ def test_carry_on_256k_plus_rows_on_gpu(B, L):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 128])
+def test_compacted_store_on_gpu_selects_as_whole_rows(D):
+    """The GPU's int4 scan (the packed tile at D = 32 channels, four tokens per MMA row; one
+    token per row at D = 128), B = 8 x 32k, K = 2,048, GQA 4:1: a drifting query selects the
+    same keys, with the same carried state, whether the scoring stores whole rows or only
+    the candidates' scores, eagerly and replayed from a CUDA graph, and the compacted store
+    matches the int4 scores' own ranking (``group_scores``)."""
+    dev = torch.device("cuda")
+    B, Hq, Hkv, L, k_top = 8, 32, 8, 32768, 2048
+    g = torch.Generator().manual_seed(29)
+    q0 = torch.randn(B, Hq, D, generator=g)
+    kq, ks = quant.quantize_keys_int4_triton(torch.randn(B, Hkv, L, D, generator=g).to(dev, torch.bfloat16))
+    lo = torch.full((B,), 4, dtype=torch.int32, device=dev)
+    hi = torch.tensor([L - 16 - 997 * b for b in range(B)], dtype=torch.int32, device=dev)
+    qbuf = torch.empty(B, Hq, D, dtype=torch.bfloat16, device=dev)
+    runs = {}
+    for store in ("mark", "compact"):
+        radix_topk.SELECT_CONFIG["carry_compact"] = store == "compact"
+        assert scoring.carry_store(qbuf, kq, "sum_logits") == (2 if store == "compact" else 1)
+        carry = new_carry(B, Hkv, dev)
+        out = torch.empty(B, Hkv, k_top, dtype=torch.int32, device=dev)
+        got = []
+
+        def step(i):
+            qbuf.copy_(((q0 + 0.02 * i * torch.randn(q0.shape, generator=torch.Generator().manual_seed(i)))
+                        * (1.0 + 0.05 * (-1) ** i)).to(torch.bfloat16))
+
+        for i in range(3):
+            step(i)
+            scoring.score_topk_triton(qbuf, kq, lo, hi, k_top, carry=carry, out=out, k_scale=ks)
+            got.append((out.sort(-1).values.cpu(), carry.cpu().clone()))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            scoring.score_topk_triton(qbuf, kq, lo, hi, k_top, carry=carry, out=out, k_scale=ks)
+        for i in range(3, 5):
+            step(i)
+            graph.replay()
+            torch.cuda.synchronize()
+            got.append((out.sort(-1).values.cpu(), carry.cpu().clone()))
+        runs[store] = got
+        if store == "compact":
+            true = scoring.group_scores_triton(qbuf, kq, hi, kv_start=lo, k_scale=ks).double().cpu()
+            _check_topk(out, true, lo.cpu(), hi.cpu(), k_top, atol=1e-6)
+    for i, ((a, ca), (b, cb)) in enumerate(zip(runs["mark"], runs["compact"])):
+        assert torch.equal(a, b), i
+        assert torch.equal(ca, cb), i
+    assert (runs["compact"][-1][1][..., 2] <= 2).all()  # the candidate path ran after the first call
+
+
+@pytest.mark.gpu
 def test_select_overlap_block_without_selects_captures():
     """A block that forks nothing (every selection of the pack reused, or dense) joins
     nothing: inside a CUDA-graph capture a join of the idle side stream would wait on a
