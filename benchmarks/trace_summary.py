@@ -63,6 +63,16 @@ def _load(trace) -> dict:
         return json.load(f)
 
 
+def _device_events(trace):
+    """(device, event) of each device activity (kernel, copy, memset) of a trace with its device."""
+    for ev in _load(trace).get("traceEvents", []):
+        if ev.get("ph") != "X" or ev.get("cat") not in DEVICE_CATS or "dur" not in ev:
+            continue
+        dev = (ev.get("args") or {}).get("device")
+        if dev is not None:
+            yield int(dev), ev
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for s, e in sorted(intervals):
@@ -78,15 +88,9 @@ def summarize_trace(trace, steps: int, *, top_gaps: int = 8, min_gap_us: float =
     or the loaded dict) covering ``steps`` decode steps. Times in ms (gaps in us)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    events = _load(trace).get("traceEvents", [])
     by_dev: dict[int, list[dict]] = {}
-    for ev in events:
-        if ev.get("ph") != "X" or ev.get("cat") not in DEVICE_CATS or "dur" not in ev:
-            continue
-        dev = (ev.get("args") or {}).get("device")
-        if dev is None:
-            continue
-        by_dev.setdefault(int(dev), []).append(ev)
+    for dev, ev in _device_events(trace):
+        by_dev.setdefault(dev, []).append(ev)
     out: dict = {"steps": steps, "devices": {}}
     for dev, evs in sorted(by_dev.items()):
         evs.sort(key=lambda e: float(e["ts"]))
@@ -136,12 +140,9 @@ def stream_account(trace, steps: int, *, device: int = 0, stream: int | None = N
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     by_stream: dict[int, list[dict]] = {}
-    for ev in _load(trace).get("traceEvents", []):
-        args = ev.get("args") or {}
-        if ev.get("ph") != "X" or ev.get("cat") not in DEVICE_CATS or "dur" not in ev \
-                or args.get("device") is None or int(args["device"]) != device or args.get("stream") is None:
-            continue
-        by_stream.setdefault(int(args["stream"]), []).append(ev)
+    for dev, ev in _device_events(trace):
+        if dev == device and ev["args"].get("stream") is not None:
+            by_stream.setdefault(int(ev["args"]["stream"]), []).append(ev)
     if not by_stream:
         raise ValueError(f"the trace has no device events of device {device}")
     if stream is None:

@@ -440,10 +440,6 @@ def _carry_config(cap: int, device: torch.device, rows: int = 0) -> dict:
     cfg.update({k: v for k, v in SELECT_CONFIG.items() if k.startswith("carry_")})
     if cfg["carry_bits"] not in (4, 8):
         raise ValueError(f"SELECT_CONFIG['carry_bits'] must be 4 or 8, got {cfg['carry_bits']}")
-    segw = CARRY_SEG // 32
-    if cfg["carry_words"] < segw or cfg["carry_words"] & (cfg["carry_words"] - 1):
-        raise ValueError(f"SELECT_CONFIG['carry_words'] must be a power of two >= {segw} (the expand's tiles hold "
-                         f"whole {CARRY_SEG}-position segments), got {cfg['carry_words']}")
     return cfg
 
 
@@ -493,13 +489,16 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
             side.wait_stream(torch.cuda.current_stream(dev))
             _OVERLAP.forked = True
         wb = cfg["carry_words"]
+        rescore = mode == CARRY_COMPACT
+        if rescore and (wb % (CARRY_SEG // 32) or wb & (wb - 1)):
+            raise ValueError(f"SELECT_CONFIG['carry_words'] must be a power of two >= {CARRY_SEG // 32} under the "
+                             f"compacted store (the expand's tiles hold whole {CARRY_SEG}-position segments), got {wb}")
         n_e = triton.cdiv(nw, wb)  # tiles of bitmask words per row
         block_e = triton.next_power_of_2(n_e)
         after = pdl_kwargs(scores, "select")  # a kernel after another of this stream may overlap its tail
         with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             counts = torch.empty(rows, n_e, dtype=torch.int32, device=dev)  # candidates per tile of words
             pos = torch.empty(rows, cap, dtype=torch.int32, device=dev)  # their positions
-            rescore = mode == CARRY_COMPACT
             # a compacted store: the candidates' scores, listed by the expand
             sc = torch.empty(rows, cap, dtype=torch.float32, device=dev) if rescore else scores
             ws = torch.empty(_NHIST * rows * _NBINS + 2 * rows, dtype=torch.int32, device=dev)  # zeroed per row
@@ -516,6 +515,7 @@ def _carry_topk(q, k, scores, lo, hi, n_lo, n_hi, k_top: int, carry, idx, *, sca
             _select_from_scores(scores, lo, hi, k_top, hkv, ws, hist0_done=rescore, out=idx, gate=carry,
                                 k_next=k_next, launch=after)
         if side is not None:  # the allocator reuses none of these before the side stream is done
-            for t in (scores, mask, lo, hi, idx, carry, q, k) + ((k_scale,) if k_scale is not None else ()) \
-                    + ((block_table,) if block_table is not None else ()):
-                t.record_stream(side)
+            rescored = (q, k, k_scale, block_table) if rescore else ()  # what the re-score reads there
+            for t in (scores, mask, lo, hi, idx, carry, *rescored):
+                if t is not None:
+                    t.record_stream(side)

@@ -1147,6 +1147,11 @@ def _use_gemv(k: torch.Tensor, reduce: str) -> bool:
     return reduce == "sum_logits" and (mode == "all" or (mode == "int8" and k.dtype in _QUANT_KEYS))
 
 
+def _gemv_launch(k: torch.Tensor, reduce: str, paged: dict) -> bool:
+    """Whether ``_launch_scores`` scores through ``_launch_gemv`` (which never takes paged float keys)."""
+    return _use_gemv(k, reduce) and (not paged or _int8_dot(k))
+
+
 def _with_tiles(paged: dict | None, chunk: int, block_l: int) -> dict:
     """A paged launch's kwargs plus ``PAGED_TILES``: the tiles of slots a program maps
     through the table at a time, its whole chunk, at most ``PAGED_TILES_MAX``."""
@@ -1178,7 +1183,7 @@ def carry_store(q: torch.Tensor, k: torch.Tensor, reduce: str, block_table: torc
     if reduce == "sum_softmax" or not SELECT_CONFIG.get("carry_compact", False):
         return CARRY_MARK
     paged = paged_launch(block_table, k.shape[2])
-    if _use_gemv(k, reduce) and (not paged or _int8_dot(k)):
+    if _gemv_launch(k, reduce, paged):
         block_l = _gemv_config(k, paged)["BLOCK_L"]
     else:
         block_l = _score_config(q.shape[-1] // 2 if k.dtype == torch.uint8 else q.shape[-1], k.device)["BLOCK_L"]
@@ -1238,7 +1243,7 @@ def _launch_scores(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lo: torc
     rows that fell back; ``carry_store``). ``block_table``: ``k`` (and ``k_scale``) are
     pools read through it (the kernels' PAGED paths)."""
     paged = paged_launch(block_table, k.shape[2])
-    if _use_gemv(k, reduce) and (not paged or _int8_dot(k)):
+    if _gemv_launch(k, reduce, paged):
         _launch_gemv(q, k, out, lo, hi, scale=scale, full_row=full_row, hist=hist, k_scale=k_scale, carry=carry,
                      paged=paged)
         return

@@ -21,7 +21,7 @@ from spade import kernels
 from spade.kernels import overlap, quant, radix_topk, scoring
 from spade.kernels.carry import carry_sizes, carry_stats, carry_threshold, new_carry, reset_carry
 from spade.kernels.common import _interpret
-from tests.kernels.test_scoring import REDUCES, _bounds, _check_topk, _inputs, _norm, _scores64
+from tests.kernels.test_scoring import REDUCES, _bounds, _check_topk, _inputs, _norm, _quant_keys, _scores64
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 
@@ -219,18 +219,9 @@ def test_carry_on_every_scoring_kernel(keys, reduce, device, store):
     call ranks exactly what the same kernel's scores rank (``group_scores``)."""
     B, L, D = 2, 333, 32
     q, k, kv_lens, kv_start = _inputs(B, 4, 2, L, D, torch.bfloat16, device, seed=11)
-    k = torch.nan_to_num(k)
-    kw = {}
-    if keys == "int8":
-        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
-    elif keys == "int4":
-        sm = quant.fit_smoothing(k.cpu())
-        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
-        q = quant.fold_smoothing(q.cpu(), sm).to(torch.bfloat16)
-    else:
+    if keys == "gemv":
         scoring.GEMV_CONFIG["use"] = "all"
-    k, q = k.to(device), q.to(device)
-    kw = {n: t.to(device) for n, t in kw.items()}
+    q, k, kw = _quant_keys(q, k, keys, device, q_dtype=torch.bfloat16)
     lo, hi = _bounds(kv_lens, kv_start, 2, 2)
     carry = new_carry(B, 2, device)
     k_top = 23
@@ -260,16 +251,7 @@ def test_compacted_store_and_gated_rescore(keys, reduce, device):
     q, k, kv_lens, kv_start = _inputs(B, 4, Hkv, L, D, torch.float32, device, seed=17)
     assert scoring.carry_store(q, k, reduce) == CARRY_MARK  # off by default
     radix_topk.SELECT_CONFIG["carry_compact"] = True
-    k = torch.nan_to_num(k)
-    kw = {}
-    if keys == "int8":
-        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
-    elif keys == "int4":
-        sm = quant.fit_smoothing(k.cpu())
-        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
-        q = quant.fold_smoothing(q.cpu(), sm)
-    k, q = k.to(device), q.to(device)
-    kw = {n: t.to(device) for n, t in kw.items()}
+    q, k, kw = _quant_keys(q, k, keys, device)
     lo, hi = _bounds(kv_lens, kv_start, 3, 5)
     dense = scoring.group_scores_triton(q, k, hi, reduce=reduce, kv_start=lo, **kw).reshape(B * Hkv, L).cpu()
     thr = torch.stack([r[r > float("-inf")].quantile(0.85) for r in dense])  # ~15% candidates per row

@@ -187,6 +187,23 @@ def test_group_scores_rejects_bad_inputs():
 # ------------------------------------------------------------------------------------------------
 
 
+def _quant_keys(q, k, keys, device, *, q_dtype=None):
+    """(q, k, kw) for scoring over ``keys`` (exact, int8 or int4; int4 with its smoothing
+    folded into q, cast to ``q_dtype`` when given), on ``device``; ``kw`` holds ``k_scale``."""
+    from spade.kernels import quant
+
+    k = torch.nan_to_num(k)
+    kw = {}
+    if keys == "int8":
+        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
+    elif keys == "int4":
+        sm = quant.fit_smoothing(k.cpu())
+        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
+        q = quant.fold_smoothing(q.cpu(), sm)
+        q = q if q_dtype is None else q.to(q_dtype)
+    return q.to(device), k.to(device), {n: t.to(device) for n, t in kw.items()}
+
+
 def _bounds(kv_lens, kv_start, n_sink, n_recent):
     """Middle range [kv_start + n_sink, kv_lens - n_recent) (empty when they cross)."""
     lo = torch.minimum(kv_start + n_sink, kv_lens)
@@ -310,20 +327,9 @@ def test_score_topk_out_writes_the_selection_in_place(keys, impl, device, monkey
     """``out=`` (a layer's row of a pack's [n, B, Hkv, K] output buffer, stale data in it)
     gets exactly the indices the call returns without it, -1 padding included, and is
     itself returned; a wrong buffer is refused; k_top = 0 and empty rows too."""
-    from spade.kernels import quant
-
     fn = scoring.score_topk_ref if impl == "ref" else scoring.score_topk_triton
     q, k, kv_lens, kv_start = _inputs(3, 4, 2, 37, 16, torch.bfloat16, device, seed=12)
-    k = torch.nan_to_num(k)
-    kw = {}
-    if keys == "int8":
-        k, kw["k_scale"] = quant.quantize_keys_ref(k.cpu())
-    elif keys == "int4":
-        sm = quant.fit_smoothing(k.cpu())
-        k, kw["k_scale"] = quant.quantize_keys_int4_ref(k.cpu(), sm)
-        q = quant.fold_smoothing(q.cpu(), sm)
-    k, q = k.to(device), q.to(device)
-    kw = {n: t.to(device) for n, t in kw.items()}
+    q, k, kw = _quant_keys(q, k, keys, device)
     lo, hi = _bounds(kv_lens, kv_start, 1, 2)
     hi[1] = lo[1]  # an empty row: all -1
     for k_top in (5, 40, 0):
